@@ -1,0 +1,133 @@
+//! `updates.auto.pulumi.com/v1alpha1`: one Pulumi operation (preview, up, destroy, refresh) run
+//! in a Workspace.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::common::{Condition, ProjectInfo, custom_resource};
+
+custom_resource! {
+    /// Update is the Schema for the updates API
+    root Update {
+        group: "auto.pulumi.com",
+        version: "v1alpha1",
+        kind: "Update",
+        plural: "updates",
+        /// Desired operation.
+        spec: UpdateSpec,
+        status: UpdateStatus,
+        crd: crate::crdgen::update_crd,
+    }
+}
+
+/// UpdateSpec defines the desired state of Update
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct UpdateSpec {
+    /// WorkspaceName is the workspace to update.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workspace_name: Option<String>,
+    /// Specify the Pulumi stack to select for the update.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stack_name: Option<String>,
+    /// Type of the update to perform.
+    #[serde(default, rename = "type", skip_serializing_if = "Option::is_none")]
+    pub type_: Option<UpdateType>,
+    /// TTL for a completed update object (a Go duration such as `1h`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_after_completed: Option<String>,
+    /// Parallel is the number of resource operations to run in parallel at once
+    /// (1 for no parallelism). Defaults to unbounded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parallel: Option<i32>,
+    /// Message (optional) to associate with the preview operation
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    /// Return an error if any changes occur during this update
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expect_no_changes: Option<bool>,
+    /// Specify resources to replace
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub replace: Vec<String>,
+    /// Specify an exclusive list of resource URNs to update
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub target: Vec<String>,
+    /// TargetDependents allows updating of dependent targets discovered but not specified in
+    /// the Target list
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_dependents: Option<bool>,
+    /// refresh will run a refresh before the update.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refresh: Option<bool>,
+    /// ContinueOnError will continue to perform the update operation despite the occurrence
+    /// of errors.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub continue_on_error: Option<bool>,
+    /// Remove the stack and its configuration after all resources in the stack have been
+    /// deleted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remove: Option<bool>,
+    /// RunProgram runs the program before performing the operation.
+    /// Applicable to destroy and refresh operations.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_program: Option<bool>,
+}
+
+/// The operation an Update performs.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[serde(rename_all = "lowercase")]
+pub enum UpdateType {
+    /// `pulumi preview`.
+    Preview,
+    /// `pulumi up`.
+    Up,
+    /// `pulumi destroy`.
+    Destroy,
+    /// `pulumi refresh`.
+    Refresh,
+}
+
+/// UpdateStatus defines the observed state of Update
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct UpdateStatus {
+    /// observedGeneration represents the .metadata.generation that the status was set based
+    /// upon.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub observed_generation: Option<i64>,
+    /// The start time of the operation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_time: Option<Time>,
+    /// The end time of the operation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub end_time: Option<Time>,
+    /// Represents the permalink URL in the Pulumi Console for the operation. Not available
+    /// for DIY backends.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub permalink: Option<String>,
+    /// Result message of the operation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    /// Outputs names a secret containing the outputs for this update.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outputs: Option<String>,
+    /// Represents the observations of an update's current state.
+    /// Known .status.conditions.type are: "Complete", "Failed", and "Progressing"
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend(
+        "x-kubernetes-list-type" = "map",
+        "x-kubernetes-list-map-keys" = ["type"],
+    ))]
+    pub conditions: Vec<Condition>,
+    /// ProjectInfo records the Pulumi project name and runtime as observed by the agent
+    /// during this update. The Stack controller copies this to Stack.Status.ProjectInfo so
+    /// that subsequent destroy operations can proceed without the source artifact.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub project_info: Option<ProjectInfo>,
+}
+
+/// Update spec fields of a Stack's update template. `UpdateSpec` is already all-optional and
+/// default-free, so the same type serves.
+pub type UpdateSpecApply = UpdateSpec;

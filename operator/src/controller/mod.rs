@@ -1,0 +1,3 @@
+//! Controllers: reconcile + error_policy per kind.
+
+pub mod program;

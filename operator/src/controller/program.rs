@@ -1,0 +1,373 @@
+//! Program controller: every generation of a Program gets an artifact whose URL and digest are
+//! written to `status.artifact`, with a `Ready` condition and Events.
+//!
+//! Beyond PKO: the status is written only when something changed (PKO rewrites
+//! `lastUpdateTime = now` on every reconcile, so each operator restart rewrites every Program), and
+//! a Program whose artifact cannot be built says so in a condition and an Event.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Patch, PatchParams};
+use kube::runtime::controller::{self, Action, Controller};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::watcher;
+use kube::{Api, Client, Resource, ResourceExt};
+use pko_api::program::Program;
+use serde_json::{Value, json};
+use tracing::{info, instrument, warn};
+
+use crate::artifact::ArtifactError;
+use crate::config::{AdvertisedAddress, artifact_path};
+use crate::fileserver::index::ProgramIndex;
+use crate::metrics::{ErrorLabels, Metrics};
+
+/// Field manager of the Program status (one per controller, as PKO).
+pub const STATUS_MANAGER: &str = "pko-rs/program-status";
+const CONTROLLER: &str = "program";
+const READY: &str = "Ready";
+
+/// Failures of one reconcile.
+#[derive(Debug, thiserror::Error)]
+pub enum ProgramError {
+    #[error("program has no namespace")]
+    NoNamespace,
+    #[error("cannot write program status: {0}")]
+    Status(#[source] kube::Error),
+    #[error("cannot encode program status: {0}")]
+    Encode(#[source] serde_json::Error),
+}
+
+impl ProgramError {
+    fn kind(&self) -> &'static str {
+        match self {
+            Self::NoNamespace => "no_namespace",
+            Self::Status(_) => "status_write",
+            Self::Encode(_) => "encode",
+        }
+    }
+}
+
+/// What every reconcile needs.
+pub struct ProgramContext {
+    pub client: Client,
+    pub recorder: Recorder,
+    pub advertised: AdvertisedAddress,
+    pub index: Arc<ProgramIndex>,
+    pub metrics: Metrics,
+}
+
+impl ProgramContext {
+    pub fn new(
+        client: Client,
+        advertised: AdvertisedAddress,
+        index: Arc<ProgramIndex>,
+        metrics: Metrics,
+    ) -> Self {
+        let recorder = Recorder::new(
+            client.clone(),
+            Reporter {
+                controller: "pko-rs-program-controller".into(),
+                instance: std::env::var("POD_NAME").ok(),
+            },
+        );
+        Self {
+            client,
+            recorder,
+            advertised,
+            index,
+            metrics,
+        }
+    }
+}
+
+/// The status fields this controller owns, computed for one Program.
+#[derive(Debug, PartialEq)]
+struct Desired {
+    generation: i64,
+    artifact: Option<Value>,
+    ready: Condition,
+}
+
+#[derive(Debug, PartialEq)]
+struct Condition {
+    status: &'static str,
+    reason: &'static str,
+    message: String,
+}
+
+/// Run the controller until `shutdown` resolves.
+pub async fn run(
+    api: Api<Program>,
+    ctx: Arc<ProgramContext>,
+    concurrency: u16,
+    shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
+) {
+    Controller::new(api, watcher::Config::default().any_semantic())
+        .with_config(controller::Config::default().concurrency(concurrency))
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, ctx)
+        .for_each(|result| async move {
+            if let Err(err) = result {
+                // Reconcile errors are logged in error_policy; these are queue/watch errors.
+                warn!(controller = CONTROLLER, error = %err, "controller event");
+            }
+        })
+        .await;
+}
+
+#[instrument(skip_all, fields(program = %format!("{}/{}", program.namespace().unwrap_or_default(), program.name_any())))]
+async fn reconcile(
+    program: Arc<Program>,
+    ctx: Arc<ProgramContext>,
+) -> Result<Action, ProgramError> {
+    let started = Instant::now();
+    let labels = ctx.metrics.controller(CONTROLLER);
+    ctx.metrics.reconciles.get_or_create(&labels).inc();
+    let result = reconcile_inner(&program, &ctx).await;
+    ctx.metrics
+        .reconcile_duration
+        .get_or_create(&labels)
+        .observe(started.elapsed().as_secs_f64());
+    result
+}
+
+async fn reconcile_inner(
+    program: &Arc<Program>,
+    ctx: &ProgramContext,
+) -> Result<Action, ProgramError> {
+    if program.meta().deletion_timestamp.is_some() {
+        return Ok(Action::await_change());
+    }
+    let namespace = program.namespace().ok_or(ProgramError::NoNamespace)?;
+    let name = program.name_any();
+    let generation = program.metadata.generation.unwrap_or(0);
+    let current = current_status(program)?;
+
+    let built = ctx.index.artifact_for(program.clone()).await;
+    let desired = desired_status(ctx, &namespace, &name, generation, &built, &current);
+    if current.matches(&desired) {
+        return Ok(Action::await_change());
+    }
+
+    let now = Timestamp::now().to_string();
+    let artifact = desired.artifact.clone().map(|mut artifact| {
+        // lastUpdateTime moves only when the artifact itself changes.
+        let unchanged = current
+            .artifact
+            .as_ref()
+            .is_some_and(|old| same_artifact(old, &artifact));
+        let time = match (&current.artifact, unchanged) {
+            (Some(old), true) => old
+                .get("lastUpdateTime")
+                .cloned()
+                .unwrap_or_else(|| json!(now)),
+            _ => json!(now),
+        };
+        if let Value::Object(map) = &mut artifact {
+            map.insert("lastUpdateTime".into(), time);
+        }
+        artifact
+    });
+    let transition = match &current.ready {
+        Some((status, _, _, time)) if *status == desired.ready.status => time.clone(),
+        _ => now.clone(),
+    };
+    let mut status = json!({
+        "observedGeneration": generation,
+        "conditions": [{
+            "type": READY,
+            "status": desired.ready.status,
+            "reason": desired.ready.reason,
+            "message": desired.ready.message,
+            "observedGeneration": generation,
+            "lastTransitionTime": transition,
+        }],
+    });
+    if let (Some(artifact), Value::Object(map)) = (artifact, &mut status) {
+        map.insert("artifact".into(), artifact);
+    }
+    let patch = json!({
+        "apiVersion": "pulumi.com/v1",
+        "kind": "Program",
+        "status": status,
+    });
+    let api = Api::<Program>::namespaced(ctx.client.clone(), &namespace);
+    api.patch_status(
+        &name,
+        &PatchParams::apply(STATUS_MANAGER).force(),
+        &Patch::Apply(&patch),
+    )
+    .await
+    .map_err(ProgramError::Status)?;
+
+    let event = match &built {
+        Ok(artifact) => {
+            info!(generation, digest = %artifact.digest, "artifact ready");
+            Event {
+                type_: EventType::Normal,
+                reason: "ArtifactReady".into(),
+                note: Some(format!(
+                    "generation {generation} is served at {} ({})",
+                    ctx.advertised.program_url(&namespace, &name, generation),
+                    artifact.digest
+                )),
+                action: "BuildArtifact".into(),
+                secondary: None,
+            }
+        }
+        Err(err) => {
+            warn!(generation, error = %err, "artifact cannot be built");
+            Event {
+                type_: EventType::Warning,
+                reason: "ArtifactFailed".into(),
+                note: Some(truncate(&format!("generation {generation}: {err}"), 1000)),
+                action: "BuildArtifact".into(),
+                secondary: None,
+            }
+        }
+    };
+    if let Err(err) = ctx.recorder.publish(&event, &program.object_ref(&())).await {
+        warn!(error = %err, "cannot publish event");
+    }
+    Ok(Action::await_change())
+}
+
+fn error_policy(program: Arc<Program>, err: &ProgramError, ctx: Arc<ProgramContext>) -> Action {
+    warn!(program = %program.name_any(), error = %err, "reconcile failed");
+    ctx.metrics
+        .reconcile_errors
+        .get_or_create(&ErrorLabels {
+            controller: CONTROLLER.into(),
+            error: err.kind().into(),
+        })
+        .inc();
+    Action::requeue(Duration::from_secs(5))
+}
+
+/// The status fields as they are now.
+#[derive(Debug, Default)]
+struct Current {
+    observed_generation: Option<i64>,
+    artifact: Option<Value>,
+    /// (status, reason, message, lastTransitionTime) of the Ready condition.
+    ready: Option<(String, String, String, String)>,
+    ready_generation: Option<i64>,
+}
+
+impl Current {
+    fn matches(&self, desired: &Desired) -> bool {
+        let artifact_same = match (&self.artifact, &desired.artifact) {
+            (Some(old), Some(new)) => same_artifact(old, new),
+            (None, None) => true,
+            _ => false,
+        };
+        artifact_same
+            && self.observed_generation == Some(desired.generation)
+            && self.ready_generation == Some(desired.generation)
+            && self
+                .ready
+                .as_ref()
+                .is_some_and(|(status, reason, message, _)| {
+                    status == desired.ready.status
+                        && reason == desired.ready.reason
+                        && *message == desired.ready.message
+                })
+    }
+}
+
+fn current_status(program: &Program) -> Result<Current, ProgramError> {
+    let Some(status) = &program.status else {
+        return Ok(Current::default());
+    };
+    let status = serde_json::to_value(status).map_err(ProgramError::Encode)?;
+    let ready = status
+        .get("conditions")
+        .and_then(Value::as_array)
+        .and_then(|conditions| {
+            conditions
+                .iter()
+                .find(|c| c.get("type").and_then(Value::as_str) == Some(READY))
+        });
+    let field = |c: &Value, k: &str| {
+        c.get(k)
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned()
+    };
+    Ok(Current {
+        observed_generation: status.get("observedGeneration").and_then(Value::as_i64),
+        artifact: status.get("artifact").filter(|a| !a.is_null()).cloned(),
+        ready: ready.map(|c| {
+            (
+                field(c, "status"),
+                field(c, "reason"),
+                field(c, "message"),
+                field(c, "lastTransitionTime"),
+            )
+        }),
+        ready_generation: ready
+            .and_then(|c| c.get("observedGeneration"))
+            .and_then(Value::as_i64),
+    })
+}
+
+fn desired_status(
+    ctx: &ProgramContext,
+    namespace: &str,
+    name: &str,
+    generation: i64,
+    built: &Result<Arc<crate::artifact::Artifact>, ArtifactError>,
+    current: &Current,
+) -> Desired {
+    match built {
+        Ok(artifact) => Desired {
+            generation,
+            artifact: Some(json!({
+                "path": artifact_path(namespace, name, generation),
+                "url": ctx.advertised.program_url(namespace, name, generation),
+                "revision": generation.to_string(),
+                "digest": artifact.digest,
+                "size": artifact.size(),
+            })),
+            ready: Condition {
+                status: "True",
+                reason: "ArtifactReady",
+                message: format!("artifact of generation {generation} is available"),
+            },
+        },
+        Err(err) => Desired {
+            generation,
+            // Keep the last good artifact visible: workspaces already using it keep working.
+            artifact: current.artifact.clone(),
+            ready: Condition {
+                status: "False",
+                reason: "ArtifactFailed",
+                message: truncate(
+                    &format!("artifact of generation {generation} cannot be built: {err}"),
+                    1000,
+                ),
+            },
+        },
+    }
+}
+
+/// Equal in every field except `lastUpdateTime`.
+fn same_artifact(old: &Value, new: &Value) -> bool {
+    ["path", "url", "revision", "digest", "size"]
+        .iter()
+        .all(|k| old.get(*k) == new.get(*k))
+}
+
+fn truncate(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_owned();
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &s[..end])
+}

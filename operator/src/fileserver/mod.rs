@@ -1,0 +1,428 @@
+//! The Program file server: `GET`/`HEAD /programs/{namespace}/{name}/{generation}[.tar.gz]`.
+//!
+//! Runs on every replica. Answers from the watch-fed [`index::ProgramIndex`], never with an
+//! apiserver round trip per request, with explicit errors: 400 for a malformed path, 404 for an
+//! unknown Program or generation, 410 for a superseded generation, 405 for other methods.
+
+pub mod cache;
+pub mod index;
+pub mod server;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Path, Request, State};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::any;
+use http::{HeaderMap, HeaderValue, Method, StatusCode, header};
+
+use crate::metrics::{Metrics, RequestLabels};
+use index::{Lookup, ProgramIndex};
+
+/// Suffix PKO advertises in `status.artifact.path`; accepted on URLs too.
+const TAR_GZ: &str = ".tar.gz";
+
+/// Shared state of the file-server handlers.
+#[derive(Clone)]
+pub struct FileServer {
+    pub index: Arc<ProgramIndex>,
+    pub metrics: Metrics,
+}
+
+/// The file server's routes.
+pub fn router(state: FileServer) -> Router {
+    let metrics = state.metrics.clone();
+    Router::new()
+        .route("/programs", any(programs_root))
+        .route("/programs/", any(programs_root))
+        .route("/programs/{*rest}", any(programs))
+        .fallback(not_found)
+        .with_state(state)
+        .layer(middleware::from_fn_with_state(metrics, record))
+}
+
+/// Everything under `/programs/`: one wildcard route, split here, so malformed paths get a 400
+/// that says what was expected instead of a routing miss.
+async fn programs(
+    State(state): State<FileServer>,
+    method: Method,
+    Path(rest): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    if method != Method::GET && method != Method::HEAD {
+        return method_not_allowed();
+    }
+    let segments: Vec<&str> = rest.split('/').collect();
+    match segments.as_slice() {
+        [namespace, name, generation] => {
+            serve_program(&state, namespace, name, generation, &headers).await
+        }
+        _ => malformed(),
+    }
+}
+
+async fn programs_root(method: Method) -> Response {
+    if method != Method::GET && method != Method::HEAD {
+        return method_not_allowed();
+    }
+    malformed()
+}
+
+async fn serve_program(
+    state: &FileServer,
+    namespace: &str,
+    name: &str,
+    generation: &str,
+    headers: &HeaderMap,
+) -> Response {
+    if !is_dns1123_label(namespace) {
+        return text(
+            StatusCode::BAD_REQUEST,
+            format!("invalid namespace {namespace:?}: expected a DNS-1123 label"),
+        );
+    }
+    if !is_dns1123_subdomain(name) {
+        return text(
+            StatusCode::BAD_REQUEST,
+            format!("invalid program name {name:?}: expected a DNS-1123 subdomain"),
+        );
+    }
+    let Some(gen_num) = parse_generation(generation) else {
+        return text(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "invalid generation {generation:?}: expected a positive integer, optionally followed by {TAR_GZ}"
+            ),
+        );
+    };
+    match state.index.lookup(namespace, name, gen_num).await {
+        Lookup::Found(artifact) => {
+            let etag = format!("\"{}\"", artifact.digest);
+            if etag_matches(headers, &etag) {
+                return Response::builder()
+                    .status(StatusCode::NOT_MODIFIED)
+                    .header(header::ETAG, etag)
+                    .header(header::CACHE_CONTROL, "no-cache")
+                    .body(Body::empty())
+                    .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response());
+            }
+            Response::builder()
+                .status(StatusCode::OK)
+                .header(header::CONTENT_TYPE, "application/gzip")
+                .header(header::CONTENT_LENGTH, artifact.bytes.len())
+                .header(header::ETAG, etag)
+                // The same URL can carry new bytes when a transform changes: revalidate by ETag.
+                .header(header::CACHE_CONTROL, "no-cache")
+                .header(
+                    header::CONTENT_DISPOSITION,
+                    "attachment; filename=project.tar.gz",
+                )
+                .body(Body::from(artifact.bytes.clone()))
+                .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+        }
+        Lookup::ProgramNotFound => text(
+            StatusCode::NOT_FOUND,
+            format!("program {namespace}/{name} not found"),
+        ),
+        Lookup::Superseded { current } => text(
+            StatusCode::GONE,
+            format!(
+                "generation {gen_num} of program {namespace}/{name} is superseded; the current generation is {current}"
+            ),
+        ),
+        Lookup::UnknownGeneration { current } => text(
+            StatusCode::NOT_FOUND,
+            format!(
+                "generation {gen_num} of program {namespace}/{name} not found; the current generation is {current}"
+            ),
+        ),
+        Lookup::Failed(err) => text(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("artifact of program {namespace}/{name} cannot be built: {err}"),
+        ),
+    }
+}
+
+fn malformed() -> Response {
+    text(
+        StatusCode::BAD_REQUEST,
+        "malformed path: expected /programs/{namespace}/{name}/{generation}".to_owned(),
+    )
+}
+
+async fn not_found() -> Response {
+    text(
+        StatusCode::NOT_FOUND,
+        "not found: artifacts are served under /programs/{namespace}/{name}/{generation}"
+            .to_owned(),
+    )
+}
+
+fn method_not_allowed() -> Response {
+    let mut response = text(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method not allowed: use GET or HEAD".to_owned(),
+    );
+    response
+        .headers_mut()
+        .insert(header::ALLOW, HeaderValue::from_static("GET,HEAD"));
+    response
+}
+
+/// Counts and times every request, including rejected ones.
+async fn record(State(metrics): State<Metrics>, request: Request, next: Next) -> Response {
+    let started = Instant::now();
+    let method = request.method().as_str().to_owned();
+    let response = next.run(request).await;
+    metrics
+        .fileserver_requests
+        .get_or_create(&RequestLabels {
+            method,
+            code: response.status().as_u16(),
+        })
+        .inc();
+    metrics
+        .fileserver_duration
+        .observe(started.elapsed().as_secs_f64());
+    response
+}
+
+fn text(status: StatusCode, message: String) -> Response {
+    let mut response = (status, format!("{message}\n")).into_response();
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    response
+}
+
+/// `"12"` or `"12.tar.gz"` → 12. Leading zeros, signs and zero itself are rejected: generations
+/// start at 1, and a lenient parse would silently serve the wrong thing.
+pub fn parse_generation(raw: &str) -> Option<i64> {
+    let digits = raw.strip_suffix(TAR_GZ).unwrap_or(raw);
+    if digits.is_empty()
+        || digits.len() > 18
+        || digits.starts_with('0')
+        || !digits.bytes().all(|b| b.is_ascii_digit())
+    {
+        return None;
+    }
+    digits.parse().ok()
+}
+
+fn is_dns1123_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
+fn is_dns1123_subdomain(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 253
+        && s.split('.').all(|part| {
+            !part.is_empty()
+                && part
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && !part.starts_with('-')
+                && !part.ends_with('-')
+        })
+}
+
+/// RFC 9110 `If-None-Match` with weak comparison: `*` or any listed tag equal to ours.
+fn etag_matches(headers: &HeaderMap, etag: &str) -> bool {
+    headers
+        .get_all(header::IF_NONE_MATCH)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|tag| tag.trim())
+        .any(|tag| tag == "*" || tag.strip_prefix("W/").unwrap_or(tag) == etag)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generations_parse_strictly() {
+        assert_eq!(parse_generation("1"), Some(1));
+        assert_eq!(parse_generation("42.tar.gz"), Some(42));
+        for bad in [
+            "",
+            "0",
+            "01",
+            "-1",
+            "+1",
+            "1.5",
+            "abc",
+            "1.tar",
+            ".tar.gz",
+            "1 ",
+            "99999999999999999999",
+        ] {
+            assert_eq!(parse_generation(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn names_follow_kubernetes_rules() {
+        assert!(is_dns1123_label("default"));
+        assert!(!is_dns1123_label("Default"));
+        assert!(!is_dns1123_label("-a"));
+        assert!(!is_dns1123_label(&"a".repeat(64)));
+        assert!(is_dns1123_subdomain("my.program-1"));
+        assert!(!is_dns1123_subdomain("my..program"));
+        assert!(!is_dns1123_subdomain("a_b"));
+    }
+
+    #[test]
+    fn if_none_match_uses_weak_comparison() {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::IF_NONE_MATCH,
+            HeaderValue::from_static("\"x\", W/\"sha256:ab\""),
+        );
+        assert!(etag_matches(&headers, "\"sha256:ab\""));
+        assert!(!etag_matches(&headers, "\"sha256:cd\""));
+        headers.insert(header::IF_NONE_MATCH, HeaderValue::from_static("*"));
+        assert!(etag_matches(&headers, "\"anything\""));
+    }
+}
+
+/// The router driven in-process (kubewarden style), over a real reflector store fed by hand:
+/// routing, parsing and HTTP semantics without a control plane. The same cases run against the
+/// real apiserver and operator binary in tests/tests/program.rs.
+#[cfg(test)]
+mod router_tests {
+    use axum::body::to_bytes;
+    use http::Request;
+    use kube::runtime::reflector;
+    use kube::runtime::watcher::Event;
+    use pko_api::program::{Program, ProgramSpec};
+    use tower::ServiceExt;
+
+    use super::*;
+
+    fn state_with(programs: &[(&str, &str, i64)]) -> FileServer {
+        let (store, mut writer) = reflector::store::<Program>();
+        for (ns, name, generation) in programs {
+            let mut p = Program::new(name, ProgramSpec::default());
+            p.metadata.namespace = Some((*ns).to_owned());
+            p.metadata.generation = Some(*generation);
+            p.metadata.uid = Some(format!("uid-{ns}-{name}"));
+            writer.apply_watcher_event(&Event::Apply(p));
+        }
+        let metrics = Metrics::new();
+        FileServer {
+            index: Arc::new(ProgramIndex::new(store, 1 << 20, metrics.clone())),
+            metrics,
+        }
+    }
+
+    async fn call(
+        app: &Router,
+        method: &str,
+        uri: &str,
+        etag: Option<&str>,
+    ) -> (StatusCode, HeaderMap, Vec<u8>) {
+        let mut req = Request::builder().method(method).uri(uri);
+        if let Some(tag) = etag {
+            req = req.header(header::IF_NONE_MATCH, tag);
+        }
+        let resp = app
+            .clone()
+            .oneshot(req.body(Body::empty()).expect("request"))
+            .await
+            .expect("response");
+        let status = resp.status();
+        let headers = resp.headers().clone();
+        let body = to_bytes(resp.into_body(), 1 << 20).await.expect("body");
+        (status, headers, body.to_vec())
+    }
+
+    #[tokio::test]
+    async fn serves_current_generation_with_identity_headers() {
+        let app = router(state_with(&[("ns", "p", 2)]));
+        let (status, headers, body) = call(&app, "GET", "/programs/ns/p/2", None).await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(headers[header::CONTENT_TYPE], "application/gzip");
+        assert_eq!(
+            headers[header::CONTENT_LENGTH],
+            body.len().to_string().as_str()
+        );
+        let expected = crate::artifact::build("p", &serde_json::json!({})).expect("build");
+        assert_eq!(body, expected.bytes.to_vec());
+        let etag = format!("\"{}\"", expected.digest);
+        assert_eq!(headers[header::ETAG], etag.as_str());
+
+        let (status, headers, body) =
+            call(&app, "GET", "/programs/ns/p/2.tar.gz", Some(&etag)).await;
+        assert_eq!(status, StatusCode::NOT_MODIFIED);
+        assert_eq!(headers[header::ETAG], etag.as_str());
+        assert!(body.is_empty());
+    }
+
+    #[tokio::test]
+    async fn rejects_with_the_right_status() {
+        let app = router(state_with(&[("ns", "p", 2)]));
+        for (method, uri, code) in [
+            ("GET", "/programs", 400),
+            ("GET", "/programs/", 400),
+            ("GET", "/programs/ns/p", 400),
+            ("GET", "/programs/ns/p/2/x", 400),
+            ("GET", "/programs/ns//2", 400),
+            ("GET", "/programs/ns/p/x", 400),
+            ("GET", "/programs/NS/p/2", 400),
+            ("GET", "/programs/ns/q/1", 404),
+            ("GET", "/programs/ns/p/3", 404),
+            ("GET", "/programs/ns/p/1", 410),
+            ("GET", "/other", 404),
+            ("POST", "/programs/ns/p/2", 405),
+            ("PUT", "/programs", 405),
+            ("DELETE", "/programs/a", 405),
+        ] {
+            let (status, headers, body) = call(&app, method, uri, None).await;
+            assert_eq!(
+                status.as_u16(),
+                code,
+                "{method} {uri}: {}",
+                String::from_utf8_lossy(&body)
+            );
+            assert!(!body.is_empty(), "{method} {uri} has no message");
+            if code == 405 {
+                assert_eq!(headers[header::ALLOW], "GET,HEAD");
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn requests_are_counted() {
+        let state = state_with(&[("ns", "p", 1)]);
+        let metrics = state.metrics.clone();
+        let app = router(state);
+        call(&app, "GET", "/programs/ns/p/1", None).await;
+        call(&app, "GET", "/programs/ns/p/1", None).await;
+        call(&app, "GET", "/programs/ns/p/9", None).await;
+        let text = metrics.encode().expect("encode");
+        assert!(
+            text.contains("pko_fileserver_requests_total{method=\"GET\",code=\"200\"} 2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("pko_fileserver_requests_total{method=\"GET\",code=\"404\"} 1"),
+            "{text}"
+        );
+        assert!(text.contains("pko_fileserver_cache_hits_total 1"), "{text}");
+        assert!(
+            text.contains("pko_fileserver_cache_misses_total 1"),
+            "{text}"
+        );
+    }
+}

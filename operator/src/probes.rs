@@ -1,0 +1,76 @@
+//! Health, readiness and metrics endpoints.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use axum::Router;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use http::{StatusCode, header};
+
+use crate::metrics::Metrics;
+
+/// Readiness inputs: every flag must be set before `/readyz` answers 200.
+#[derive(Clone, Default)]
+pub struct Readiness {
+    checks: Arc<Vec<(&'static str, Arc<AtomicBool>)>>,
+}
+
+impl Readiness {
+    pub fn new(checks: Vec<(&'static str, Arc<AtomicBool>)>) -> Self {
+        Self {
+            checks: Arc::new(checks),
+        }
+    }
+
+    fn pending(&self) -> Vec<&'static str> {
+        self.checks
+            .iter()
+            .filter(|(_, ok)| !ok.load(Ordering::Acquire))
+            .map(|(name, _)| *name)
+            .collect()
+    }
+}
+
+#[derive(Clone)]
+struct ProbeState {
+    readiness: Readiness,
+    metrics: Metrics,
+}
+
+/// `/healthz`, `/readyz` and `/metrics`.
+pub fn router(readiness: Readiness, metrics: Metrics) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics_text))
+        .with_state(ProbeState { readiness, metrics })
+}
+
+async fn readyz(State(state): State<ProbeState>) -> Response {
+    let pending = state.readiness.pending();
+    if pending.is_empty() {
+        (StatusCode::OK, "ok\n").into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: waiting for {}\n", pending.join(", ")),
+        )
+            .into_response()
+    }
+}
+
+async fn metrics_text(State(state): State<ProbeState>) -> Response {
+    match state.metrics.encode() {
+        Ok(body) => (
+            [(
+                header::CONTENT_TYPE,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
+            body,
+        )
+            .into_response(),
+        Err(_) => (StatusCode::INTERNAL_SERVER_ERROR, "cannot encode metrics\n").into_response(),
+    }
+}

@@ -1,0 +1,160 @@
+//! Runs the real `pko-operator` binary as a process against a control plane.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+use crate::{ChildGuard, ControlPlane, HarnessError, spawn_guarded};
+
+/// Options of one operator process.
+#[derive(Clone, Debug, Default)]
+pub struct OperatorOptions {
+    /// `--program-fs-adv-addr`; default: the bound loopback address.
+    pub advertised: Option<String>,
+    /// Extra arguments.
+    pub args: Vec<String>,
+}
+
+/// A running operator process, killed on drop.
+pub struct Operator {
+    guard: Option<ChildGuard>,
+    pub fs_port: u16,
+    pub probe_port: u16,
+    pub log: PathBuf,
+}
+
+impl Operator {
+    /// Start the operator against `plane` and wait until `/readyz` answers 200.
+    pub async fn start(plane: &ControlPlane, opts: OperatorOptions) -> Result<Self, HarnessError> {
+        let fs_port = free_port()?;
+        let probe_port = free_port()?;
+        let mut cmd = Command::new(operator_binary()?);
+        cmd.arg("--kubeconfig")
+            .arg(plane.kubeconfig_path())
+            .arg(format!("--program-fs-addr=127.0.0.1:{fs_port}"))
+            .arg(format!(
+                "--health-probe-bind-address=127.0.0.1:{probe_port}"
+            ))
+            .arg("--log-level=info,pko_operator=debug")
+            .args(&opts.args);
+        if let Some(adv) = &opts.advertised {
+            cmd.arg(format!("--program-fs-adv-addr={adv}"));
+        }
+        let log = plane
+            .dir()
+            .join(format!("operator-{fs_port}-{}.log", std::process::id()));
+        let mut guard = spawn_guarded(cmd, "pko-operator", &log)?;
+        let url = format!("http://127.0.0.1:{probe_port}/readyz");
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            // An operator that exits (bad flag, panic) fails the start at once, with its log.
+            if let Ok(Some(status)) = guard.try_wait() {
+                return Err(HarnessError::Exited {
+                    name: "pko-operator".into(),
+                    status: status.to_string(),
+                    log: Box::new(crate::LogTail {
+                        path: log.clone(),
+                        tail: guard.log_tail(40),
+                    }),
+                });
+            }
+            if let Ok(resp) = reqwest::get(&url).await
+                && resp.status().is_success()
+            {
+                break;
+            }
+            if std::time::Instant::now() > deadline {
+                return Err(HarnessError::NotReady {
+                    name: "pko-operator".into(),
+                    endpoint: url,
+                    waited: Duration::from_secs(60),
+                    last: "no 200 from /readyz".into(),
+                    log: Box::new(crate::LogTail {
+                        path: log.clone(),
+                        tail: guard.log_tail(40),
+                    }),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Ok(Self {
+            guard: Some(guard),
+            fs_port,
+            probe_port,
+            log,
+        })
+    }
+
+    /// `http://127.0.0.1:<fs port><path>`.
+    pub fn fs_url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.fs_port)
+    }
+
+    /// `http://127.0.0.1:<probe port><path>`.
+    pub fn probe_url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.probe_port)
+    }
+
+    /// The operator's log so far (for assertion messages).
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Resident memory of the process, in KiB (VmRSS).
+    pub fn rss_kib(&self) -> Option<u64> {
+        let pid = self.guard.as_ref()?.pid();
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        status
+            .lines()
+            .find(|l| l.starts_with("VmRSS:"))?
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()
+    }
+
+    /// Stop the process now.
+    pub fn stop(&mut self) {
+        self.guard.take();
+    }
+}
+
+/// The `pko-operator` binary from the same target folder as the running test.
+pub fn operator_binary() -> Result<PathBuf, HarnessError> {
+    let exe = std::env::current_exe().map_err(|e| HarnessError::Io {
+        what: "locating the test binary".into(),
+        source: e,
+    })?;
+    // target/<profile>/deps/<test> → target/<profile>/pko-operator
+    let candidates = exe
+        .ancestors()
+        .skip(1)
+        .take(3)
+        .map(|dir| dir.join("pko-operator"))
+        .collect::<Vec<_>>();
+    candidates
+        .iter()
+        .find(|p| p.is_file())
+        .cloned()
+        .ok_or_else(|| HarnessError::Missing {
+            what: format!(
+                "pko-operator binary (looked in {:?}); run `cargo build --workspace`",
+                candidates
+            ),
+        })
+}
+
+fn free_port() -> Result<u16, HarnessError> {
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| HarnessError::Io {
+        what: "finding a free port".into(),
+        source: e,
+    })?;
+    listener
+        .local_addr()
+        .map(|a| a.port())
+        .map_err(|e| HarnessError::Io {
+            what: "finding a free port".into(),
+            source: e,
+        })
+}
