@@ -50,9 +50,9 @@ run: tools build ## local control plane + CRDs + operator + examples/program.yam
 	$(CARGO_TARGET_DIR)/debug/pko-dev run
 
 .PHONY: bench
-bench: tools ## benchmarks; results go to docs/benchmarks.md
-	$(CARGO) build --release -p pko-operator -p pko-tests --bins
-	$(CARGO_TARGET_DIR)/release/pko-bench --out docs/benchmarks.md
+bench: tools ## benchmarks (release build, own target dir); results go to docs/benchmarks.md
+	CARGO_TARGET_DIR=$(CACHE_DIR)/target-release $(CARGO) build --release -p pko-operator -p pko-tests --bins
+	$(CACHE_DIR)/target-release/release/pko-bench --out docs/benchmarks.md
 
 .PHONY: clean-cache
 clean-cache: ## remove built tools and the Rust target dir

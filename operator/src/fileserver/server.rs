@@ -148,3 +148,105 @@ pub async fn serve(
         );
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use axum::routing::get;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+
+    use super::*;
+
+    fn limits() -> ServerLimits {
+        ServerLimits {
+            header_read_timeout: Duration::from_millis(300),
+            request_timeout: Duration::from_secs(5),
+            drain_timeout: Duration::from_secs(5),
+            ..ServerLimits::default()
+        }
+    }
+
+    async fn start(
+        app: Router,
+    ) -> (
+        std::net::SocketAddr,
+        tokio::sync::oneshot::Sender<()>,
+        tokio::task::JoinHandle<()>,
+    ) {
+        let listener = bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let handle = tokio::spawn(serve("test", listener, app, limits(), async move {
+            let _ = rx.await;
+        }));
+        (addr, tx, handle)
+    }
+
+    #[tokio::test]
+    async fn slow_request_heads_are_cut_off() {
+        let (addr, _stop, _handle) = start(Router::new().route("/", get(|| async { "ok" }))).await;
+        let mut stream = TcpStream::connect(addr).await.expect("connect");
+        stream
+            .write_all(b"GET / HTTP/1.1\r\nHost: x\r\n")
+            .await
+            .expect("write");
+        let started = Instant::now();
+        let mut buf = Vec::new();
+        // The server closes the connection (read returns EOF) once the header timeout passes.
+        let read = tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut buf)).await;
+        assert!(read.is_ok(), "connection still open after 5 s");
+        assert!(started.elapsed() < Duration::from_secs(3));
+    }
+
+    #[tokio::test]
+    async fn oversized_request_heads_are_rejected() {
+        let (addr, _stop, _handle) = start(Router::new().route("/", get(|| async { "ok" }))).await;
+        let mut stream = TcpStream::connect(addr).await.expect("connect");
+        let huge = format!(
+            "GET / HTTP/1.1\r\nHost: x\r\nX-Big: {}\r\n\r\n",
+            "a".repeat(64 * 1024)
+        );
+        let _ = stream.write_all(huge.as_bytes()).await;
+        let mut buf = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut buf)).await;
+        let text = String::from_utf8_lossy(&buf);
+        assert!(text.starts_with("HTTP/1.1 431"), "{text}");
+    }
+
+    #[tokio::test]
+    async fn shutdown_drains_in_flight_requests() {
+        let app = Router::new().route(
+            "/slow",
+            get(|| async {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                "done"
+            }),
+        );
+        let (addr, stop, handle) = start(app).await;
+        let request = tokio::spawn(async move {
+            let mut stream = TcpStream::connect(addr).await.expect("connect");
+            stream
+                .write_all(b"GET /slow HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                .await
+                .expect("write");
+            let mut buf = Vec::new();
+            stream.read_to_end(&mut buf).await.expect("read");
+            String::from_utf8_lossy(&buf).into_owned()
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let _ = stop.send(());
+        let response = request.await.expect("join");
+        assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+        assert!(response.ends_with("done"), "{response}");
+        tokio::time::timeout(Duration::from_secs(5), handle)
+            .await
+            .expect("server stops after draining")
+            .expect("join");
+        assert!(
+            TcpStream::connect(addr).await.is_err(),
+            "still accepting after shutdown"
+        );
+    }
+}

@@ -119,8 +119,10 @@ async fn run() -> anyhow::Result<()> {
     println!("    sha256 verified ({} bytes)", bytes.len());
     println!("==> Pulumi.yaml\n{}", pulumi_yaml(&bytes)?);
     println!("kubeconfig: {}", plane.kubeconfig_path().display());
+    let kubectl = plane.kubectl();
     println!(
-        "  try: kubectl --kubeconfig {} get programs -A",
+        "  try: {} --kubeconfig {} get programs -A",
+        kubectl.get_program().to_string_lossy(),
         plane.kubeconfig_path().display()
     );
     println!("file server: http://127.0.0.1:{fs_port}   probes: http://127.0.0.1:{probe_port}");
