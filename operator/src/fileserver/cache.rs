@@ -84,30 +84,17 @@ impl ArtifactCache {
 
     /// Drop every generation of one Program object.
     pub fn remove_uid(&self, uid: &str) {
-        let mut inner = self.lock();
-        let keys: Vec<CacheKey> = inner
-            .slots
-            .keys()
-            .filter(|k| k.uid == uid)
-            .cloned()
-            .collect();
-        for key in keys {
-            if let Some(slot) = inner.slots.remove(&key) {
-                inner.order.remove(&slot.tick);
-                inner.bytes -= slot.artifact.size();
-            }
-        }
+        self.remove_where(|k| k.uid == uid);
     }
 
-    /// Drop the generations of one Program object older than `generation`.
+    /// Drop the generations of one Program object other than `generation`.
     pub fn retain_generation(&self, uid: &str, generation: i64) {
+        self.remove_where(|k| k.uid == uid && k.generation != generation);
+    }
+
+    fn remove_where(&self, doomed: impl Fn(&CacheKey) -> bool) {
         let mut inner = self.lock();
-        let keys: Vec<CacheKey> = inner
-            .slots
-            .keys()
-            .filter(|k| k.uid == uid && k.generation != generation)
-            .cloned()
-            .collect();
+        let keys: Vec<CacheKey> = inner.slots.keys().filter(|k| doomed(k)).cloned().collect();
         for key in keys {
             if let Some(slot) = inner.slots.remove(&key) {
                 inner.order.remove(&slot.tick);

@@ -196,13 +196,24 @@ async fn reconcile_run(
         let _ = ready_tx.send(Instant::now());
     });
     let start = Instant::now();
+    create_programs(&api, "p", count).await?;
+    let created = start.elapsed();
+    let done = tokio::time::timeout(Duration::from_secs(900), ready_rx)
+        .await
+        .context("timed out waiting for artifacts")??;
+    watcher_task.abort();
+    Ok((created, done - start))
+}
+
+/// Create `count` Programs named `<prefix>-<i>`, each a small but real program.
+async fn create_programs(api: &Api<Program>, prefix: &str, count: usize) -> anyhow::Result<()> {
     futures::stream::iter(0..count)
         .map(|i| {
             let api = api.clone();
             async move {
                 let p: Program = serde_json::from_value(json!({
                     "apiVersion": "pulumi.com/v1", "kind": "Program",
-                    "metadata": {"name": format!("p-{i:05}")},
+                    "metadata": {"name": format!("{prefix}-{i:05}")},
                     "program": {
                         "configuration": {"size": {"type": "Number", "default": i}},
                         "resources": {"r": {"type": "random:index:RandomString", "properties": {"length": "${size}"}}},
@@ -216,35 +227,15 @@ async fn reconcile_run(
         .buffer_unordered(IN_FLIGHT)
         .try_collect::<Vec<_>>()
         .await?;
-    let created = start.elapsed();
-    let done = tokio::time::timeout(Duration::from_secs(900), ready_rx)
-        .await
-        .context("timed out waiting for artifacts")??;
-    watcher_task.abort();
-    Ok((created, done - start))
+    Ok(())
 }
 
 /// N server-side-apply status patches (no operator work) with the same concurrency.
 async fn status_patch_run(plane: &ControlPlane, count: usize) -> anyhow::Result<Duration> {
     let ns = plane.namespace(&format!("bench-patch-{count}")).await?;
     let api: Api<Program> = Api::namespaced(plane.client(), &ns);
-    // Objects first (not timed); only the status patches are measured.
-    futures::stream::iter(0..count)
-        .map(|i| {
-            let api = api.clone();
-            async move {
-                let p: Program = serde_json::from_value(json!({
-                    "apiVersion": "pulumi.com/v1", "kind": "Program",
-                    "metadata": {"name": format!("q-{i:05}")},
-                    "program": {},
-                }))?;
-                api.create(&PostParams::default(), &p).await?;
-                anyhow::Ok(())
-            }
-        })
-        .buffer_unordered(IN_FLIGHT)
-        .try_collect::<Vec<_>>()
-        .await?;
+    // Objects first (not timed), the same as in the reconcile run; only the patches are measured.
+    create_programs(&api, "q", count).await?;
     let params = PatchParams::apply("pko-bench").force();
     let start = Instant::now();
     futures::stream::iter(0..count)
