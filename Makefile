@@ -12,6 +12,12 @@ export PKO_TOOLS_CACHE ?= $(CACHE_DIR)/tools
 export GOTOOLCHAIN := local
 export CGO_ENABLED := 0
 export CARGO_TERM_COLOR ?= never
+# The admission policy bundle built by `make policies`; the operator and the tests load it.
+export PKO_POLICY_BUNDLE ?= $(CACHE_DIR)/policies/policies.tar.gz
+# Transform plugins built by `make plugins` (plugins/ is a workspace of its own, built for
+# wasm32-wasip2 in its own target dir); the tests and the benchmark load them from here.
+PLUGINS_TARGET_DIR ?= $(CACHE_DIR)/plugins-target
+export PKO_PLUGINS_DIR ?= $(PLUGINS_TARGET_DIR)/wasm32-wasip2/release
 CARGO ?= cargo
 
 .PHONY: help
@@ -25,12 +31,23 @@ toolchain: ## check the Rust toolchain (rust-toolchain.toml pins it; rustup inst
 	@rustup show active-toolchain >/dev/null
 
 .PHONY: tools
-tools: toolchain ## build kube-apiserver, etcd and kubectl from Go modules into $(PKO_TOOLS_CACHE)
+tools: toolchain ## build kube-apiserver, etcd, kubectl, opa, pulumi (+ YAML host) from Go modules into $(PKO_TOOLS_CACHE)
 	tools/build.sh kube
+	tools/build.sh opa
+	tools/build.sh pulumi
 
 .PHONY: crds
 crds: ## regenerate deploy/crds from the Rust types
 	$(CARGO) run -q -p pko-operator -- crdgen --out deploy/crds
+
+.PHONY: policies
+policies: tools ## `opa test` the Rego policies, then `opa build -t wasm` them into $(PKO_POLICY_BUNDLE)
+	tools/policies.sh "$(PKO_POLICY_BUNDLE)"
+
+.PHONY: plugins
+plugins: toolchain ## build the transform plugins and hostile test guests (wasm32-wasip2) into $(PKO_PLUGINS_DIR)
+	@rustup target list --installed | grep -qx wasm32-wasip2 || rustup target add wasm32-wasip2
+	cd plugins && CARGO_TARGET_DIR=$(PLUGINS_TARGET_DIR) $(CARGO) build --release --target wasm32-wasip2
 
 .PHONY: build
 build: toolchain ## build every crate and test (debug)
@@ -39,10 +56,11 @@ build: toolchain ## build every crate and test (debug)
 .PHONY: lint
 lint: toolchain ## rustfmt and clippy, warnings are errors
 	$(CARGO) fmt --all -- --check
+	cd plugins && $(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 .PHONY: test
-test: tools build lint ## every test: unit + integration on a real etcd + kube-apiserver
+test: tools policies plugins build lint ## every test: unit + integration on a real etcd + kube-apiserver
 	$(CARGO) test --workspace --all-targets --no-fail-fast
 
 .PHONY: run
@@ -50,9 +68,25 @@ run: tools build ## local control plane + CRDs + operator + examples/program.yam
 	$(CARGO_TARGET_DIR)/debug/pko-dev run
 
 .PHONY: bench
-bench: tools ## benchmarks (release build, own target dir); results go to docs/benchmarks.md
+bench: tools plugins policies ## benchmarks (release build, own target dir); results go to docs/benchmarks.md
 	CARGO_TARGET_DIR=$(CACHE_DIR)/target-release $(CARGO) build --release -p pko-operator -p pko-tests --bins
 	$(CACHE_DIR)/target-release/release/pko-bench --out docs/benchmarks.md
+	$(CACHE_DIR)/target-release/release/pko-bench-admission --out docs/benchmarks.md
+
+# The container image ships exactly what `make dist` leaves in $(DIST_DIR); the Dockerfile runs
+# this target and copies nothing else (tests/tests/deploy.rs checks both).
+DIST_DIR ?= dist
+
+.PHONY: dist
+dist: ## release binaries the container image ships, into $(DIST_DIR)/
+	$(CARGO) build --locked --release -p pko-operator --bin pko-operator -p pko-agent --bin pko-agent
+	install -D -m 0755 $(CARGO_TARGET_DIR)/release/pko-operator $(DIST_DIR)/pko-operator
+	install -D -m 0755 $(CARGO_TARGET_DIR)/release/pko-agent $(DIST_DIR)/pko-agent
+
+.PHONY: dist-policies
+dist-policies: ## the admission policy bundle the container image ships, into $(DIST_DIR)/
+	tools/policies.sh $(CACHE_DIR)/policies/dist.tar.gz
+	install -D -m 0644 $(CACHE_DIR)/policies/dist.tar.gz $(DIST_DIR)/policies.tar.gz
 
 .PHONY: clean-cache
 clean-cache: ## remove built tools and the Rust target dir

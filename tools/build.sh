@@ -76,6 +76,6 @@ case ${1:-all} in
   kube) build_kube ;;
   opa) build_opa ;;
   pulumi) build_pulumi ;;
-  all) build_kube; build_opa ;;
+  all) build_kube; build_opa; build_pulumi ;;
   *) echo "usage: $0 kube|opa|pulumi|all | dir COMPONENT" >&2; exit 2 ;;
 esac

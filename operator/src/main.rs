@@ -6,14 +6,19 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+use kube::api::DynamicObject;
 use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::discovery::ApiResource;
 use kube::{Api, Client};
 use pko_api::program::Program;
-use pko_operator::config::AdvertisedAddress;
+use pko_api::stack::Stack;
+use pko_operator::config::{AdvertisedAddress, parse_duration};
 use pko_operator::controller::program::{self, ProgramContext};
 use pko_operator::fileserver::{self, FileServer, server};
+use pko_operator::leader::{self, ElectionConfig, Leadership};
 use pko_operator::metrics::Metrics;
 use pko_operator::probes::{self, Readiness};
+use pko_operator::stack_metrics;
 use pko_operator::telemetry::{self, LogFormat};
 use tokio_util::sync::CancellationToken;
 use tracing::info;
@@ -41,6 +46,20 @@ enum Command {
         #[arg(long, default_value = "deploy/crds")]
         out: PathBuf,
     },
+    /// Run a Program manifest through its transforms offline and print the resulting
+    /// Pulumi.yaml (or, with --diff, a unified diff against the untransformed one).
+    Render(pko_operator::cli::RenderArgs),
+    /// Tools for plugin authors.
+    Plugin {
+        #[command(subcommand)]
+        command: PluginCommand,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum PluginCommand {
+    /// Run a component against fixture cases: input, config, expected output or error.
+    Test(pko_operator::cli::PluginTestArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -89,6 +108,43 @@ struct RunArgs {
         default_value = "info"
     )]
     log_level: String,
+    /// Workspace, Update and Stack controllers.
+    #[command(flatten)]
+    execution: pko_operator::controller::execution::ExecutionArgs,
+    /// Run the controllers only on the replica holding the leader lease; the file server and
+    /// probes run on every replica either way. `--leader-elect` alone means true.
+    #[arg(
+        long,
+        env = "LEADER_ELECT",
+        num_args = 0..=1,
+        default_value_t = false,
+        default_missing_value = "true",
+        action = clap::ArgAction::Set
+    )]
+    leader_elect: bool,
+    /// Name of the leader-election Lease.
+    #[arg(long, env = "LEADER_ELECTION_ID", default_value = "pko-rs-operator")]
+    leader_election_id: String,
+    /// Namespace of the leader-election Lease; default $POD_NAMESPACE, then the in-cluster
+    /// service account's namespace.
+    #[arg(long, env = "LEADER_ELECTION_NAMESPACE")]
+    leader_election_namespace: Option<String>,
+    /// How long a lease stays valid after its last renewal (Go duration or seconds).
+    #[arg(long, env = "LEADER_ELECTION_LEASE_DURATION", default_value = "60s", value_parser = parse_duration)]
+    leader_election_lease_duration: Duration,
+    /// The leader renews its lease this long after the last renewal.
+    #[arg(long, env = "LEADER_ELECTION_RENEW_DEADLINE", default_value = "45s", value_parser = parse_duration)]
+    leader_election_renew_deadline: Duration,
+    /// Pause after a failed lease request; also the timeout of each lease request.
+    #[arg(long, env = "LEADER_ELECTION_RETRY_PERIOD", default_value = "10s", value_parser = parse_duration)]
+    leader_election_retry_period: Duration,
+    /// After SIGTERM: how long in-flight reconciles and requests get to finish.
+    #[arg(long, env = "GRACEFUL_SHUTDOWN_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    graceful_shutdown_timeout: Duration,
+    #[command(flatten)]
+    webhook: pko_admission::cli::WebhookArgs,
+    #[command(flatten)]
+    plugins: pko_operator::transform::PluginArgs,
 }
 
 #[tokio::main]
@@ -101,6 +157,36 @@ async fn main() -> anyhow::Result<()> {
             println!("wrote CRDs to {}", out.display());
             Ok(())
         }
+        Some(Command::Render(args)) => {
+            let rendered = pko_operator::cli::render(&args).await?;
+            for note in &rendered.notes {
+                eprintln!("# {note}");
+            }
+            print!("{}", rendered.output);
+            Ok(())
+        }
+        Some(Command::Plugin {
+            command: PluginCommand::Test(args),
+        }) => {
+            let results = pko_operator::cli::plugin_test(&args).await?;
+            let failed = results.iter().filter(|r| r.outcome.is_err()).count();
+            for result in &results {
+                match &result.outcome {
+                    Ok(()) => println!("ok    {}", result.name),
+                    Err(why) => println!(
+                        "FAIL  {} ({})\n      {}",
+                        result.name,
+                        result.file.display(),
+                        why.replace('\n', "\n      ")
+                    ),
+                }
+            }
+            println!("{} passed, {failed} failed", results.len() - failed);
+            if failed > 0 {
+                anyhow::bail!("{failed} case(s) failed");
+            }
+            Ok(())
+        }
         None => run(cli.run).await,
     }
 }
@@ -110,8 +196,9 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     // kube and rustls must agree on one crypto provider; ring is the only one linked.
     let _ = rustls::crypto::ring::default_provider().install_default();
 
-    let client = kube_client(&args).await?;
-    let metrics = Metrics::new();
+    let client = kube_client(&args, None).await?;
+    let admission_metrics = pko_admission::AdmissionMetrics::new();
+    let metrics = Metrics::with_extra(|registry| admission_metrics.register(registry));
     let shutdown = CancellationToken::new();
     let hostname = std::env::var("HOSTNAME").ok();
     let advertised = AdvertisedAddress::resolve(
@@ -125,14 +212,59 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         Some(namespace) => Api::namespaced(client.clone(), namespace),
         None => Api::all(client.clone()),
     };
-    let (index, index_driver) =
-        fileserver::index::watch(programs.clone(), args.artifact_cache_bytes, metrics.clone());
+    // Transform plugins, on every replica: each file server runs the chains too.
+    let transforms = if args.plugins.plugins_enabled {
+        Some(pko_operator::transform::TransformRegistry::from_args(
+            &args.plugins,
+            client.clone(),
+            metrics.plugins.clone(),
+        )?)
+    } else {
+        None
+    };
+    let (index, index_driver) = fileserver::index::watch(
+        programs.clone(),
+        args.artifact_cache_bytes,
+        metrics.clone(),
+        transforms.clone(),
+    );
     let mut tasks = tokio::task::JoinSet::new();
+    if let Some(transforms) = &transforms {
+        let driver = transforms.clone().run(
+            client.clone(),
+            args.watch_namespace.clone().filter(|n| !n.is_empty()),
+        );
+        let stop = shutdown.clone();
+        tasks.spawn(async move {
+            tokio::select! {
+                () = driver => {},
+                () = stop.cancelled() => {},
+            }
+        });
+    }
     {
         let stop = shutdown.clone();
         tasks.spawn(async move {
             tokio::select! {
                 () = index_driver => {},
+                () = stop.cancelled() => {},
+            }
+        });
+    }
+
+    // Stack gauges: a watch on every replica, like the Program watch above.
+    let stack_resource = ApiResource::erase::<Stack>(&());
+    let stacks: Api<DynamicObject> = match args.watch_namespace.as_deref().filter(|n| !n.is_empty())
+    {
+        Some(namespace) => Api::namespaced_with(client.clone(), namespace, &stack_resource),
+        None => Api::all_with(client.clone(), &stack_resource),
+    };
+    let (stacks_synced, stacks_driver) = stack_metrics::watch(stacks, metrics.clone());
+    {
+        let stop = shutdown.clone();
+        tasks.spawn(async move {
+            tokio::select! {
+                () = stacks_driver => {},
                 () = stop.cancelled() => {},
             }
         });
@@ -151,8 +283,32 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         shutdown.clone().cancelled_owned(),
     ));
 
-    let readiness = Readiness::new(vec![("program cache", index.synced_flag())]);
-    let probe_app = probes::router(readiness, metrics.clone());
+    let mut checks = vec![
+        ("program cache", index.synced_flag()),
+        ("stack cache", stacks_synced),
+    ];
+    if let Some(transforms) = &transforms {
+        checks.push(("transforms", transforms.synced_flag()));
+    }
+    // Admission webhook, on every replica: policies, tenancy data and its own certificate.
+    let fs_host = advertised.as_str().split_once("://").map(|(_, host)| host);
+    let pod_namespace = std::env::var("POD_NAMESPACE").ok();
+    if let Some(config) = args.webhook.config(fs_host, pod_namespace.as_deref())? {
+        let started = pko_admission::start(
+            client.clone(),
+            config,
+            admission_metrics.clone(),
+            shutdown.clone(),
+        )
+        .await?;
+        checks.push(("tenancy policies", started.tenancy_synced));
+        checks.push(("admission webhook", started.serving));
+        for task in started.tasks {
+            tasks.spawn(task);
+        }
+    }
+    let readiness = Readiness::new(checks);
+    let probe_app = probes::router(readiness.clone(), metrics.clone());
     let probe_listener = server::bind(&args.health_probe_bind_address).await?;
     tasks.spawn(server::serve(
         "probes",
@@ -180,28 +336,136 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         index.clone(),
         metrics.clone(),
     ));
-    tasks.spawn(program::run(
-        programs,
-        ctx,
-        args.max_concurrent_reconciles,
-        shutdown.clone().cancelled_owned(),
+    // The lease is released only after the controllers stop, hence its own stop token.
+    let election_stop = CancellationToken::new();
+    let (leadership, mut election_task) = if args.leader_elect {
+        let config = election_config(&args)?;
+        let lease_client =
+            kube_client(&args, Some(config.retry_period.max(Duration::from_secs(1)))).await?;
+        let (leadership, task) =
+            leader::spawn_election(lease_client, config, metrics.clone(), election_stop.clone())?;
+        (leadership, Some(task))
+    } else {
+        metrics.leader.set(1);
+        (Leadership::always(), None)
+    };
+    let concurrency = args.max_concurrent_reconciles;
+    // Every controller runs here, on the leader only, and stops when leadership ends.
+    let (status_client, status_metrics) = (client.clone(), metrics.clone());
+    let execution_args = args.execution.clone();
+    let execution_namespace = args.watch_namespace.clone().filter(|n| !n.is_empty());
+    let controllers = move |stop: CancellationToken| {
+        let (programs, ctx) = (programs.clone(), ctx.clone());
+        let execution = pko_operator::controller::execution::run(
+            status_client.clone(),
+            execution_namespace.clone(),
+            execution_args.clone(),
+            status_metrics.clone(),
+            concurrency,
+            stop.clone(),
+        );
+        let transform_status = transforms.clone().map(|registry| {
+            pko_operator::controller::transform::run(
+                registry,
+                status_client.clone(),
+                status_metrics.clone(),
+                stop.clone().cancelled_owned(),
+            )
+        });
+        async move {
+            let programs = program::run(programs, ctx, concurrency, stop.cancelled_owned());
+            let programs = async move {
+                tokio::join!(programs, execution);
+            };
+            match transform_status {
+                Some(status) => {
+                    tokio::join!(programs, status);
+                }
+                None => programs.await,
+            }
+        }
+    };
+    let controllers_task = tokio::spawn(leader::run_while_leader(
+        leadership,
+        shutdown.clone(),
+        args.graceful_shutdown_timeout,
+        controllers,
     ));
 
-    wait_for_signal().await?;
+    let election_died = tokio::select! {
+        signal = wait_for_signal() => { signal?; false }
+        () = task_ended(&mut election_task) => true,
+    };
     info!("shutting down");
+    readiness.start_draining();
     shutdown.cancel();
-    // Everything above drains within its own bound; this is the backstop.
-    let drained = tokio::time::timeout(Duration::from_secs(30), async {
+    let deadline = tokio::time::Instant::now() + args.graceful_shutdown_timeout;
+    if tokio::time::timeout_at(deadline, controllers_task)
+        .await
+        .is_err()
+    {
+        tracing::warn!("controllers did not stop within the graceful shutdown timeout");
+    }
+    election_stop.cancel();
+    if let Some(task) = election_task {
+        // The election task bounds the release itself; this is the backstop.
+        let _ = tokio::time::timeout(Duration::from_secs(10), task).await;
+    }
+    // Listeners and watches drain within their own bounds; this is the backstop.
+    let drained = tokio::time::timeout_at(deadline, async {
         while tasks.join_next().await.is_some() {}
     })
     .await;
     if drained.is_err() {
         tracing::warn!("shutdown timed out");
     }
+    if election_died {
+        anyhow::bail!("leader election ended unexpectedly");
+    }
     Ok(())
 }
 
-async fn kube_client(args: &RunArgs) -> anyhow::Result<Client> {
+/// Resolves when `task` ends; never when there is none.
+async fn task_ended(task: &mut Option<tokio::task::JoinHandle<()>>) {
+    match task {
+        Some(handle) => {
+            let _ = handle.await;
+        }
+        None => std::future::pending().await,
+    }
+}
+
+fn election_config(args: &RunArgs) -> anyhow::Result<ElectionConfig> {
+    let namespace = args
+        .leader_election_namespace
+        .clone()
+        .filter(|n| !n.is_empty())
+        .or_else(|| {
+            std::env::var("POD_NAMESPACE")
+                .ok()
+                .filter(|n| !n.is_empty())
+        })
+        .or_else(|| {
+            std::fs::read_to_string("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+                .ok()
+                .map(|n| n.trim().to_owned())
+                .filter(|n| !n.is_empty())
+        })
+        .context("--leader-elect needs --leader-election-namespace (or $POD_NAMESPACE)")?;
+    let config = ElectionConfig {
+        lease_name: args.leader_election_id.clone(),
+        namespace,
+        identity: leader::default_identity(std::env::var("POD_NAME").ok().as_deref()),
+        lease_duration: args.leader_election_lease_duration,
+        renew_deadline: args.leader_election_renew_deadline,
+        retry_period: args.leader_election_retry_period,
+    };
+    config.timings()?;
+    Ok(config)
+}
+
+/// A client for `args`; `read_timeout` bounds every response (not for watches).
+async fn kube_client(args: &RunArgs, read_timeout: Option<Duration>) -> anyhow::Result<Client> {
     let mut config = match &args.kubeconfig {
         Some(path) => {
             let kubeconfig = Kubeconfig::read_from(path)
@@ -218,6 +482,9 @@ async fn kube_client(args: &RunArgs) -> anyhow::Result<Client> {
     // No read timeout: watches stay open for minutes by design.
     config.write_timeout = Some(timeout);
     config.connect_timeout = Some(timeout);
+    if let Some(read_timeout) = read_timeout {
+        config.read_timeout = Some(read_timeout);
+    }
     Client::try_from(config).context("building the Kubernetes client")
 }
 

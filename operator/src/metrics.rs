@@ -32,6 +32,13 @@ pub struct RequestLabels {
     pub code: u16,
 }
 
+/// Labels of per-Stack series (PKO's `stacks_failing` / `stacks_reconciling`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StackLabels {
+    pub namespace: String,
+    pub name: String,
+}
+
 /// Labels of the build-info series.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct BuildLabels {
@@ -49,6 +56,14 @@ pub struct Metrics {
     registry: Arc<Registry>,
     /// PKO's `programs_active`: Programs currently known to this replica.
     pub programs_active: Gauge,
+    /// PKO's `stacks_active`: Stacks currently known to this replica.
+    pub stacks_active: Gauge,
+    /// PKO's `stacks_failing{namespace,name}`: 1 while the Stack's last update failed.
+    pub stacks_failing: Family<StackLabels, Gauge>,
+    /// PKO's `stacks_reconciling{namespace,name}`: 1 while the Stack is `Reconciling=True`.
+    pub stacks_reconciling: Family<StackLabels, Gauge>,
+    /// 1 while this replica holds the leader lease (or runs without leader election).
+    pub leader: Gauge,
     pub reconciles: Family<ControllerLabels, Counter>,
     pub reconcile_errors: Family<ErrorLabels, Counter>,
     pub reconcile_duration: Family<ControllerLabels, Histogram>,
@@ -57,6 +72,8 @@ pub struct Metrics {
     pub fileserver_cache_hits: Counter,
     pub fileserver_cache_misses: Counter,
     pub fileserver_cache_bytes: Gauge,
+    /// Transform plugin calls, errors, latency and fuel (`pko_plugin_*`).
+    pub plugins: pko_plugins::PluginMetrics,
 }
 
 impl Default for Metrics {
@@ -67,12 +84,45 @@ impl Default for Metrics {
 
 impl Metrics {
     pub fn new() -> Self {
+        Self::with_extra(|_| {})
+    }
+
+    /// Like [`Self::new`], with more metrics registered by `extra` (components living in
+    /// other crates, e.g. the admission webhook), served on the same `/metrics`.
+    pub fn with_extra(extra: impl FnOnce(&mut Registry)) -> Self {
         let mut registry = Registry::default();
+        extra(&mut registry);
+        let plugins = pko_plugins::PluginMetrics::new();
+        plugins.register(&mut registry);
         let programs_active = Gauge::default();
         registry.register(
             "programs_active",
             "Number of Program objects known to the operator",
             programs_active.clone(),
+        );
+        let stacks_active = Gauge::default();
+        registry.register(
+            "stacks_active",
+            "Number of stacks currently tracked by the operator",
+            stacks_active.clone(),
+        );
+        let stacks_failing = Family::<StackLabels, Gauge>::default();
+        registry.register(
+            "stacks_failing",
+            "1 for each stack whose last update failed, 0 otherwise",
+            stacks_failing.clone(),
+        );
+        let stacks_reconciling = Family::<StackLabels, Gauge>::default();
+        registry.register(
+            "stacks_reconciling",
+            "1 for each stack with Reconciling=True, 0 otherwise",
+            stacks_reconciling.clone(),
+        );
+        let leader = Gauge::default();
+        registry.register(
+            "pko_leader",
+            "1 while this replica is the leader and runs the controllers",
+            leader.clone(),
         );
         let reconciles = Family::<ControllerLabels, Counter>::default();
         registry.register(
@@ -133,6 +183,10 @@ impl Metrics {
         Self {
             registry: Arc::new(registry),
             programs_active,
+            stacks_active,
+            stacks_failing,
+            stacks_reconciling,
+            leader,
             reconciles,
             reconcile_errors,
             reconcile_duration,
@@ -141,6 +195,7 @@ impl Metrics {
             fileserver_cache_hits,
             fileserver_cache_misses,
             fileserver_cache_bytes,
+            plugins,
         }
     }
 
@@ -149,6 +204,20 @@ impl Metrics {
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &self.registry)?;
         Ok(out)
+    }
+
+    /// Creates a controller's series at zero, so they are exported (and `rate()` works) before
+    /// its first reconcile or error. Called when the controller starts, i.e. on the leader.
+    pub fn init_controller(&self, controller: &str, error_kinds: &[&str]) {
+        let labels = self.controller(controller);
+        drop(self.reconciles.get_or_create(&labels));
+        drop(self.reconcile_duration.get_or_create(&labels));
+        for kind in error_kinds {
+            drop(self.reconcile_errors.get_or_create(&ErrorLabels {
+                controller: controller.to_owned(),
+                error: (*kind).to_owned(),
+            }));
+        }
     }
 
     pub fn controller(&self, name: &str) -> ControllerLabels {

@@ -15,13 +15,25 @@ use crate::metrics::Metrics;
 #[derive(Clone, Default)]
 pub struct Readiness {
     checks: Arc<Vec<(&'static str, Arc<AtomicBool>)>>,
+    /// Set on SIGTERM: load balancers stop sending new requests while in-flight ones drain.
+    draining: Arc<AtomicBool>,
 }
 
 impl Readiness {
     pub fn new(checks: Vec<(&'static str, Arc<AtomicBool>)>) -> Self {
         Self {
             checks: Arc::new(checks),
+            draining: Arc::new(AtomicBool::new(false)),
         }
+    }
+
+    /// From now on `/readyz` answers 503 "shutting down".
+    pub fn start_draining(&self) {
+        self.draining.store(true, Ordering::Release);
+    }
+
+    fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Acquire)
     }
 
     fn pending(&self) -> Vec<&'static str> {
@@ -49,6 +61,13 @@ pub fn router(readiness: Readiness, metrics: Metrics) -> Router {
 }
 
 async fn readyz(State(state): State<ProbeState>) -> Response {
+    if state.readiness.is_draining() {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not ready: shutting down\n",
+        )
+            .into_response();
+    }
     let pending = state.readiness.pending();
     if pending.is_empty() {
         (StatusCode::OK, "ok\n").into_response()
@@ -72,5 +91,33 @@ async fn metrics_text(State(state): State<ProbeState>) -> Response {
         )
             .into_response(),
         Err(_) => (StatusCode::INTERNAL_SERVER_ERROR, "cannot encode metrics\n").into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn ready_only_after_every_cache_and_not_while_draining() {
+        let programs = Arc::new(AtomicBool::new(false));
+        let stacks = Arc::new(AtomicBool::new(false));
+        let readiness = Readiness::new(vec![
+            ("program cache", programs.clone()),
+            ("stack cache", stacks.clone()),
+        ]);
+        let state = ProbeState {
+            readiness: readiness.clone(),
+            metrics: Metrics::new(),
+        };
+        let status = |state: ProbeState| async move { readyz(State(state)).await.status() };
+        assert_eq!(status(state.clone()).await, StatusCode::SERVICE_UNAVAILABLE);
+        programs.store(true, Ordering::Release);
+        assert_eq!(readiness.pending(), ["stack cache"]);
+        assert_eq!(status(state.clone()).await, StatusCode::SERVICE_UNAVAILABLE);
+        stacks.store(true, Ordering::Release);
+        assert_eq!(status(state.clone()).await, StatusCode::OK);
+        readiness.start_draining();
+        assert_eq!(status(state).await, StatusCode::SERVICE_UNAVAILABLE);
     }
 }

@@ -31,8 +31,11 @@ pub fn init(format: LogFormat, filter: &str) -> Result<(), TelemetryError> {
         filter: filter.to_owned(),
         source,
     })?;
+    // Colours only on a terminal: `kubectl logs` and log files get plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(env_filter)
+        .with_ansi(ansi)
         .with_writer(std::io::stderr);
     let result = match format {
         LogFormat::Text => builder.try_init(),

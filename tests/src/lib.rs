@@ -8,10 +8,15 @@
 //!
 //! Processes started here never outlive the test process (see [`spawn_guarded`]).
 
+pub mod agent;
 mod control_plane;
+pub mod kubelet;
 pub mod operator;
 mod pki;
+pub mod plugin_bench;
+pub mod plugins;
 mod process;
+pub mod webhook;
 
 use std::future::Future;
 use std::path::PathBuf;

@@ -118,6 +118,46 @@ impl Operator {
     pub fn stop(&mut self) {
         self.guard.take();
     }
+
+    /// The process id while the process runs under this guard.
+    pub fn pid(&self) -> Option<u32> {
+        self.guard.as_ref().map(ChildGuard::pid)
+    }
+
+    /// `kill -9`: no shutdown code runs (the leader lease is not released).
+    pub fn kill(&mut self) -> Option<std::process::ExitStatus> {
+        self.guard.as_mut()?.kill()
+    }
+
+    /// SIGTERM, then up to `grace` for a clean exit before SIGKILL; returns the exit status.
+    pub fn terminate(&mut self, grace: Duration) -> Option<std::process::ExitStatus> {
+        self.guard.as_mut()?.terminate(grace)
+    }
+
+    /// The text of `/metrics`, or `None` if the process does not answer.
+    pub async fn metrics_text(&self) -> Option<String> {
+        let resp = reqwest::get(self.probe_url("/metrics")).await.ok()?;
+        if !resp.status().is_success() {
+            return None;
+        }
+        resp.text().await.ok()
+    }
+
+    /// The value of the sample `series` (name plus labels exactly as exposed, e.g.
+    /// `stacks_failing{namespace="a",name="b"}`) in `/metrics`.
+    pub async fn metric(&self, series: &str) -> Option<f64> {
+        metric_value(&self.metrics_text().await?, series)
+    }
+}
+
+/// The value of the sample `series` in a Prometheus/OpenMetrics text exposition.
+pub fn metric_value(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .filter(|line| !line.starts_with('#'))
+        .find_map(|line| {
+            let (name, value) = line.rsplit_once(' ')?;
+            (name == series).then(|| value.parse().ok()).flatten()
+        })
 }
 
 /// The `pko-operator` binary from the same target folder as the running test.

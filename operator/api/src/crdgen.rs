@@ -1,4 +1,4 @@
-//! Builds the CRDs of the four kinds and renders them as the YAML files in `deploy/crds/`.
+//! Builds the CRDs of every kind and renders them as the YAML files in `deploy/crds/`.
 
 use std::path::Path;
 
@@ -46,6 +46,18 @@ pub fn try_crds() -> Result<Vec<(String, CustomResourceDefinition)>, Error> {
         ),
         ("pulumi.com_programs.yaml".to_owned(), try_program_crd()?),
         ("pulumi.com_stacks.yaml".to_owned(), try_stack_crd()?),
+        (
+            "pko-rs.dev_tenancypolicies.yaml".to_owned(),
+            <crate::tenancy::TenancyPolicy as kube::CustomResourceExt>::crd(),
+        ),
+        (
+            "pko-rs.dev_programtransforms.yaml".to_owned(),
+            <crate::transform::ProgramTransform as kube::CustomResourceExt>::crd(),
+        ),
+        (
+            "pko-rs.dev_clusterprogramtransforms.yaml".to_owned(),
+            <crate::transform::ClusterProgramTransform as kube::CustomResourceExt>::crd(),
+        ),
     ])
 }
 

@@ -16,6 +16,8 @@ pub mod crdgen;
 pub mod program;
 pub mod schema;
 pub mod stack;
+pub mod tenancy;
+pub mod transform;
 pub mod update;
 pub mod workspace;
 
@@ -25,6 +27,8 @@ mod tests;
 pub use common::Condition;
 pub use program::Program;
 pub use stack::Stack;
+pub use tenancy::TenancyPolicy;
+pub use transform::{ClusterProgramTransform, ProgramTransform};
 pub use update::Update;
 pub use workspace::Workspace;
 

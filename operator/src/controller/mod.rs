@@ -1,3 +1,9 @@
 //! Controllers: reconcile + error_policy per kind.
 
+pub mod conditions;
+pub mod execution;
 pub mod program;
+pub mod stack;
+pub mod transform;
+pub mod update;
+pub mod workspace;

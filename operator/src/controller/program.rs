@@ -4,6 +4,13 @@
 //! Beyond PKO: the status is written only when something changed (PKO rewrites
 //! `lastUpdateTime = now` on every reconcile, so each operator restart rewrites every Program), and
 //! a Program whose artifact cannot be built says so in a condition and an Event.
+//!
+//! Transforms: the Program's transform chain runs before the artifact is built; the applied
+//! chain is recorded in `status.artifact.metadata` (a field PKO defines and never sets). A
+//! transform failing under `failurePolicy: Fail` makes `Ready=False` with a reason naming the
+//! cause (`TransformTimeout`, `TransformFuelExhausted`, …) and a Warning event; one skipped under
+//! `Ignore` leaves the Program served without it, with a Warning event. When a transform changes,
+//! the Programs whose chain changed are reconciled again (see `crate::transform`).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -13,21 +20,32 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::{self, Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 use kube::{Api, Client, Resource, ResourceExt};
 use pko_api::program::Program;
 use serde_json::{Value, json};
+use tokio::sync::broadcast;
 use tracing::{info, instrument, warn};
 
-use crate::artifact::ArtifactError;
 use crate::config::{AdvertisedAddress, artifact_path};
-use crate::fileserver::index::ProgramIndex;
+use crate::fileserver::index::{BuildError, BuildResult, Built, ProgramIndex};
 use crate::metrics::{ErrorLabels, Metrics};
 
 /// Field manager of the Program status (one per controller, as PKO).
 pub const STATUS_MANAGER: &str = "pko-rs/program-status";
 const CONTROLLER: &str = "program";
 const READY: &str = "Ready";
+/// `status.artifact.metadata` key: the fingerprint of the chain the artifact was built with.
+pub const METADATA_CHAIN: &str = "transforms.pko-rs.dev/chain";
+/// `status.artifact.metadata` key: the transforms applied, in order, as a JSON array of
+/// `{transform, plugin, module, config}` (module and config digests).
+pub const METADATA_APPLIED: &str = "transforms.pko-rs.dev/applied";
+/// `status.artifact.metadata` key: transforms skipped under `failurePolicy: Ignore`, as a JSON
+/// array of `{transform, reason, message}`.
+pub const METADATA_SKIPPED: &str = "transforms.pko-rs.dev/skipped";
+/// Delay before building again after a failure that may not recur (a timeout, a busy host).
+const TRANSIENT_REQUEUE: Duration = Duration::from_secs(30);
 
 /// Failures of one reconcile.
 #[derive(Debug, thiserror::Error)]
@@ -41,6 +59,9 @@ pub enum ProgramError {
 }
 
 impl ProgramError {
+    /// Every value of [`Self::kind`], exported at zero from the start.
+    pub const KINDS: &'static [&'static str] = &["no_namespace", "status_write", "encode"];
+
     fn kind(&self) -> &'static str {
         match self {
             Self::NoNamespace => "no_namespace",
@@ -94,7 +115,7 @@ struct Desired {
 #[derive(Debug, PartialEq)]
 struct Condition {
     status: &'static str,
-    reason: &'static str,
+    reason: String,
     message: String,
 }
 
@@ -105,7 +126,34 @@ pub async fn run(
     concurrency: u16,
     shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
 ) {
-    Controller::new(api, watcher::Config::default().any_semantic())
+    ctx.metrics.init_controller(CONTROLLER, ProgramError::KINDS);
+    let controller = Controller::new(api, watcher::Config::default().any_semantic());
+    // Programs whose transform chain changed are reconciled again; a receiver that fell behind
+    // gets every Program instead.
+    let controller = match ctx.index.transforms() {
+        Some(transforms) => {
+            let store = controller.store();
+            let triggers = futures::stream::unfold(
+                (transforms.subscribe_programs(), store),
+                |(mut rx, store)| async move {
+                    let programs = match rx.recv().await {
+                        Ok(program) => vec![program],
+                        Err(broadcast::error::RecvError::Lagged(_)) => store
+                            .state()
+                            .iter()
+                            .map(|p| ObjectRef::from_obj(p.as_ref()))
+                            .collect(),
+                        Err(broadcast::error::RecvError::Closed) => return None,
+                    };
+                    Some((programs, (rx, store)))
+                },
+            )
+            .flat_map(futures::stream::iter);
+            controller.reconcile_on(triggers)
+        }
+        None => controller,
+    };
+    controller
         .with_config(controller::Config::default().concurrency(concurrency))
         .graceful_shutdown_on(shutdown)
         .run(reconcile, error_policy, ctx)
@@ -147,9 +195,21 @@ async fn reconcile_inner(
     let current = current_status(program)?;
 
     let built = ctx.index.artifact_for(program.clone()).await;
+    if let Err(err) = &built
+        && matches!(**err, BuildError::Transforms(_))
+    {
+        // The transforms are not known yet: nothing true to report; look again shortly.
+        return Ok(Action::requeue(Duration::from_secs(5)));
+    }
+    // A result shaped by a timeout or a busy host is built again later.
+    let next = match &built {
+        Ok(b) if b.chain.transient() => Action::requeue(TRANSIENT_REQUEUE),
+        Err(e) if e.is_transient() => Action::requeue(TRANSIENT_REQUEUE),
+        _ => Action::await_change(),
+    };
     let desired = desired_status(ctx, &namespace, &name, generation, &built, &current);
     if current.matches(&desired) {
-        return Ok(Action::await_change());
+        return Ok(next);
     }
 
     let now = Timestamp::now().to_string();
@@ -203,36 +263,81 @@ async fn reconcile_inner(
     .await
     .map_err(ProgramError::Status)?;
 
-    let event = match &built {
-        Ok(artifact) => {
-            info!(generation, digest = %artifact.digest, "artifact ready");
-            Event {
-                type_: EventType::Normal,
-                reason: "ArtifactReady".into(),
-                note: Some(format!(
+    for event in events(ctx, &namespace, &name, generation, &built) {
+        if let Err(err) = ctx.recorder.publish(&event, &program.object_ref(&())).await {
+            warn!(error = %err, "cannot publish event");
+        }
+    }
+    Ok(next)
+}
+
+/// The Events of a status change: the outcome, plus one per skipped transform and per
+/// transform that returned warnings.
+fn events(
+    ctx: &ProgramContext,
+    namespace: &str,
+    name: &str,
+    generation: i64,
+    built: &BuildResult,
+) -> Vec<Event> {
+    let event = |type_, reason: &str, note: String| Event {
+        type_,
+        reason: reason.into(),
+        note: Some(truncate(&note, 1000)),
+        action: "BuildArtifact".into(),
+        secondary: None,
+    };
+    match built {
+        Ok(built) => {
+            let artifact = &built.artifact;
+            info!(generation, digest = %artifact.digest, transforms = built.chain.applied.len(), "artifact ready");
+            let mut out = vec![event(
+                EventType::Normal,
+                "ArtifactReady",
+                format!(
                     "generation {generation} is served at {} ({})",
-                    ctx.advertised.program_url(&namespace, &name, generation),
+                    ctx.advertised.program_url(namespace, name, generation),
                     artifact.digest
-                )),
-                action: "BuildArtifact".into(),
-                secondary: None,
+                ),
+            )];
+            for skipped in &built.chain.skipped {
+                warn!(generation, transform = %skipped.id, error = %skipped.error, "transform skipped");
+                out.push(event(
+                    EventType::Warning,
+                    "TransformSkipped",
+                    format!(
+                        "generation {generation}: transform {} skipped (failurePolicy Ignore): {}",
+                        skipped.id, skipped.error
+                    ),
+                ));
             }
+            for applied in built
+                .chain
+                .applied
+                .iter()
+                .filter(|a| !a.warnings.is_empty())
+            {
+                out.push(event(
+                    EventType::Warning,
+                    "TransformWarning",
+                    format!("{}: {}", applied.id, applied.warnings.join("; ")),
+                ));
+            }
+            out
         }
         Err(err) => {
             warn!(generation, error = %err, "artifact cannot be built");
-            Event {
-                type_: EventType::Warning,
-                reason: "ArtifactFailed".into(),
-                note: Some(truncate(&format!("generation {generation}: {err}"), 1000)),
-                action: "BuildArtifact".into(),
-                secondary: None,
-            }
+            let reason = match &**err {
+                BuildError::Transform(_) => "TransformFailed",
+                _ => "ArtifactFailed",
+            };
+            vec![event(
+                EventType::Warning,
+                reason,
+                format!("generation {generation}: {err}"),
+            )]
         }
-    };
-    if let Err(err) = ctx.recorder.publish(&event, &program.object_ref(&())).await {
-        warn!(error = %err, "cannot publish event");
     }
-    Ok(Action::await_change())
 }
 
 fn error_policy(program: Arc<Program>, err: &ProgramError, ctx: Arc<ProgramContext>) -> Action {
@@ -272,7 +377,7 @@ impl Current {
                 .as_ref()
                 .is_some_and(|(status, reason, message, _)| {
                     status == desired.ready.status
-                        && reason == desired.ready.reason
+                        && *reason == desired.ready.reason
                         && *message == desired.ready.message
                 })
     }
@@ -319,44 +424,120 @@ fn desired_status(
     namespace: &str,
     name: &str,
     generation: i64,
-    built: &Result<Arc<crate::artifact::Artifact>, ArtifactError>,
+    built: &BuildResult,
     current: &Current,
 ) -> Desired {
     match built {
-        Ok(artifact) => Desired {
-            generation,
-            artifact: Some(json!({
+        Ok(built) => {
+            let artifact = &built.artifact;
+            let mut value = json!({
                 "path": artifact_path(namespace, name, generation),
                 "url": ctx.advertised.program_url(namespace, name, generation),
                 "revision": generation.to_string(),
                 "digest": artifact.digest,
                 "size": artifact.size(),
-            })),
-            ready: Condition {
-                status: "True",
-                reason: "ArtifactReady",
-                message: format!("artifact of generation {generation} is available"),
-            },
-        },
-        Err(err) => Desired {
-            generation,
-            // Keep the last good artifact visible: workspaces already using it keep working.
-            artifact: current.artifact.clone(),
-            ready: Condition {
-                status: "False",
-                reason: "ArtifactFailed",
-                message: truncate(
-                    &format!("artifact of generation {generation} cannot be built: {err}"),
-                    1000,
+            });
+            if let (Some(metadata), Value::Object(map)) = (chain_metadata(built), &mut value) {
+                map.insert("metadata".into(), metadata);
+            }
+            let mut message = format!("artifact of generation {generation} is available");
+            if !built.chain.applied.is_empty() {
+                let ids: Vec<&str> = built.chain.applied.iter().map(|a| a.id.as_str()).collect();
+                message.push_str(&format!("; transformed by {}", ids.join(", ")));
+            }
+            if !built.chain.skipped.is_empty() {
+                let skipped: Vec<String> = built
+                    .chain
+                    .skipped
+                    .iter()
+                    .map(|s| format!("{} ({})", s.id, s.error.kind().camel()))
+                    .collect();
+                message.push_str(&format!("; skipped {}", skipped.join(", ")));
+            }
+            Desired {
+                generation,
+                artifact: Some(value),
+                ready: Condition {
+                    status: "True",
+                    reason: "ArtifactReady".into(),
+                    message: truncate(&message, 1000),
+                },
+            }
+        }
+        Err(err) => {
+            let (reason, message) = match &**err {
+                BuildError::Transform(failure) => (
+                    format!("Transform{}", failure.error.kind().camel()),
+                    format!(
+                        "artifact of generation {generation} is not served: transform {failure} (failurePolicy Fail)"
+                    ),
                 ),
-            },
-        },
+                other => (
+                    "ArtifactFailed".to_owned(),
+                    format!("artifact of generation {generation} cannot be built: {other}"),
+                ),
+            };
+            Desired {
+                generation,
+                // Keep the last good artifact visible: workspaces already using it keep working.
+                artifact: current.artifact.clone(),
+                ready: Condition {
+                    status: "False",
+                    reason,
+                    message: truncate(&message, 1000),
+                },
+            }
+        }
     }
+}
+
+/// `status.artifact.metadata` for an artifact built through transforms (`None` without).
+fn chain_metadata(built: &Built) -> Option<Value> {
+    let chain = &built.chain;
+    if chain.fingerprint.is_empty() {
+        return None;
+    }
+    let applied: Vec<Value> = chain
+        .applied
+        .iter()
+        .map(|a| {
+            json!({
+                "transform": a.id,
+                "plugin": a.plugin,
+                "module": a.module,
+                "config": a.config,
+            })
+        })
+        .collect();
+    let mut map = serde_json::Map::new();
+    map.insert(METADATA_CHAIN.into(), json!(chain.fingerprint));
+    map.insert(
+        METADATA_APPLIED.into(),
+        json!(Value::Array(applied).to_string()),
+    );
+    if !chain.skipped.is_empty() {
+        let skipped: Vec<Value> = chain
+            .skipped
+            .iter()
+            .map(|s| {
+                json!({
+                    "transform": s.id,
+                    "reason": s.error.kind().camel(),
+                    "message": truncate(&s.error.to_string(), 300),
+                })
+            })
+            .collect();
+        map.insert(
+            METADATA_SKIPPED.into(),
+            json!(Value::Array(skipped).to_string()),
+        );
+    }
+    Some(Value::Object(map))
 }
 
 /// Equal in every field except `lastUpdateTime`.
 fn same_artifact(old: &Value, new: &Value) -> bool {
-    ["path", "url", "revision", "digest", "size"]
+    ["path", "url", "revision", "digest", "size", "metadata"]
         .iter()
         .all(|k| old.get(*k) == new.get(*k))
 }

@@ -1,22 +1,26 @@
-//! A bounded, least-recently-used cache of built artifacts, keyed by Program uid and generation.
+//! A bounded, least-recently-used cache of built artifacts, keyed by Program uid, generation and
+//! transform-chain fingerprint.
 //!
 //! The uid (not the name) is part of the key so a Program deleted and re-created under the same
-//! name never sees the old object's bytes.
+//! name never sees the old object's bytes; the chain fingerprint, so a changed transform never
+//! serves bytes built with the old one.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
-use crate::artifact::Artifact;
+use super::index::Built;
 
-/// Identity of one artifact: one generation of one Program object.
+/// Identity of one artifact: one generation of one Program object, through one transform chain.
 #[derive(Clone, Debug, Hash, PartialEq, Eq)]
 pub struct CacheKey {
     pub uid: String,
     pub generation: i64,
+    /// The chain's fingerprint (`""`: no transform).
+    pub chain: String,
 }
 
 struct Slot {
-    artifact: Arc<Artifact>,
+    artifact: Arc<Built>,
     tick: u64,
 }
 
@@ -44,7 +48,7 @@ impl ArtifactCache {
     }
 
     /// The artifact for `key`, marking it recently used.
-    pub fn get(&self, key: &CacheKey) -> Option<Arc<Artifact>> {
+    pub fn get(&self, key: &CacheKey) -> Option<Arc<Built>> {
         let mut inner = self.lock();
         inner.tick += 1;
         let tick = inner.tick;
@@ -56,14 +60,27 @@ impl ArtifactCache {
         Some(artifact)
     }
 
-    /// Store an artifact, evicting the least recently used ones beyond capacity. An artifact
+    /// Store an artifact, evicting the least recently used ones beyond capacity, and the same
+    /// generation built through another chain (only the newest chain is served). An artifact
     /// larger than the whole capacity is not stored (it is still served, built per request).
-    pub fn insert(&self, key: CacheKey, artifact: Arc<Artifact>) {
+    pub fn insert(&self, key: CacheKey, artifact: Arc<Built>) {
         let size = artifact.size();
         if size > self.capacity_bytes {
             return;
         }
         let mut inner = self.lock();
+        let other_chains: Vec<CacheKey> = inner
+            .slots
+            .keys()
+            .filter(|k| k.uid == key.uid && k.generation == key.generation && k.chain != key.chain)
+            .cloned()
+            .collect();
+        for old in other_chains {
+            if let Some(slot) = inner.slots.remove(&old) {
+                inner.order.remove(&slot.tick);
+                inner.bytes -= slot.artifact.size();
+            }
+        }
         inner.tick += 1;
         let tick = inner.tick;
         if let Some(old) = inner.slots.insert(key.clone(), Slot { artifact, tick }) {
@@ -131,11 +148,15 @@ mod tests {
     use bytes::Bytes;
 
     use super::*;
+    use crate::artifact::Artifact;
 
-    fn artifact(len: usize) -> Arc<Artifact> {
-        Arc::new(Artifact {
-            bytes: Bytes::from(vec![0u8; len]),
-            digest: format!("sha256:{len}"),
+    fn artifact(len: usize) -> Arc<Built> {
+        Arc::new(Built {
+            artifact: Artifact {
+                bytes: Bytes::from(vec![0u8; len]),
+                digest: format!("sha256:{len}"),
+            },
+            chain: Default::default(),
         })
     }
 
@@ -143,7 +164,24 @@ mod tests {
         CacheKey {
             uid: uid.into(),
             generation,
+            chain: String::new(),
         }
+    }
+
+    #[test]
+    fn a_new_chain_replaces_the_old_one_for_the_same_generation() {
+        let cache = ArtifactCache::new(1000);
+        let with = |chain: &str| CacheKey {
+            chain: chain.into(),
+            ..key("a", 1)
+        };
+        cache.insert(with(""), artifact(10));
+        cache.insert(key("a", 2), artifact(20));
+        cache.insert(with("sha256:x"), artifact(30));
+        assert!(cache.get(&with("")).is_none());
+        assert!(cache.get(&with("sha256:x")).is_some());
+        assert!(cache.get(&key("a", 2)).is_some());
+        assert_eq!(cache.bytes(), 50);
     }
 
     #[test]

@@ -3,25 +3,99 @@
 //! Every replica runs its own watch, so every replica can answer without asking the apiserver per
 //! request, and (artifacts being deterministic) every replica serves the bytes whose digest the
 //! leader wrote to the Program's status.
+//!
+//! With transforms, an artifact is a pure function of the Program's spec and its transform chain
+//! (transform names, module digests, configurations, limits): the cache key carries the chain's
+//! fingerprint, so a changed chain never serves stale bytes, and every replica computes the same
+//! chain from the same objects.
 
-use std::sync::Arc;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use futures::TryStreamExt;
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, ResourceExt};
 use pko_api::program::Program;
+use pko_plugins::chain::{self, Applied, Chain, Skipped, StepFailure};
+use tokio::sync::OnceCell;
 use tracing::{debug, warn};
 
 use super::cache::{ArtifactCache, CacheKey};
 use crate::artifact::{self, Artifact, ArtifactError};
 use crate::metrics::Metrics;
+use crate::transform::{TransformError, TransformRegistry};
+
+/// Artifacts pre-built at once after Program events.
+const PREBUILDS: usize = 4;
+/// How long a failure that may not recur (a timeout, a busy host) is remembered.
+const TRANSIENT_FAILURE_TTL: Duration = Duration::from_secs(10);
+/// Failures remembered at most (they are small; the bound only guards against churn).
+const MAX_FAILURES: usize = 10_000;
+
+/// An artifact and the transform chain that shaped it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Built {
+    pub artifact: Artifact,
+    pub chain: ChainReport,
+}
+
+impl Built {
+    /// Bytes held in memory (the artifact).
+    pub fn size(&self) -> u64 {
+        self.artifact.size()
+    }
+}
+
+/// What the transform chain did to a Program.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ChainReport {
+    /// The chain's fingerprint (`""` when no transform applies).
+    pub fingerprint: String,
+    pub applied: Vec<Applied>,
+    /// Transforms skipped under `failurePolicy: Ignore`.
+    pub skipped: Vec<Skipped>,
+}
+
+impl ChainReport {
+    /// A transform was skipped for a reason that may not recur: build again soon.
+    pub fn transient(&self) -> bool {
+        self.skipped.iter().any(|s| s.error.kind().is_transient())
+    }
+}
+
+/// Why an artifact cannot be built.
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    #[error(transparent)]
+    Artifact(#[from] ArtifactError),
+    /// A transform failed under `failurePolicy: Fail`.
+    #[error("transform {0}")]
+    Transform(StepFailure),
+    #[error(transparent)]
+    Transforms(#[from] TransformError),
+}
+
+impl BuildError {
+    /// The same build may succeed later (a timeout, a busy host, transforms not synced yet).
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Self::Artifact(_) => false,
+            Self::Transform(failure) => failure.error.kind().is_transient(),
+            Self::Transforms(_) => true,
+        }
+    }
+}
+
+/// The outcome of a build, shared by everyone who asked for it.
+pub type BuildResult = Result<Arc<Built>, Arc<BuildError>>;
 
 /// The outcome of looking up one generation of one Program.
 #[derive(Debug)]
 pub enum Lookup {
-    Found(Arc<Artifact>),
+    Found(Arc<Built>),
     /// No Program of that name in that namespace.
     ProgramNotFound,
     /// The Program exists but has moved past this generation.
@@ -33,7 +107,7 @@ pub enum Lookup {
         current: i64,
     },
     /// The Program's artifact cannot be built.
-    Failed(ArtifactError),
+    Failed(Arc<BuildError>),
 }
 
 /// Programs known to this replica, and their artifacts.
@@ -42,6 +116,11 @@ pub struct ProgramIndex {
     cache: ArtifactCache,
     synced: Arc<AtomicBool>,
     metrics: Metrics,
+    transforms: Option<Arc<TransformRegistry>>,
+    /// Builds in progress: concurrent requests for one key share one build.
+    inflight: Mutex<HashMap<CacheKey, Arc<OnceCell<BuildResult>>>>,
+    /// Recent failures, so a failing Program does not run its plugins on every request.
+    failures: Mutex<HashMap<CacheKey, (Instant, Arc<BuildError>)>>,
 }
 
 impl ProgramIndex {
@@ -51,7 +130,21 @@ impl ProgramIndex {
             cache: ArtifactCache::new(cache_bytes),
             synced: Arc::new(AtomicBool::new(false)),
             metrics,
+            transforms: None,
+            inflight: Mutex::new(HashMap::new()),
+            failures: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Runs each Program's transform chain before building its artifact.
+    pub fn with_transforms(mut self, transforms: Option<Arc<TransformRegistry>>) -> Self {
+        self.transforms = transforms;
+        self
+    }
+
+    /// The transforms, when plugins are enabled.
+    pub fn transforms(&self) -> Option<&Arc<TransformRegistry>> {
+        self.transforms.as_ref()
     }
 
     /// True once the initial list of Programs has been received.
@@ -84,26 +177,69 @@ impl ProgramIndex {
     }
 
     /// The artifact of the Program's current generation, from the cache or freshly built.
-    pub async fn artifact_for(
-        &self,
-        program: Arc<Program>,
-    ) -> Result<Arc<Artifact>, ArtifactError> {
-        let key = cache_key(&program);
+    pub async fn artifact_for(&self, program: Arc<Program>) -> BuildResult {
+        let chain = match &self.transforms {
+            Some(transforms) => transforms
+                .chain_for(&program)
+                .await
+                .map_err(|e| Arc::new(BuildError::from(e)))?,
+            None => Chain::default(),
+        };
+        let key = cache_key(&program, &chain);
         if let Some(hit) = self.cache.get(&key) {
             self.metrics.fileserver_cache_hits.inc();
             return Ok(hit);
         }
+        if let Some(failure) = self.recent_failure(&key) {
+            return Err(failure);
+        }
         self.metrics.fileserver_cache_misses.inc();
-        // Building a large Program takes milliseconds of CPU: keep it off the async workers.
-        let built = tokio::task::spawn_blocking(move || build_program(&program))
+        let cell = lock(&self.inflight).entry(key.clone()).or_default().clone();
+        let host = self.transforms.as_ref().map(|t| t.host().clone());
+        let result = cell
+            .get_or_init(|| async move {
+                build_program(&program, &chain, host.as_ref())
+                    .await
+                    .map(Arc::new)
+                    .map_err(Arc::new)
+            })
             .await
-            .unwrap_or_else(|join| Err(ArtifactError::Archive(std::io::Error::other(join))))?;
-        let built = Arc::new(built);
-        self.cache.insert(key, built.clone());
-        self.metrics
-            .fileserver_cache_bytes
-            .set(i64::try_from(self.cache.bytes()).unwrap_or(i64::MAX));
-        Ok(built)
+            .clone();
+        {
+            let mut inflight = lock(&self.inflight);
+            if inflight.get(&key).is_some_and(|c| Arc::ptr_eq(c, &cell)) {
+                inflight.remove(&key);
+            }
+        }
+        match &result {
+            // A result with a transform skipped for a transient reason is not kept: the next
+            // request builds again and may get the full chain.
+            Ok(built) if !built.chain.transient() => {
+                self.cache.insert(key, built.clone());
+                self.metrics
+                    .fileserver_cache_bytes
+                    .set(i64::try_from(self.cache.bytes()).unwrap_or(i64::MAX));
+            }
+            Ok(_) => {}
+            Err(err) => {
+                let mut failures = lock(&self.failures);
+                if failures.len() >= MAX_FAILURES {
+                    failures.clear();
+                }
+                failures.insert(key, (Instant::now(), err.clone()));
+            }
+        }
+        result
+    }
+
+    fn recent_failure(&self, key: &CacheKey) -> Option<Arc<BuildError>> {
+        let mut failures = lock(&self.failures);
+        let (at, err) = failures.get(key)?;
+        if err.is_transient() && at.elapsed() > TRANSIENT_FAILURE_TTL {
+            failures.remove(key);
+            return None;
+        }
+        Some(err.clone())
     }
 
     fn observe(&self, event: &watcher::Event<Program>) {
@@ -111,12 +247,17 @@ impl ProgramIndex {
             watcher::Event::Delete(program) => {
                 if let Some(uid) = program.uid() {
                     self.cache.remove_uid(&uid);
+                    lock(&self.failures).retain(|k, _| k.uid != uid);
+                }
+                if let Some(transforms) = &self.transforms {
+                    transforms.forget(&ObjectRef::from_obj(program));
                 }
             }
             watcher::Event::Apply(program) | watcher::Event::InitApply(program) => {
                 if let Some(uid) = program.uid() {
-                    self.cache
-                        .retain_generation(&uid, program.metadata.generation.unwrap_or(0));
+                    let generation = program.metadata.generation.unwrap_or(0);
+                    self.cache.retain_generation(&uid, generation);
+                    lock(&self.failures).retain(|k, _| k.uid != uid || k.generation == generation);
                 }
             }
             watcher::Event::InitDone => {
@@ -134,32 +275,85 @@ impl ProgramIndex {
 }
 
 /// The one function that turns a Program into its artifact, used by the controller (for the
-/// digest in status) and by the file server (for the bytes it serves).
-pub fn build_program(program: &Program) -> Result<Artifact, ArtifactError> {
-    artifact::build_typed(&program.name_any(), &program.program)
+/// digest in status) and by the file server (for the bytes it serves): the chain runs over the
+/// spec, then the result is rendered and packed.
+pub async fn build_program(
+    program: &Program,
+    chain: &Chain,
+    host: Option<&pko_plugins::PluginHost>,
+) -> Result<Built, BuildError> {
+    let name = program.name_any();
+    let (spec, report) = match host {
+        Some(host) if !chain.is_empty() => {
+            let namespace = program.namespace().unwrap_or_default();
+            let out = chain::run(
+                host,
+                chain,
+                &namespace,
+                &name,
+                program.labels(),
+                &program.program,
+            )
+            .await
+            .map_err(BuildError::Transform)?;
+            let report = ChainReport {
+                fingerprint: chain.fingerprint(),
+                applied: out.applied,
+                skipped: out.skipped,
+            };
+            (out.spec, report)
+        }
+        _ => (program.program.clone(), ChainReport::default()),
+    };
+    // Building a large Program takes milliseconds of CPU: keep it off the async workers.
+    let artifact = tokio::task::spawn_blocking(move || artifact::build_typed(&name, &spec))
+        .await
+        .unwrap_or_else(|join| Err(ArtifactError::Archive(std::io::Error::other(join))))?;
+    Ok(Built {
+        artifact,
+        chain: report,
+    })
 }
 
-fn cache_key(program: &Program) -> CacheKey {
+fn cache_key(program: &Program, chain: &Chain) -> CacheKey {
     CacheKey {
         uid: program.uid().unwrap_or_default(),
         generation: program.metadata.generation.unwrap_or(0),
+        chain: chain.fingerprint(),
     }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // The maps stay consistent even if a holder panicked; keep going with them.
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Start watching Programs cluster-wide. Returns the index and the future that drives the watch;
 /// the caller spawns it. Applied Programs are pre-built so requests are served from memory.
+/// With `transforms`, each Program's chain runs before its artifact is built.
 pub fn watch(
     api: Api<Program>,
     cache_bytes: u64,
     metrics: Metrics,
+    transforms: Option<Arc<TransformRegistry>>,
 ) -> (Arc<ProgramIndex>, impl std::future::Future<Output = ()>) {
     let (store, writer) = reflector::store::<Program>();
-    let index = Arc::new(ProgramIndex::new(store, cache_bytes, metrics));
+    if let Some(transforms) = &transforms {
+        transforms.attach_programs(store.clone());
+    }
+    let index =
+        Arc::new(ProgramIndex::new(store, cache_bytes, metrics).with_transforms(transforms));
+    // Pre-builds run beside the watch, a few at a time: a slow chain never holds up the
+    // store (and so the file server's view of Programs).
+    let prebuilds = Arc::new(tokio::sync::Semaphore::new(PREBUILDS));
     let driver = {
         let index = index.clone();
         async move {
             let events = watcher(api, watcher::Config::default().any_semantic())
                 .default_backoff()
+                // managedFields are often the largest part of a small object and nothing here
+                // reads them: drop them before they reach the store.
+                .modify(|program| program.managed_fields_mut().clear())
                 .reflect(writer)
                 .inspect_ok(|event| index.observe(event))
                 .applied_objects();
@@ -167,11 +361,26 @@ pub fn watch(
             loop {
                 match events.try_next().await {
                     Ok(Some(program)) => {
-                        let name = program.name_any();
-                        if let Err(err) = index.artifact_for(Arc::new(program)).await {
-                            // Served as a 500 with this reason; the controller reports it too.
-                            debug!(program = %name, error = %err, "artifact cannot be built");
-                        }
+                        let index = index.clone();
+                        let prebuilds = prebuilds.clone();
+                        tokio::spawn(async move {
+                            let Ok(_permit) = prebuilds.acquire().await else {
+                                return;
+                            };
+                            // Skip generations superseded while waiting.
+                            let key = ObjectRef::from_obj(&program);
+                            let current = index.store.get(&key);
+                            if current.as_ref().and_then(|p| p.metadata.generation)
+                                != program.metadata.generation
+                            {
+                                return;
+                            }
+                            let name = program.name_any();
+                            if let Err(err) = index.artifact_for(Arc::new(program)).await {
+                                // Served as an error with this reason; the controller reports it too.
+                                debug!(program = %name, error = %err, "artifact cannot be built");
+                            }
+                        });
                     }
                     Ok(None) => break,
                     Err(err) => warn!(error = %err, "program watch failed; retrying"),

@@ -99,7 +99,8 @@ async fn serve_program(
         );
     };
     match state.index.lookup(namespace, name, gen_num).await {
-        Lookup::Found(artifact) => {
+        Lookup::Found(built) => {
+            let artifact = &built.artifact;
             let etag = format!("\"{}\"", artifact.digest);
             if etag_matches(headers, &etag) {
                 return Response::builder()
@@ -139,6 +140,17 @@ async fn serve_program(
                 "generation {gen_num} of program {namespace}/{name} not found; the current generation is {current}"
             ),
         ),
+        Lookup::Failed(err) if err.is_transient() => {
+            // A timeout or a busy plugin host: the same request may succeed shortly.
+            let mut response = text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("artifact of program {namespace}/{name} cannot be built now: {err}"),
+            );
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
+            response
+        }
         Lookup::Failed(err) => text(
             StatusCode::INTERNAL_SERVER_ERROR,
             format!("artifact of program {namespace}/{name} cannot be built: {err}"),

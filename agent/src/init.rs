@@ -1,0 +1,606 @@
+//! `init`: puts the program into the workspace before the agent serves.
+//!
+//! A Flux-style artifact (our file server's, or source-controller's) is downloaded, checked
+//! against its `sha256:<hex>` digest, and unpacked with limits: total size, entry count, no
+//! absolute paths or `..`, no special files, links that stay inside the target folder. Nothing
+//! is left in the target folder when any check fails.
+
+use std::io::Read;
+use std::path::{Component, Path, PathBuf};
+use std::time::Duration;
+
+use futures::StreamExt;
+use sha2::{Digest, Sha256};
+use tracing::{info, warn};
+
+/// PKO's (Flux's) default limit of an unpacked artifact.
+pub const DEFAULT_MAX_BYTES: u64 = 100 * 1024 * 1024;
+/// Entries an artifact may hold.
+const MAX_ENTRIES: usize = 100_000;
+/// Symlinks followed when checking where a link points.
+const MAX_LINK_DEPTH: usize = 40;
+const ATTEMPTS: u32 = 3;
+
+/// Failures of `init`.
+#[derive(Debug, thiserror::Error)]
+pub enum InitError {
+    #[error("invalid digest {0:?}: expected sha256:<64 hex digits>")]
+    BadDigest(String),
+    #[error("invalid URL {url:?}: {detail}")]
+    BadUrl { url: String, detail: String },
+    #[error("cannot download {url}: {detail}")]
+    Download { url: String, detail: String },
+    #[error("artifact digest mismatch for {url}: expected {expected}, got {actual}")]
+    DigestMismatch {
+        url: String,
+        expected: String,
+        actual: String,
+    },
+    #[error("artifact is larger than the limit of {limit} bytes")]
+    TooLarge { limit: u64 },
+    #[error("artifact has more than {0} entries")]
+    TooManyEntries(usize),
+    #[error("unsafe path in artifact: {path:?} ({reason})")]
+    UnsafePath { path: String, reason: String },
+    #[error("unsupported entry {path:?} in artifact ({kind})")]
+    UnsupportedEntry { path: String, kind: String },
+    #[error("invalid artifact (not a gzipped tar): {0}")]
+    Archive(String),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("invalid --dir {0:?}: must be a relative path inside the source")]
+    BadDir(String),
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> InitError {
+    let what = what.into();
+    move |source| InitError::Io { what, source }
+}
+
+/// Where and how to fetch a Flux-style artifact.
+#[derive(Debug, Clone)]
+pub struct FluxFetch {
+    pub url: String,
+    pub digest: String,
+    /// `None`: no limit.
+    pub max_bytes: Option<u64>,
+    /// Development: replaces the URL's `host[:port]` (PKO's `SOURCE_CONTROLLER_LOCALHOST`).
+    pub host_override: Option<String>,
+}
+
+/// Downloads, verifies and unpacks an artifact into `target` (replaced as a whole).
+pub async fn fetch_flux(fetch: &FluxFetch, target: &Path) -> Result<(), InitError> {
+    let expected = parse_digest(&fetch.digest)?;
+    let url = rewrite_host(&fetch.url, fetch.host_override.as_deref())?;
+    let bytes = download_with_retries(&url, fetch.max_bytes).await?;
+    let actual = hex::encode(Sha256::digest(&bytes));
+    if actual != expected {
+        return Err(InitError::DigestMismatch {
+            url,
+            expected: format!("sha256:{expected}"),
+            actual: format!("sha256:{actual}"),
+        });
+    }
+    info!(%url, bytes = bytes.len(), "artifact verified");
+    let target = target.to_path_buf();
+    let limit = fetch.max_bytes;
+    tokio::task::spawn_blocking(move || unpack_into(&bytes, &target, limit))
+        .await
+        .map_err(|e| InitError::Archive(format!("unpack task failed: {e}")))?
+}
+
+fn parse_digest(digest: &str) -> Result<String, InitError> {
+    let hex = digest
+        .strip_prefix("sha256:")
+        .ok_or_else(|| InitError::BadDigest(digest.to_owned()))?;
+    if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(InitError::BadDigest(digest.to_owned()));
+    }
+    Ok(hex.to_ascii_lowercase())
+}
+
+fn rewrite_host(url: &str, host: Option<&str>) -> Result<String, InitError> {
+    let mut parsed = reqwest::Url::parse(url).map_err(|e| InitError::BadUrl {
+        url: url.to_owned(),
+        detail: e.to_string(),
+    })?;
+    if let Some(host) = host.filter(|h| !h.is_empty()) {
+        let (name, port) = match host.rsplit_once(':') {
+            Some((n, p)) => (n, p.parse::<u16>().ok()),
+            None => (host, None),
+        };
+        let bad = |detail: String| InitError::BadUrl {
+            url: url.to_owned(),
+            detail,
+        };
+        parsed
+            .set_host(Some(name))
+            .map_err(|e| bad(format!("host override {host:?}: {e}")))?;
+        parsed
+            .set_port(port)
+            .map_err(|()| bad(format!("host override {host:?}: cannot set the port")))?;
+    }
+    Ok(parsed.to_string())
+}
+
+async fn download_with_retries(url: &str, limit: Option<u64>) -> Result<Vec<u8>, InitError> {
+    let client = reqwest::Client::builder()
+        .connect_timeout(Duration::from_secs(10))
+        .timeout(Duration::from_secs(300))
+        .build()
+        .map_err(|e| InitError::Download {
+            url: url.to_owned(),
+            detail: e.to_string(),
+        })?;
+    let mut attempt = 1;
+    loop {
+        match download(&client, url, limit).await {
+            Ok(bytes) => return Ok(bytes),
+            // Size and 4xx answers do not improve with another try.
+            Err(e @ InitError::TooLarge { .. }) => return Err(e),
+            Err(e) if attempt >= ATTEMPTS || is_client_error(&e) => return Err(e),
+            Err(e) => {
+                warn!(attempt, error = %e, "download failed; retrying");
+                tokio::time::sleep(Duration::from_millis(500 * u64::from(attempt))).await;
+                attempt += 1;
+            }
+        }
+    }
+}
+
+fn is_client_error(e: &InitError) -> bool {
+    matches!(e, InitError::Download { detail, .. } if detail.starts_with("HTTP 4"))
+}
+
+async fn download(
+    client: &reqwest::Client,
+    url: &str,
+    limit: Option<u64>,
+) -> Result<Vec<u8>, InitError> {
+    let err = |detail: String| InitError::Download {
+        url: url.to_owned(),
+        detail,
+    };
+    let resp = client
+        .get(url)
+        .send()
+        .await
+        .map_err(|e| err(e.to_string()))?;
+    let status = resp.status();
+    if !status.is_success() {
+        let body = resp.text().await.unwrap_or_default();
+        let body: String = body.chars().take(300).collect();
+        return Err(err(format!("HTTP {}: {}", status.as_u16(), body.trim())));
+    }
+    if let (Some(limit), Some(len)) = (limit, resp.content_length())
+        && len > limit
+    {
+        return Err(InitError::TooLarge { limit });
+    }
+    let mut bytes = Vec::new();
+    let mut body = resp.bytes_stream();
+    while let Some(chunk) = body.next().await {
+        let chunk = chunk.map_err(|e| err(e.to_string()))?;
+        bytes.extend_from_slice(&chunk);
+        if limit.is_some_and(|l| bytes.len() as u64 > l) {
+            return Err(InitError::TooLarge {
+                limit: limit.unwrap_or_default(),
+            });
+        }
+    }
+    Ok(bytes)
+}
+
+/// Unpacks a tar.gz into `target`, which is replaced only when the whole archive is safe.
+pub fn unpack_into(targz: &[u8], target: &Path, limit: Option<u64>) -> Result<(), InitError> {
+    let parent = target
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).map_err(io(format!("creating {}", parent.display())))?;
+    let staging = parent.join(format!(
+        ".{}.unpack-{:08x}",
+        target
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "source".into()),
+        rand::random::<u32>()
+    ));
+    std::fs::create_dir(&staging).map_err(io(format!("creating {}", staging.display())))?;
+    let result = unpack(targz, &staging, limit).and_then(|()| {
+        if target.exists() {
+            std::fs::remove_dir_all(target)
+                .map_err(io(format!("removing {}", target.display())))?;
+        }
+        std::fs::rename(&staging, target).map_err(io(format!("moving into {}", target.display())))
+    });
+    if result.is_err() {
+        let _ = std::fs::remove_dir_all(&staging);
+    }
+    result
+}
+
+/// A relative, `..`-free path, or why not.
+fn safe_relative(path: &Path) -> Result<PathBuf, String> {
+    let mut out = PathBuf::new();
+    for c in path.components() {
+        match c {
+            Component::Normal(part) => out.push(part),
+            Component::CurDir => {}
+            Component::ParentDir => return Err("contains ..".into()),
+            Component::RootDir | Component::Prefix(_) => return Err("absolute path".into()),
+        }
+    }
+    Ok(out)
+}
+
+fn unpack(targz: &[u8], root: &Path, limit: Option<u64>) -> Result<(), InitError> {
+    let mut archive = tar::Archive::new(flate2::read::GzDecoder::new(targz));
+    let entries = archive
+        .entries()
+        .map_err(|e| InitError::Archive(e.to_string()))?;
+    let mut total: u64 = 0;
+    let mut links: Vec<(PathBuf, PathBuf)> = Vec::new();
+    for (index, entry) in entries.enumerate() {
+        if index >= MAX_ENTRIES {
+            return Err(InitError::TooManyEntries(MAX_ENTRIES));
+        }
+        let mut entry = entry.map_err(|e| InitError::Archive(e.to_string()))?;
+        let raw = entry
+            .path()
+            .map_err(|e| InitError::Archive(e.to_string()))?
+            .into_owned();
+        let shown = raw.display().to_string();
+        let rel = safe_relative(&raw).map_err(|reason| InitError::UnsafePath {
+            path: shown.clone(),
+            reason,
+        })?;
+        if rel.as_os_str().is_empty() {
+            continue;
+        }
+        let dest = root.join(&rel);
+        let kind = entry.header().entry_type();
+        match kind {
+            tar::EntryType::Directory => {
+                ensure_real_dirs(root, &rel, true)?;
+            }
+            tar::EntryType::Regular | tar::EntryType::Continuous => {
+                total = total.saturating_add(entry.header().size().unwrap_or(0));
+                if limit.is_some_and(|l| total > l) {
+                    return Err(InitError::TooLarge {
+                        limit: limit.unwrap_or_default(),
+                    });
+                }
+                ensure_real_dirs(root, &rel, false)?;
+                if dest.symlink_metadata().is_ok() {
+                    return Err(InitError::UnsafePath {
+                        path: shown,
+                        reason: "duplicate entry".into(),
+                    });
+                }
+                let mode = entry.header().mode().unwrap_or(0o644);
+                let size = entry.header().size().unwrap_or(0);
+                let mut data = Vec::new();
+                // The header size is checked above; read no more than it says.
+                (&mut entry)
+                    .take(size)
+                    .read_to_end(&mut data)
+                    .map_err(|e| InitError::Archive(e.to_string()))?;
+                std::fs::write(&dest, &data).map_err(io(format!("writing {}", dest.display())))?;
+                use std::os::unix::fs::PermissionsExt;
+                // Keep the execute bits; drop setuid/setgid/sticky and write for others.
+                let perms =
+                    std::fs::Permissions::from_mode(if mode & 0o111 != 0 { 0o755 } else { 0o644 });
+                std::fs::set_permissions(&dest, perms)
+                    .map_err(io(format!("setting permissions of {}", dest.display())))?;
+            }
+            tar::EntryType::Symlink => {
+                let target = entry
+                    .link_name()
+                    .map_err(|e| InitError::Archive(e.to_string()))?
+                    .ok_or_else(|| InitError::UnsafePath {
+                        path: shown.clone(),
+                        reason: "symlink without a target".into(),
+                    })?
+                    .into_owned();
+                if target.is_absolute() {
+                    return Err(InitError::UnsafePath {
+                        path: shown,
+                        reason: format!("symlink to absolute path {}", target.display()),
+                    });
+                }
+                // Created after every file, so nothing is ever written through a link.
+                links.push((rel, target));
+            }
+            tar::EntryType::Link => {
+                let target = entry
+                    .link_name()
+                    .map_err(|e| InitError::Archive(e.to_string()))?
+                    .ok_or_else(|| InitError::UnsafePath {
+                        path: shown.clone(),
+                        reason: "hard link without a target".into(),
+                    })?
+                    .into_owned();
+                let target_rel =
+                    safe_relative(&target).map_err(|reason| InitError::UnsafePath {
+                        path: shown.clone(),
+                        reason: format!("hard link target {}: {reason}", target.display()),
+                    })?;
+                let source = root.join(&target_rel);
+                let is_file = source
+                    .symlink_metadata()
+                    .map(|m| m.file_type().is_file())
+                    .unwrap_or(false);
+                if !is_file {
+                    return Err(InitError::UnsafePath {
+                        path: shown,
+                        reason: format!(
+                            "hard link to {} which is not an extracted file",
+                            target.display()
+                        ),
+                    });
+                }
+                ensure_real_dirs(root, &rel, false)?;
+                std::fs::hard_link(&source, &dest)
+                    .map_err(io(format!("linking {}", dest.display())))?;
+            }
+            tar::EntryType::XGlobalHeader
+            | tar::EntryType::XHeader
+            | tar::EntryType::GNULongName
+            | tar::EntryType::GNULongLink => {}
+            other => {
+                return Err(InitError::UnsupportedEntry {
+                    path: shown,
+                    kind: format!("{other:?}"),
+                });
+            }
+        }
+    }
+    for (rel, target) in &links {
+        ensure_real_dirs(root, rel, false)?;
+        let dest = root.join(rel);
+        if dest.symlink_metadata().is_ok() {
+            return Err(InitError::UnsafePath {
+                path: rel.display().to_string(),
+                reason: "duplicate entry".into(),
+            });
+        }
+        std::os::unix::fs::symlink(target, &dest)
+            .map_err(io(format!("linking {}", dest.display())))?;
+    }
+    // Checked once the tree is final: a link may point through links made after it.
+    for (rel, target) in &links {
+        resolve_inside(root, rel).map_err(|reason| InitError::UnsafePath {
+            path: rel.display().to_string(),
+            reason: format!("symlink to {} {reason}", target.display()),
+        })?;
+    }
+    Ok(())
+}
+
+/// Creates the parent folders of `rel` (and `rel` itself when `include_self`), refusing to go
+/// through anything that is not a real directory.
+fn ensure_real_dirs(root: &Path, rel: &Path, include_self: bool) -> Result<(), InitError> {
+    let parts: Vec<_> = rel.components().collect();
+    let upto = if include_self {
+        parts.len()
+    } else {
+        parts.len().saturating_sub(1)
+    };
+    let mut current = root.to_path_buf();
+    for part in &parts[..upto] {
+        current.push(part);
+        match current.symlink_metadata() {
+            Ok(m) if m.file_type().is_dir() => {}
+            Ok(_) => {
+                return Err(InitError::UnsafePath {
+                    path: rel.display().to_string(),
+                    reason: format!("{} is not a directory", current.display()),
+                });
+            }
+            Err(_) => std::fs::create_dir(&current)
+                .map_err(io(format!("creating {}", current.display())))?,
+        }
+    }
+    Ok(())
+}
+
+/// Follows the symlink at `rel` (and any links on the way) on disk, component by component;
+/// errs when the walk leaves `root`.
+fn resolve_inside(root: &Path, rel: &Path) -> Result<(), String> {
+    // The path walked so far, as components below root.
+    fn walk(
+        root: &Path,
+        stack: &mut Vec<std::ffi::OsString>,
+        path: &Path,
+        depth: usize,
+    ) -> Result<(), String> {
+        if depth > MAX_LINK_DEPTH {
+            return Err("goes through too many links".into());
+        }
+        for c in path.components() {
+            match c {
+                Component::CurDir => {}
+                Component::ParentDir => {
+                    if stack.pop().is_none() {
+                        return Err("points outside the source".into());
+                    }
+                }
+                Component::RootDir | Component::Prefix(_) => {
+                    return Err("points to an absolute path".into());
+                }
+                Component::Normal(part) => {
+                    stack.push(part.to_owned());
+                    let here: PathBuf = stack.iter().fold(root.to_path_buf(), |p, s| p.join(s));
+                    if let Ok(meta) = here.symlink_metadata()
+                        && meta.file_type().is_symlink()
+                    {
+                        let target = std::fs::read_link(&here).map_err(|e| e.to_string())?;
+                        stack.pop();
+                        walk(root, stack, &target, depth + 1)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+    let mut stack = Vec::new();
+    walk(root, &mut stack, rel, 0)
+}
+
+/// Points `link` at `source/dir` (PKO does this with `ln -s` in a shell; no shell is needed).
+pub fn link_workspace(source: &Path, dir: Option<&str>, link: &Path) -> Result<PathBuf, InitError> {
+    let mut target = source.to_path_buf();
+    if let Some(dir) = dir.filter(|d| !d.is_empty()) {
+        let rel = safe_relative(Path::new(dir)).map_err(|_| InitError::BadDir(dir.to_owned()))?;
+        target.push(rel);
+    }
+    if link.symlink_metadata().is_ok() {
+        std::fs::remove_file(link).map_err(io(format!("replacing {}", link.display())))?;
+    }
+    std::os::unix::fs::symlink(&target, link).map_err(io(format!("linking {}", link.display())))?;
+    Ok(target)
+}
+
+/// Writes a minimal `Pulumi.yaml` (PKO's project-info source: destroy without the program).
+pub fn write_project(target: &Path, name: &str, runtime: &str) -> Result<(), InitError> {
+    std::fs::create_dir_all(target).map_err(io(format!("creating {}", target.display())))?;
+    let doc = serde_json::json!({"name": name, "runtime": runtime});
+    let text = yaml_serde::to_string(&doc).map_err(|e| InitError::Io {
+        what: "encoding Pulumi.yaml".into(),
+        source: std::io::Error::other(e.to_string()),
+    })?;
+    let path = target.join("Pulumi.yaml");
+    std::fs::write(&path, text).map_err(io(format!("writing {}", path.display())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    enum E<'a> {
+        File(&'a str, &'a [u8]),
+        Dir(&'a str),
+        Symlink(&'a str, &'a str),
+        RawPath(&'a str, &'a [u8]),
+    }
+
+    fn targz(entries: &[E]) -> Vec<u8> {
+        let gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        let mut b = tar::Builder::new(gz);
+        for e in entries {
+            let mut h = tar::Header::new_gnu();
+            match e {
+                E::File(p, data) => {
+                    h.set_entry_type(tar::EntryType::Regular);
+                    h.set_size(data.len() as u64);
+                    h.set_mode(0o644);
+                    b.append_data(&mut h, p, *data).expect("file");
+                }
+                E::Dir(p) => {
+                    h.set_entry_type(tar::EntryType::Directory);
+                    h.set_size(0);
+                    h.set_mode(0o755);
+                    b.append_data(&mut h, p, std::io::empty()).expect("dir");
+                }
+                E::Symlink(p, t) => {
+                    h.set_entry_type(tar::EntryType::Symlink);
+                    h.set_size(0);
+                    b.append_link(&mut h, p, t).expect("link");
+                }
+                E::RawPath(p, data) => {
+                    // tar::Builder refuses `..`; write the name bytes directly.
+                    h.set_entry_type(tar::EntryType::Regular);
+                    h.set_size(data.len() as u64);
+                    let name = &mut h.as_old_mut().name;
+                    name[..p.len()].copy_from_slice(p.as_bytes());
+                    h.set_cksum();
+                    b.append(&h, *data).expect("raw");
+                }
+            }
+        }
+        b.into_inner().expect("tar").finish().expect("gz")
+    }
+
+    fn unpack_err(entries: &[E]) -> String {
+        let dir = tempfile::tempdir().expect("tmp");
+        let target = dir.path().join("source");
+        let err = unpack_into(&targz(entries), &target, Some(1 << 20)).expect_err("must fail");
+        assert!(!target.exists(), "nothing is left behind on failure");
+        err.to_string()
+    }
+
+    #[test]
+    fn unpacks_files_dirs_and_inner_links() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let target = dir.path().join("source");
+        let bytes = targz(&[
+            E::Dir("proj"),
+            E::File("proj/Pulumi.yaml", b"name: p\nruntime: yaml\n"),
+            E::Symlink("current", "proj"),
+        ]);
+        unpack_into(&bytes, &target, None).expect("unpack");
+        let text = std::fs::read_to_string(target.join("current/Pulumi.yaml")).expect("read");
+        assert!(text.contains("name: p"));
+        // A second init replaces the folder.
+        unpack_into(&targz(&[E::File("x", b"1")]), &target, None).expect("again");
+        assert!(!target.join("proj").exists());
+    }
+
+    #[test]
+    fn rejects_traversal_absolute_and_escaping_links() {
+        assert!(unpack_err(&[E::RawPath("../evil", b"x")]).contains("contains .."));
+        assert!(unpack_err(&[E::RawPath("/etc/evil", b"x")]).contains("absolute path"));
+        assert!(unpack_err(&[E::Symlink("l", "/etc")]).contains("absolute"));
+        assert!(unpack_err(&[E::Symlink("l", "../..")]).contains("outside"));
+        // Each link alone stays inside; together they leave the folder.
+        let chained = unpack_err(&[
+            E::Dir("x"),
+            E::Symlink("y", "x/z/.."),
+            E::Symlink("x/z", ".."),
+        ]);
+        assert!(chained.contains("outside"), "{chained}");
+    }
+
+    #[test]
+    fn enforces_the_size_limit() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let big = vec![0u8; 4096];
+        let err = unpack_into(
+            &targz(&[E::File("big", &big)]),
+            &dir.path().join("s"),
+            Some(1024),
+        )
+        .expect_err("too big");
+        assert!(
+            err.to_string()
+                .contains("larger than the limit of 1024 bytes"),
+            "{err}"
+        );
+        unpack_into(
+            &targz(&[E::File("big", &big)]),
+            &dir.path().join("s"),
+            Some(1 << 20),
+        )
+        .expect("fits");
+    }
+
+    #[test]
+    fn digest_and_dir_are_validated() {
+        assert!(parse_digest("md5:abc").is_err());
+        assert!(parse_digest(&format!("sha256:{}", "a".repeat(64))).is_ok());
+        let dir = tempfile::tempdir().expect("tmp");
+        let link = dir.path().join("ws");
+        assert!(link_workspace(dir.path(), Some("../x"), &link).is_err());
+        let t = link_workspace(dir.path(), Some("sub"), &link).expect("link");
+        assert_eq!(t, dir.path().join("sub"));
+        assert_eq!(
+            rewrite_host("http://svc.ns/programs/a/b/1", Some("127.0.0.1:9090")).expect("url"),
+            "http://127.0.0.1:9090/programs/a/b/1"
+        );
+    }
+}

@@ -1,0 +1,336 @@
+//! `pko-agent`: the workspace agent binary (`serve`, `init`, `install-self`).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::{Parser, Subcommand, ValueEnum};
+use pko_agent::auth::TokenAuth;
+use pko_agent::init::{self, FluxFetch};
+use pko_agent::proto::automation_service_server::AutomationServiceServer;
+use pko_agent::pulumi::Cli;
+use pko_agent::server::{self, Agent};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+#[derive(Parser, Debug)]
+#[command(name = "pko-agent", version, about = "pko-rs workspace agent")]
+struct Args {
+    /// Log level or RUST_LOG-style filter.
+    #[arg(long, global = true, env = "AGENT_LOG_LEVEL", default_value = "info")]
+    log_level: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Serve the AutomationService over the pulumi CLI.
+    Serve(ServeArgs),
+    /// Fetch the program into the workspace before `serve` starts.
+    Init(InitArgs),
+    /// Copy this binary to a path (the bootstrap init container puts it in the shared volume).
+    InstallSelf {
+        /// Destination file.
+        dest: PathBuf,
+    },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum AuthMode {
+    /// Require the bearer token given by --auth-token-file / AGENT_AUTH_TOKEN.
+    Token,
+    /// Accept every call (local development only).
+    None,
+}
+
+#[derive(clap::Args, Debug)]
+struct ServeArgs {
+    /// The project folder (holding Pulumi.yaml); symlinks are resolved.
+    #[arg(short = 'w', long)]
+    workspace: PathBuf,
+    #[arg(long, default_value = "0.0.0.0")]
+    host: String,
+    #[arg(long, default_value_t = pko_agent::DEFAULT_PORT)]
+    port: u16,
+    #[arg(long, value_enum, default_value = "token")]
+    auth_mode: AuthMode,
+    /// File holding the bearer token (a mounted Secret key).
+    #[arg(long, env = "AGENT_AUTH_TOKEN_FILE")]
+    auth_token_file: Option<PathBuf>,
+    /// The bearer token itself (prefer --auth-token-file).
+    #[arg(long, env = "AGENT_AUTH_TOKEN", hide_env_values = true)]
+    auth_token: Option<String>,
+    /// PEM certificate to serve TLS with (with --tls-key-file); plaintext when absent.
+    #[arg(long, env = "AGENT_TLS_CERT_FILE")]
+    tls_cert_file: Option<PathBuf>,
+    /// PEM private key of --tls-cert-file.
+    #[arg(long, env = "AGENT_TLS_KEY_FILE")]
+    tls_key_file: Option<PathBuf>,
+    /// Skip `pulumi install` at start (PKO passes this; the operator calls Install itself).
+    #[arg(long)]
+    skip_install: bool,
+    /// Select (and create) this stack at start.
+    #[arg(short = 's', long)]
+    stack: Option<String>,
+    /// Secrets provider of a stack created by --stack.
+    #[arg(long)]
+    secrets_provider: Option<String>,
+    /// KEY=VALUE lines added to every pulumi command (the pod's $PULUMI_ENV file), if present.
+    #[arg(long)]
+    env_file: Option<PathBuf>,
+    /// Pulumi CLI log verbosity (0: off).
+    #[arg(long, default_value_t = 0)]
+    pulumi_log_level: u32,
+    /// The pulumi executable.
+    #[arg(long, env = "PULUMI_CLI", default_value = "pulumi")]
+    pulumi: PathBuf,
+    /// Seconds an interrupted operation may take to stop before it is killed.
+    #[arg(long, default_value_t = 60)]
+    cancel_grace_seconds: u64,
+}
+
+#[derive(clap::Args, Debug)]
+struct InitArgs {
+    /// Folder to put the source in (replaced); required except with --local-dir.
+    #[arg(short = 't', long)]
+    target_dir: Option<PathBuf>,
+    /// Use a folder already in the image as the source (only --link is made).
+    #[arg(long, conflicts_with_all = ["flux_url", "git_url", "project_name"], requires = "link")]
+    local_dir: Option<PathBuf>,
+    /// URL of a Flux-style tar.gz artifact.
+    #[arg(long, requires = "flux_digest", conflicts_with_all = ["git_url", "project_name"])]
+    flux_url: Option<String>,
+    /// `sha256:<hex>` digest the artifact must have.
+    #[arg(long, requires = "flux_url")]
+    flux_digest: Option<String>,
+    /// Git repository URL (not supported yet: fails with a clear message).
+    #[arg(long, requires = "git_revision", conflicts_with = "project_name")]
+    git_url: Option<String>,
+    #[arg(long, requires = "git_url")]
+    git_revision: Option<String>,
+    /// Write a minimal Pulumi.yaml with this project name (destroy without the source).
+    #[arg(long, requires = "project_runtime")]
+    project_name: Option<String>,
+    #[arg(long, requires = "project_name")]
+    project_runtime: Option<String>,
+    /// Largest artifact accepted, in bytes (-1: no limit).
+    #[arg(long, env = "FLUX_MAX_UNTAR_SIZE_BYTES", default_value_t = init::DEFAULT_MAX_BYTES as i64, allow_negative_numbers = true)]
+    max_size_bytes: i64,
+    /// Development: replaces the artifact URL's host (PKO's SOURCE_CONTROLLER_LOCALHOST).
+    #[arg(long, env = "SOURCE_CONTROLLER_LOCALHOST")]
+    source_host: Option<String>,
+    /// Make this path a symlink to the project folder (`<target-dir>/<dir>`).
+    #[arg(long)]
+    link: Option<PathBuf>,
+    /// Project folder inside the source.
+    #[arg(long, env = "FLUX_DIR")]
+    dir: Option<String>,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_new(&args.log_level)
+                .context("invalid --log-level")?,
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .init();
+    // rustls needs one process-wide crypto provider; ring is the one linked.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    match args.command {
+        Command::Serve(a) => serve(a).await,
+        Command::Init(a) => run_init(a).await,
+        Command::InstallSelf { dest } => install_self(&dest),
+    }
+}
+
+fn install_self(dest: &Path) -> anyhow::Result<()> {
+    let me = std::env::current_exe().context("locating this binary")?;
+    if let Some(parent) = dest.parent() {
+        std::fs::create_dir_all(parent)
+            .with_context(|| format!("creating {}", parent.display()))?;
+    }
+    std::fs::copy(&me, dest).with_context(|| format!("copying to {}", dest.display()))?;
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(dest, std::fs::Permissions::from_mode(0o755))
+        .with_context(|| format!("making {} executable", dest.display()))?;
+    println!("installed {}", dest.display());
+    Ok(())
+}
+
+async fn run_init(a: InitArgs) -> anyhow::Result<()> {
+    let max_bytes = u64::try_from(a.max_size_bytes).ok();
+    if let (Some(local), Some(link)) = (&a.local_dir, &a.link) {
+        let target = init::link_workspace(local, None, link)?;
+        info!(link = %link.display(), target = %target.display(), "workspace linked");
+        return Ok(());
+    }
+    let Some(target_dir) = a.target_dir.clone() else {
+        bail!("--target-dir is required");
+    };
+    if let (Some(url), Some(digest)) = (&a.flux_url, &a.flux_digest) {
+        let fetch = FluxFetch {
+            url: url.clone(),
+            digest: digest.clone(),
+            max_bytes,
+            host_override: a.source_host.clone(),
+        };
+        init::fetch_flux(&fetch, &target_dir)
+            .await
+            .with_context(|| format!("fetching {url}"))?;
+        info!(target = %target_dir.display(), "source ready");
+    } else if let (Some(name), Some(runtime)) = (&a.project_name, &a.project_runtime) {
+        init::write_project(&target_dir, name, runtime)?;
+        info!(target = %target_dir.display(), "project file written");
+    } else if a.git_url.is_some() {
+        bail!("git sources are not supported by this agent yet; use a Program or a Flux source");
+    } else {
+        bail!("one of --flux-url, --git-url or --project-name is required");
+    }
+    if let Some(link) = &a.link {
+        let target = init::link_workspace(&target_dir, a.dir.as_deref(), link)?;
+        info!(link = %link.display(), target = %target.display(), "workspace linked");
+    }
+    Ok(())
+}
+
+/// `KEY=VALUE` lines (optionally `export `, quotes, `#` comments), as godotenv reads them.
+fn read_env_file(path: &Path) -> anyhow::Result<Vec<(String, String)>> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+    };
+    Ok(text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .filter_map(|l| {
+            let l = l.strip_prefix("export ").unwrap_or(l);
+            let (k, v) = l.split_once('=')?;
+            let v = v.trim();
+            let v = v
+                .strip_prefix('"')
+                .and_then(|v| v.strip_suffix('"'))
+                .or_else(|| v.strip_prefix('\'').and_then(|v| v.strip_suffix('\'')))
+                .unwrap_or(v);
+            Some((k.trim().to_owned(), v.to_owned()))
+        })
+        .collect())
+}
+
+async fn serve(a: ServeArgs) -> anyhow::Result<()> {
+    let workdir = std::fs::canonicalize(&a.workspace)
+        .with_context(|| format!("workspace {}", a.workspace.display()))?;
+    let token = match (a.auth_mode, &a.auth_token_file, &a.auth_token) {
+        (AuthMode::None, _, _) => {
+            warn!("--auth-mode none: every caller is accepted");
+            None
+        }
+        (AuthMode::Token, Some(file), _) => Some(
+            std::fs::read_to_string(file)
+                .with_context(|| format!("reading the token {}", file.display()))?,
+        ),
+        (AuthMode::Token, None, Some(token)) => Some(token.clone()),
+        (AuthMode::Token, None, None) => {
+            bail!("--auth-mode token needs --auth-token-file or AGENT_AUTH_TOKEN")
+        }
+    };
+    if token.as_deref().is_some_and(|t| t.trim().is_empty()) {
+        bail!("the bearer token is empty");
+    }
+    let env = match &a.env_file {
+        Some(path) => read_env_file(path)?,
+        None => Vec::new(),
+    };
+    let cli = Cli::new(
+        a.pulumi.clone(),
+        workdir.clone(),
+        server::default_state_dir(),
+    )
+    .with_env(env)
+    .with_log_level(a.pulumi_log_level)
+    .with_cancel_grace(Duration::from_secs(a.cancel_grace_seconds));
+    let project = server::project_info(&workdir)?;
+    info!(project = %project.name, runtime = %project.runtime, workspace = %workdir.display(), "workspace");
+
+    let shutdown = CancellationToken::new();
+    let agent = Agent::new(cli.clone(), shutdown.clone());
+    if !a.skip_install {
+        cli.run(&["install".to_owned()])
+            .await
+            .context("pulumi install")?;
+    }
+    if let Some(stack) = &a.stack {
+        agent
+            .select(stack, true, a.secrets_provider.as_deref())
+            .await
+            .map_err(|s| anyhow::anyhow!("selecting stack {stack}: {}", s.message()))?;
+    }
+
+    let addr: SocketAddr = format!("{}:{}", a.host, a.port)
+        .parse()
+        .or_else(|_| format!("[{}]:{}", a.host, a.port).parse())
+        .with_context(|| format!("invalid --host/--port {}:{}", a.host, a.port))?;
+    let mut builder = tonic::transport::Server::builder();
+    match (&a.tls_cert_file, &a.tls_key_file) {
+        (Some(cert), Some(key)) => {
+            let cert =
+                std::fs::read(cert).with_context(|| format!("reading {}", cert.display()))?;
+            let key = std::fs::read(key).with_context(|| format!("reading {}", key.display()))?;
+            let identity = tonic::transport::Identity::from_pem(cert, key);
+            builder = builder
+                .tls_config(tonic::transport::ServerTlsConfig::new().identity(identity))
+                .context("configuring TLS")?;
+        }
+        (None, None) => warn!("serving plaintext gRPC (no --tls-cert-file)"),
+        _ => bail!("--tls-cert-file and --tls-key-file go together"),
+    }
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("listening on {addr}"))?;
+    let local = listener.local_addr().context("listener address")?;
+    info!(address = %local, instance = agent.instance(), "serving");
+    let service = tonic::service::interceptor::InterceptedService::new(
+        AutomationServiceServer::new(agent)
+            .max_decoding_message_size(64 * 1024 * 1024)
+            .max_encoding_message_size(400 * 1024 * 1024),
+        TokenAuth::new(token),
+    );
+
+    let stop = shutdown.clone();
+    let signals = tokio::spawn(async move {
+        wait_for_signal().await;
+        info!("stopping: interrupting running operations");
+        stop.cancel();
+    });
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    builder
+        .add_service(service)
+        .serve_with_incoming_shutdown(incoming, shutdown.clone().cancelled_owned())
+        .await
+        .context("serving gRPC")?;
+    signals.abort();
+    info!("stopped");
+    Ok(())
+}
+
+async fn wait_for_signal() {
+    let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate());
+    match term {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = term.recv() => {},
+                _ = tokio::signal::ctrl_c() => {},
+            }
+        }
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}

@@ -1,0 +1,398 @@
+//! Runs the `pulumi` CLI, the way the Automation API does: one process per command, with an
+//! engine event log (`--event-log`) tailed while an operation runs.
+
+use std::collections::VecDeque;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use serde_json::Value;
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, BufReader};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+/// How much of a command's stdout/stderr is kept (the end of it).
+const OUTPUT_LIMIT: usize = 1024 * 1024;
+/// How often the event log is read while an operation runs.
+const EVENT_POLL: Duration = Duration::from_millis(100);
+
+/// Failures of one CLI command.
+#[derive(Debug, thiserror::Error)]
+pub enum PulumiError {
+    #[error("cannot start {program}: {source}")]
+    Spawn {
+        program: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("`pulumi {command}` failed ({status}): {detail}")]
+    Failed {
+        command: String,
+        status: String,
+        detail: String,
+        stdout: String,
+        stderr: String,
+    },
+    #[error("`pulumi {command}` was canceled")]
+    Canceled {
+        command: String,
+        stdout: String,
+        stderr: String,
+    },
+    #[error("unexpected output of `pulumi {command}`: {detail}")]
+    Parse { command: String, detail: String },
+}
+
+impl PulumiError {
+    /// stdout + stderr of a failed command, for pattern matching.
+    pub fn output_text(&self) -> String {
+        match self {
+            Self::Failed { stdout, stderr, .. } | Self::Canceled { stdout, stderr, .. } => {
+                format!("{stdout}\n{stderr}")
+            }
+            other => other.to_string(),
+        }
+    }
+}
+
+/// The output of a finished command.
+#[derive(Debug, Default, Clone)]
+pub struct Output {
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// How to run the CLI in one workspace.
+#[derive(Debug, Clone)]
+pub struct Cli {
+    program: PathBuf,
+    workdir: PathBuf,
+    env: Vec<(String, String)>,
+    log_level: u32,
+    state_dir: PathBuf,
+    cancel_grace: Duration,
+}
+
+impl Cli {
+    /// `program` is the `pulumi` executable (a bare name is looked up on `PATH`); commands run in
+    /// `workdir` with `env` added; event logs are written under `state_dir`.
+    pub fn new(program: PathBuf, workdir: PathBuf, state_dir: PathBuf) -> Self {
+        Self {
+            program,
+            workdir,
+            env: Vec::new(),
+            log_level: 0,
+            state_dir,
+            cancel_grace: Duration::from_secs(60),
+        }
+    }
+
+    /// Variables added to every command (e.g. from the pod's `$PULUMI_ENV` file).
+    pub fn with_env(mut self, env: Vec<(String, String)>) -> Self {
+        self.env = env;
+        self
+    }
+
+    /// `-v=<level> --logtostderr` on every command when non-zero.
+    pub fn with_log_level(mut self, level: u32) -> Self {
+        self.log_level = level;
+        self
+    }
+
+    /// How long a canceled operation may take to stop after SIGINT before it is killed.
+    pub fn with_cancel_grace(mut self, grace: Duration) -> Self {
+        self.cancel_grace = grace;
+        self
+    }
+
+    pub fn workdir(&self) -> &Path {
+        &self.workdir
+    }
+
+    fn command(&self, args: &[String]) -> tokio::process::Command {
+        let mut cmd = tokio::process::Command::new(&self.program);
+        cmd.current_dir(&self.workdir)
+            .arg("--non-interactive")
+            .arg("--color=never");
+        if self.log_level > 0 {
+            cmd.arg(format!("-v={}", self.log_level))
+                .arg("--logtostderr");
+        }
+        cmd.args(args)
+            // An agent must never stop to ask or to check for a newer CLI.
+            .env("PULUMI_SKIP_UPDATE_CHECK", "true")
+            .env("PULUMI_SKIP_CONFIRMATIONS", "true")
+            // `--event-log` is offered only with debug commands on (the Automation API sets it too).
+            .env("PULUMI_DEBUG_COMMANDS", "true")
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            // A dropped call (client gone) must not leave the CLI running.
+            .kill_on_drop(true)
+            .process_group(0);
+        // If the agent dies (killed container process, OOM), pulumi is asked to stop the way a
+        // Ctrl-C does, so it cancels cleanly and unlocks the stack instead of running orphaned.
+        // SAFETY: the hook makes one async-signal-safe system call and does not allocate.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::prctl(
+                    libc::PR_SET_PDEATHSIG,
+                    libc::SIGTERM as libc::c_ulong,
+                    0,
+                    0,
+                    0,
+                ) == -1
+                {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        cmd
+    }
+
+    fn spawn_error(&self, source: std::io::Error) -> PulumiError {
+        PulumiError::Spawn {
+            program: self.program.display().to_string(),
+            source,
+        }
+    }
+
+    /// Runs a short command to completion; non-zero exit is [`PulumiError::Failed`].
+    pub async fn run(&self, args: &[String]) -> Result<Output, PulumiError> {
+        let command = args.join(" ");
+        debug!(%command, "pulumi");
+        let out = self
+            .command(args)
+            .output()
+            .await
+            .map_err(|e| self.spawn_error(e))?;
+        let output = Output {
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        };
+        if out.status.success() {
+            Ok(output)
+        } else {
+            Err(failed(command, out.status.to_string(), output))
+        }
+    }
+
+    /// Runs a command and parses its stdout as JSON.
+    pub async fn run_json(&self, args: &[String]) -> Result<Value, PulumiError> {
+        let out = self.run(args).await?;
+        serde_json::from_str(out.stdout.trim()).map_err(|e| PulumiError::Parse {
+            command: args.join(" "),
+            detail: format!("{e}: {}", tail(&out.stdout, 300)),
+        })
+    }
+
+    /// Runs an engine operation (`up`, `preview`, …) with `--event-log`, sending each engine
+    /// event to `events` as it is written. Canceling `cancel`, or dropping the receiver of
+    /// `events`, interrupts the CLI (SIGINT: Pulumi stops gracefully and unlocks the stack);
+    /// after the grace period the process group is killed.
+    pub async fn operation(
+        &self,
+        args: &[String],
+        events: mpsc::Sender<Value>,
+        cancel: CancellationToken,
+    ) -> Result<Output, PulumiError> {
+        let command = args.join(" ");
+        tokio::fs::create_dir_all(&self.state_dir)
+            .await
+            .map_err(|e| PulumiError::Io {
+                what: format!("creating {}", self.state_dir.display()),
+                source: e,
+            })?;
+        let log_path = self
+            .state_dir
+            .join(format!("events-{:016x}.jsonl", rand::random::<u64>()));
+        // Created here (pulumi truncates and appends to it) so it can be opened for reading.
+        let log_file = tokio::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&log_path)
+            .await
+            .map_err(|e| PulumiError::Io {
+                what: format!("creating {}", log_path.display()),
+                source: e,
+            })?;
+        let mut full = args.to_vec();
+        full.push("--event-log".into());
+        full.push(log_path.display().to_string());
+        debug!(%command, "pulumi operation");
+        let mut child = self
+            .command(&full)
+            .spawn()
+            .map_err(|e| self.spawn_error(e))?;
+        let pid = child.id();
+        let stdout = tokio::spawn(capture(child.stdout.take(), "stdout"));
+        let stderr = tokio::spawn(capture(child.stderr.take(), "stderr"));
+
+        let mut log = EventLog::new(log_file);
+        let mut tick = tokio::time::interval(EVENT_POLL);
+        let mut interrupted = false;
+        let mut kill_at: Option<tokio::time::Instant> = None;
+        let status = loop {
+            tokio::select! {
+                status = child.wait() => break status,
+                _ = tick.tick() => {
+                    let gone = log.forward(&events).await;
+                    if (gone || cancel.is_cancelled()) && !interrupted {
+                        warn!(%command, client_gone = gone, "interrupting pulumi (SIGINT)");
+                        interrupted = true;
+                        interrupt(pid);
+                        kill_at = Some(tokio::time::Instant::now() + self.cancel_grace);
+                    }
+                    if kill_at.is_some_and(|at| tokio::time::Instant::now() >= at) {
+                        warn!(%command, "pulumi did not stop after SIGINT; killing it");
+                        kill_group(pid);
+                        kill_at = None;
+                    }
+                }
+            }
+        };
+        let status = status.map_err(|e| PulumiError::Io {
+            what: format!("waiting for pulumi {command}"),
+            source: e,
+        })?;
+        log.forward(&events).await;
+        let _ = tokio::fs::remove_file(&log_path).await;
+        let output = Output {
+            stdout: stdout.await.unwrap_or_default(),
+            stderr: stderr.await.unwrap_or_default(),
+        };
+        if interrupted {
+            return Err(PulumiError::Canceled {
+                command,
+                stdout: output.stdout,
+                stderr: output.stderr,
+            });
+        }
+        if status.success() {
+            Ok(output)
+        } else {
+            Err(failed(command, status.to_string(), output))
+        }
+    }
+}
+
+fn failed(command: String, status: String, output: Output) -> PulumiError {
+    // The CLI prints its diagnosis on stderr, and the failing resource's details on stdout.
+    let detail = if output.stderr.trim().is_empty() {
+        tail(&output.stdout, 2000)
+    } else {
+        tail(&output.stderr, 2000)
+    };
+    PulumiError::Failed {
+        command,
+        status,
+        detail,
+        stdout: output.stdout,
+        stderr: output.stderr,
+    }
+}
+
+/// The last `max` bytes of `s` (on a char boundary), trimmed.
+pub fn tail(s: &str, max: usize) -> String {
+    let s = s.trim();
+    if s.len() <= max {
+        return s.to_owned();
+    }
+    let mut start = s.len() - max;
+    while !s.is_char_boundary(start) {
+        start += 1;
+    }
+    format!("…{}", &s[start..])
+}
+
+fn interrupt(pid: Option<u32>) {
+    if let Some(pid) = pid.and_then(|p| libc::pid_t::try_from(p).ok()) {
+        // SAFETY: plain system call on our own child.
+        unsafe { libc::kill(pid, libc::SIGINT) };
+    }
+}
+
+fn kill_group(pid: Option<u32>) {
+    if let Some(pid) = pid.and_then(|p| libc::pid_t::try_from(p).ok()) {
+        // SAFETY: the child leads its own process group (process_group(0)).
+        unsafe { libc::kill(-pid, libc::SIGKILL) };
+    }
+}
+
+/// Reads a pipe to the end, logging each line and keeping the last [`OUTPUT_LIMIT`] bytes.
+async fn capture(pipe: Option<impl AsyncRead + Unpin>, stream: &'static str) -> String {
+    let Some(pipe) = pipe else {
+        return String::new();
+    };
+    let mut lines = BufReader::new(pipe).lines();
+    let mut kept: VecDeque<String> = VecDeque::new();
+    let mut size = 0usize;
+    while let Ok(Some(line)) = lines.next_line().await {
+        debug!(target: "pulumi", stream, "{line}");
+        size += line.len() + 1;
+        kept.push_back(line);
+        while size > OUTPUT_LIMIT {
+            match kept.pop_front() {
+                Some(old) => size -= old.len() + 1,
+                None => break,
+            }
+        }
+    }
+    let mut text = kept.into_iter().collect::<Vec<_>>().join("\n");
+    if !text.is_empty() {
+        text.push('\n');
+    }
+    text
+}
+
+/// Incremental reader of a JSON-lines event log that another process is appending to.
+struct EventLog {
+    file: tokio::fs::File,
+    partial: Vec<u8>,
+}
+
+impl EventLog {
+    fn new(file: tokio::fs::File) -> Self {
+        Self {
+            file,
+            partial: Vec::new(),
+        }
+    }
+
+    /// Sends every complete new line; returns true when the receiver is gone.
+    async fn forward(&mut self, events: &mpsc::Sender<Value>) -> bool {
+        let mut chunk = Vec::new();
+        if let Err(e) = self.file.read_to_end(&mut chunk).await {
+            warn!(error = %e, "cannot read the engine event log");
+            return events.is_closed();
+        }
+        self.partial.extend_from_slice(&chunk);
+        while let Some(end) = self.partial.iter().position(|b| *b == b'\n') {
+            let line: Vec<u8> = self.partial.drain(..=end).collect();
+            let line = String::from_utf8_lossy(&line);
+            let line = line.trim();
+            if line.is_empty() {
+                continue;
+            }
+            match serde_json::from_str::<Value>(line) {
+                Ok(event) => {
+                    if events.send(event).await.is_err() {
+                        return true;
+                    }
+                }
+                Err(e) => warn!(error = %e, "skipping an unreadable engine event"),
+            }
+        }
+        events.is_closed()
+    }
+}

@@ -1,0 +1,291 @@
+//! The operator's webhook flags (flattened into its command line).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use pko_api::tenancy::EnforcementAction;
+
+use crate::{
+    CertSettings, CertSource, EngineLimits, FailurePolicy, TenancySettings, WebhookConfig,
+};
+
+/// Errors in the webhook flags.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    #[error(
+        "--webhook-addr is set but no policy bundle is: pass --policy-bundle (or set PKO_POLICY_BUNDLE) to the bundle built by `make policies`"
+    )]
+    NoBundle,
+    #[error(
+        "the namespace of the webhook certificate Secret is unknown: pass --webhook-cert-namespace or set POD_NAMESPACE"
+    )]
+    NoNamespace,
+}
+
+/// Admission webhook flags. The webhook is off unless `--webhook-addr` is set.
+#[derive(clap::Args, Debug, Clone)]
+pub struct WebhookArgs {
+    /// Address of the HTTPS admission webhook (`/validate`, `/mutate`), e.g. ":9443". Empty:
+    /// no webhook.
+    #[arg(long, env = "WEBHOOK_ADDR", default_value = "")]
+    pub webhook_addr: String,
+    /// The policy bundle built by `make policies` (`opa build -t wasm`).
+    #[arg(long, env = "PKO_POLICY_BUNDLE")]
+    pub policy_bundle: Option<PathBuf>,
+    /// What the webhook answers when a policy cannot be evaluated: Fail (refuse) or Ignore
+    /// (admit with a warning). Either way it is logged and counted.
+    #[arg(long, env = "POLICY_FAILURE_POLICY", default_value = "Fail")]
+    pub policy_failure_policy: FailurePolicy,
+    /// Enforcement action of violations in namespaces that no TenancyPolicy selects: deny,
+    /// warn or dryrun.
+    #[arg(long, env = "POLICY_DEFAULT_ACTION", default_value = "deny", value_parser = parse_action)]
+    pub policy_default_action: EnforcementAction,
+    /// Time budget of one policy evaluation (Go duration or seconds). Keep it below the
+    /// webhook configurations' timeoutSeconds.
+    #[arg(long, env = "POLICY_TIMEOUT", default_value = "2s", value_parser = parse_duration)]
+    pub policy_timeout: Duration,
+    /// Linear memory one policy evaluation may use, in MiB.
+    #[arg(long, env = "POLICY_MEMORY_MIB", default_value_t = 128)]
+    pub policy_memory_mib: usize,
+    /// Policy evaluations running at once.
+    #[arg(long, env = "POLICY_CONCURRENCY", default_value_t = 16)]
+    pub policy_concurrency: usize,
+    /// Hosts (`host[:port]`) of the operator's file server in artifact URLs; URLs on them are
+    /// checked for cross-namespace Programs. Default: the host of --program-fs-adv-addr.
+    #[arg(
+        long = "policy-file-server-host",
+        env = "POLICY_FILE_SERVER_HOSTS",
+        value_delimiter = ','
+    )]
+    pub policy_file_server_hosts: Vec<String>,
+    /// Folder holding tls.crt and tls.key (e.g. a mounted cert-manager Secret). Unset: the
+    /// operator manages a CA and a serving certificate in --webhook-cert-secret.
+    #[arg(long, env = "WEBHOOK_CERT_DIR")]
+    pub webhook_cert_dir: Option<PathBuf>,
+    /// Secret holding the operator-managed CA and serving certificate.
+    #[arg(
+        long,
+        env = "WEBHOOK_CERT_SECRET",
+        default_value = "pko-rs-webhook-tls"
+    )]
+    pub webhook_cert_secret: String,
+    /// Namespace of that Secret. Default: $POD_NAMESPACE.
+    #[arg(long, env = "WEBHOOK_CERT_NAMESPACE")]
+    pub webhook_cert_namespace: Option<String>,
+    /// Name of the webhook's Service; its DNS names go into the serving certificate.
+    #[arg(long, env = "WEBHOOK_SERVICE_NAME", default_value = "pko-rs-webhook")]
+    pub webhook_service_name: String,
+    /// Extra host names or IP addresses for the serving certificate (e.g. 127.0.0.1 when the
+    /// apiserver calls the webhook by URL).
+    #[arg(
+        long = "webhook-cert-host",
+        env = "WEBHOOK_CERT_HOSTS",
+        value_delimiter = ','
+    )]
+    pub webhook_cert_hosts: Vec<String>,
+    /// ValidatingWebhookConfigurations whose webhooks get the CA bundle ("" for none).
+    #[arg(
+        long,
+        env = "WEBHOOK_VALIDATING_CONFIGURATIONS",
+        default_value = "pko-rs-validating",
+        value_delimiter = ','
+    )]
+    pub webhook_validating_configuration: Vec<String>,
+    /// MutatingWebhookConfigurations whose webhooks get the CA bundle ("" for none).
+    #[arg(
+        long,
+        env = "WEBHOOK_MUTATING_CONFIGURATIONS",
+        default_value = "pko-rs-mutating",
+        value_delimiter = ','
+    )]
+    pub webhook_mutating_configuration: Vec<String>,
+    /// How often the certificate is checked (and renewed) and the CA bundles re-injected.
+    #[arg(long, env = "WEBHOOK_CERT_CHECK_INTERVAL", default_value = "60s", value_parser = parse_duration)]
+    pub webhook_cert_check_interval: Duration,
+    /// How long in-flight webhook requests may finish after shutdown starts.
+    #[arg(long, env = "WEBHOOK_DRAIN_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub webhook_drain_timeout: Duration,
+}
+
+impl WebhookArgs {
+    /// The webhook configuration, or `None` when `--webhook-addr` is empty.
+    /// `advertised_host` is the file server's advertised `host[:port]`; `pod_namespace` is
+    /// `$POD_NAMESPACE`.
+    pub fn config(
+        &self,
+        advertised_host: Option<&str>,
+        pod_namespace: Option<&str>,
+    ) -> Result<Option<WebhookConfig>, CliError> {
+        if self.webhook_addr.trim().is_empty() || self.webhook_addr == "0" {
+            return Ok(None);
+        }
+        let bundle = self
+            .policy_bundle
+            .clone()
+            .filter(|p| !p.as_os_str().is_empty())
+            .ok_or(CliError::NoBundle)?;
+        let mut file_server_hosts = non_empty(&self.policy_file_server_hosts);
+        if file_server_hosts.is_empty()
+            && let Some(host) = advertised_host.filter(|h| !h.is_empty())
+        {
+            file_server_hosts.push(host.to_owned());
+        }
+        let certs = match &self.webhook_cert_dir {
+            Some(dir) => CertSource::Files(dir.clone()),
+            None => {
+                let namespace = self
+                    .webhook_cert_namespace
+                    .clone()
+                    .or_else(|| pod_namespace.map(str::to_owned))
+                    .filter(|n| !n.is_empty())
+                    .ok_or(CliError::NoNamespace)?;
+                let service = &self.webhook_service_name;
+                let mut hosts = vec![
+                    format!("{service}.{namespace}.svc"),
+                    format!("{service}.{namespace}.svc.cluster.local"),
+                    format!("{service}.{namespace}"),
+                ];
+                hosts.extend(non_empty(&self.webhook_cert_hosts));
+                let mut settings =
+                    CertSettings::new(namespace, self.webhook_cert_secret.clone(), hosts);
+                settings.validating_configurations =
+                    non_empty(&self.webhook_validating_configuration);
+                settings.mutating_configurations = non_empty(&self.webhook_mutating_configuration);
+                settings.check_interval = self.webhook_cert_check_interval;
+                CertSource::Managed(settings)
+            }
+        };
+        Ok(Some(WebhookConfig {
+            addr: self.webhook_addr.clone(),
+            bundle,
+            limits: EngineLimits {
+                timeout: self.policy_timeout,
+                memory_bytes: self.policy_memory_mib.saturating_mul(1024 * 1024),
+                concurrency: self.policy_concurrency.max(1),
+            },
+            failure_policy: self.policy_failure_policy,
+            tenancy: TenancySettings {
+                default_action: self.policy_default_action,
+                file_server_hosts,
+            },
+            certs,
+            drain: self.webhook_drain_timeout,
+        }))
+    }
+}
+
+fn non_empty(values: &[String]) -> Vec<String> {
+    values
+        .iter()
+        .map(|v| v.trim().to_owned())
+        .filter(|v| !v.is_empty())
+        .collect()
+}
+
+fn parse_action(s: &str) -> Result<EnforcementAction, String> {
+    match s {
+        "deny" => Ok(EnforcementAction::Deny),
+        "warn" => Ok(EnforcementAction::Warn),
+        "dryrun" => Ok(EnforcementAction::Dryrun),
+        other => Err(format!("unknown action {other:?} (deny, warn or dryrun)")),
+    }
+}
+
+/// `500ms`, `2s`, `1m`, `1h` or a plain number of seconds.
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (number, unit) = match s.find(|c: char| !c.is_ascii_digit() && c != '.') {
+        Some(i) => s.split_at(i),
+        None => (s, "s"),
+    };
+    let value: f64 = number
+        .parse()
+        .map_err(|_| format!("invalid duration {s:?}"))?;
+    let seconds = match unit {
+        "ms" => value / 1000.0,
+        "s" => value,
+        "m" => value * 60.0,
+        "h" => value * 3600.0,
+        _ => return Err(format!("invalid duration unit in {s:?} (ms, s, m or h)")),
+    };
+    Duration::try_from_secs_f64(seconds).map_err(|e| format!("invalid duration {s:?}: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        webhook: WebhookArgs,
+    }
+
+    #[test]
+    fn off_by_default() {
+        let cli = Cli::parse_from(["x"]);
+        assert!(cli.webhook.config(None, None).expect("ok").is_none());
+    }
+
+    #[test]
+    fn managed_certificates_cover_the_service_and_extra_hosts() {
+        let cli = Cli::parse_from([
+            "x",
+            "--webhook-addr=127.0.0.1:9443",
+            "--policy-bundle=/b.tar.gz",
+            "--webhook-cert-host=127.0.0.1",
+            "--policy-timeout=500ms",
+            "--policy-default-action=warn",
+            "--webhook-validating-configuration=a,b",
+        ]);
+        let config = cli
+            .webhook
+            .config(Some("fs.ns:80"), Some("pko-rs-system"))
+            .expect("ok")
+            .expect("on");
+        assert_eq!(config.limits.timeout, Duration::from_millis(500));
+        assert_eq!(config.tenancy.default_action, EnforcementAction::Warn);
+        assert_eq!(config.tenancy.file_server_hosts, vec!["fs.ns:80"]);
+        match config.certs {
+            CertSource::Managed(settings) => {
+                assert_eq!(settings.namespace, "pko-rs-system");
+                assert!(
+                    settings
+                        .hosts
+                        .contains(&"pko-rs-webhook.pko-rs-system.svc".to_owned())
+                );
+                assert!(settings.hosts.contains(&"127.0.0.1".to_owned()));
+                assert_eq!(settings.validating_configurations, vec!["a", "b"]);
+                assert_eq!(settings.mutating_configurations, vec!["pko-rs-mutating"]);
+            }
+            CertSource::Files(_) => panic!("expected managed certificates"),
+        }
+    }
+
+    #[test]
+    fn missing_inputs_are_named() {
+        let mut args = Cli::parse_from(["x", "--webhook-addr=:9443"]).webhook;
+        // PKO_POLICY_BUNDLE may be set in the test environment.
+        args.policy_bundle = None;
+        assert!(matches!(
+            args.config(None, Some("ns")),
+            Err(CliError::NoBundle)
+        ));
+        let cli = Cli::parse_from(["x", "--webhook-addr=:9443", "--policy-bundle=/b"]);
+        assert!(matches!(
+            cli.webhook.config(None, None),
+            Err(CliError::NoNamespace)
+        ));
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("2s"), Ok(Duration::from_secs(2)));
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("3"), Ok(Duration::from_secs(3)));
+        assert_eq!(parse_duration("1m"), Ok(Duration::from_secs(60)));
+        assert!(parse_duration("2 days").is_err());
+    }
+}

@@ -1,0 +1,184 @@
+//! pko-rs admission: the Rego policies of `policies/`, compiled to wasm by `opa build`, run
+//! in-process with opa-wasm behind an HTTPS admission webhook.
+//!
+//! - [`bundle`]: reads the bundle built by `make policies`.
+//! - [`engine`]: compiles it once; evaluates on a fresh instance per request, with a timeout
+//!   and a memory cap.
+//! - [`tenancy`]: the `data.tenancy` document, from watched TenancyPolicies and namespace
+//!   labels.
+//! - [`webhook`]: `/validate` (deny / warn / dryrun) and `/mutate` (defaults).
+//! - [`tls`]: the operator-managed CA and serving certificate, and the caBundle injection.
+//! - [`server`]: the HTTPS listener.
+//! - [`metrics`]: decisions, violations, latency, errors, certificate expiry.
+//! - [`cli`]: the operator's `--webhook-*` and `--policy-*` flags.
+
+pub mod bundle;
+pub mod cli;
+pub mod engine;
+pub mod metrics;
+pub mod server;
+pub mod tenancy;
+pub mod tls;
+pub mod webhook;
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use axum_server::tls_rustls::RustlsConfig;
+use kube::Client;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+pub use bundle::Bundle;
+pub use engine::{EngineLimits, PolicyEngine};
+pub use metrics::AdmissionMetrics;
+pub use tenancy::{Tenancy, TenancySettings};
+pub use tls::{CertFiles, CertManager, CertSettings};
+pub use webhook::{Admission, FailurePolicy};
+
+/// Errors while starting the webhook.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Bundle(#[from] bundle::BundleError),
+    #[error(transparent)]
+    Engine(#[from] engine::EngineError),
+    #[error(transparent)]
+    Tls(#[from] tls::TlsError),
+    #[error(transparent)]
+    Server(#[from] server::ServerError),
+}
+
+/// Where the serving certificate comes from.
+pub enum CertSource {
+    /// Managed by the operator in a Secret (see [`tls`]).
+    Managed(CertSettings),
+    /// Files in a folder (cert-manager), polled for changes.
+    Files(PathBuf),
+}
+
+/// Everything the webhook needs to start.
+pub struct WebhookConfig {
+    /// Listen address, e.g. `:9443`.
+    pub addr: String,
+    pub bundle: PathBuf,
+    pub limits: EngineLimits,
+    pub failure_policy: FailurePolicy,
+    pub tenancy: TenancySettings,
+    pub certs: CertSource,
+    /// How long in-flight requests may finish after shutdown starts.
+    pub drain: Duration,
+}
+
+/// A task of the webhook, to be spawned by the caller.
+pub type Task = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// A started webhook: its readiness flags and the tasks to spawn.
+pub struct Started {
+    /// Set once the tenancy watches have listed everything. Requests are answered before
+    /// that with what is known; readiness waits for it.
+    pub tenancy_synced: Arc<AtomicBool>,
+    /// Set once the listener serves with a certificate.
+    pub serving: Arc<AtomicBool>,
+    /// The tenancy watch, the HTTPS listener and the certificate loop; each ends after
+    /// `shutdown` is cancelled (the listener after draining).
+    pub tasks: Vec<Task>,
+}
+
+/// Loads and compiles the policies, obtains the certificate (and injects its CA bundle),
+/// binds the listener, and returns the tasks to run. Fails early on anything that would make
+/// the webhook unusable: a missing or invalid bundle, a taken port, no certificate.
+pub async fn start(
+    client: Client,
+    config: WebhookConfig,
+    metrics: AdmissionMetrics,
+    shutdown: CancellationToken,
+) -> Result<Started, StartError> {
+    let bundle = Bundle::load(&config.bundle)?;
+    let engine = Arc::new(PolicyEngine::new(&bundle, config.limits).await?);
+    info!(
+        bundle = %config.bundle.display(),
+        digest = engine.digest(),
+        "admission policies loaded"
+    );
+    let (tenancy, tenancy_driver) = Tenancy::watch(client.clone(), config.tenancy.clone());
+    let tenancy_synced = tenancy.synced_flag();
+    let admission = Arc::new(Admission::new(
+        engine,
+        tenancy,
+        metrics.clone(),
+        config.failure_policy,
+    ));
+    let listener = server::bind(&config.addr)?;
+
+    let mut tasks: Vec<Task> = Vec::new();
+    {
+        let stop = shutdown.clone();
+        tasks.push(Box::pin(async move {
+            tokio::select! {
+                () = tenancy_driver => {},
+                () = stop.cancelled() => {},
+            }
+        }));
+    }
+    let tls = match config.certs {
+        CertSource::Managed(settings) => {
+            let manager = Arc::new(CertManager::new(client, settings, metrics.clone()));
+            let certs = manager.ensure().await?;
+            // The configurations may not exist yet; the certificate loop retries.
+            if let Err(e) = manager.inject_ca_bundle(&certs.ca_pem).await {
+                warn!(error = %e, "injecting the CA bundle failed; retrying in the background");
+            }
+            let tls = RustlsConfig::from_config(certs.server_config()?);
+            record_expiry(&metrics, &certs);
+            tasks.push(Box::pin(manager.run(
+                tls.clone(),
+                certs,
+                shutdown.clone().cancelled_owned(),
+            )));
+            tls
+        }
+        CertSource::Files(dir) => {
+            let files = CertFiles::new(&dir);
+            let certs = files.load()?;
+            let tls = RustlsConfig::from_config(certs.server_config()?);
+            record_expiry(&metrics, &certs);
+            tasks.push(Box::pin(files.run(
+                tls.clone(),
+                certs,
+                FILE_POLL_INTERVAL,
+                metrics.clone(),
+                shutdown.clone().cancelled_owned(),
+            )));
+            tls
+        }
+    };
+    let serving = Arc::new(AtomicBool::new(true));
+    {
+        let serving = serving.clone();
+        let app = webhook::router(admission);
+        let served = server::serve(listener, app, tls, config.drain, shutdown.cancelled_owned());
+        tasks.push(Box::pin(async move {
+            served.await;
+            serving.store(false, Ordering::Release);
+        }));
+    }
+    Ok(Started {
+        tenancy_synced,
+        serving,
+        tasks,
+    })
+}
+
+/// How often mounted certificate files are checked for a new version.
+const FILE_POLL_INTERVAL: Duration = Duration::from_secs(10);
+
+fn record_expiry(metrics: &AdmissionMetrics, certs: &tls::CertBundle) {
+    if let Ok(expiry) = certs.not_after() {
+        metrics.certificate_expiry.set(expiry);
+    }
+}

@@ -1,0 +1,123 @@
+//! Admission metrics. Registered into the operator's registry by [`AdmissionMetrics::register`].
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+/// Labels of a webhook answer.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DecisionLabels {
+    /// `validate` or `mutate`.
+    pub webhook: String,
+    /// `allowed`, `denied`, `warned` (admitted with warnings), `patched`, `error_allowed`
+    /// (evaluation failed, admitted by failure policy Ignore), `error_denied` or `invalid`
+    /// (malformed AdmissionReview).
+    pub result: String,
+}
+
+/// Labels of one violation.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ViolationLabels {
+    /// `restricted` or `isolation`.
+    pub policy: String,
+    /// The rule, e.g. `run-as-user-root`.
+    pub code: String,
+    /// `deny`, `warn` or `dryrun`.
+    pub action: String,
+}
+
+/// Labels of evaluation latency.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EntrypointLabels {
+    pub entrypoint: String,
+}
+
+/// Labels of evaluation failures.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ErrorLabels {
+    pub entrypoint: String,
+    /// `timeout`, `memory`, `evaluation`, `undefined`, `tenancy`, `load`, ...
+    pub error: String,
+}
+
+/// Every admission metric.
+#[derive(Clone, Debug)]
+pub struct AdmissionMetrics {
+    pub decisions: Family<DecisionLabels, Counter>,
+    pub violations: Family<ViolationLabels, Counter>,
+    pub evaluation_duration: Family<EntrypointLabels, Histogram, fn() -> Histogram>,
+    pub evaluation_errors: Family<ErrorLabels, Counter>,
+    /// Unix time at which the serving certificate expires.
+    pub certificate_expiry: Gauge,
+    pub certificate_rotations: Counter,
+}
+
+fn evaluation_histogram() -> Histogram {
+    // 20 µs … ~1.3 s: a fresh instance plus evaluation is ~0.1 ms, a timeout is seconds.
+    Histogram::new(exponential_buckets(0.00002, 2.0, 17))
+}
+
+impl Default for AdmissionMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl AdmissionMetrics {
+    pub fn new() -> Self {
+        Self {
+            decisions: Family::default(),
+            violations: Family::default(),
+            evaluation_duration: Family::new_with_constructor(evaluation_histogram),
+            evaluation_errors: Family::default(),
+            certificate_expiry: Gauge::default(),
+            certificate_rotations: Counter::default(),
+        }
+    }
+
+    /// Registers every family in `registry` (names prefixed `pko_admission_`).
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "pko_admission_decisions",
+            "Admission webhook answers, by webhook and result",
+            self.decisions.clone(),
+        );
+        registry.register(
+            "pko_admission_violations",
+            "Policy violations found at admission, by policy, rule and enforcement action",
+            self.violations.clone(),
+        );
+        registry.register(
+            "pko_admission_evaluation_duration_seconds",
+            "Policy evaluation latency (fresh instance + data + evaluation), by entrypoint",
+            self.evaluation_duration.clone(),
+        );
+        registry.register(
+            "pko_admission_evaluation_errors",
+            "Policy evaluations that failed, by entrypoint and error kind",
+            self.evaluation_errors.clone(),
+        );
+        registry.register(
+            "pko_admission_certificate_expiry_timestamp_seconds",
+            "Unix time at which the webhook's serving certificate expires",
+            self.certificate_expiry.clone(),
+        );
+        registry.register(
+            "pko_admission_certificate_rotations",
+            "Webhook serving certificates issued or loaded after a change",
+            self.certificate_rotations.clone(),
+        );
+    }
+
+    pub(crate) fn decision(&self, webhook: &str, result: &str) {
+        self.decisions
+            .get_or_create(&DecisionLabels {
+                webhook: webhook.to_owned(),
+                result: result.to_owned(),
+            })
+            .inc();
+    }
+}

@@ -1,0 +1,416 @@
+//! Tenancy data for the policies, from TenancyPolicy objects and namespace labels.
+//!
+//! Both are watched (reflectors), so a change to a TenancyPolicy or to a namespace's labels
+//! applies to the next request, with no restart and no pause: each request reads the current
+//! stores and builds its own data document. A namespace the watch has not seen yet (created a
+//! moment ago) is read directly, so a selector never misses it.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Namespace;
+use kube::core::{PartialObjectMeta, Selector, SelectorExt};
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Client, ResourceExt};
+use pko_api::tenancy::{EnforcementAction, TenancyPolicy, TenancyPolicySpec};
+use serde_json::{Map, Value, json};
+use tracing::warn;
+
+/// A namespace GET on a watch miss must not eat the evaluation budget.
+const NAMESPACE_LOOKUP_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Errors while building the tenancy data of a request.
+#[derive(Debug, thiserror::Error)]
+pub enum TenancyError {
+    #[error("cannot read the labels of namespace {namespace}: {reason}")]
+    NamespaceLookup { namespace: String, reason: String },
+}
+
+/// Settings that apply to every namespace.
+#[derive(Clone, Debug)]
+pub struct TenancySettings {
+    /// Action of violations in namespaces that no TenancyPolicy selects.
+    pub default_action: EnforcementAction,
+    /// `host[:port]` of the operator's file server as it appears in artifact URLs; empty means
+    /// any host (the `/programs/<ns>/...` path shape alone identifies a Program URL).
+    pub file_server_hosts: Vec<String>,
+}
+
+impl Default for TenancySettings {
+    fn default() -> Self {
+        Self {
+            default_action: EnforcementAction::Deny,
+            file_server_hosts: Vec::new(),
+        }
+    }
+}
+
+/// Where namespace labels come from.
+#[derive(Clone)]
+enum Labels {
+    /// A namespace watch, with a direct read on a miss.
+    Watched(Arc<WatchedLabels>),
+    /// A fixed map (tests, offline evaluation).
+    Fixed(Arc<BTreeMap<String, BTreeMap<String, String>>>),
+}
+
+struct WatchedLabels {
+    store: Store<PartialObjectMeta<Namespace>>,
+    api: Api<Namespace>,
+}
+
+/// The TenancyPolicies and namespace labels the policies are evaluated against.
+#[derive(Clone)]
+pub struct Tenancy {
+    policies: PolicySource,
+    labels: Labels,
+    settings: Arc<TenancySettings>,
+    synced: Arc<AtomicBool>,
+}
+
+#[derive(Clone)]
+enum PolicySource {
+    Watched(Store<TenancyPolicy>),
+    Fixed(Arc<Vec<TenancyPolicy>>),
+}
+
+impl Tenancy {
+    /// Watches TenancyPolicies and namespace metadata cluster-wide. Returns the view and the
+    /// future that drives both watches (the caller spawns it).
+    pub fn watch(
+        client: Client,
+        settings: TenancySettings,
+    ) -> (Self, impl std::future::Future<Output = ()> + Send + 'static) {
+        let (policy_store, policy_writer) = reflector::store::<TenancyPolicy>();
+        let (ns_store, ns_writer) = reflector::store::<PartialObjectMeta<Namespace>>();
+        let synced = Arc::new(AtomicBool::new(false));
+        let tenancy = Self {
+            policies: PolicySource::Watched(policy_store.clone()),
+            labels: Labels::Watched(Arc::new(WatchedLabels {
+                store: ns_store.clone(),
+                api: Api::all(client.clone()),
+            })),
+            settings: Arc::new(settings),
+            synced: synced.clone(),
+        };
+        let policies_api: Api<TenancyPolicy> = Api::all(client.clone());
+        // Metadata only: labels are all we need.
+        let namespaces_api: Api<PartialObjectMeta<Namespace>> = Api::all(client);
+        let driver = async move {
+            let policies = watcher(policies_api, watcher::Config::default().any_semantic())
+                .default_backoff()
+                .reflect(policy_writer)
+                .touched_objects()
+                .for_each(|event| async move {
+                    if let Err(err) = event {
+                        warn!(error = %err, "TenancyPolicy watch failed; retrying");
+                    }
+                });
+            let namespaces = watcher(namespaces_api, watcher::Config::default().any_semantic())
+                .default_backoff()
+                .reflect(ns_writer)
+                .touched_objects()
+                .for_each(|event| async move {
+                    if let Err(err) = event {
+                        warn!(error = %err, "namespace watch failed; retrying");
+                    }
+                });
+            let ready = async move {
+                if policy_store.wait_until_ready().await.is_ok()
+                    && ns_store.wait_until_ready().await.is_ok()
+                {
+                    synced.store(true, Ordering::Release);
+                }
+                futures::future::pending::<()>().await;
+            };
+            tokio::select! {
+                () = policies => {},
+                () = namespaces => {},
+                () = ready => {},
+            }
+        };
+        (tenancy, driver)
+    }
+
+    /// A fixed view: the given policies and namespace labels (for tests and offline runs).
+    pub fn fixed(
+        policies: Vec<TenancyPolicy>,
+        labels: BTreeMap<String, BTreeMap<String, String>>,
+        settings: TenancySettings,
+    ) -> Self {
+        Self {
+            policies: PolicySource::Fixed(Arc::new(policies)),
+            labels: Labels::Fixed(Arc::new(labels)),
+            settings: Arc::new(settings),
+            synced: Arc::new(AtomicBool::new(true)),
+        }
+    }
+
+    /// Set once both watches have listed everything (readiness).
+    pub fn synced_flag(&self) -> Arc<AtomicBool> {
+        self.synced.clone()
+    }
+
+    /// `data` for a request in `namespace`: `base` (the bundle's data) plus `tenancy`.
+    pub async fn data_for(&self, base: &Value, namespace: &str) -> Result<Value, TenancyError> {
+        let policies = self.selecting(namespace).await?;
+        Ok(data_document(base, &self.settings, namespace, &policies))
+    }
+
+    /// The TenancyPolicies that select `namespace`, sorted by name.
+    async fn selecting(&self, namespace: &str) -> Result<Vec<Arc<TenancyPolicy>>, TenancyError> {
+        let all: Vec<Arc<TenancyPolicy>> = match &self.policies {
+            PolicySource::Watched(store) => store.state(),
+            PolicySource::Fixed(list) => list.iter().cloned().map(Arc::new).collect(),
+        };
+        if namespace.is_empty() || all.is_empty() {
+            return Ok(Vec::new());
+        }
+        // Labels are read only when some policy selects by label.
+        let needs_labels = all.iter().any(|p| p.spec.namespace_selector.is_some());
+        let labels = if needs_labels {
+            self.labels_of(namespace).await?
+        } else {
+            BTreeMap::new()
+        };
+        let mut selecting: Vec<_> = all
+            .into_iter()
+            .filter(|p| selects(&p.name_any(), &p.spec, namespace, &labels))
+            .collect();
+        selecting.sort_by_key(|p| p.name_any());
+        Ok(selecting)
+    }
+
+    async fn labels_of(&self, namespace: &str) -> Result<BTreeMap<String, String>, TenancyError> {
+        match &self.labels {
+            Labels::Fixed(map) => Ok(map.get(namespace).cloned().unwrap_or_default()),
+            Labels::Watched(watched) => {
+                if let Some(ns) = watched.store.get(&ObjectRef::new(namespace)) {
+                    return Ok(ns.labels().clone());
+                }
+                let lookup = tokio::time::timeout(
+                    NAMESPACE_LOOKUP_TIMEOUT,
+                    watched.api.get_metadata_opt(namespace),
+                )
+                .await;
+                match lookup {
+                    Ok(Ok(Some(ns))) => Ok(ns.labels().clone()),
+                    // A namespace that does not exist has no labels; the apiserver rejects the
+                    // request for it anyway.
+                    Ok(Ok(None)) => Ok(BTreeMap::new()),
+                    Ok(Err(e)) => Err(TenancyError::NamespaceLookup {
+                        namespace: namespace.to_owned(),
+                        reason: e.to_string(),
+                    }),
+                    Err(_) => Err(TenancyError::NamespaceLookup {
+                        namespace: namespace.to_owned(),
+                        reason: format!("no answer within {NAMESPACE_LOOKUP_TIMEOUT:?}"),
+                    }),
+                }
+            }
+        }
+    }
+}
+
+/// Whether a policy selects a namespace: by name, or by a label selector. An invalid selector
+/// selects nothing (and says so in the log).
+pub fn selects(
+    policy: &str,
+    spec: &TenancyPolicySpec,
+    namespace: &str,
+    labels: &BTreeMap<String, String>,
+) -> bool {
+    if spec
+        .namespaces
+        .as_ref()
+        .is_some_and(|names| names.iter().any(|n| n == namespace))
+    {
+        return true;
+    }
+    match &spec.namespace_selector {
+        Some(selector) => match Selector::try_from(selector.clone()) {
+            Ok(selector) => selector.matches(labels),
+            Err(e) => {
+                warn!(policy, error = %e, "invalid namespaceSelector; it selects nothing");
+                false
+            }
+        },
+        None => false,
+    }
+}
+
+/// The data document of one request (documented in docs/policies.md): `base` with
+/// `tenancy = {defaultAction, fileServerHosts, policies: [...]}`, where each selecting policy
+/// lists the request's namespace in `namespaces`.
+pub fn data_document(
+    base: &Value,
+    settings: &TenancySettings,
+    namespace: &str,
+    policies: &[Arc<TenancyPolicy>],
+) -> Value {
+    let policies: Vec<Value> = policies
+        .iter()
+        .map(|p| {
+            let mut entry = Map::new();
+            entry.insert("name".into(), json!(p.name_any()));
+            entry.insert("action".into(), json!(p.spec.enforcement_action.as_str()));
+            entry.insert("namespaces".into(), json!([namespace]));
+            entry.insert(
+                "exemptFromRestricted".into(),
+                json!(p.spec.exempt_from_restricted.unwrap_or(false)),
+            );
+            let lists = [
+                ("allowedServiceAccounts", &p.spec.allowed_service_accounts),
+                ("allowedImagePrefixes", &p.spec.allowed_image_prefixes),
+                ("allowedTransformDigests", &p.spec.allowed_transform_digests),
+            ];
+            for (key, list) in lists {
+                if let Some(list) = list {
+                    entry.insert(key.into(), json!(list));
+                }
+            }
+            Value::Object(entry)
+        })
+        .collect();
+    let mut data = match base {
+        Value::Object(map) => map.clone(),
+        _ => Map::new(),
+    };
+    data.insert(
+        "tenancy".into(),
+        json!({
+            "defaultAction": settings.default_action.as_str(),
+            "fileServerHosts": settings.file_server_hosts,
+            "policies": policies,
+        }),
+    );
+    Value::Object(data)
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement};
+
+    use super::*;
+
+    fn policy(name: &str, spec: TenancyPolicySpec) -> TenancyPolicy {
+        TenancyPolicy::new(name, spec)
+    }
+
+    fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect()
+    }
+
+    #[test]
+    fn selects_by_name_and_by_labels() {
+        let by_name = TenancyPolicySpec {
+            namespaces: Some(vec!["a".into()]),
+            ..Default::default()
+        };
+        assert!(selects("p", &by_name, "a", &BTreeMap::new()));
+        assert!(!selects("p", &by_name, "b", &BTreeMap::new()));
+        let by_label = TenancyPolicySpec {
+            namespace_selector: Some(LabelSelector {
+                match_labels: Some(labels(&[("team", "a")])),
+                match_expressions: Some(vec![LabelSelectorRequirement {
+                    key: "tier".into(),
+                    operator: "NotIn".into(),
+                    values: Some(vec!["system".into()]),
+                }]),
+            }),
+            ..Default::default()
+        };
+        assert!(selects("p", &by_label, "x", &labels(&[("team", "a")])));
+        assert!(!selects(
+            "p",
+            &by_label,
+            "x",
+            &labels(&[("team", "a"), ("tier", "system")])
+        ));
+        assert!(!selects("p", &by_label, "x", &labels(&[("team", "b")])));
+        let everything = TenancyPolicySpec {
+            namespace_selector: Some(LabelSelector::default()),
+            ..Default::default()
+        };
+        assert!(selects("p", &everything, "x", &BTreeMap::new()));
+        let invalid = TenancyPolicySpec {
+            namespace_selector: Some(LabelSelector {
+                match_expressions: Some(vec![LabelSelectorRequirement {
+                    key: "k".into(),
+                    operator: "Sometimes".into(),
+                    values: None,
+                }]),
+                match_labels: None,
+            }),
+            ..Default::default()
+        };
+        assert!(!selects("p", &invalid, "x", &BTreeMap::new()));
+    }
+
+    #[tokio::test]
+    async fn data_lists_only_selecting_policies_sorted() {
+        let tenancy = Tenancy::fixed(
+            vec![
+                policy(
+                    "z-images",
+                    TenancyPolicySpec {
+                        enforcement_action: EnforcementAction::Warn,
+                        namespace_selector: Some(LabelSelector {
+                            match_labels: Some(labels(&[("team", "a")])),
+                            match_expressions: None,
+                        }),
+                        allowed_image_prefixes: Some(vec!["registry/".into()]),
+                        ..Default::default()
+                    },
+                ),
+                policy(
+                    "a-legacy",
+                    TenancyPolicySpec {
+                        namespaces: Some(vec!["team-a".into()]),
+                        exempt_from_restricted: Some(true),
+                        ..Default::default()
+                    },
+                ),
+                policy(
+                    "other",
+                    TenancyPolicySpec {
+                        namespaces: Some(vec!["team-b".into()]),
+                        ..Default::default()
+                    },
+                ),
+            ],
+            BTreeMap::from([("team-a".to_owned(), labels(&[("team", "a")]))]),
+            TenancySettings {
+                default_action: EnforcementAction::Dryrun,
+                file_server_hosts: vec!["fs:80".into()],
+            },
+        );
+        let data = tenancy
+            .data_for(&json!({"static": 1}), "team-a")
+            .await
+            .expect("data");
+        assert_eq!(
+            data,
+            json!({
+                "static": 1,
+                "tenancy": {
+                    "defaultAction": "dryrun",
+                    "fileServerHosts": ["fs:80"],
+                    "policies": [
+                        {"name": "a-legacy", "action": "deny", "namespaces": ["team-a"], "exemptFromRestricted": true},
+                        {"name": "z-images", "action": "warn", "namespaces": ["team-a"], "exemptFromRestricted": false, "allowedImagePrefixes": ["registry/"]},
+                    ],
+                },
+            })
+        );
+        let none = tenancy.data_for(&json!({}), "team-c").await.expect("data");
+        assert_eq!(none["tenancy"]["policies"], json!([]));
+    }
+}

@@ -1,0 +1,319 @@
+//! The webhook's HTTP contract, in-process with the real policy bundle (`make policies`;
+//! the path comes from PKO_POLICY_BUNDLE).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::Body;
+use http::{Request, StatusCode};
+use http_body_util::BodyExt;
+use pko_admission::metrics::AdmissionMetrics;
+use pko_admission::tenancy::{Tenancy, TenancySettings};
+use pko_admission::webhook::{self, Admission, FailurePolicy};
+use pko_admission::{Bundle, EngineLimits, PolicyEngine};
+use pko_api::tenancy::{EnforcementAction, TenancyPolicy, TenancyPolicySpec};
+use serde_json::{Value, json};
+use tower::ServiceExt;
+
+fn bundle_path() -> PathBuf {
+    match std::env::var_os("PKO_POLICY_BUNDLE").filter(|v| !v.is_empty()) {
+        Some(path) => PathBuf::from(path),
+        None => panic!(
+            "PKO_POLICY_BUNDLE is not set: run `make policies` (or `make test`, which sets it) \
+             and export PKO_POLICY_BUNDLE=~/.cache/pko-rs/policies/policies.tar.gz"
+        ),
+    }
+}
+
+struct App {
+    router: Router,
+    metrics: AdmissionMetrics,
+}
+
+async fn app(policies: Vec<TenancyPolicy>, limits: EngineLimits, failure: FailurePolicy) -> App {
+    let bundle = Bundle::load(&bundle_path()).expect("bundle loads");
+    let engine = Arc::new(PolicyEngine::new(&bundle, limits).await.expect("engine"));
+    let tenancy = Tenancy::fixed(policies, BTreeMap::new(), TenancySettings::default());
+    let metrics = AdmissionMetrics::new();
+    let admission = Arc::new(Admission::new(engine, tenancy, metrics.clone(), failure));
+    App {
+        router: webhook::router(admission),
+        metrics,
+    }
+}
+
+async fn post(router: &Router, path: &str, body: impl Into<Body>) -> (StatusCode, Vec<u8>) {
+    let response = router
+        .clone()
+        .oneshot(
+            Request::post(path)
+                .header("content-type", "application/json")
+                .body(body.into())
+                .expect("request"),
+        )
+        .await
+        .expect("response");
+    let status = response.status();
+    let bytes = response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes()
+        .to_vec();
+    (status, bytes)
+}
+
+async fn review_response(router: &Router, path: &str, review: &Value) -> Value {
+    let (status, body) = post(router, path, review.to_string()).await;
+    assert_eq!(status, StatusCode::OK, "{}", String::from_utf8_lossy(&body));
+    let value: Value = serde_json::from_slice(&body).expect("JSON answer");
+    assert_eq!(value["apiVersion"], "admission.k8s.io/v1");
+    assert_eq!(value["kind"], "AdmissionReview");
+    assert_eq!(value["response"]["uid"], review["request"]["uid"]);
+    value["response"].clone()
+}
+
+fn review(namespace: &str, spec: Value) -> Value {
+    json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "6a0c6b4e-5d1c-4b8e-9d3e-000000000001",
+            "kind": {"group": "auto.pulumi.com", "version": "v1alpha1", "kind": "Workspace"},
+            "resource": {"group": "auto.pulumi.com", "version": "v1alpha1", "resource": "workspaces"},
+            "name": "w",
+            "namespace": namespace,
+            "operation": "CREATE",
+            "userInfo": {"username": "alice"},
+            "object": {
+                "apiVersion": "auto.pulumi.com/v1alpha1",
+                "kind": "Workspace",
+                "metadata": {"name": "w", "namespace": namespace},
+                "spec": spec,
+            },
+            "oldObject": null,
+            "dryRun": false,
+        },
+    })
+}
+
+fn policy(name: &str, namespace: &str, action: EnforcementAction) -> TenancyPolicy {
+    TenancyPolicy::new(
+        name,
+        TenancyPolicySpec {
+            enforcement_action: action,
+            namespaces: Some(vec![namespace.to_owned()]),
+            ..TenancyPolicySpec::default()
+        },
+    )
+}
+
+#[tokio::test]
+async fn malformed_reviews_get_400_with_a_reason() {
+    let app = app(vec![], EngineLimits::default(), FailurePolicy::Fail).await;
+    let cases = [
+        ("not json".to_owned(), "not JSON"),
+        (
+            json!({"apiVersion": "admission.k8s.io/v1beta1", "kind": "AdmissionReview"}).to_string(),
+            "expected an admission.k8s.io/v1 AdmissionReview",
+        ),
+        (
+            json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview"}).to_string(),
+            "has no request",
+        ),
+        (
+            json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {"uid": 5}})
+                .to_string(),
+            "malformed AdmissionReview",
+        ),
+    ];
+    for (body, reason) in cases {
+        for path in ["/validate", "/mutate"] {
+            let (status, answer) = post(&app.router, path, body.clone()).await;
+            let text = String::from_utf8_lossy(&answer);
+            assert_eq!(status, StatusCode::BAD_REQUEST, "{path} {body}: {text}");
+            assert!(text.contains(reason), "{path} {body}: {text}");
+        }
+    }
+    let metrics = encode(&app.metrics);
+    assert!(
+        metrics
+            .contains("pko_admission_decisions_total{webhook=\"validate\",result=\"invalid\"} 4"),
+        "{metrics}"
+    );
+    // Anything but POST is refused by the router.
+    let response = app
+        .router
+        .clone()
+        .oneshot(
+            Request::get("/validate")
+                .body(Body::empty())
+                .expect("request"),
+        )
+        .await
+        .expect("response");
+    assert_eq!(response.status(), StatusCode::METHOD_NOT_ALLOWED);
+}
+
+#[tokio::test]
+async fn denials_list_every_violation_with_its_path() {
+    let app = app(vec![], EngineLimits::default(), FailurePolicy::Fail).await;
+    let spec = json!({
+        "securityProfile": "baseline",
+        "podTemplate": {"spec": {
+            "hostNetwork": true,
+            "securityContext": {"runAsNonRoot": true, "seccompProfile": {"type": "RuntimeDefault"}},
+            "containers": [{"name": "pulumi", "securityContext": {"allowPrivilegeEscalation": false, "capabilities": {"drop": ["ALL"]}}}],
+        }},
+    });
+    let response = review_response(&app.router, "/validate", &review("team-a", spec)).await;
+    assert_eq!(response["allowed"], false);
+    assert_eq!(response["status"]["code"], 403);
+    let message = response["status"]["message"].as_str().expect("message");
+    assert!(
+        message.starts_with("Workspace team-a/w violates 2 pko-rs admission policy rules:"),
+        "{message}"
+    );
+    assert!(message.contains("- spec.podTemplate.spec.hostNetwork: sharing the host's namespaces is not allowed [restricted/host-namespaces]"), "{message}");
+    assert!(message.contains("- spec.securityProfile: "), "{message}");
+    let causes = response["status"]["details"]["causes"]
+        .as_array()
+        .expect("causes");
+    assert_eq!(causes.len(), 2);
+    assert!(
+        causes.iter().any(|c| c["field"] == "spec.securityProfile"
+            && c["reason"] == "restricted/baseline-profile")
+    );
+}
+
+#[tokio::test]
+async fn warn_and_dryrun_admit() {
+    let app = app(
+        vec![
+            policy("trial", "team-w", EnforcementAction::Warn),
+            policy("audit", "team-d", EnforcementAction::Dryrun),
+        ],
+        EngineLimits::default(),
+        FailurePolicy::Fail,
+    )
+    .await;
+    let baseline = json!({"securityProfile": "baseline"});
+    let warned = review_response(
+        &app.router,
+        "/validate",
+        &review("team-w", baseline.clone()),
+    )
+    .await;
+    assert_eq!(warned["allowed"], true);
+    let warnings = warned["warnings"].as_array().expect("warnings");
+    assert_eq!(warnings.len(), 1);
+    assert!(
+        warnings[0]
+            .as_str()
+            .is_some_and(|w| w.starts_with("pko-rs policy: spec.securityProfile:")
+                && w.ends_with("[restricted/baseline-profile]"))
+    );
+    assert!(warned.get("auditAnnotations").is_none());
+
+    let recorded = review_response(&app.router, "/validate", &review("team-d", baseline)).await;
+    assert_eq!(recorded["allowed"], true);
+    assert!(recorded.get("warnings").is_none());
+    let audit: Value = serde_json::from_str(
+        recorded["auditAnnotations"]["dryrun-violations"]
+            .as_str()
+            .expect("audit annotation"),
+    )
+    .expect("annotation JSON");
+    assert_eq!(audit[0]["code"], "baseline-profile");
+    assert_eq!(audit[0]["action"], "dryrun");
+
+    let metrics = encode(&app.metrics);
+    for line in [
+        "pko_admission_decisions_total{webhook=\"validate\",result=\"warned\"} 1",
+        "pko_admission_decisions_total{webhook=\"validate\",result=\"allowed\"} 1",
+        "pko_admission_violations_total{policy=\"restricted\",code=\"baseline-profile\",action=\"dryrun\"} 1",
+        "pko_admission_violations_total{policy=\"restricted\",code=\"baseline-profile\",action=\"warn\"} 1",
+    ] {
+        assert!(metrics.contains(line), "{line} missing in\n{metrics}");
+    }
+    assert!(metrics.contains(
+        "pko_admission_evaluation_duration_seconds_count{entrypoint=\"pko/admission/decision\"} 2"
+    ));
+}
+
+#[tokio::test]
+async fn mutate_returns_a_json_patch() {
+    let app = app(vec![], EngineLimits::default(), FailurePolicy::Fail).await;
+    let response = review_response(&app.router, "/mutate", &review("team-a", json!({}))).await;
+    assert_eq!(response["allowed"], true);
+    assert_eq!(response["patchType"], "JSONPatch");
+    // kube serializes the patch bytes as a JSON array of numbers, which the apiserver reads.
+    let bytes: Vec<u8> = serde_json::from_value(response["patch"].clone()).expect("patch bytes");
+    let ops: Value = serde_json::from_slice(&bytes).expect("JSON Patch");
+    assert_eq!(
+        ops,
+        json!([
+            {"op": "add", "path": "/spec/securityProfile", "value": "restricted"},
+            {"op": "add", "path": "/spec/resources", "value": {"requests": {"cpu": "100m", "memory": "64Mi"}}},
+        ])
+    );
+    let unchanged = review_response(
+        &app.router,
+        "/mutate",
+        &review("team-a", json!({"securityProfile": "restricted", "resources": {"requests": {"cpu": "1", "memory": "1Gi"}}})),
+    )
+    .await;
+    assert!(unchanged.get("patch").is_none(), "{unchanged}");
+}
+
+#[tokio::test]
+async fn failed_evaluations_follow_the_failure_policy_and_serving_goes_on() {
+    let small = EngineLimits {
+        memory_bytes: 1024 * 1024,
+        ..EngineLimits::default()
+    };
+    let big = review(
+        "team-a",
+        json!({"env": [{"name": "X", "value": "x".repeat(2_000_000)}]}),
+    );
+
+    let fail = app(vec![], small, FailurePolicy::Fail).await;
+    let refused = review_response(&fail.router, "/validate", &big).await;
+    assert_eq!(refused["allowed"], false);
+    assert_eq!(refused["status"]["code"], 500);
+    let message = refused["status"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("memory limit") && message.contains("failure policy Fail"),
+        "{message}"
+    );
+    let fine = review_response(&fail.router, "/validate", &review("team-a", json!({}))).await;
+    assert_eq!(fine["allowed"], true);
+
+    let ignore = app(vec![], small, FailurePolicy::Ignore).await;
+    let admitted = review_response(&ignore.router, "/mutate", &big).await;
+    assert_eq!(admitted["allowed"], true);
+    assert!(
+        admitted["warnings"][0]
+            .as_str()
+            .is_some_and(|w| w.contains("failure policy Ignore"))
+    );
+    let metrics = encode(&ignore.metrics);
+    assert!(metrics.contains("pko_admission_evaluation_errors_total{entrypoint=\"pko/defaults/patch\",error=\"memory\"} 1"), "{metrics}");
+    assert!(
+        metrics.contains(
+            "pko_admission_decisions_total{webhook=\"mutate\",result=\"error_allowed\"} 1"
+        ),
+        "{metrics}"
+    );
+}
+
+fn encode(metrics: &AdmissionMetrics) -> String {
+    let mut registry = prometheus_client::registry::Registry::default();
+    metrics.register(&mut registry);
+    let mut out = String::new();
+    prometheus_client::encoding::text::encode(&mut out, &registry).expect("encode");
+    out
+}

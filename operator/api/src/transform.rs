@@ -1,0 +1,449 @@
+//! `ProgramTransform` (namespaced) and `ClusterProgramTransform` (cluster-scoped), in
+//! `pko-rs.dev/v1alpha1`: a WebAssembly plugin (`wit/transform.wit`) that rewrites the specs of
+//! the Programs it selects before their artifacts are built.
+//!
+//! The module is pinned by sha256 and comes from a ConfigMap key or an `https://`/`file://` URL.
+//! Transforms that select a Program run in ascending `priority` (ties by name); each sees the
+//! previous one's output.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+use kube::{CustomResource, KubeSchema};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::common::Condition;
+
+/// CEL rule on a module source: exactly one of `configMap` and `url`.
+pub const SOURCE_RULE: &str = "has(self.configMap) != has(self.url)";
+/// Message of [`SOURCE_RULE`].
+pub const SOURCE_MESSAGE: &str = "set exactly one of configMap and url";
+/// CEL rule on `sha256`.
+pub const SHA256_RULE: &str = "self.matches('^(sha256:)?[0-9a-fA-F]{64}$')";
+/// Message of [`SHA256_RULE`].
+pub const SHA256_MESSAGE: &str =
+    "sha256 must be 64 hex characters, optionally prefixed with sha256:";
+/// CEL rule on `url`.
+pub const URL_RULE: &str = "self.startsWith('https://') || self.startsWith('file:///')";
+/// Message of [`URL_RULE`].
+pub const URL_MESSAGE: &str = "url must start with https:// or file:///";
+
+/// Condition type of a transform's state.
+pub const READY: &str = "Ready";
+
+/// ProgramTransform runs a WebAssembly plugin over the Programs of its namespace that match
+/// `programSelector`, before their artifacts are built.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "pko-rs.dev",
+    version = "v1alpha1",
+    kind = "ProgramTransform",
+    plural = "programtransforms",
+    shortname = "ptf",
+    category = "pko-rs",
+    namespaced,
+    status = "TransformStatus",
+    doc = "ProgramTransform runs a WebAssembly plugin over the Programs of its namespace before their artifacts are built.",
+    printcolumn = r#"{"name":"Priority","type":"integer","jsonPath":".spec.priority"}"#,
+    printcolumn = r#"{"name":"Policy","type":"string","jsonPath":".spec.failurePolicy"}"#,
+    printcolumn = r#"{"name":"Plugin","type":"string","jsonPath":".status.plugin.name"}"#,
+    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Reason","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].reason"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct ProgramTransformSpec {
+    /// Where the module comes from.
+    pub source: ModuleSource,
+    /// sha256 of the module bytes (hex, optionally prefixed with `sha256:`). A module with
+    /// another digest is not loaded.
+    #[x_kube(validation = Rule::new(SHA256_RULE).message(SHA256_MESSAGE))]
+    #[schemars(length(max = 71))]
+    pub sha256: String,
+    /// Programs of this namespace the plugin applies to (empty: all of them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub program_selector: Option<LabelSelector>,
+    #[serde(flatten)]
+    pub common: TransformCommon,
+}
+
+/// ClusterProgramTransform runs a WebAssembly plugin over the Programs of every namespace that
+/// matches `namespaceSelector` (and `programSelector`), before their artifacts are built.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "pko-rs.dev",
+    version = "v1alpha1",
+    kind = "ClusterProgramTransform",
+    plural = "clusterprogramtransforms",
+    shortname = "cptf",
+    category = "pko-rs",
+    status = "TransformStatus",
+    doc = "ClusterProgramTransform runs a WebAssembly plugin over the Programs of the selected namespaces before their artifacts are built.",
+    printcolumn = r#"{"name":"Priority","type":"integer","jsonPath":".spec.priority"}"#,
+    printcolumn = r#"{"name":"Policy","type":"string","jsonPath":".spec.failurePolicy"}"#,
+    printcolumn = r#"{"name":"Plugin","type":"string","jsonPath":".status.plugin.name"}"#,
+    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Reason","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].reason"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct ClusterProgramTransformSpec {
+    /// Where the module comes from (a ConfigMap names its namespace).
+    pub source: ClusterModuleSource,
+    /// sha256 of the module bytes (hex, optionally prefixed with `sha256:`). A module with
+    /// another digest is not loaded.
+    #[x_kube(validation = Rule::new(SHA256_RULE).message(SHA256_MESSAGE))]
+    #[schemars(length(max = 71))]
+    pub sha256: String,
+    /// Namespaces whose Programs the plugin applies to (empty: every namespace).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace_selector: Option<LabelSelector>,
+    /// Programs (in the selected namespaces) the plugin applies to (empty: all of them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub program_selector: Option<LabelSelector>,
+    #[serde(flatten)]
+    pub common: TransformCommon,
+}
+
+/// Fields both kinds share.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct TransformCommon {
+    /// Order among the transforms that select a Program: lower runs first; ties are broken by
+    /// name (then kind, cluster-scoped first).
+    #[serde(default)]
+    pub priority: i32,
+    /// Configuration handed to the plugin as JSON; checked by the plugin's `validate-config`
+    /// when the transform is loaded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "any_json")]
+    pub config: Option<Value>,
+    /// What happens to a Program when the plugin fails on it (or cannot be loaded): `Fail`
+    /// keeps the Program from being served and says why in its status; `Ignore` serves it
+    /// without this plugin and records a Warning event.
+    #[serde(default)]
+    pub failure_policy: FailurePolicy,
+    /// Per-call limits (defaults and ceilings are set by the operator).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limits: Option<TransformLimits>,
+}
+
+/// Where a namespaced transform's module comes from.
+#[derive(Serialize, Deserialize, KubeSchema, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new(SOURCE_RULE).message(SOURCE_MESSAGE))]
+pub struct ModuleSource {
+    /// A key of a ConfigMap in the transform's namespace (`binaryData`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config_map: Option<ConfigMapKey>,
+    /// An `https://` URL, or a `file:///` path under the operator's plugin folder.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new(URL_RULE).message(URL_MESSAGE))]
+    #[schemars(length(max = 2048))]
+    pub url: Option<String>,
+}
+
+/// Where a cluster-scoped transform's module comes from.
+#[derive(Serialize, Deserialize, KubeSchema, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new(SOURCE_RULE).message(SOURCE_MESSAGE))]
+pub struct ClusterModuleSource {
+    /// A key of a ConfigMap (`binaryData`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config_map: Option<NamespacedConfigMapKey>,
+    /// An `https://` URL, or a `file:///` path under the operator's plugin folder.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new(URL_RULE).message(URL_MESSAGE))]
+    #[schemars(length(max = 2048))]
+    pub url: Option<String>,
+}
+
+/// A key of a ConfigMap in the same namespace.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct ConfigMapKey {
+    /// Name of the ConfigMap.
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+    /// Key under `binaryData` holding the module.
+    #[schemars(length(min = 1, max = 253))]
+    pub key: String,
+}
+
+/// A key of a ConfigMap in a named namespace.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct NamespacedConfigMapKey {
+    /// Namespace of the ConfigMap.
+    #[schemars(length(min = 1, max = 63))]
+    pub namespace: String,
+    /// Name of the ConfigMap.
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+    /// Key under `binaryData` holding the module.
+    #[schemars(length(min = 1, max = 253))]
+    pub key: String,
+}
+
+/// What happens to a Program when a transform fails on it.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum FailurePolicy {
+    /// The Program is not served; its Ready condition says why.
+    #[default]
+    Fail,
+    /// The Program is served without this transform, with a Warning event.
+    Ignore,
+}
+
+/// Per-call limits of a plugin; unset fields take the operator's defaults, and every value is
+/// capped by the operator's ceilings.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct TransformLimits {
+    /// Fuel per call (about one unit per wasm instruction). Deterministic: a plugin that runs
+    /// out does so on every replica.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub fuel: Option<i64>,
+    /// Wall-clock budget per call, in milliseconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 30000))]
+    pub timeout_millis: Option<i64>,
+    /// Linear memory of the plugin, in MiB.
+    #[serde(default, rename = "memoryMiB", skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 512))]
+    pub memory_mib: Option<i64>,
+    /// Size of the output (spec and warnings), in KiB.
+    #[serde(default, rename = "outputKiB", skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 16384))]
+    pub output_kib: Option<i64>,
+}
+
+/// Observed state of a transform (both kinds).
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct TransformStatus {
+    /// The generation the status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// `Ready`: the module is loaded and the configuration accepted; otherwise the reason
+    /// (`DigestMismatch`, `ForbiddenImport`, `InvalidConfig`, `Source`, …) and a message.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend(
+        "x-kubernetes-list-type" = "map",
+        "x-kubernetes-list-map-keys" = ["type"],
+    ))]
+    pub conditions: Vec<Condition>,
+    /// `sha256:<hex>` of the loaded module.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
+    /// What the loaded plugin says about itself.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plugin: Option<PluginStatus>,
+}
+
+/// A plugin's self-description.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct PluginStatus {
+    pub name: String,
+    pub version: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub description: String,
+}
+
+/// Any JSON value, kept as is by the apiserver.
+fn any_json(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({ "x-kubernetes-preserve-unknown-fields": true })
+}
+
+/// A module source with the ConfigMap's namespace resolved.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum ResolvedSource {
+    ConfigMap {
+        namespace: String,
+        name: String,
+        key: String,
+    },
+    Url(String),
+}
+
+/// The fields of either kind, in one shape.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TransformView<'a> {
+    pub source: Option<ResolvedSource>,
+    pub sha256: &'a str,
+    /// `None`: every namespace (namespaced transforms: their own, checked by the caller).
+    pub namespace_selector: Option<&'a LabelSelector>,
+    pub program_selector: Option<&'a LabelSelector>,
+    pub common: &'a TransformCommon,
+}
+
+impl ProgramTransform {
+    /// The spec in the shape both kinds share.
+    pub fn view(&self) -> TransformView<'_> {
+        let namespace = self.metadata.namespace.clone().unwrap_or_default();
+        TransformView {
+            source: resolve(
+                self.spec
+                    .source
+                    .config_map
+                    .as_ref()
+                    .map(|c| ResolvedSource::ConfigMap {
+                        namespace,
+                        name: c.name.clone(),
+                        key: c.key.clone(),
+                    }),
+                self.spec.source.url.as_deref(),
+            ),
+            sha256: &self.spec.sha256,
+            namespace_selector: None,
+            program_selector: self.spec.program_selector.as_ref(),
+            common: &self.spec.common,
+        }
+    }
+}
+
+impl ClusterProgramTransform {
+    /// The spec in the shape both kinds share.
+    pub fn view(&self) -> TransformView<'_> {
+        TransformView {
+            source: resolve(
+                self.spec
+                    .source
+                    .config_map
+                    .as_ref()
+                    .map(|c| ResolvedSource::ConfigMap {
+                        namespace: c.namespace.clone(),
+                        name: c.name.clone(),
+                        key: c.key.clone(),
+                    }),
+                self.spec.source.url.as_deref(),
+            ),
+            sha256: &self.spec.sha256,
+            namespace_selector: self.spec.namespace_selector.as_ref(),
+            program_selector: self.spec.program_selector.as_ref(),
+            common: &self.spec.common,
+        }
+    }
+}
+
+/// Exactly one source, else `None` (the CRD rule makes that unreachable for stored objects).
+fn resolve(config_map: Option<ResolvedSource>, url: Option<&str>) -> Option<ResolvedSource> {
+    match (config_map, url) {
+        (Some(cm), None) => Some(cm),
+        (None, Some(url)) => Some(ResolvedSource::Url(url.to_owned())),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kube::CustomResourceExt;
+    use serde_json::json;
+
+    use super::*;
+
+    fn spec_schema(crd: &Value) -> &Value {
+        &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    }
+
+    #[test]
+    fn crds_are_in_our_group_with_the_right_scope() {
+        let ns = serde_json::to_value(ProgramTransform::crd()).expect("crd");
+        assert_eq!(ns["metadata"]["name"], "programtransforms.pko-rs.dev");
+        assert_eq!(ns["spec"]["scope"], "Namespaced");
+        let cluster = serde_json::to_value(ClusterProgramTransform::crd()).expect("crd");
+        assert_eq!(
+            cluster["metadata"]["name"],
+            "clusterprogramtransforms.pko-rs.dev"
+        );
+        assert_eq!(cluster["spec"]["scope"], "Cluster");
+        for crd in [&ns, &cluster] {
+            assert_eq!(crd["spec"]["versions"][0]["name"], "v1alpha1");
+            assert!(
+                crd["spec"]["versions"][0]["subresources"]["status"].is_object(),
+                "status subresource"
+            );
+            let spec = spec_schema(crd);
+            let required: Vec<&str> = spec["required"]
+                .as_array()
+                .expect("required")
+                .iter()
+                .filter_map(Value::as_str)
+                .collect();
+            assert!(required.contains(&"sha256") && required.contains(&"source"));
+            assert_eq!(
+                spec["properties"]["sha256"]["x-kubernetes-validations"][0]["rule"],
+                SHA256_RULE
+            );
+            assert_eq!(
+                spec["properties"]["source"]["x-kubernetes-validations"][0]["rule"],
+                SOURCE_RULE
+            );
+            assert_eq!(
+                spec["properties"]["config"],
+                json!({"x-kubernetes-preserve-unknown-fields": true, "description": spec["properties"]["config"]["description"]})
+            );
+            assert_eq!(
+                spec["properties"]["failurePolicy"]["enum"],
+                json!(["Fail", "Ignore"])
+            );
+        }
+        assert!(spec_schema(&cluster)["properties"]["namespaceSelector"].is_object());
+        assert!(spec_schema(&ns)["properties"]["namespaceSelector"].is_null());
+        let cm = &spec_schema(&cluster)["properties"]["source"]["properties"]["configMap"];
+        assert_eq!(cm["required"], json!(["key", "name", "namespace"]));
+    }
+
+    #[test]
+    fn specs_round_trip_and_resolve_their_sources() {
+        let pt: ProgramTransform = serde_json::from_value(json!({
+            "apiVersion": "pko-rs.dev/v1alpha1",
+            "kind": "ProgramTransform",
+            "metadata": {"name": "tags", "namespace": "team-a"},
+            "spec": {
+                "source": {"configMap": {"name": "plugins", "key": "tags.wasm"}},
+                "sha256": "ab".repeat(32),
+                "priority": 5,
+                "config": {"tags": {"a": "b"}},
+                "failurePolicy": "Ignore",
+                "limits": {"fuel": 1000, "memoryMiB": 8},
+            },
+        }))
+        .expect("parses");
+        let view = pt.view();
+        assert_eq!(
+            view.source,
+            Some(ResolvedSource::ConfigMap {
+                namespace: "team-a".into(),
+                name: "plugins".into(),
+                key: "tags.wasm".into()
+            })
+        );
+        assert_eq!(view.common.priority, 5);
+        assert_eq!(view.common.failure_policy, FailurePolicy::Ignore);
+        assert_eq!(view.common.limits.and_then(|l| l.memory_mib), Some(8));
+        let back = serde_json::to_value(&pt).expect("serializes");
+        assert_eq!(
+            back["spec"]["limits"],
+            json!({"fuel": 1000, "memoryMiB": 8})
+        );
+        assert_eq!(back["spec"]["config"], json!({"tags": {"a": "b"}}));
+
+        let cpt: ClusterProgramTransform = serde_json::from_value(json!({
+            "apiVersion": "pko-rs.dev/v1alpha1",
+            "kind": "ClusterProgramTransform",
+            "metadata": {"name": "allow"},
+            "spec": {"source": {"url": "file:///plugins/a.wasm"}, "sha256": "cd".repeat(32)},
+        }))
+        .expect("parses");
+        let view = cpt.view();
+        assert_eq!(
+            view.source,
+            Some(ResolvedSource::Url("file:///plugins/a.wasm".into()))
+        );
+        assert_eq!(view.common.failure_policy, FailurePolicy::Fail);
+        assert_eq!(view.common.config, None);
+    }
+}

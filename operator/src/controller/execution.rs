@@ -1,0 +1,101 @@
+//! The execution controllers (Workspace, Update, Stack) and their settings.
+
+use std::sync::Arc;
+
+use k8s_openapi::api::apps::v1::StatefulSet;
+use kube::{Api, Client};
+use pko_api::update::Update;
+use pko_api::workspace::Workspace;
+use tokio_util::sync::CancellationToken;
+
+use crate::agents::Agents;
+use crate::controller::stack::{self, StackContext};
+use crate::controller::update::{self, UpdateContext};
+use crate::controller::workspace::{self, PodSettings, WorkspaceContext};
+use crate::metrics::Metrics;
+
+/// Operator flags of the execution controllers (PKO's names where PKO has them).
+#[derive(clap::Args, Debug, Clone)]
+pub struct ExecutionArgs {
+    /// Image whose /usr/local/bin/pko-agent is copied into workspace pods (the operator's own).
+    #[arg(long, env = "AGENT_IMAGE", default_value = "pko-rs:latest")]
+    pub agent_image: String,
+    /// Pull policy of the agent image.
+    #[arg(long, env = "AGENT_IMAGE_PULL_POLICY", default_value = "IfNotPresent")]
+    pub agent_image_pull_policy: String,
+    /// Development only: dial workspace agents here instead of their Service. `host:port` sends
+    /// every call to one agent (PKO's WORKSPACE_LOCALHOST); a bare host uses the port a local
+    /// kubelet stand-in annotates on each StatefulSet.
+    #[arg(long, env = "WORKSPACE_LOCALHOST")]
+    pub workspace_localhost: Option<String>,
+    /// Largest artifact a workspace accepts (bytes; passed to the fetch container).
+    #[arg(long, env = "FLUX_MAX_UNTAR_SIZE_BYTES")]
+    pub max_artifact_bytes: Option<String>,
+}
+
+/// Runs the execution controllers until `stop` is canceled.
+pub async fn run(
+    client: Client,
+    namespace: Option<String>,
+    args: ExecutionArgs,
+    metrics: Metrics,
+    concurrency: u16,
+    stop: CancellationToken,
+) {
+    let agents = Arc::new(Agents::new(
+        client.clone(),
+        args.workspace_localhost.clone(),
+    ));
+    let settings = PodSettings {
+        agent_image: args.agent_image.clone(),
+        agent_image_pull_policy: args.agent_image_pull_policy.clone(),
+        max_artifact_bytes: args.max_artifact_bytes.clone(),
+    };
+    let (workspaces, statefulsets): (Api<Workspace>, Api<StatefulSet>) = match namespace.as_deref()
+    {
+        Some(ns) => (
+            Api::namespaced(client.clone(), ns),
+            Api::namespaced(client.clone(), ns),
+        ),
+        None => (Api::all(client.clone()), Api::all(client.clone())),
+    };
+    let updates: Api<Update> = match namespace.as_deref() {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    };
+    let ws_ctx = Arc::new(WorkspaceContext::new(
+        client.clone(),
+        agents.clone(),
+        settings,
+        metrics.clone(),
+    ));
+    let update_ctx = Arc::new(UpdateContext::new(
+        client.clone(),
+        agents.clone(),
+        metrics.clone(),
+    ));
+    let stack_ctx = Arc::new(StackContext::new(client.clone(), metrics.clone()));
+    tokio::join!(
+        stack::run(
+            client.clone(),
+            namespace.clone(),
+            stack_ctx,
+            concurrency,
+            stop.clone().cancelled_owned()
+        ),
+        workspace::run(
+            workspaces.clone(),
+            statefulsets,
+            ws_ctx,
+            concurrency,
+            stop.clone().cancelled_owned()
+        ),
+        update::run(
+            updates,
+            workspaces,
+            update_ctx,
+            concurrency,
+            stop.clone().cancelled_owned()
+        ),
+    );
+}

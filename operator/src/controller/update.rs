@@ -1,0 +1,937 @@
+//! Update controller: runs one Pulumi operation (preview, up, destroy, refresh) through the
+//! workspace's agent.
+//!
+//! Beyond PKO: the operation runs in its own task, so a reconcile worker is never held for the
+//! length of a Pulumi run (PKO caps all Updates cluster-wide at its worker count); engine events
+//! become Events and a bounded summary in `status.message` (PKO drops them); an Update found
+//! `Progressing` after an operator restart is resumed (run again: the agent interrupted the
+//! first run when the connection went away) instead of being marked `Aborted`; a lost agent
+//! connection fails the Update with a reason that says so.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::runtime::controller::{self, Action, Controller};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::watcher;
+use kube::{Client, Resource, ResourceExt};
+use pko_agent::client::AgentClient;
+use pko_agent::proto as pb;
+use pko_api::common::ProjectInfo;
+use pko_api::update::{Update, UpdateStatus, UpdateType};
+use pko_api::workspace::Workspace;
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::agents::{AgentError, Agents};
+use crate::controller::conditions;
+use crate::metrics::{ErrorLabels, Metrics};
+
+pub const STATUS_MANAGER: &str = "pko-rs/update-status";
+const CONTROLLER: &str = "update";
+const PROGRESSING: &str = "Progressing";
+const FAILED: &str = "Failed";
+const COMPLETE: &str = "Complete";
+/// Annotation of the outputs Secret listing its secret keys (PKO's).
+pub const SECRETS_ANNOTATION: &str = "pulumi.com/secrets";
+pub const UPDATE_NAME_LABEL: &str = "auto.pulumi.com/update-name";
+/// Resource-change Events published per Update at most.
+const MAX_RESOURCE_EVENTS: usize = 25;
+const MESSAGE_LIMIT: usize = 2000;
+
+/// Failures of one reconcile.
+#[derive(Debug, thiserror::Error)]
+pub enum UpdateError {
+    #[error("update has no namespace")]
+    NoNamespace,
+    #[error("{what}: {source}")]
+    Kube {
+        what: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("invalid ttlAfterCompleted {0:?}")]
+    BadTtl(String),
+}
+
+fn kube_err(what: impl Into<String>) -> impl FnOnce(kube::Error) -> UpdateError {
+    let what = what.into();
+    move |source| UpdateError::Kube { what, source }
+}
+
+/// What every reconcile needs.
+pub struct UpdateContext {
+    pub client: Client,
+    pub recorder: Recorder,
+    pub agents: Arc<Agents>,
+    pub metrics: Metrics,
+    /// Updates whose operation runs in this process: uid → cancel token.
+    running: Mutex<HashMap<String, CancellationToken>>,
+}
+
+impl UpdateContext {
+    pub fn new(client: Client, agents: Arc<Agents>, metrics: Metrics) -> Self {
+        let recorder = Recorder::new(
+            client.clone(),
+            Reporter {
+                controller: "pko-rs-update-controller".into(),
+                instance: std::env::var("POD_NAME").ok(),
+            },
+        );
+        Self {
+            client,
+            recorder,
+            agents,
+            metrics,
+            running: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn running(&self) -> std::sync::MutexGuard<'_, HashMap<String, CancellationToken>> {
+        self.running.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    async fn event(&self, update: &Update, type_: EventType, reason: &str, note: String) {
+        let event = Event {
+            type_,
+            reason: reason.into(),
+            note: Some(conditions::truncate(&note, 1000)),
+            action: "Update".into(),
+            secondary: None,
+        };
+        if let Err(e) = self.recorder.publish(&event, &update.object_ref(&())).await {
+            warn!(error = %e, "cannot publish event");
+        }
+    }
+}
+
+/// Runs the controller until `shutdown` resolves.
+pub async fn run(
+    api: Api<Update>,
+    workspaces: Api<Workspace>,
+    ctx: Arc<UpdateContext>,
+    concurrency: u16,
+    shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
+) {
+    let controller = Controller::new(api, watcher::Config::default().any_semantic());
+    let store = controller.store();
+    controller
+        // A Workspace becoming ready starts the Updates waiting for it.
+        .watches(
+            workspaces,
+            watcher::Config::default(),
+            move |ws: Workspace| {
+                let ns = ws.namespace();
+                let name = ws.name_any();
+                store
+                    .state()
+                    .into_iter()
+                    .filter(|u| {
+                        u.namespace() == ns
+                            && u.spec.workspace_name.as_deref() == Some(name.as_str())
+                            && !u
+                                .status
+                                .as_ref()
+                                .is_some_and(|s| conditions::is_true(&s.conditions, COMPLETE))
+                    })
+                    .map(|u| ObjectRef::from_obj(&*u))
+                    .collect::<Vec<_>>()
+            },
+        )
+        .with_config(controller::Config::default().concurrency(concurrency))
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, ctx)
+        .for_each(|result| async move {
+            if let Err(err) = result {
+                warn!(controller = CONTROLLER, error = %err, "controller event");
+            }
+        })
+        .await;
+}
+
+fn error_policy(update: Arc<Update>, err: &UpdateError, ctx: Arc<UpdateContext>) -> Action {
+    warn!(update = %update.name_any(), error = %err, "reconcile failed");
+    ctx.metrics
+        .reconcile_errors
+        .get_or_create(&ErrorLabels {
+            controller: CONTROLLER.into(),
+            error: "reconcile".into(),
+        })
+        .inc();
+    Action::requeue(Duration::from_secs(5))
+}
+
+/// A Go duration (`24h`, `1h30m`, `90s`, `500ms`).
+pub fn parse_go_duration(s: &str) -> Option<Duration> {
+    let mut total = Duration::ZERO;
+    let mut rest = s.trim();
+    if rest.is_empty() {
+        return None;
+    }
+    while !rest.is_empty() {
+        let digits = rest.find(|c: char| !c.is_ascii_digit() && c != '.')?;
+        let (num, tail) = rest.split_at(digits);
+        let num: f64 = num.parse().ok()?;
+        let unit_len = tail
+            .find(|c: char| c.is_ascii_digit())
+            .unwrap_or(tail.len());
+        let (unit, tail) = tail.split_at(unit_len);
+        let secs = match unit {
+            "ns" => num / 1e9,
+            "us" | "µs" => num / 1e6,
+            "ms" => num / 1e3,
+            "s" => num,
+            "m" => num * 60.0,
+            "h" => num * 3600.0,
+            _ => return None,
+        };
+        total += Duration::from_secs_f64(secs);
+        rest = tail;
+    }
+    Some(total)
+}
+
+fn stack_name(update: &Update) -> String {
+    update.spec.stack_name.clone().unwrap_or_default()
+}
+
+async fn reconcile(update: Arc<Update>, ctx: Arc<UpdateContext>) -> Result<Action, UpdateError> {
+    let labels = ctx.metrics.controller(CONTROLLER);
+    ctx.metrics.reconciles.get_or_create(&labels).inc();
+    let namespace = update.namespace().ok_or(UpdateError::NoNamespace)?;
+    let name = update.name_any();
+    let uid = update.metadata.uid.clone().unwrap_or_default();
+    let generation = update.metadata.generation;
+    let before = update.status.clone().unwrap_or_default();
+    let api: Api<Update> = Api::namespaced(ctx.client.clone(), &namespace);
+
+    if conditions::is_true(&before.conditions, COMPLETE) {
+        return expire(&update, &ctx, &api, &before).await;
+    }
+    if update.meta().deletion_timestamp.is_some() {
+        if let Some(token) = ctx.running().get(&uid) {
+            token.cancel();
+            return Ok(Action::await_change());
+        }
+        let mut status = before.clone();
+        finish(
+            &mut status,
+            generation,
+            false,
+            "Canceled",
+            "the update was deleted before it completed",
+        );
+        write_status(&ctx.client, &namespace, &name, &before, &status).await?;
+        return Ok(Action::await_change());
+    }
+    if ctx.running().contains_key(&uid) {
+        return Ok(Action::await_change());
+    }
+    let resumed = conditions::is_true(&before.conditions, PROGRESSING);
+
+    let mut status = before.clone();
+    status.observed_generation = generation;
+    let Some(ws_name) = update.spec.workspace_name.clone() else {
+        finish(
+            &mut status,
+            generation,
+            false,
+            "InvalidSpec",
+            "spec.workspaceName is required",
+        );
+        write_status(&ctx.client, &namespace, &name, &before, &status).await?;
+        return Ok(Action::await_change());
+    };
+    let workspaces: Api<Workspace> = Api::namespaced(ctx.client.clone(), &namespace);
+    let ws = workspaces
+        .get_opt(&ws_name)
+        .await
+        .map_err(kube_err("reading the Workspace"))?;
+    let waiting = |reason: &str, message: String| {
+        let mut s = status.clone();
+        conditions::set(
+            &mut s.conditions,
+            PROGRESSING,
+            false,
+            reason,
+            &message,
+            generation,
+        );
+        s
+    };
+    let Some(ws) = ws else {
+        let s = waiting(
+            "WorkspaceNotFound",
+            format!("workspace {ws_name} not found"),
+        );
+        write_status(&ctx.client, &namespace, &name, &before, &s).await?;
+        return Ok(Action::await_change());
+    };
+    let ws_status = ws.status.clone().unwrap_or_default();
+    let ws_ready = ws.meta().deletion_timestamp.is_none()
+        && ws_status.observed_generation == ws.metadata.generation
+        && conditions::is_true(&ws_status.conditions, "Ready");
+    let Some(address) = ws_status.address.clone().filter(|_| ws_ready) else {
+        let s = waiting(
+            "WorkspaceNotReady",
+            format!("waiting for workspace {ws_name} to be ready"),
+        );
+        write_status(&ctx.client, &namespace, &name, &before, &s).await?;
+        return Ok(Action::await_change());
+    };
+    let client = match connect(&ctx, &ws, &ws_name, &namespace, &address).await {
+        Ok(c) => c,
+        Err(e) => {
+            let s = waiting(
+                "TransientFailure",
+                format!("cannot reach the workspace agent: {e}"),
+            );
+            write_status(&ctx.client, &namespace, &name, &before, &s).await?;
+            return Ok(Action::requeue(Duration::from_secs(5)));
+        }
+    };
+
+    conditions::set(
+        &mut status.conditions,
+        PROGRESSING,
+        true,
+        "Progressing",
+        if resumed {
+            "resumed after an operator restart"
+        } else {
+            ""
+        },
+        generation,
+    );
+    conditions::set(
+        &mut status.conditions,
+        FAILED,
+        false,
+        "Progressing",
+        "",
+        generation,
+    );
+    conditions::set(
+        &mut status.conditions,
+        COMPLETE,
+        false,
+        "Progressing",
+        "",
+        generation,
+    );
+    status.start_time = Some(Time(Timestamp::now()));
+    status.end_time = None;
+    write_status(&ctx.client, &namespace, &name, &before, &status).await?;
+    if resumed {
+        ctx.event(
+            &update,
+            EventType::Normal,
+            "Resumed",
+            "the operation was in flight when the operator stopped; running it again".into(),
+        )
+        .await;
+    }
+    let token = CancellationToken::new();
+    ctx.running().insert(uid.clone(), token.clone());
+    let task_ctx = ctx.clone();
+    let task_update = update.clone();
+    tokio::spawn(async move {
+        let started = std::time::Instant::now();
+        let mut status = status;
+        let outcome = tokio::select! {
+            outcome = operate(&task_ctx, &task_update, client) => outcome,
+            () = token.cancelled() => Outcome::failed("Canceled", "the update was canceled".into()),
+        };
+        apply_outcome(&task_ctx, &task_update, &mut status, outcome).await;
+        // The final status write is retried: losing it would leave the Update in flight.
+        let mut delay = Duration::from_millis(500);
+        for attempt in 0..8 {
+            match write_status(&task_ctx.client, &namespace, &name, &before, &status).await {
+                Ok(()) => break,
+                Err(e) => {
+                    warn!(update = %name, attempt, error = %e, "cannot write the update result; retrying");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(10));
+                }
+            }
+        }
+        task_ctx.running().remove(&uid);
+        task_ctx
+            .metrics
+            .reconcile_duration
+            .get_or_create(&task_ctx.metrics.controller("update-operation"))
+            .observe(started.elapsed().as_secs_f64());
+    });
+    Ok(Action::await_change())
+}
+
+async fn connect(
+    ctx: &UpdateContext,
+    ws: &Workspace,
+    ws_name: &str,
+    namespace: &str,
+    address: &str,
+) -> Result<AgentClient, AgentError> {
+    let owner = crate::controller::workspace::owner_reference(ws);
+    let credentials = ctx
+        .agents
+        .ensure_credentials(ws_name, namespace, &owner)
+        .await?;
+    ctx.agents
+        .client(ws_name, namespace, address, &credentials)
+        .await
+}
+
+/// Deletes a completed Update once its `ttlAfterCompleted` has passed.
+async fn expire(
+    update: &Update,
+    ctx: &UpdateContext,
+    api: &Api<Update>,
+    status: &UpdateStatus,
+) -> Result<Action, UpdateError> {
+    let Some(ttl) = update
+        .spec
+        .ttl_after_completed
+        .as_deref()
+        .filter(|t| !t.is_empty())
+    else {
+        return Ok(Action::await_change());
+    };
+    if update.meta().deletion_timestamp.is_some() {
+        return Ok(Action::await_change());
+    }
+    let ttl = parse_go_duration(ttl).ok_or_else(|| UpdateError::BadTtl(ttl.to_owned()))?;
+    let completed = conditions::get(&status.conditions, COMPLETE)
+        .map(|c| c.last_transition_time.0)
+        .unwrap_or_else(Timestamp::now);
+    let elapsed = Timestamp::now().duration_since(completed);
+    let ttl_signed = SignedDuration::try_from(ttl).unwrap_or(SignedDuration::MAX);
+    if elapsed >= ttl_signed {
+        api.delete(&update.name_any(), &DeleteParams::background())
+            .await
+            .map_err(kube_err("deleting the expired Update"))?;
+        ctx.event(
+            update,
+            EventType::Normal,
+            "UpdateExpired",
+            "ttl expired and was deleted".into(),
+        )
+        .await;
+        return Ok(Action::await_change());
+    }
+    let remaining = Duration::try_from(ttl_signed - elapsed).unwrap_or(Duration::from_secs(1));
+    Ok(Action::requeue(remaining + Duration::from_millis(100)))
+}
+
+/// The result of one operation.
+struct Outcome {
+    succeeded: bool,
+    reason: String,
+    message: String,
+    summary: Option<pb::UpdateSummary>,
+    permalink: Option<String>,
+    project: Option<pb::ProjectInfo>,
+    outputs: Option<HashMap<String, pb::OutputValue>>,
+}
+
+impl Outcome {
+    fn failed(reason: &str, message: String) -> Self {
+        Self {
+            succeeded: false,
+            reason: reason.into(),
+            message,
+            summary: None,
+            permalink: None,
+            project: None,
+            outputs: None,
+        }
+    }
+}
+
+/// Counts of resource operations and the errors the engine reported.
+#[derive(Default)]
+struct EventDigest {
+    ops: BTreeMap<String, u64>,
+    errors: Vec<String>,
+    published: usize,
+}
+
+impl EventDigest {
+    async fn observe(&mut self, ctx: &UpdateContext, update: &Update, event: &prost_types::Struct) {
+        let event = Value::Object(pko_agent::values::from_struct(event));
+        if let Some(meta) = event.pointer("/resOutputsEvent/metadata") {
+            let op = meta["op"].as_str().unwrap_or("same").to_owned();
+            if op != "same" && self.published < MAX_RESOURCE_EVENTS {
+                self.published += 1;
+                let note = format!(
+                    "{op} {} ({})",
+                    meta["urn"].as_str().unwrap_or_default(),
+                    meta["type"].as_str().unwrap_or_default()
+                );
+                ctx.event(update, EventType::Normal, "ResourceChanged", note)
+                    .await;
+            }
+            *self.ops.entry(op).or_default() += 1;
+        }
+        if let Some(diag) = event.get("diagnosticEvent")
+            && diag["severity"] == "error"
+        {
+            let message = diag["message"]
+                .as_str()
+                .unwrap_or_default()
+                .trim()
+                .to_owned();
+            if !message.is_empty() && self.errors.len() < 5 {
+                self.errors.push(message);
+            }
+        }
+    }
+
+    fn summary(&self) -> String {
+        if self.ops.is_empty() {
+            return "no resource changes".into();
+        }
+        self.ops
+            .iter()
+            .map(|(op, n)| format!("{op}: {n}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+macro_rules! stream_op {
+    ($ctx:expr, $update:expr, $digest:expr, $call:expr, $module:ident) => {{
+        let mut stream = match $call.await {
+            Ok(s) => s.into_inner(),
+            Err(s) => return Err(s),
+        };
+        let mut result = None;
+        while let Some(msg) = stream.message().await? {
+            match msg.response {
+                Some(pb::$module::Response::Event(e)) => $digest.observe($ctx, $update, &e).await,
+                Some(pb::$module::Response::Result(r)) => result = Some(r),
+                None => {}
+            }
+        }
+        result
+            .ok_or_else(|| tonic::Status::unknown("the agent closed the stream without a result"))?
+    }};
+}
+
+async fn operate(ctx: &UpdateContext, update: &Update, mut client: AgentClient) -> Outcome {
+    let stack = stack_name(update);
+    if let Err(s) = client
+        .select_stack(pb::SelectStackRequest {
+            stack_name: stack.clone(),
+            create: Some(true),
+            secrets_provider: None,
+        })
+        .await
+    {
+        return status_outcome(ctx, update, &s);
+    }
+    let mut digest = EventDigest::default();
+    let result = run_operation(ctx, update, &mut client, &mut digest).await;
+    match result {
+        Ok(mut outcome) => {
+            let changes = digest.summary();
+            outcome.message = match &outcome.summary {
+                Some(s) if !s.message.is_empty() => format!("{}: {changes}", s.message),
+                _ => changes,
+            };
+            outcome
+        }
+        Err(s) => {
+            let mut outcome = status_outcome(ctx, update, &s);
+            if !digest.errors.is_empty() {
+                outcome.message =
+                    format!("{} (engine: {})", outcome.message, digest.errors.join("; "));
+            }
+            outcome.message = conditions::truncate(&outcome.message, MESSAGE_LIMIT);
+            outcome
+        }
+    }
+}
+
+async fn run_operation(
+    ctx: &UpdateContext,
+    update: &Update,
+    client: &mut AgentClient,
+    digest: &mut EventDigest,
+) -> Result<Outcome, tonic::Status> {
+    let spec = &update.spec;
+    let ok = |summary: Option<pb::UpdateSummary>, permalink, project| {
+        let succeeded = summary.as_ref().is_none_or(|s| s.result == "succeeded");
+        Outcome {
+            succeeded,
+            reason: if succeeded {
+                "UpdateSucceeded".into()
+            } else {
+                "UpdateFailed".into()
+            },
+            message: String::new(),
+            summary,
+            permalink,
+            project,
+            outputs: None,
+        }
+    };
+    match spec.type_.unwrap_or(UpdateType::Up) {
+        UpdateType::Preview => {
+            let r = stream_op!(
+                ctx,
+                update,
+                digest,
+                client.preview(pb::PreviewRequest {
+                    parallel: spec.parallel,
+                    message: spec.message.clone(),
+                    expect_no_changes: spec.expect_no_changes,
+                    replace: spec.replace.clone(),
+                    target: spec.target.clone(),
+                    target_dependents: spec.target_dependents,
+                    policy_pack: vec![],
+                    refresh: spec.refresh,
+                }),
+                preview_stream
+            );
+            Ok(ok(r.summary, r.permalink, r.project_info))
+        }
+        UpdateType::Up => {
+            let r = stream_op!(
+                ctx,
+                update,
+                digest,
+                client.up(pb::UpRequest {
+                    parallel: spec.parallel,
+                    message: spec.message.clone(),
+                    expect_no_changes: spec.expect_no_changes,
+                    replace: spec.replace.clone(),
+                    target: spec.target.clone(),
+                    target_dependents: spec.target_dependents,
+                    policy_pack: vec![],
+                    refresh: spec.refresh,
+                    continue_on_error: spec.continue_on_error,
+                }),
+                up_stream
+            );
+            let mut outcome = ok(r.summary, r.permalink, r.project_info);
+            outcome.outputs = Some(r.outputs);
+            Ok(outcome)
+        }
+        UpdateType::Refresh => {
+            let r = stream_op!(
+                ctx,
+                update,
+                digest,
+                client.refresh(pb::RefreshRequest {
+                    parallel: spec.parallel,
+                    message: spec.message.clone(),
+                    expect_no_changes: spec.expect_no_changes,
+                    target: spec.target.clone(),
+                    preview_only: None,
+                    run_program: spec.run_program,
+                }),
+                refresh_stream
+            );
+            Ok(ok(r.summary, r.permalink, r.project_info))
+        }
+        UpdateType::Destroy => {
+            let r = stream_op!(
+                ctx,
+                update,
+                digest,
+                client.destroy(pb::DestroyRequest {
+                    parallel: spec.parallel,
+                    message: spec.message.clone(),
+                    target: spec.target.clone(),
+                    target_dependents: spec.target_dependents,
+                    refresh: spec.refresh,
+                    continue_on_error: spec.continue_on_error,
+                    remove: spec.remove,
+                    run_program: spec.run_program,
+                }),
+                destroy_stream
+            );
+            Ok(ok(r.summary, r.permalink, r.project_info))
+        }
+    }
+}
+
+/// A failed RPC as an outcome: PKO's `PulumiErrorInfo` reason when attached, a clear reason when
+/// the agent went away, `Unknown` otherwise.
+fn status_outcome(ctx: &UpdateContext, update: &Update, s: &tonic::Status) -> Outcome {
+    if let Some(info) = pko_agent::server::error_info(s) {
+        return Outcome::failed(&info.reason, s.message().to_owned());
+    }
+    let text = s.message().to_ascii_lowercase();
+    let lost = matches!(s.code(), tonic::Code::Unavailable | tonic::Code::Cancelled)
+        || [
+            "transport",
+            "connection",
+            "broken pipe",
+            "stream closed",
+            "h2 protocol",
+            "error reading a body",
+        ]
+        .iter()
+        .any(|p| text.contains(p));
+    if lost {
+        if let Some(ws) = &update.spec.workspace_name
+            && let Some(ns) = update.namespace()
+        {
+            ctx.agents.forget(ws, &ns);
+        }
+        return Outcome::failed(
+            "AgentUnavailable",
+            format!(
+                "the connection to the workspace agent was lost during the operation ({:?}: {})",
+                s.code(),
+                s.message()
+            ),
+        );
+    }
+    let message = if s.message().is_empty() {
+        "An unknown error occurred".to_owned()
+    } else {
+        s.message().to_owned()
+    };
+    Outcome::failed("Unknown", message)
+}
+
+fn finish(
+    status: &mut UpdateStatus,
+    generation: Option<i64>,
+    succeeded: bool,
+    reason: &str,
+    message: &str,
+) {
+    conditions::set(
+        &mut status.conditions,
+        PROGRESSING,
+        false,
+        if succeeded { "Complete" } else { "Failed" },
+        "",
+        generation,
+    );
+    conditions::set(
+        &mut status.conditions,
+        FAILED,
+        !succeeded,
+        reason,
+        message,
+        generation,
+    );
+    conditions::set(
+        &mut status.conditions,
+        COMPLETE,
+        true,
+        if succeeded { "Updated" } else { "Failed" },
+        "",
+        generation,
+    );
+    status.message = Some(message.to_owned());
+    status.end_time = Some(Time(Timestamp::now()));
+}
+
+fn pb_time(t: &prost_types::Timestamp) -> Option<Time> {
+    Timestamp::new(t.seconds, t.nanos).ok().map(Time)
+}
+
+async fn apply_outcome(
+    ctx: &UpdateContext,
+    update: &Update,
+    status: &mut UpdateStatus,
+    outcome: Outcome,
+) {
+    let generation = update.metadata.generation;
+    let name = update.name_any();
+    let verb = match update.spec.type_.unwrap_or(UpdateType::Up) {
+        UpdateType::Preview => ("Previewed", "preview"),
+        UpdateType::Up => ("Updated", "update"),
+        UpdateType::Refresh => ("Refreshed", "refresh"),
+        UpdateType::Destroy => ("Destroyed", "destroy"),
+    };
+    let mut succeeded = outcome.succeeded;
+    let mut reason = outcome.reason.clone();
+    let mut message = outcome.message.clone();
+    if succeeded && let Some(outputs) = &outcome.outputs {
+        match write_outputs(ctx, update, outputs).await {
+            Ok(secret) => status.outputs = Some(secret),
+            Err(e) => {
+                succeeded = false;
+                reason = "OutputsUnavailable".into();
+                message = format!("the outputs could not be stored: {e}");
+            }
+        }
+    }
+    finish(
+        status,
+        generation,
+        succeeded,
+        &reason,
+        &conditions::truncate(&message, MESSAGE_LIMIT),
+    );
+    if let Some(summary) = &outcome.summary {
+        if let Some(t) = summary.start_time.as_ref().and_then(pb_time) {
+            status.start_time = Some(t);
+        }
+        if let Some(t) = summary.end_time.as_ref().and_then(pb_time) {
+            status.end_time = Some(t);
+        }
+    }
+    status.permalink = outcome.permalink.clone().or(status.permalink.take());
+    if let Some(p) = &outcome.project {
+        status.project_info = Some(ProjectInfo {
+            name: p.name.clone(),
+            runtime: p.runtime.clone(),
+        });
+    }
+    let stack = stack_name(update);
+    if succeeded {
+        info!(update = %name, "operation succeeded");
+        ctx.event(
+            update,
+            EventType::Normal,
+            "UpdateSucceeded",
+            format!("{} stack \"{stack}\"", verb.0),
+        )
+        .await;
+    } else {
+        warn!(update = %name, %reason, %message, "operation failed");
+        ctx.event(
+            update,
+            EventType::Warning,
+            "UpdateFailed",
+            format!("Failed to {} stack \"{stack}\": {message}", verb.1),
+        )
+        .await;
+    }
+}
+
+/// `[^-._a-zA-Z0-9]` → `_`, as Secret keys must be (PKO's rule).
+pub fn sanitize_key(key: &str) -> String {
+    key.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_') {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+/// The immutable outputs Secret `<update>-stack-outputs`, as PKO writes it.
+async fn write_outputs(
+    ctx: &UpdateContext,
+    update: &Update,
+    outputs: &HashMap<String, pb::OutputValue>,
+) -> Result<String, kube::Error> {
+    let namespace = update.namespace().unwrap_or_default();
+    let name = format!("{}-stack-outputs", update.name_any());
+    let mut secret_keys: Vec<String> = outputs
+        .iter()
+        .filter(|(_, v)| v.secret)
+        .map(|(k, _)| sanitize_key(k))
+        .collect();
+    secret_keys.sort();
+    let data: BTreeMap<String, k8s_openapi::ByteString> = outputs
+        .iter()
+        .map(|(k, v)| (sanitize_key(k), k8s_openapi::ByteString(v.value.clone())))
+        .collect();
+    let owner = json!({
+        "apiVersion": "auto.pulumi.com/v1alpha1",
+        "kind": "Update",
+        "name": update.name_any(),
+        "uid": update.metadata.uid.clone().unwrap_or_default(),
+        "controller": true,
+        "blockOwnerDeletion": true,
+    });
+    let secret = Secret {
+        metadata: kube::api::ObjectMeta {
+            name: Some(name.clone()),
+            namespace: Some(namespace.clone()),
+            labels: Some(BTreeMap::from([
+                ("auto.pulumi.com/component".to_owned(), "update".to_owned()),
+                (UPDATE_NAME_LABEL.to_owned(), update.name_any()),
+            ])),
+            annotations: Some(BTreeMap::from([(
+                SECRETS_ANNOTATION.to_owned(),
+                serde_json::to_string(&secret_keys).unwrap_or_else(|_| "[]".into()),
+            )])),
+            owner_references: serde_json::from_value(json!([owner])).ok(),
+            ..Default::default()
+        },
+        immutable: Some(true),
+        data: Some(data),
+        type_: Some("Opaque".into()),
+        ..Default::default()
+    };
+    let api: Api<Secret> = Api::namespaced(ctx.client.clone(), &namespace);
+    match api.create(&PostParams::default(), &secret).await {
+        Ok(_) => Ok(name),
+        Err(kube::Error::Api(e)) if e.code == 409 => {
+            // Left by a run interrupted after this step (a resumed Update): replace it.
+            api.delete(&name, &DeleteParams::default()).await?;
+            api.create(&PostParams::default(), &secret).await?;
+            Ok(name)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+async fn write_status(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+    before: &UpdateStatus,
+    after: &UpdateStatus,
+) -> Result<(), UpdateError> {
+    if before == after {
+        return Ok(());
+    }
+    let patch = json!({
+        "apiVersion": "auto.pulumi.com/v1alpha1",
+        "kind": "Update",
+        "status": after,
+    });
+    Api::<Update>::namespaced(client.clone(), namespace)
+        .patch_status(
+            name,
+            &PatchParams::apply(STATUS_MANAGER).force(),
+            &Patch::Apply(&patch),
+        )
+        .await
+        .map_err(kube_err("writing the Update status"))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn go_durations() {
+        assert_eq!(parse_go_duration("24h"), Some(Duration::from_secs(86400)));
+        assert_eq!(parse_go_duration("1h30m"), Some(Duration::from_secs(5400)));
+        assert_eq!(parse_go_duration("1.5s"), Some(Duration::from_millis(1500)));
+        assert_eq!(parse_go_duration("500ms"), Some(Duration::from_millis(500)));
+        assert_eq!(parse_go_duration("x"), None);
+        assert_eq!(parse_go_duration(""), None);
+    }
+
+    #[test]
+    fn keys_are_sanitized_like_pko() {
+        assert_eq!(sanitize_key("with whitespace"), "with_whitespace");
+        assert_eq!(sanitize_key("a.b-c_d"), "a.b-c_d");
+        assert_eq!(sanitize_key("x/y:z"), "x_y_z");
+    }
+}

@@ -1,0 +1,686 @@
+//! Workspace controller: a Workspace becomes a Service + StatefulSet running the agent; once the
+//! agent answers, the Workspace's stacks are selected and configured through its RPCs.
+//!
+//! Beyond PKO: the pod is rolled only when what it runs changes (the revision hash covers the
+//! pod template, not the stacks), so a config change is pushed over RPC instead of restarting
+//! the pod; the agent has a readiness probe; a restarted agent (new instance id in its answers)
+//! is initialized again without touching the pod; a pod template that would make a restricted
+//! workspace run as root is refused with a Stalled condition; a failed init container (bad
+//! artifact digest, …) is reported in the Ready condition.
+
+pub mod merge;
+pub mod pod;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::core::v1::{Pod, Service};
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::controller::{self, Action, Controller};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::watcher;
+use kube::{Client, Resource, ResourceExt};
+use pko_agent::proto as pb;
+use pko_api::workspace::{ConfigItem, Workspace, WorkspaceStatus};
+use serde_json::{Value, json};
+use tracing::{info, instrument, warn};
+
+use crate::agents::{AgentError, Agents};
+use crate::controller::conditions;
+use crate::metrics::{ErrorLabels, Metrics};
+
+pub use pod::PodSettings;
+
+/// Field manager of the Workspace status.
+pub const STATUS_MANAGER: &str = "pko-rs/workspace-status";
+/// Field manager of the objects the operator applies.
+pub const APPLY_MANAGER: &str = "pko-rs";
+const CONTROLLER: &str = "workspace";
+const READY: &str = "Ready";
+const STALLED: &str = "Stalled";
+/// Structured config (objects, arrays, JSON values) needs `config set-all --json`.
+const STRUCTURED_CONFIG_MIN_VERSION: (u64, u64, u64) = (3, 202, 0);
+
+/// Failures of one reconcile (retried with backoff).
+#[derive(Debug, thiserror::Error)]
+pub enum WorkspaceError {
+    #[error("workspace has no namespace")]
+    NoNamespace,
+    #[error("{what}: {source}")]
+    Kube {
+        what: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error(transparent)]
+    Agent(#[from] AgentError),
+    #[error(transparent)]
+    Pod(#[from] pod::PodError),
+    #[error("cannot encode: {0}")]
+    Encode(#[from] serde_json::Error),
+}
+
+impl WorkspaceError {
+    fn kind(&self) -> &'static str {
+        match self {
+            Self::NoNamespace => "no_namespace",
+            Self::Kube { .. } => "kube",
+            Self::Agent(_) => "agent",
+            Self::Pod(_) => "pod",
+            Self::Encode(_) => "encode",
+        }
+    }
+}
+
+fn kube_err(what: impl Into<String>) -> impl FnOnce(kube::Error) -> WorkspaceError {
+    let what = what.into();
+    move |source| WorkspaceError::Kube { what, source }
+}
+
+/// What every reconcile needs.
+pub struct WorkspaceContext {
+    pub client: Client,
+    pub recorder: Recorder,
+    pub agents: Arc<Agents>,
+    pub settings: PodSettings,
+    pub metrics: Metrics,
+    /// Workspace uid → (agent instance, generation) whose stacks were initialized.
+    initialized: Mutex<HashMap<String, (String, i64)>>,
+}
+
+impl WorkspaceContext {
+    pub fn new(
+        client: Client,
+        agents: Arc<Agents>,
+        settings: PodSettings,
+        metrics: Metrics,
+    ) -> Self {
+        let recorder = Recorder::new(
+            client.clone(),
+            Reporter {
+                controller: "pko-rs-workspace-controller".into(),
+                instance: std::env::var("POD_NAME").ok(),
+            },
+        );
+        Self {
+            client,
+            recorder,
+            agents,
+            settings,
+            metrics,
+            initialized: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn initialized_for(&self, uid: &str) -> Option<(String, i64)> {
+        self.initialized
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(uid)
+            .cloned()
+    }
+
+    fn set_initialized(&self, uid: &str, value: Option<(String, i64)>) {
+        let mut map = self
+            .initialized
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        match value {
+            Some(v) => map.insert(uid.to_owned(), v),
+            None => map.remove(uid),
+        };
+    }
+
+    async fn event(&self, ws: &Workspace, type_: EventType, reason: &str, note: String) {
+        let event = Event {
+            type_,
+            reason: reason.into(),
+            note: Some(conditions::truncate(&note, 1000)),
+            action: "Reconcile".into(),
+            secondary: None,
+        };
+        if let Err(e) = self.recorder.publish(&event, &ws.object_ref(&())).await {
+            warn!(error = %e, "cannot publish event");
+        }
+    }
+}
+
+/// Runs the controller until `shutdown` resolves.
+pub async fn run(
+    api: Api<Workspace>,
+    statefulsets: Api<StatefulSet>,
+    ctx: Arc<WorkspaceContext>,
+    concurrency: u16,
+    shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
+) {
+    let owned = watcher::Config::default().labels(&format!("{}=workspace", pod::COMPONENT_LABEL));
+    Controller::new(api, watcher::Config::default().any_semantic())
+        .owns(statefulsets, owned)
+        .with_config(controller::Config::default().concurrency(concurrency))
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, ctx)
+        .for_each(|result| async move {
+            if let Err(err) = result {
+                warn!(controller = CONTROLLER, error = %err, "controller event");
+            }
+        })
+        .await;
+}
+
+fn error_policy(ws: Arc<Workspace>, err: &WorkspaceError, ctx: Arc<WorkspaceContext>) -> Action {
+    warn!(workspace = %ws.name_any(), error = %err, "reconcile failed");
+    ctx.metrics
+        .reconcile_errors
+        .get_or_create(&ErrorLabels {
+            controller: CONTROLLER.into(),
+            error: err.kind().into(),
+        })
+        .inc();
+    Action::requeue(Duration::from_secs(5))
+}
+
+/// The controller owner reference to put on every object made for `ws`.
+pub fn owner_reference(ws: &Workspace) -> Value {
+    json!({
+        "apiVersion": "auto.pulumi.com/v1alpha1",
+        "kind": "Workspace",
+        "name": ws.name_any(),
+        "uid": ws.metadata.uid.clone().unwrap_or_default(),
+        "controller": true,
+        "blockOwnerDeletion": true,
+    })
+}
+
+/// Why a StatefulSet is not ready yet, or `None` when it is (PKO's rule).
+fn not_ready(sts: &StatefulSet) -> Option<(&'static str, String)> {
+    let generation = sts.metadata.generation;
+    let Some(status) = &sts.status else {
+        return Some((
+            "RollingUpdate",
+            "waiting for the StatefulSet to be observed".into(),
+        ));
+    };
+    if status.observed_generation != generation
+        || status.update_revision.is_some() && status.update_revision != status.current_revision
+    {
+        return Some(("RollingUpdate", "the workspace pod is being updated".into()));
+    }
+    if status.available_replicas.unwrap_or(0) < 1 {
+        return Some((
+            "WaitingForReplicas",
+            "waiting for the workspace pod to be ready".into(),
+        ));
+    }
+    None
+}
+
+/// A failed init container of the workspace pod, as the kubelet reports it.
+async fn init_failure(client: &Client, namespace: &str, workspace: &str) -> Option<String> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    let pod = pods
+        .get_opt(&format!("{}-0", pod::workload_name(workspace)))
+        .await
+        .ok()??;
+    let statuses = pod.status?.init_container_statuses?;
+    statuses.iter().find_map(|s| {
+        let state = s.state.as_ref()?;
+        let terminated = state
+            .terminated
+            .as_ref()
+            .or_else(|| s.last_state.as_ref()?.terminated.as_ref())
+            .filter(|t| t.exit_code != 0)?;
+        let message = terminated
+            .message
+            .as_deref()
+            .map(str::trim)
+            .filter(|m| !m.is_empty())
+            .unwrap_or("no message");
+        Some(format!(
+            "init container {} failed (exit code {}): {}",
+            s.name, terminated.exit_code, message
+        ))
+    })
+}
+
+fn parse_version(v: &str) -> Option<(u64, u64, u64)> {
+    let core = v.trim().trim_start_matches('v');
+    let core = core.split(['-', '+']).next()?;
+    let mut parts = core.split('.').map(|p| p.parse::<u64>().ok());
+    Some((
+        parts.next()??,
+        parts.next()??,
+        parts.next().flatten().unwrap_or(0),
+    ))
+}
+
+fn structured(item: &ConfigItem) -> bool {
+    matches!(item.value, Some(Value::Object(_) | Value::Array(_)))
+        || item
+            .value_from
+            .as_ref()
+            .is_some_and(|f| f.json == Some(true))
+}
+
+/// A Workspace config item as the agent's.
+pub fn to_pb_item(item: &ConfigItem) -> pb::ConfigItem {
+    let v = match (&item.value, &item.value_from) {
+        (Some(value), _) => Some(pb::config_item::V::Value(pko_agent::values::to_pb(value))),
+        (None, Some(from)) => Some(pb::config_item::V::ValueFrom(pb::ConfigValueFrom {
+            f: match (&from.env, &from.path) {
+                (Some(env), _) => Some(pb::config_value_from::F::Env(env.clone())),
+                (None, Some(path)) => Some(pb::config_value_from::F::Path(path.clone())),
+                (None, None) => None,
+            },
+            json: from.json,
+        })),
+        (None, None) => None,
+    };
+    pb::ConfigItem {
+        key: item.key.clone(),
+        path: item.path,
+        v,
+        secret: item.secret,
+    }
+}
+
+/// Selects and configures every stack of the workspace.
+async fn initialize_stacks(
+    client: &mut pko_agent::client::AgentClient,
+    ws: &Workspace,
+) -> Result<(), String> {
+    for stack in &ws.spec.stacks {
+        client
+            .select_stack(pb::SelectStackRequest {
+                stack_name: stack.name.clone(),
+                create: stack.create,
+                secrets_provider: stack.secrets_provider.clone(),
+            })
+            .await
+            .map_err(|s| format!("Failed to initialize stack {}: {}", stack.name, s.message()))?;
+        if !stack.config.is_empty() {
+            client
+                .set_all_config(pb::SetAllConfigRequest {
+                    config: stack.config.iter().map(to_pb_item).collect(),
+                })
+                .await
+                .map_err(|s| {
+                    format!(
+                        "Failed to set config of stack {}: {}",
+                        stack.name,
+                        s.message()
+                    )
+                })?;
+        }
+        if !stack.environment.is_empty() {
+            client
+                .add_environments(pb::AddEnvironmentsRequest {
+                    environment: stack.environment.clone(),
+                })
+                .await
+                .map_err(|s| {
+                    format!(
+                        "Failed to add environments to stack {}: {}",
+                        stack.name,
+                        s.message()
+                    )
+                })?;
+        }
+    }
+    Ok(())
+}
+
+#[instrument(skip_all, fields(workspace = %format!("{}/{}", ws.namespace().unwrap_or_default(), ws.name_any())))]
+async fn reconcile(
+    ws: Arc<Workspace>,
+    ctx: Arc<WorkspaceContext>,
+) -> Result<Action, WorkspaceError> {
+    let started = std::time::Instant::now();
+    let labels = ctx.metrics.controller(CONTROLLER);
+    ctx.metrics.reconciles.get_or_create(&labels).inc();
+    let result = reconcile_inner(&ws, &ctx).await;
+    ctx.metrics
+        .reconcile_duration
+        .get_or_create(&labels)
+        .observe(started.elapsed().as_secs_f64());
+    result
+}
+
+async fn reconcile_inner(ws: &Workspace, ctx: &WorkspaceContext) -> Result<Action, WorkspaceError> {
+    let namespace = ws.namespace().ok_or(WorkspaceError::NoNamespace)?;
+    let name = ws.name_any();
+    let uid = ws.metadata.uid.clone().unwrap_or_default();
+    let generation = ws.metadata.generation;
+    let before = ws.status.clone().unwrap_or_default();
+    let mut status = before.clone();
+    status.observed_generation = generation;
+
+    if ws.meta().deletion_timestamp.is_some() {
+        status.address = None;
+        conditions::set(
+            &mut status.conditions,
+            READY,
+            false,
+            "Deleting",
+            "Workspace is being deleted",
+            generation,
+        );
+        ctx.set_initialized(&uid, None);
+        write_status(ctx, &namespace, &name, &before, &status).await?;
+        return Ok(Action::await_change());
+    }
+
+    let owner = owner_reference(ws);
+    let credentials = ctx
+        .agents
+        .ensure_credentials(&name, &namespace, &owner)
+        .await?;
+    let desired = match pod::desired_statefulset(
+        ws,
+        &name,
+        &namespace,
+        &owner,
+        &ctx.settings,
+        &credentials.fingerprint,
+    ) {
+        Ok(sts) => sts,
+        Err(pod::PodError::Restricted(reason)) => {
+            let message =
+                format!("the pod template breaks the restricted security profile: {reason}");
+            if !conditions::is_true(&status.conditions, STALLED) {
+                ctx.event(ws, EventType::Warning, "SpecInvalid", message.clone())
+                    .await;
+            }
+            status.address = None;
+            conditions::set(
+                &mut status.conditions,
+                STALLED,
+                true,
+                "SpecInvalid",
+                &message,
+                generation,
+            );
+            conditions::set(
+                &mut status.conditions,
+                READY,
+                false,
+                "SpecInvalid",
+                &message,
+                generation,
+            );
+            write_status(ctx, &namespace, &name, &before, &status).await?;
+            return Ok(Action::await_change());
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let apply = PatchParams::apply(APPLY_MANAGER).force();
+    let services: Api<Service> = Api::namespaced(ctx.client.clone(), &namespace);
+    let service = pod::desired_service(ws, &name, &namespace, &owner);
+    services
+        .patch(&pod::workload_name(&name), &apply, &Patch::Apply(&service))
+        .await
+        .map_err(kube_err("applying the workspace Service"))?;
+    let statefulsets: Api<StatefulSet> = Api::namespaced(ctx.client.clone(), &namespace);
+    let sts = statefulsets
+        .patch(&pod::workload_name(&name), &apply, &Patch::Apply(&desired))
+        .await
+        .map_err(kube_err("applying the workspace StatefulSet"))?;
+
+    if let Some((reason, mut message)) = not_ready(&sts) {
+        if let Some(failure) = init_failure(&ctx.client, &namespace, &name).await {
+            if conditions::get(&status.conditions, READY).is_none_or(|c| c.message != failure) {
+                ctx.event(
+                    ws,
+                    EventType::Warning,
+                    "InitializationFailure",
+                    failure.clone(),
+                )
+                .await;
+            }
+            message = failure;
+        }
+        status.address = None;
+        conditions::remove(&mut status.conditions, STALLED);
+        conditions::set(
+            &mut status.conditions,
+            READY,
+            false,
+            reason,
+            &message,
+            generation,
+        );
+        write_status(ctx, &namespace, &name, &before, &status).await?;
+        // No pod watch: look again for an init failure or readiness.
+        return Ok(Action::requeue(Duration::from_secs(10)));
+    }
+
+    let address = match ctx.agents.address(&name, &namespace, &sts) {
+        Ok(a) => a,
+        Err(AgentError::NoDevPort(_)) => return Ok(Action::requeue(Duration::from_secs(2))),
+        Err(e) => return Err(e.into()),
+    };
+    let mut client = match ctx
+        .agents
+        .client(&name, &namespace, &address, &credentials)
+        .await
+    {
+        Ok(c) => c,
+        Err(e) => {
+            let message = format!("cannot connect to the workspace agent at {address}: {e}");
+            ctx.event(ws, EventType::Warning, "ConnectionFailure", message.clone())
+                .await;
+            status.address = None;
+            conditions::set(
+                &mut status.conditions,
+                READY,
+                false,
+                "ConnectionFailed",
+                &message,
+                generation,
+            );
+            write_status(ctx, &namespace, &name, &before, &status).await?;
+            return Ok(Action::requeue(Duration::from_secs(5)));
+        }
+    };
+    let version = match client.pulumi_version(pb::PulumiVersionRequest {}).await {
+        Ok(v) => v,
+        Err(s) => {
+            ctx.agents.forget(&name, &namespace);
+            let reason = format!("{:?}", s.code());
+            let message = format!("PulumiVersion failed: {}", s.message());
+            status.address = None;
+            conditions::set(
+                &mut status.conditions,
+                READY,
+                false,
+                &reason,
+                &message,
+                generation,
+            );
+            write_status(ctx, &namespace, &name, &before, &status).await?;
+            return Ok(Action::requeue(Duration::from_secs(5)));
+        }
+    };
+    let instance = version
+        .metadata()
+        .get(pko_agent::INSTANCE_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    let version = version.into_inner().version;
+    status.pulumi_version = Some(version.clone());
+    status.address = Some(address.clone());
+
+    let needs_structured = ws
+        .spec
+        .stacks
+        .iter()
+        .flat_map(|s| &s.config)
+        .any(structured);
+    if needs_structured && parse_version(&version).is_none_or(|v| v < STRUCTURED_CONFIG_MIN_VERSION)
+    {
+        let message = format!(
+            "structured configuration needs Pulumi CLI v{}.{}.{} or later; the workspace has {version}",
+            STRUCTURED_CONFIG_MIN_VERSION.0,
+            STRUCTURED_CONFIG_MIN_VERSION.1,
+            STRUCTURED_CONFIG_MIN_VERSION.2
+        );
+        if !conditions::is_true(&status.conditions, STALLED) {
+            ctx.event(
+                ws,
+                EventType::Warning,
+                "StackInitializationFailure",
+                message.clone(),
+            )
+            .await;
+        }
+        conditions::set(
+            &mut status.conditions,
+            STALLED,
+            true,
+            "IncompatibleConfiguration",
+            &message,
+            generation,
+        );
+        conditions::set(
+            &mut status.conditions,
+            READY,
+            false,
+            "IncompatibleConfiguration",
+            &message,
+            generation,
+        );
+        write_status(ctx, &namespace, &name, &before, &status).await?;
+        return Ok(Action::await_change());
+    }
+
+    let done = ctx.initialized_for(&uid);
+    let generation_value = generation.unwrap_or(0);
+    if done.as_ref() != Some(&(instance.clone(), generation_value)) {
+        let fresh_agent = done.as_ref().is_none_or(|(i, _)| *i != instance);
+        if fresh_agent && let Err(s) = client.install(pb::InstallRequest {}).await {
+            let message = format!("Installation failed: {}", s.message());
+            ctx.event(
+                ws,
+                EventType::Warning,
+                "InstallationFailure",
+                message.clone(),
+            )
+            .await;
+            conditions::set(
+                &mut status.conditions,
+                STALLED,
+                true,
+                "InstallationFailed",
+                &message,
+                generation,
+            );
+            conditions::set(
+                &mut status.conditions,
+                READY,
+                false,
+                "InstallationFailed",
+                &message,
+                generation,
+            );
+            write_status(ctx, &namespace, &name, &before, &status).await?;
+            return Ok(Action::requeue(Duration::from_secs(60)));
+        }
+        if let Err(message) = initialize_stacks(&mut client, ws).await {
+            ctx.event(
+                ws,
+                EventType::Warning,
+                "StackInitializationFailure",
+                message.clone(),
+            )
+            .await;
+            conditions::set(
+                &mut status.conditions,
+                STALLED,
+                true,
+                "InitializationFailed",
+                &message,
+                generation,
+            );
+            conditions::set(
+                &mut status.conditions,
+                READY,
+                false,
+                "InitializationFailed",
+                &message,
+                generation,
+            );
+            write_status(ctx, &namespace, &name, &before, &status).await?;
+            return Ok(Action::requeue(Duration::from_secs(60)));
+        }
+        ctx.set_initialized(&uid, Some((instance.clone(), generation_value)));
+        info!(%instance, generation = generation_value, "workspace initialized");
+        let note = if fresh_agent {
+            format!("Initialized workspace pod {}-0", pod::workload_name(&name))
+        } else {
+            format!(
+                "Configured the stacks of generation {generation_value} without restarting the pod"
+            )
+        };
+        ctx.event(ws, EventType::Normal, "Initialized", note).await;
+    }
+    conditions::remove(&mut status.conditions, STALLED);
+    conditions::set(
+        &mut status.conditions,
+        READY,
+        true,
+        "Succeeded",
+        "",
+        generation,
+    );
+    write_status(ctx, &namespace, &name, &before, &status).await?;
+    // Notices an agent that restarted without a StatefulSet change.
+    Ok(Action::requeue(Duration::from_secs(60)))
+}
+
+async fn write_status(
+    ctx: &WorkspaceContext,
+    namespace: &str,
+    name: &str,
+    before: &WorkspaceStatus,
+    after: &WorkspaceStatus,
+) -> Result<(), WorkspaceError> {
+    if before.observed_generation == after.observed_generation
+        && before.address == after.address
+        && before.pulumi_version == after.pulumi_version
+        && conditions::same(&before.conditions, &after.conditions)
+    {
+        return Ok(());
+    }
+    let patch = json!({
+        "apiVersion": "auto.pulumi.com/v1alpha1",
+        "kind": "Workspace",
+        "status": after,
+    });
+    let api: Api<Workspace> = Api::namespaced(ctx.client.clone(), namespace);
+    api.patch_status(
+        name,
+        &PatchParams::apply(STATUS_MANAGER).force(),
+        &Patch::Apply(&patch),
+    )
+    .await
+    .map_err(kube_err("writing the Workspace status"))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_compare() {
+        assert_eq!(parse_version("v3.274.1"), Some((3, 274, 1)));
+        assert!(parse_version("v3.197.0").is_some_and(|v| v < STRUCTURED_CONFIG_MIN_VERSION));
+        assert!(
+            parse_version("3.202.0-alpha.1").is_some_and(|v| v >= STRUCTURED_CONFIG_MIN_VERSION)
+        );
+        assert_eq!(parse_version("garbage"), None);
+    }
+}

@@ -1,0 +1,687 @@
+//! The objects a Workspace becomes: a headless Service and a one-replica StatefulSet running
+//! the agent, named and labelled as PKO's.
+
+use std::collections::BTreeMap;
+
+use pko_api::workspace::{SecurityProfile, Workspace};
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+
+use super::merge;
+
+pub const COMPONENT_LABEL: &str = "auto.pulumi.com/component";
+pub const WORKSPACE_NAME_LABEL: &str = "auto.pulumi.com/workspace-name";
+/// Pod annotation: hash of the pod template, so only changes to what the pod runs roll it.
+pub const REVISION_HASH_ANNOTATION: &str = "auto.pulumi.com/revision-hash";
+pub const AGENT_PORT: u16 = pko_agent::DEFAULT_PORT;
+const SHARE: &str = "/share";
+const CREDENTIALS_DIR: &str = "/var/run/pko-agent";
+/// Where the agent binary sits in the agent (operator) image.
+pub const AGENT_IN_IMAGE: &str = "/usr/local/bin/pko-agent";
+const AGENT_IN_SHARE: &str = "/share/pko-agent";
+const RESTRICTED_UID: i64 = 1000;
+
+/// `<workspace>-workspace`: the StatefulSet, its Service and its pod's name prefix (PKO's).
+pub fn workload_name(workspace: &str) -> String {
+    format!("{workspace}-workspace")
+}
+
+/// The Secret holding the agent's bearer token and TLS key pair.
+pub fn credentials_name(workspace: &str) -> String {
+    format!("{workspace}-workspace-auth")
+}
+
+/// The name the agent's certificate is issued for (and the client checks).
+pub fn server_name(workspace: &str, namespace: &str) -> String {
+    format!("{}.{namespace}", workload_name(workspace))
+}
+
+/// Labels of every object of one workspace (also the Service's selector).
+pub fn labels(workspace: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (COMPONENT_LABEL.to_owned(), "workspace".to_owned()),
+        (WORKSPACE_NAME_LABEL.to_owned(), workspace.to_owned()),
+    ])
+}
+
+/// Operator-wide pod settings.
+#[derive(Clone, Debug)]
+pub struct PodSettings {
+    /// Image holding the agent at [`AGENT_IN_IMAGE`] (the operator's own).
+    pub agent_image: String,
+    pub agent_image_pull_policy: String,
+    /// `FLUX_MAX_UNTAR_SIZE_BYTES` passed to the fetch container, if set.
+    pub max_artifact_bytes: Option<String>,
+}
+
+/// A pod template that the restricted profile forbids.
+#[derive(Debug, thiserror::Error)]
+pub enum PodError {
+    #[error("the pod template breaks the restricted security profile: {0}")]
+    Restricted(String),
+    #[error("cannot encode the pod template: {0}")]
+    Encode(#[from] serde_json::Error),
+}
+
+/// PKO's in-memory defaults (PKO applies them on every reconcile too).
+pub fn default_image(profile: SecurityProfile) -> &'static str {
+    match profile {
+        SecurityProfile::Baseline => "pulumi/pulumi:latest",
+        SecurityProfile::Restricted => "pulumi/pulumi:latest-nonroot",
+    }
+}
+
+pub fn desired_service(ws: &Workspace, name: &str, namespace: &str, owner: &Value) -> Value {
+    let system = labels(name);
+    let template = ws
+        .spec
+        .service_template
+        .as_ref()
+        .and_then(|t| t.metadata.as_ref());
+    let mut all_labels: BTreeMap<String, String> =
+        template.map(|m| m.labels.clone()).unwrap_or_default();
+    // System labels win: the selector must keep matching.
+    all_labels.extend(system.clone());
+    let mut metadata = json!({
+        "name": workload_name(name),
+        "namespace": namespace,
+        "labels": all_labels,
+        "ownerReferences": [owner],
+    });
+    if let Some(annotations) = template.map(|m| &m.annotations).filter(|a| !a.is_empty()) {
+        metadata["annotations"] = json!(annotations);
+    }
+    json!({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata,
+        "spec": {
+            "clusterIP": "None",
+            "selector": system,
+            "ports": [{"name": "grpc", "port": AGENT_PORT, "targetPort": "grpc", "protocol": "TCP"}],
+        },
+    })
+}
+
+fn env(name: &str, value: &str) -> Value {
+    json!({"name": name, "value": value})
+}
+
+fn secret_env(name: &str, selector: &impl serde::Serialize) -> Value {
+    json!({"name": name, "valueFrom": {"secretKeyRef": selector}})
+}
+
+/// The fetch init container's env and args for the Workspace's source (git > flux > local >
+/// project info, as PKO); `None` when it has no source.
+fn fetch_step(ws: &Workspace, settings: &PodSettings) -> Option<(Vec<Value>, Vec<String>)> {
+    let spec = &ws.spec;
+    let link = format!("--link={SHARE}/workspace");
+    if let Some(git) = &spec.git {
+        let mut e = vec![
+            env("GIT_URL", git.url.as_deref().unwrap_or_default()),
+            env("GIT_REVISION", git.ref_.as_deref().unwrap_or_default()),
+            env("GIT_DIR", git.dir.as_deref().unwrap_or_default()),
+        ];
+        if git.shallow == Some(true) {
+            e.push(env("GIT_SHALLOW", "true"));
+        }
+        if let Some(auth) = &git.auth {
+            let refs = [
+                ("GIT_SSH_PRIVATE_KEY", &auth.ssh_private_key),
+                ("GIT_USERNAME", &auth.username),
+                ("GIT_PASSWORD", &auth.password),
+                ("GIT_TOKEN", &auth.token),
+            ];
+            for (name, sel) in refs {
+                if let Some(sel) = sel {
+                    e.push(secret_env(name, sel));
+                }
+            }
+            if let Some(app) = &auth.github_app {
+                e.push(secret_env("GIT_GITHUB_APP_ID", &app.app_id));
+                e.push(secret_env(
+                    "GIT_GITHUB_APP_INSTALLATION_ID",
+                    &app.installation_id,
+                ));
+                e.push(secret_env("GIT_GITHUB_APP_PRIVATE_KEY", &app.private_key));
+            }
+        }
+        let args = vec![
+            "init".into(),
+            format!("--target-dir={SHARE}/source"),
+            "--git-url=$(GIT_URL)".into(),
+            "--git-revision=$(GIT_REVISION)".into(),
+            "--dir=$(GIT_DIR)".into(),
+            link,
+        ];
+        return Some((e, args));
+    }
+    if let Some(flux) = &spec.flux {
+        let mut e = vec![
+            env("FLUX_URL", flux.url.as_deref().unwrap_or_default()),
+            env("FLUX_DIGEST", flux.digest.as_deref().unwrap_or_default()),
+            env("FLUX_DIR", flux.dir.as_deref().unwrap_or_default()),
+        ];
+        if let Some(max) = &settings.max_artifact_bytes {
+            e.push(env("FLUX_MAX_UNTAR_SIZE_BYTES", max));
+        }
+        let args = vec![
+            "init".into(),
+            format!("--target-dir={SHARE}/source"),
+            "--flux-url=$(FLUX_URL)".into(),
+            "--flux-digest=$(FLUX_DIGEST)".into(),
+            "--dir=$(FLUX_DIR)".into(),
+            link,
+        ];
+        return Some((e, args));
+    }
+    if let Some(local) = &spec.local {
+        let e = vec![env("LOCAL_DIR", local.dir.as_deref().unwrap_or_default())];
+        return Some((
+            e,
+            vec!["init".into(), "--local-dir=$(LOCAL_DIR)".into(), link],
+        ));
+    }
+    if let Some(info) = &spec.project_info {
+        let e = vec![
+            env("PROJECT_NAME", &info.name),
+            env("PROJECT_RUNTIME", &info.runtime),
+        ];
+        let args = vec![
+            "init".into(),
+            format!("--target-dir={SHARE}/workspace"),
+            "--project-name=$(PROJECT_NAME)".into(),
+            "--project-runtime=$(PROJECT_RUNTIME)".into(),
+        ];
+        return Some((e, args));
+    }
+    None
+}
+
+/// The StatefulSet of a Workspace. `credentials_fingerprint` changes when the agent's
+/// credentials are re-minted, so the pod restarts with the new ones.
+pub fn desired_statefulset(
+    ws: &Workspace,
+    name: &str,
+    namespace: &str,
+    owner: &Value,
+    settings: &PodSettings,
+    credentials_fingerprint: &str,
+) -> Result<Value, PodError> {
+    let spec = &ws.spec;
+    let profile = spec.security_profile.unwrap_or_default();
+    let restricted = profile == SecurityProfile::Restricted;
+    let image = spec
+        .image
+        .clone()
+        .filter(|i| !i.is_empty())
+        .unwrap_or_else(|| default_image(profile).to_owned());
+    let container_security = if restricted {
+        json!({
+            "allowPrivilegeEscalation": false,
+            "runAsNonRoot": true,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        })
+    } else {
+        json!({})
+    };
+    let pod_security = if restricted {
+        json!({
+            "runAsNonRoot": true,
+            "runAsUser": RESTRICTED_UID,
+            "runAsGroup": RESTRICTED_UID,
+            // Lets the non-root user read the mounted credentials and write volumes.
+            "fsGroup": RESTRICTED_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        })
+    } else {
+        json!({"seccompProfile": {"type": "RuntimeDefault"}})
+    };
+    let share_mount = json!({"name": "share", "mountPath": SHARE});
+
+    let mut init_containers = vec![json!({
+        "name": "bootstrap",
+        "image": settings.agent_image,
+        "imagePullPolicy": settings.agent_image_pull_policy,
+        "command": [AGENT_IN_IMAGE, "install-self", AGENT_IN_SHARE],
+        "volumeMounts": [share_mount],
+        "securityContext": container_security,
+    })];
+    if let Some((fetch_env, args)) = fetch_step(ws, settings) {
+        let mut command = vec![AGENT_IN_SHARE.to_owned()];
+        command.extend(args);
+        init_containers.push(json!({
+            "name": "fetch",
+            "image": image,
+            "imagePullPolicy": spec.image_pull_policy,
+            "command": command,
+            "env": fetch_env,
+            "volumeMounts": [share_mount],
+            "securityContext": container_security,
+            // The kubelet keeps the end of the log as the termination message: a failed fetch
+            // (digest mismatch, …) then explains itself in the pod status.
+            "terminationMessagePolicy": "FallbackToLogsOnError",
+        }));
+    }
+
+    let mut command = vec![
+        AGENT_IN_SHARE.to_owned(),
+        "serve".into(),
+        format!("--workspace={SHARE}/workspace"),
+        "--skip-install".into(),
+        format!("--env-file={SHARE}/.env"),
+        format!("--auth-token-file={CREDENTIALS_DIR}/token"),
+        format!("--tls-cert-file={CREDENTIALS_DIR}/tls.crt"),
+        format!("--tls-key-file={CREDENTIALS_DIR}/tls.key"),
+    ];
+    if let Some(level) = spec.pulumi_log_level.filter(|l| *l > 0) {
+        command.push(format!("--pulumi-log-level={level}"));
+    }
+    let mut pulumi_env: Vec<Value> = spec
+        .env
+        .iter()
+        .map(serde_json::to_value)
+        .collect::<Result<_, _>>()?;
+    pulumi_env.push(json!({"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}));
+    pulumi_env.push(json!({"name": "POD_SA_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.serviceAccountName"}}}));
+    let mut resources = match &spec.resources {
+        Some(r) => serde_json::to_value(r)?,
+        None => json!({}),
+    };
+    let no_requests = resources
+        .get("requests")
+        .and_then(Value::as_object)
+        .is_none_or(|r| r.is_empty());
+    if no_requests {
+        resources["requests"] = json!({"cpu": "100m", "memory": "64Mi"});
+    }
+    let mut pulumi = json!({
+        "name": "pulumi",
+        "image": image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": command,
+        "workingDir": format!("{SHARE}/workspace"),
+        "ports": [{"name": "grpc", "containerPort": AGENT_PORT, "protocol": "TCP"}],
+        "env": pulumi_env,
+        "resources": resources,
+        "volumeMounts": [
+            share_mount,
+            {"name": "agent-credentials", "mountPath": CREDENTIALS_DIR, "readOnly": true},
+        ],
+        "securityContext": container_security,
+        // Ready once the agent listens (PKO has no probe, so the operator dials too early).
+        "readinessProbe": {
+            "tcpSocket": {"port": "grpc"},
+            "periodSeconds": 5,
+            "timeoutSeconds": 2,
+            "failureThreshold": 3,
+        },
+    });
+    if !spec.env_from.is_empty() {
+        pulumi["envFrom"] = serde_json::to_value(&spec.env_from)?;
+    }
+    let mut template = json!({
+        "metadata": {"labels": labels(name)},
+        "spec": {
+            "serviceAccountName": spec.service_account_name.as_deref().filter(|s| !s.is_empty()).unwrap_or(pko_api::workspace::DEFAULT_SERVICE_ACCOUNT_NAME),
+            "securityContext": pod_security,
+            "terminationGracePeriodSeconds": 600,
+            "initContainers": init_containers,
+            "containers": [pulumi],
+            "volumes": [
+                {"name": "share", "emptyDir": {}},
+                {"name": "agent-credentials", "secret": {"secretName": credentials_name(name), "defaultMode": 0o440}},
+            ],
+        },
+    });
+    strip_nulls(&mut template);
+    if let Some(overlay) = &spec.pod_template {
+        let overlay = serde_json::to_value(overlay)?;
+        merge::merge(&mut template, &overlay);
+    }
+    // System labels win over the template's, so the Service keeps selecting the pod.
+    if let Some(obj) = template["metadata"]["labels"].as_object_mut() {
+        for (k, v) in labels(name) {
+            obj.insert(k, Value::String(v));
+        }
+    }
+    // Lets user init containers hand variables to the agent (PKO's PULUMI_ENV).
+    for list in ["initContainers", "containers"] {
+        if let Some(containers) = template["spec"][list].as_array_mut() {
+            for c in containers {
+                let env_list = c
+                    .as_object_mut()
+                    .map(|o| o.entry("env").or_insert_with(|| json!([])));
+                if let Some(Value::Array(e)) = env_list {
+                    e.retain(|v| v.get("name").and_then(Value::as_str) != Some("PULUMI_ENV"));
+                    e.push(env("PULUMI_ENV", &format!("{SHARE}/.env")));
+                }
+            }
+        }
+    }
+    if restricted {
+        check_restricted(&template).map_err(PodError::Restricted)?;
+    }
+    let hash = {
+        let mut h = Sha256::new();
+        h.update(serde_json::to_vec(&template)?);
+        h.update(credentials_fingerprint.as_bytes());
+        hex::encode(h.finalize())[..16].to_owned()
+    };
+    template["metadata"]["annotations"] = json!({REVISION_HASH_ANNOTATION: hash});
+
+    Ok(json!({
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {
+            "name": workload_name(name),
+            "namespace": namespace,
+            "labels": labels(name),
+            "ownerReferences": [owner],
+        },
+        "spec": {
+            "replicas": 1,
+            "podManagementPolicy": "Parallel",
+            "serviceName": workload_name(name),
+            "selector": {"matchLabels": labels(name)},
+            "template": template,
+        },
+    }))
+}
+
+fn strip_nulls(v: &mut Value) {
+    match v {
+        Value::Object(map) => {
+            map.retain(|_, v| !v.is_null());
+            map.values_mut().for_each(strip_nulls);
+        }
+        Value::Array(items) => items.iter_mut().for_each(strip_nulls),
+        _ => {}
+    }
+}
+
+/// What the restricted profile (Pod Security Standards "restricted") rules out, checked on the
+/// final, merged pod: a pod template cannot turn a restricted workspace into a root pod.
+fn check_restricted(template: &Value) -> Result<(), String> {
+    let spec = &template["spec"];
+    for field in ["hostNetwork", "hostPID", "hostIPC"] {
+        if spec[field] == json!(true) {
+            return Err(format!("spec.{field} is true"));
+        }
+    }
+    let pod_sc = &spec["securityContext"];
+    if pod_sc["runAsNonRoot"] == json!(false) {
+        return Err("spec.securityContext.runAsNonRoot is false".into());
+    }
+    if pod_sc["runAsUser"] == json!(0) {
+        return Err("spec.securityContext.runAsUser is 0 (root)".into());
+    }
+    if let Some(volumes) = spec["volumes"].as_array()
+        && let Some(v) = volumes.iter().find(|v| v.get("hostPath").is_some())
+    {
+        return Err(format!(
+            "volume {} is a hostPath",
+            v["name"].as_str().unwrap_or("?")
+        ));
+    }
+    for list in ["initContainers", "containers", "ephemeralContainers"] {
+        for c in spec[list].as_array().into_iter().flatten() {
+            let name = c["name"].as_str().unwrap_or("?");
+            let sc = &c["securityContext"];
+            if sc["privileged"] == json!(true) {
+                return Err(format!("container {name} is privileged"));
+            }
+            if sc["allowPrivilegeEscalation"] == json!(true) {
+                return Err(format!("container {name} allows privilege escalation"));
+            }
+            if sc["runAsUser"] == json!(0) {
+                return Err(format!("container {name} runs as root (runAsUser 0)"));
+            }
+            if sc["runAsNonRoot"] == json!(false) {
+                return Err(format!("container {name} sets runAsNonRoot false"));
+            }
+            let added: Vec<&str> = sc["capabilities"]["add"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(Value::as_str)
+                .filter(|c| *c != "NET_BIND_SERVICE")
+                .collect();
+            if !added.is_empty() {
+                return Err(format!("container {name} adds capabilities {added:?}"));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ws(spec: Value) -> Workspace {
+        serde_json::from_value(json!({
+            "apiVersion": "auto.pulumi.com/v1alpha1", "kind": "Workspace",
+            "metadata": {"name": "w", "namespace": "ns", "uid": "u"},
+            "spec": spec,
+        }))
+        .expect("workspace")
+    }
+
+    fn settings() -> PodSettings {
+        PodSettings {
+            agent_image: "agent:1".into(),
+            agent_image_pull_policy: "IfNotPresent".into(),
+            max_artifact_bytes: None,
+        }
+    }
+
+    fn sts(spec: Value) -> Value {
+        desired_statefulset(&ws(spec), "w", "ns", &json!({}), &settings(), "fp").expect("sts")
+    }
+
+    fn pod(spec: Value) -> Value {
+        sts(spec)["spec"]["template"]["spec"].clone()
+    }
+
+    fn container<'a>(pod: &'a Value, list: &str, name: &str) -> &'a Value {
+        pod[list]
+            .as_array()
+            .and_then(|l| l.iter().find(|c| c["name"] == name))
+            .unwrap_or(&Value::Null)
+    }
+
+    fn env_of(c: &Value, name: &str) -> Option<String> {
+        c["env"]
+            .as_array()?
+            .iter()
+            .find(|e| e["name"] == name)
+            .map(|e| e["value"].as_str().unwrap_or_default().to_owned())
+    }
+
+    const FLUX: &str =
+        r#"{"flux": {"url": "http://src/a.tar.gz", "digest": "sha256:00", "dir": "random-yaml"}}"#;
+
+    // PKO's workspace_controller_test cases that apply to the generated objects.
+    #[test]
+    fn images_service_account_env_and_resources() {
+        let p = pod(json!({}));
+        let pulumi = container(&p, "containers", "pulumi");
+        assert_eq!(pulumi["image"], "pulumi/pulumi:latest-nonroot");
+        assert_eq!(p["serviceAccountName"], "default");
+        assert_eq!(
+            pulumi["resources"],
+            json!({"requests": {"cpu": "100m", "memory": "64Mi"}})
+        );
+        assert_eq!(
+            container(&p, "initContainers", "bootstrap")["image"],
+            "agent:1"
+        );
+
+        let p = pod(json!({
+            "image": "test/pulumi:v3.42.0",
+            "serviceAccountName": "test",
+            "env": [{"name": "FOO", "value": "BAR"}],
+            "envFrom": [{"configMapRef": {"name": "test"}}],
+            "resources": {"requests": {"cpu": "1", "memory": "1Gi"}},
+        }));
+        let pulumi = container(&p, "containers", "pulumi");
+        assert_eq!(pulumi["image"], "test/pulumi:v3.42.0");
+        assert_eq!(p["serviceAccountName"], "test");
+        assert_eq!(env_of(pulumi, "FOO").as_deref(), Some("BAR"));
+        assert_eq!(pulumi["envFrom"][0]["configMapRef"]["name"], "test");
+        assert_eq!(
+            pulumi["resources"],
+            json!({"requests": {"cpu": "1", "memory": "1Gi"}})
+        );
+    }
+
+    #[test]
+    fn security_profiles() {
+        let flux: Value = serde_json::from_str(FLUX).expect("json");
+        let mut baseline = flux.clone();
+        baseline["securityProfile"] = json!("baseline");
+        let p = pod(baseline);
+        assert!(p["securityContext"].get("runAsNonRoot").is_none());
+        assert_eq!(
+            container(&p, "containers", "pulumi")["image"],
+            "pulumi/pulumi:latest"
+        );
+        let p = pod(flux);
+        assert_eq!(p["securityContext"]["runAsNonRoot"], true);
+        for (list, name) in [
+            ("containers", "pulumi"),
+            ("initContainers", "fetch"),
+            ("initContainers", "bootstrap"),
+        ] {
+            let sc = &container(&p, list, name)["securityContext"];
+            assert_eq!(sc["allowPrivilegeEscalation"], false, "{name}");
+            assert_eq!(sc["capabilities"]["drop"], json!(["ALL"]), "{name}");
+        }
+    }
+
+    #[test]
+    fn sources_become_fetch_env() {
+        let p = pod(serde_json::from_str(FLUX).expect("json"));
+        let fetch = container(&p, "initContainers", "fetch");
+        assert_eq!(
+            env_of(fetch, "FLUX_URL").as_deref(),
+            Some("http://src/a.tar.gz")
+        );
+        assert_eq!(env_of(fetch, "FLUX_DIGEST").as_deref(), Some("sha256:00"));
+        assert_eq!(env_of(fetch, "FLUX_DIR").as_deref(), Some("random-yaml"));
+        let p = pod(json!({"git": {"url": "https://g/r.git", "ref": "abc", "dir": "d"}}));
+        let fetch = container(&p, "initContainers", "fetch");
+        assert_eq!(env_of(fetch, "GIT_URL").as_deref(), Some("https://g/r.git"));
+        assert_eq!(env_of(fetch, "GIT_REVISION").as_deref(), Some("abc"));
+        assert_eq!(env_of(fetch, "GIT_DIR").as_deref(), Some("d"));
+        let p = pod(json!({"local": {"dir": "/app"}}));
+        let fetch = container(&p, "initContainers", "fetch");
+        assert_eq!(env_of(fetch, "LOCAL_DIR").as_deref(), Some("/app"));
+        assert!(fetch["command"].as_array().is_some_and(|c| !c.is_empty()));
+        let p = pod(json!({"projectInfo": {"name": "myproject", "runtime": "yaml"}}));
+        let fetch = container(&p, "initContainers", "fetch");
+        let command = fetch["command"].to_string();
+        assert!(command.contains("--project-name") && command.contains("--project-runtime"));
+        assert_eq!(env_of(fetch, "PROJECT_NAME").as_deref(), Some("myproject"));
+    }
+
+    #[test]
+    fn pod_template_log_level_and_pulumi_env() {
+        let p = pod(json!({
+            "pulumiLogLevel": 11,
+            "podTemplate": {"spec": {
+                "initContainers": [{"name": "test", "image": "busybox"}],
+                "containers": [{"name": "pulumi", "volumeMounts": [{"name": "test", "mountPath": "/test"}]}],
+                "volumes": [{"name": "test", "secret": {"secretName": "test"}}],
+            }},
+        }));
+        let names = |list: &str| -> Vec<String> {
+            p[list]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|c| c["name"].as_str().unwrap_or_default().to_owned())
+                .collect()
+        };
+        assert_eq!(names("initContainers"), ["bootstrap", "test"]);
+        assert_eq!(names("containers"), ["pulumi"]);
+        assert_eq!(names("volumes"), ["test", "share", "agent-credentials"]);
+        let pulumi = container(&p, "containers", "pulumi");
+        let mounts: Vec<&str> = pulumi["volumeMounts"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|m| m["mountPath"].as_str())
+            .collect();
+        assert_eq!(mounts, ["/test", "/share", "/var/run/pko-agent"]);
+        assert!(
+            pulumi["command"]
+                .to_string()
+                .contains("--pulumi-log-level=11")
+        );
+        assert_eq!(
+            env_of(container(&p, "initContainers", "test"), "PULUMI_ENV").as_deref(),
+            Some("/share/.env")
+        );
+        assert!(
+            !pod(json!({}))["containers"][0]["command"]
+                .to_string()
+                .contains("--pulumi-log-level")
+        );
+    }
+
+    #[test]
+    fn the_hash_ignores_stacks_but_not_the_image() {
+        let hash = |spec: Value| {
+            sts(spec)["spec"]["template"]["metadata"]["annotations"][REVISION_HASH_ANNOTATION]
+                .clone()
+        };
+        let a = hash(json!({"stacks": [{"name": "dev", "config": [{"key": "a", "value": "1"}]}]}));
+        let b = hash(json!({"stacks": [{"name": "dev", "config": [{"key": "a", "value": "2"}]}]}));
+        let c = hash(json!({"image": "other"}));
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+    }
+
+    #[test]
+    fn service_template_labels_do_not_override_system_labels() {
+        let w = ws(json!({"serviceTemplate": {"metadata": {
+            "labels": {"team": "a", COMPONENT_LABEL: "hijack"},
+            "annotations": {"x": "y"},
+        }}}));
+        let svc = desired_service(&w, "w", "ns", &json!({}));
+        assert_eq!(svc["metadata"]["labels"][COMPONENT_LABEL], "workspace");
+        assert_eq!(svc["metadata"]["labels"]["team"], "a");
+        assert_eq!(svc["metadata"]["annotations"]["x"], "y");
+        assert_eq!(svc["spec"]["selector"], json!(labels("w")));
+    }
+
+    #[test]
+    fn restricted_pods_cannot_be_made_root() {
+        for template in [
+            json!({"spec": {"securityContext": {"runAsUser": 0}}}),
+            json!({"spec": {"hostNetwork": true}}),
+            json!({"spec": {"containers": [{"name": "pulumi", "securityContext": {"privileged": true}}]}}),
+            json!({"spec": {"volumes": [{"name": "h", "hostPath": {"path": "/"}}]}}),
+        ] {
+            let err = desired_statefulset(
+                &ws(json!({"podTemplate": template})),
+                "w",
+                "ns",
+                &json!({}),
+                &settings(),
+                "fp",
+            )
+            .expect_err("refused");
+            assert!(matches!(err, PodError::Restricted(_)), "{err}");
+        }
+        // The baseline profile allows root.
+        desired_statefulset(
+            &ws(json!({"securityProfile": "baseline", "podTemplate": {"spec": {"securityContext": {"runAsUser": 0}}}})),
+            "w", "ns", &json!({}), &settings(), "fp",
+        )
+        .expect("baseline");
+    }
+}

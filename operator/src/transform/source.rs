@@ -1,0 +1,349 @@
+//! Reads module bytes from where a transform says they are: a ConfigMap key (one namespaced
+//! `get`, no watch), an `https://` URL, or a `file:///` path under the plugin folder. Offline
+//! (the `render` command), ConfigMaps come from manifests and modules from a folder, by digest.
+
+use std::collections::HashMap;
+use std::path::{Component, Path, PathBuf};
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::{Api, Client};
+use pko_api::transform::ResolvedSource;
+use pko_plugins::PluginError;
+
+/// Timeout of one https fetch.
+const FETCH_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Fetches module bytes.
+#[derive(Clone)]
+pub struct ModuleFetcher {
+    client: Option<Client>,
+    file_root: Option<PathBuf>,
+    http: Option<reqwest::Client>,
+    max_bytes: u64,
+    /// Offline: ConfigMaps by (namespace, name).
+    config_maps: HashMap<(String, String), ConfigMap>,
+    /// Offline: module files by `sha256:<hex>`, used whatever the source says.
+    modules: HashMap<String, PathBuf>,
+}
+
+/// Failures building the fetcher.
+#[derive(Debug, thiserror::Error)]
+pub enum FetcherError {
+    #[error("cannot read the plugin CA file {}: {source}", path.display())]
+    CaFile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("the plugin CA file {} holds no usable certificate: {source}", path.display())]
+    CaCert {
+        path: PathBuf,
+        source: reqwest::Error,
+    },
+    #[error("cannot build the https client: {0}")]
+    Http(#[source] reqwest::Error),
+}
+
+impl ModuleFetcher {
+    /// `client`: for ConfigMap sources (none: refused). `file_root`: the only folder `file://`
+    /// URLs may point into (none: refused). `ca_file`: extra PEM roots for https.
+    pub fn new(
+        client: Option<Client>,
+        file_root: Option<PathBuf>,
+        ca_file: Option<&Path>,
+        max_bytes: u64,
+    ) -> Result<Self, FetcherError> {
+        let mut builder = reqwest::Client::builder()
+            .timeout(FETCH_TIMEOUT)
+            .https_only(true)
+            .redirect(reqwest::redirect::Policy::limited(5));
+        if let Some(path) = ca_file {
+            let pem = std::fs::read(path).map_err(|source| FetcherError::CaFile {
+                path: path.to_path_buf(),
+                source,
+            })?;
+            for cert in reqwest::Certificate::from_pem_bundle(&pem).map_err(|source| {
+                FetcherError::CaCert {
+                    path: path.to_path_buf(),
+                    source,
+                }
+            })? {
+                builder = builder.add_root_certificate(cert);
+            }
+        }
+        let http = builder.build().map_err(FetcherError::Http)?;
+        Ok(Self {
+            client,
+            file_root: file_root.map(|root| root.canonicalize().unwrap_or(root)),
+            http: Some(http),
+            max_bytes,
+            config_maps: HashMap::new(),
+            modules: HashMap::new(),
+        })
+    }
+
+    /// A fetcher with no cluster and no network: `file://` sources under `file_root`,
+    /// ConfigMaps from `config_maps`, and any module found in `modules` by digest.
+    pub fn offline(
+        file_root: Option<PathBuf>,
+        max_bytes: u64,
+        config_maps: Vec<ConfigMap>,
+        modules: HashMap<String, PathBuf>,
+    ) -> Self {
+        Self {
+            client: None,
+            file_root,
+            http: None,
+            max_bytes,
+            config_maps: config_maps
+                .into_iter()
+                .map(|cm| {
+                    let key = (
+                        cm.metadata
+                            .namespace
+                            .clone()
+                            .unwrap_or_else(|| "default".into()),
+                        cm.metadata.name.clone().unwrap_or_default(),
+                    );
+                    (key, cm)
+                })
+                .collect(),
+            modules,
+        }
+    }
+
+    /// The bytes of the module pinned to `sha256`, at most `max_bytes` of them.
+    pub async fn fetch(
+        &self,
+        source: &ResolvedSource,
+        sha256: &str,
+    ) -> Result<Vec<u8>, PluginError> {
+        if let Some(path) = self
+            .modules
+            .get(&pko_plugins::host::normalize_digest(sha256))
+        {
+            return tokio::fs::read(path)
+                .await
+                .map_err(|e| PluginError::Source(format!("{}: {e}", path.display())))
+                .and_then(|bytes| self.bounded(bytes));
+        }
+        match source {
+            ResolvedSource::ConfigMap {
+                namespace,
+                name,
+                key,
+            } => self.config_map(namespace, name, key).await,
+            ResolvedSource::Url(url) => match url.strip_prefix("file://") {
+                Some(path) => self.file(path).await,
+                None => self.https(url).await,
+            },
+        }
+    }
+
+    async fn config_map(
+        &self,
+        namespace: &str,
+        name: &str,
+        key: &str,
+    ) -> Result<Vec<u8>, PluginError> {
+        let cm = match &self.client {
+            Some(client) => {
+                let api: Api<ConfigMap> = Api::namespaced(client.clone(), namespace);
+                api.get_opt(name).await.map_err(|e| {
+                    PluginError::Source(format!("ConfigMap {namespace}/{name}: {e}"))
+                })?
+            }
+            None => self
+                .config_maps
+                .get(&(namespace.to_owned(), name.to_owned()))
+                .cloned(),
+        }
+        .ok_or_else(|| PluginError::Source(format!("ConfigMap {namespace}/{name} not found")))?;
+        if let Some(bytes) = cm.binary_data.as_ref().and_then(|d| d.get(key)) {
+            return self.bounded(bytes.0.clone());
+        }
+        if cm.data.as_ref().is_some_and(|d| d.contains_key(key)) {
+            return Err(PluginError::Source(format!(
+                "ConfigMap {namespace}/{name} has {key:?} under data, not binaryData (a module is binary: `kubectl create configmap --from-file` puts it under binaryData)"
+            )));
+        }
+        Err(PluginError::Source(format!(
+            "ConfigMap {namespace}/{name} has no key {key:?} in binaryData"
+        )))
+    }
+
+    async fn file(&self, path: &str) -> Result<Vec<u8>, PluginError> {
+        let root = self.file_root.as_ref().ok_or_else(|| {
+            PluginError::Source(
+                "file:// module URLs are disabled (start the operator with --plugin-file-root)"
+                    .into(),
+            )
+        })?;
+        let path = Path::new(path);
+        // Checked lexically and again after resolving links: no way out of the root.
+        if !path.is_absolute() || path.components().any(|c| matches!(c, Component::ParentDir)) {
+            return Err(PluginError::Source(format!(
+                "file:// URL {} must be an absolute path without ..",
+                path.display()
+            )));
+        }
+        let resolved = tokio::fs::canonicalize(path)
+            .await
+            .map_err(|e| PluginError::Source(format!("{}: {e}", path.display())))?;
+        if !resolved.starts_with(root) {
+            return Err(PluginError::Source(format!(
+                "{} is outside the plugin folder {}",
+                path.display(),
+                root.display()
+            )));
+        }
+        let meta = tokio::fs::metadata(&resolved)
+            .await
+            .map_err(|e| PluginError::Source(format!("{}: {e}", path.display())))?;
+        if meta.len() > self.max_bytes {
+            return Err(PluginError::ModuleTooLarge {
+                size: meta.len(),
+                limit: self.max_bytes,
+            });
+        }
+        tokio::fs::read(&resolved)
+            .await
+            .map_err(|e| PluginError::Source(format!("{}: {e}", path.display())))
+    }
+
+    async fn https(&self, url: &str) -> Result<Vec<u8>, PluginError> {
+        let http = self.http.as_ref().ok_or_else(|| {
+            PluginError::Source("https module URLs are not fetched offline".into())
+        })?;
+        let response = http
+            .get(url)
+            .send()
+            .await
+            .and_then(reqwest::Response::error_for_status)
+            .map_err(|e| PluginError::Source(format!("{url}: {e}")))?;
+        if let Some(len) = response.content_length()
+            && len > self.max_bytes
+        {
+            return Err(PluginError::ModuleTooLarge {
+                size: len,
+                limit: self.max_bytes,
+            });
+        }
+        // Streamed with a running total: a missing or lying Content-Length cannot make us
+        // buffer more than the limit.
+        let mut body = Vec::new();
+        let mut response = response;
+        while let Some(chunk) = response
+            .chunk()
+            .await
+            .map_err(|e| PluginError::Source(format!("{url}: {e}")))?
+        {
+            body.extend_from_slice(&chunk);
+            if body.len() as u64 > self.max_bytes {
+                return Err(PluginError::ModuleTooLarge {
+                    size: body.len() as u64,
+                    limit: self.max_bytes,
+                });
+            }
+        }
+        Ok(body)
+    }
+
+    fn bounded(&self, bytes: Vec<u8>) -> Result<Vec<u8>, PluginError> {
+        if bytes.len() as u64 > self.max_bytes {
+            return Err(PluginError::ModuleTooLarge {
+                size: bytes.len() as u64,
+                limit: self.max_bytes,
+            });
+        }
+        Ok(bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn file_urls_stay_under_the_root() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let inside = root.path().join("a.wasm");
+        std::fs::write(&inside, b"module").expect("write");
+        let outside = tempfile::NamedTempFile::new().expect("tmp");
+        let offline = |root: Option<PathBuf>, max| {
+            ModuleFetcher::offline(root, max, Vec::new(), HashMap::new())
+        };
+        let fetcher = offline(Some(root.path().canonicalize().expect("root")), 100);
+        let url = |p: &Path| ResolvedSource::Url(format!("file://{}", p.display()));
+        let sha = "0".repeat(64);
+        assert_eq!(
+            fetcher.fetch(&url(&inside), &sha).await.expect("inside"),
+            b"module"
+        );
+        let err = fetcher
+            .fetch(&url(outside.path()), &sha)
+            .await
+            .expect_err("outside");
+        assert!(
+            err.to_string().contains("outside the plugin folder"),
+            "{err}"
+        );
+        let sneaky = root.path().join("../x.wasm");
+        let err = fetcher
+            .fetch(&url(&sneaky), &sha)
+            .await
+            .expect_err("dotdot");
+        assert!(err.to_string().contains("without .."), "{err}");
+        let link = root.path().join("link.wasm");
+        std::os::unix::fs::symlink(outside.path(), &link).expect("symlink");
+        let err = fetcher
+            .fetch(&url(&link), &sha)
+            .await
+            .expect_err("symlink out");
+        assert!(
+            err.to_string().contains("outside the plugin folder"),
+            "{err}"
+        );
+
+        let small = offline(Some(root.path().canonicalize().expect("root")), 3);
+        let err = small
+            .fetch(&url(&inside), &sha)
+            .await
+            .expect_err("too large");
+        assert!(
+            matches!(err, PluginError::ModuleTooLarge { size: 6, limit: 3 }),
+            "{err}"
+        );
+
+        let disabled = offline(None, 100);
+        let err = disabled
+            .fetch(&url(&inside), &sha)
+            .await
+            .expect_err("disabled");
+        assert!(err.to_string().contains("--plugin-file-root"), "{err}");
+        let err = disabled
+            .fetch(
+                &ResolvedSource::Url("https://example.invalid/a.wasm".into()),
+                &sha,
+            )
+            .await
+            .expect_err("offline https");
+        assert!(err.to_string().contains("offline"), "{err}");
+
+        // A module folder answers by digest, whatever the source says.
+        let by_digest = ModuleFetcher::offline(
+            None,
+            100,
+            Vec::new(),
+            HashMap::from([(format!("sha256:{sha}"), inside.clone())]),
+        );
+        let bytes = by_digest
+            .fetch(
+                &ResolvedSource::Url("https://example.invalid/a.wasm".into()),
+                &sha,
+            )
+            .await
+            .expect("by digest");
+        assert_eq!(bytes, b"module");
+    }
+}

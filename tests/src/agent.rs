@@ -1,0 +1,278 @@
+//! The workspace agent as a local process, with the real `pulumi` CLI and an offline `file://`
+//! backend; plus a tiny static HTTP server for artifacts.
+
+use std::collections::HashMap;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Duration;
+
+use pko_agent::client::{AgentClient, Target, connect};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::{ChildGuard, HarnessError, spawn_guarded, tool_dir};
+
+/// The `pko-agent` binary from the same target folder as the running test.
+pub fn agent_binary() -> Result<PathBuf, HarnessError> {
+    sibling_binary("pko-agent")
+}
+
+pub(crate) fn sibling_binary(name: &str) -> Result<PathBuf, HarnessError> {
+    let exe =
+        std::env::current_exe().map_err(|e| HarnessError::io("locating the test binary", e))?;
+    let candidates: Vec<PathBuf> = exe
+        .ancestors()
+        .skip(1)
+        .take(3)
+        .map(|d| d.join(name))
+        .collect();
+    candidates
+        .iter()
+        .find(|p| p.is_file())
+        .cloned()
+        .ok_or_else(|| HarnessError::Missing {
+            what: format!(
+                "{name} binary (looked in {candidates:?}); run `cargo build --workspace`"
+            ),
+        })
+}
+
+/// Environment for running Pulumi offline: its own `PULUMI_HOME`, a `file://` backend, a fixed
+/// passphrase, no update checks and no plugin downloads; the CLI and YAML host on `PATH`.
+pub fn pulumi_env(state: &Path) -> Result<Vec<(String, String)>, HarnessError> {
+    let bin = tool_dir("pulumi")?;
+    let home = state.join("pulumi-home");
+    let backend = state.join("backend");
+    for dir in [&home, &backend] {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| HarnessError::io(format!("creating {}", dir.display()), e))?;
+    }
+    let path = format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_else(|_| "/usr/bin:/bin".into())
+    );
+    Ok(vec![
+        ("PATH".into(), path),
+        ("PULUMI_HOME".into(), home.display().to_string()),
+        (
+            "PULUMI_BACKEND_URL".into(),
+            format!("file://{}", backend.display()),
+        ),
+        ("PULUMI_CONFIG_PASSPHRASE".into(), "pko-tests".into()),
+        ("PULUMI_SKIP_UPDATE_CHECK".into(), "true".into()),
+        (
+            "PULUMI_DISABLE_AUTOMATIC_PLUGIN_ACQUISITION".into(),
+            "true".into(),
+        ),
+    ])
+}
+
+/// A self-signed certificate and key (PEM) valid for `names`.
+pub fn self_signed(names: &[&str]) -> Result<(String, String), HarnessError> {
+    let names: Vec<String> = names.iter().map(|s| (*s).to_owned()).collect();
+    let cert = rcgen::generate_simple_self_signed(names)?;
+    Ok((cert.cert.pem(), cert.signing_key.serialize_pem()))
+}
+
+/// Options of [`AgentProcess::start`].
+#[derive(Clone, Debug)]
+pub struct AgentOptions {
+    /// Project folder (holding Pulumi.yaml).
+    pub workspace: PathBuf,
+    /// State folder (pulumi home, backend, certificates, log).
+    pub state: PathBuf,
+    /// Serve TLS with a fresh self-signed certificate.
+    pub tls: bool,
+    /// Require this bearer token (`None`: `--auth-mode none`).
+    pub token: Option<String>,
+}
+
+/// A running `pko-agent serve`, killed on drop.
+pub struct AgentProcess {
+    pub guard: ChildGuard,
+    pub port: u16,
+    pub token: Option<String>,
+    pub cert_pem: Option<String>,
+    pub log: PathBuf,
+}
+
+/// Name the test certificates are issued for (checked by the client, sent as SNI).
+pub const TEST_SERVER_NAME: &str = "agent.pko-tests.invalid";
+
+impl AgentProcess {
+    pub async fn start(opts: AgentOptions) -> Result<Self, HarnessError> {
+        let port = free_port()?;
+        let mut cmd = Command::new(agent_binary()?);
+        cmd.arg("serve")
+            .arg("--workspace")
+            .arg(&opts.workspace)
+            .args([
+                "--host",
+                "127.0.0.1",
+                "--port",
+                &port.to_string(),
+                "--skip-install",
+            ])
+            .arg("--log-level=info,pko_agent=debug")
+            .args(["--cancel-grace-seconds", "20"])
+            .envs(pulumi_env(&opts.state)?);
+        let mut cert_pem = None;
+        if opts.tls {
+            let (cert, key) = self_signed(&[TEST_SERVER_NAME])?;
+            let cert_path = opts.state.join("tls.crt");
+            let key_path = opts.state.join("tls.key");
+            std::fs::write(&cert_path, &cert)
+                .map_err(|e| HarnessError::io("writing tls.crt", e))?;
+            std::fs::write(&key_path, &key).map_err(|e| HarnessError::io("writing tls.key", e))?;
+            cmd.arg("--tls-cert-file")
+                .arg(&cert_path)
+                .arg("--tls-key-file")
+                .arg(&key_path);
+            cert_pem = Some(cert);
+        }
+        match &opts.token {
+            Some(token) => {
+                let path = opts.state.join("token");
+                std::fs::write(&path, token).map_err(|e| HarnessError::io("writing token", e))?;
+                cmd.arg("--auth-token-file").arg(&path);
+            }
+            None => {
+                cmd.args(["--auth-mode", "none"]);
+            }
+        }
+        let log = opts.state.join(format!("agent-{port}.log"));
+        let mut guard = spawn_guarded(cmd, "pko-agent", &log)?;
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(Some(status)) = guard.try_wait() {
+                return Err(HarnessError::Exited {
+                    name: "pko-agent".into(),
+                    status: status.to_string(),
+                    log: Box::new(crate::LogTail {
+                        path: log.clone(),
+                        tail: guard.log_tail(40),
+                    }),
+                });
+            }
+            if tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .is_ok()
+            {
+                break;
+            }
+            if std::time::Instant::now() > deadline {
+                return Err(HarnessError::NotReady {
+                    name: "pko-agent".into(),
+                    endpoint: format!("127.0.0.1:{port}"),
+                    waited: Duration::from_secs(30),
+                    last: "port closed".into(),
+                    log: Box::new(crate::LogTail {
+                        path: log.clone(),
+                        tail: guard.log_tail(40),
+                    }),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(Self {
+            guard,
+            port,
+            token: opts.token,
+            cert_pem,
+            log,
+        })
+    }
+
+    /// How to reach this agent with its own credentials.
+    pub fn target(&self) -> Target {
+        Target {
+            address: format!("127.0.0.1:{}", self.port),
+            ca_pem: self.cert_pem.as_ref().map(|c| c.as_bytes().to_vec()),
+            server_name: self.cert_pem.as_ref().map(|_| TEST_SERVER_NAME.to_owned()),
+            token: self.token.clone(),
+            connect_timeout: Duration::from_secs(5),
+        }
+    }
+
+    pub async fn client(&self) -> Result<AgentClient, HarnessError> {
+        connect(&self.target())
+            .await
+            .map_err(|e| HarnessError::Missing {
+                what: format!("a connection to the agent: {e}"),
+            })
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+/// A free TCP port on loopback.
+pub fn free_port() -> Result<u16, HarnessError> {
+    let listener =
+        TcpListener::bind("127.0.0.1:0").map_err(|e| HarnessError::io("finding a free port", e))?;
+    listener
+        .local_addr()
+        .map(|a| a.port())
+        .map_err(|e| HarnessError::io("finding a free port", e))
+}
+
+/// Serves fixed bodies over HTTP/1.1 on loopback (GET only; 404 otherwise). Stops on drop.
+pub struct StaticServer {
+    pub port: u16,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl StaticServer {
+    pub async fn start(routes: HashMap<String, Vec<u8>>) -> Result<Self, HarnessError> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .map_err(|e| HarnessError::io("binding the static server", e))?;
+        let port = listener
+            .local_addr()
+            .map_err(|e| HarnessError::io("static server address", e))?
+            .port();
+        let routes = Arc::new(routes);
+        let task = tokio::spawn(async move {
+            while let Ok((mut sock, _)) = listener.accept().await {
+                let routes = routes.clone();
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    let mut chunk = [0u8; 1024];
+                    while !buf.windows(4).any(|w| w == b"\r\n\r\n") && buf.len() < 16 * 1024 {
+                        match sock.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    }
+                    let head = String::from_utf8_lossy(&buf);
+                    let path = head.split_whitespace().nth(1).unwrap_or("/").to_owned();
+                    let (status, body) = match routes.get(&path) {
+                        Some(body) => ("200 OK", body.clone()),
+                        None => ("404 Not Found", b"not found".to_vec()),
+                    };
+                    let header = format!(
+                        "HTTP/1.1 {status}\r\nContent-Length: {}\r\nContent-Type: application/gzip\r\nConnection: close\r\n\r\n",
+                        body.len()
+                    );
+                    let _ = sock.write_all(header.as_bytes()).await;
+                    let _ = sock.write_all(&body).await;
+                    let _ = sock.shutdown().await;
+                });
+            }
+        });
+        Ok(Self { port, task })
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+}
+
+impl Drop for StaticServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}

@@ -1,0 +1,553 @@
+//! `make bench`, admission part: the latency the pko-rs webhook adds to a create, next to an
+//! equivalent ValidatingAdmissionPolicy (CEL, evaluated inside the apiserver) on the same
+//! apiserver, and the in-process cost of one policy evaluation.
+//!
+//! Writes its section into the benchmarks file (between its own markers, replacing an earlier
+//! run's), so it can run after `pko-bench`, which rewrites the file.
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use k8s_openapi::api::admissionregistration::v1::{
+    ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+};
+use kube::api::{Api, DynamicObject, PostParams};
+use kube::core::{ApiResource, GroupVersionKind};
+use pko_admission::bundle::{Bundle, DECISION_ENTRYPOINT, DEFAULTS_ENTRYPOINT};
+use pko_admission::engine::{EngineLimits, PolicyEngine};
+use pko_tests::operator::{Operator, OperatorOptions};
+use pko_tests::webhook::{Registration, WebhookOptions, free_port, policy_bundle};
+use pko_tests::{ControlPlane, StartOptions, wait_for};
+use serde_json::{Value, json};
+
+const BEGIN: &str = "<!-- admission benchmarks: begin -->";
+const END: &str = "<!-- admission benchmarks: end -->";
+const VAP_LABEL: &str = "pko-bench.vap";
+
+struct Args {
+    out: PathBuf,
+    rate: f64,
+    seconds: f64,
+    evaluations: usize,
+}
+
+fn parse_args() -> anyhow::Result<Args> {
+    let mut args = Args {
+        out: PathBuf::from("docs/benchmarks.md"),
+        rate: 200.0,
+        seconds: 10.0,
+        evaluations: 5000,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let value = it.next().with_context(|| format!("{flag} needs a value"))?;
+        match flag.as_str() {
+            "--out" => args.out = PathBuf::from(value),
+            "--rate" => args.rate = value.parse()?,
+            "--seconds" => args.seconds = value.parse()?,
+            "--evaluations" => args.evaluations = value.parse()?,
+            other => bail!("unknown flag {other}"),
+        }
+    }
+    Ok(args)
+}
+
+/// A compliant Workspace with a pod template: every configuration admits it, after checking.
+fn workspace(name: &str) -> Value {
+    json!({
+        "apiVersion": "auto.pulumi.com/v1alpha1",
+        "kind": "Workspace",
+        "metadata": {"name": name},
+        "spec": {
+            "image": "pulumi/pulumi:3.150.0-nonroot",
+            "securityProfile": "restricted",
+            "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}},
+            "podTemplate": {"spec": {
+                "securityContext": {"runAsNonRoot": true, "seccompProfile": {"type": "RuntimeDefault"}},
+                "containers": [{
+                    "name": "pulumi",
+                    "securityContext": {"allowPrivilegeEscalation": false, "capabilities": {"drop": ["ALL"]}},
+                }],
+            }},
+        },
+    })
+}
+
+fn workspaces(client: kube::Client, namespace: &str) -> Api<DynamicObject> {
+    let resource = ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("auto.pulumi.com", "v1alpha1", "Workspace"),
+        "workspaces",
+    );
+    Api::namespaced_with(client, namespace, &resource)
+}
+
+/// The restricted rules and the image allowance, as CEL in the apiserver.
+async fn install_vap(plane: &ControlPlane) -> anyhow::Result<usize> {
+    let pod = "object.spec.podTemplate.spec";
+    let has_pod = "has(object.spec.podTemplate) && has(object.spec.podTemplate.spec)";
+    let validations = vec![
+        (
+            "!has(object.spec.securityProfile) || object.spec.securityProfile != 'baseline'"
+                .to_owned(),
+            "baseline profile",
+        ),
+        (
+            format!(
+                "!({has_pod}) || !has({pod}.securityContext) || !has({pod}.securityContext.runAsNonRoot) || {pod}.securityContext.runAsNonRoot"
+            ),
+            "runAsNonRoot",
+        ),
+        (
+            format!(
+                "!({has_pod}) || !has({pod}.securityContext) || !has({pod}.securityContext.runAsUser) || {pod}.securityContext.runAsUser != 0"
+            ),
+            "runAsUser 0",
+        ),
+        (
+            format!(
+                "!({has_pod}) || {pod}.containers.all(c, has(c.securityContext) && has(c.securityContext.allowPrivilegeEscalation) && !c.securityContext.allowPrivilegeEscalation)"
+            ),
+            "allowPrivilegeEscalation",
+        ),
+        (
+            format!(
+                "!({has_pod}) || {pod}.containers.all(c, !has(c.securityContext) || !has(c.securityContext.privileged) || !c.securityContext.privileged)"
+            ),
+            "privileged",
+        ),
+        (
+            format!(
+                "!({has_pod}) || {pod}.containers.all(c, has(c.securityContext) && has(c.securityContext.capabilities) && has(c.securityContext.capabilities.drop) && 'ALL' in c.securityContext.capabilities.drop && (!has(c.securityContext.capabilities.add) || c.securityContext.capabilities.add.all(a, a == 'NET_BIND_SERVICE')))"
+            ),
+            "capabilities",
+        ),
+        (
+            format!(
+                "!({has_pod}) || !has({pod}.securityContext) || !has({pod}.securityContext.seccompProfile) || {pod}.securityContext.seccompProfile.type in ['RuntimeDefault', 'Localhost']"
+            ),
+            "seccomp",
+        ),
+        (
+            format!(
+                "!({has_pod}) || !has({pod}.volumes) || {pod}.volumes.all(v, !has(v.hostPath))"
+            ),
+            "hostPath",
+        ),
+        (
+            format!(
+                "!({has_pod}) || ((!has({pod}.hostNetwork) || !{pod}.hostNetwork) && (!has({pod}.hostPID) || !{pod}.hostPID) && (!has({pod}.hostIPC) || !{pod}.hostIPC))"
+            ),
+            "host namespaces",
+        ),
+        (
+            "!has(object.spec.image) || object.spec.image.startsWith('pulumi/pulumi:')".to_owned(),
+            "image",
+        ),
+    ];
+    let count = validations.len();
+    let policy: ValidatingAdmissionPolicy = serde_json::from_value(json!({
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicy",
+        "metadata": {"name": "pko-bench-restricted"},
+        "spec": {
+            "failurePolicy": "Fail",
+            "matchConstraints": {"resourceRules": [{
+                "apiGroups": ["auto.pulumi.com"],
+                "apiVersions": ["*"],
+                "operations": ["CREATE", "UPDATE"],
+                "resources": ["workspaces"],
+            }]},
+            "validations": validations
+                .iter()
+                .map(|(expression, message)| json!({"expression": expression, "message": message}))
+                .collect::<Vec<_>>(),
+        },
+    }))?;
+    let binding: ValidatingAdmissionPolicyBinding = serde_json::from_value(json!({
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicyBinding",
+        "metadata": {"name": "pko-bench-restricted"},
+        "spec": {
+            "policyName": "pko-bench-restricted",
+            "validationActions": ["Deny"],
+            "matchResources": {"namespaceSelector": {"matchLabels": {VAP_LABEL: "true"}}},
+        },
+    }))?;
+    let client = plane.try_client()?;
+    Api::<ValidatingAdmissionPolicy>::all(client.clone())
+        .create(&PostParams::default(), &policy)
+        .await
+        .context("creating the ValidatingAdmissionPolicy")?;
+    Api::<ValidatingAdmissionPolicyBinding>::all(client)
+        .create(&PostParams::default(), &binding)
+        .await
+        .context("creating the binding")?;
+    Ok(count)
+}
+
+struct Load {
+    latencies: Vec<Duration>,
+    errors: usize,
+    first_error: Option<String>,
+    elapsed: Duration,
+}
+
+/// Creates Workspaces in `namespace` at `rate` per second for `seconds` (open loop: a create
+/// starts on schedule whether or not earlier ones have finished).
+async fn load(
+    client: &kube::Client,
+    namespace: &str,
+    prefix: &str,
+    rate: f64,
+    seconds: f64,
+) -> Load {
+    let api = workspaces(client.clone(), namespace);
+    let count = (rate * seconds).round() as usize;
+    let interval = Duration::from_secs_f64(1.0 / rate);
+    let start = tokio::time::Instant::now() + Duration::from_millis(50);
+    let mut tasks = Vec::with_capacity(count);
+    for i in 0..count {
+        tokio::time::sleep_until(start + interval.mul_f64(i as f64)).await;
+        let api = api.clone();
+        let object: DynamicObject =
+            match serde_json::from_value(workspace(&format!("{prefix}-{i}"))) {
+                Ok(o) => o,
+                Err(_) => continue,
+            };
+        tasks.push(tokio::spawn(async move {
+            let began = Instant::now();
+            let result = api.create(&PostParams::default(), &object).await;
+            (began.elapsed(), result.err().map(|e| e.to_string()))
+        }));
+    }
+    let mut out = Load {
+        latencies: Vec::with_capacity(count),
+        errors: 0,
+        first_error: None,
+        elapsed: Duration::ZERO,
+    };
+    for task in tasks {
+        match task.await {
+            Ok((latency, None)) => out.latencies.push(latency),
+            Ok((_, Some(e))) => {
+                out.errors += 1;
+                out.first_error.get_or_insert(e);
+            }
+            Err(e) => {
+                out.errors += 1;
+                out.first_error.get_or_insert(e.to_string());
+            }
+        }
+    }
+    out.elapsed = start.elapsed();
+    out.latencies.sort();
+    out
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let index = ((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len()) - 1;
+    sorted[index]
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.2} ms", d.as_secs_f64() * 1000.0)
+}
+
+fn us(d: Duration) -> String {
+    format!("{:.0} µs", d.as_secs_f64() * 1_000_000.0)
+}
+
+fn signed_ms(a: Duration, b: Duration) -> String {
+    let delta = a.as_secs_f64() - b.as_secs_f64();
+    format!("{:+.2} ms", delta * 1000.0)
+}
+
+/// Times `n` in-process evaluations of `entrypoint` (fresh instance each).
+async fn evaluate_n(
+    engine: &PolicyEngine,
+    entrypoint: &str,
+    input: &Value,
+    data: &Value,
+    n: usize,
+) -> anyhow::Result<Vec<Duration>> {
+    for _ in 0..50 {
+        engine.evaluate(entrypoint, input, data).await?;
+    }
+    let mut times = Vec::with_capacity(n);
+    for _ in 0..n {
+        let began = Instant::now();
+        engine.evaluate(entrypoint, input, data).await?;
+        times.push(began.elapsed());
+    }
+    times.sort();
+    Ok(times)
+}
+
+fn review(namespace: &str) -> Value {
+    let mut object = workspace("w");
+    object["metadata"]["namespace"] = json!(namespace);
+    json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "6a0c6b4e-5d1c-4b8e-9d3e-000000000001",
+            "kind": {"group": "auto.pulumi.com", "version": "v1alpha1", "kind": "Workspace"},
+            "resource": {"group": "auto.pulumi.com", "version": "v1alpha1", "resource": "workspaces"},
+            "name": "w",
+            "namespace": namespace,
+            "operation": "CREATE",
+            "userInfo": {"username": "alice", "groups": ["system:authenticated"]},
+            "object": object,
+            "oldObject": null,
+            "dryRun": false,
+        },
+    })
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let args = parse_args()?;
+    let bundle_path = policy_bundle()?;
+    let mut section = String::new();
+    writeln!(section, "{BEGIN}")?;
+
+    // In-process evaluation.
+    let bundle = Bundle::load(&bundle_path)?;
+    let compile_started = Instant::now();
+    let engine = PolicyEngine::new(&bundle, EngineLimits::default()).await?;
+    let compile = compile_started.elapsed();
+    let input = review("team-a");
+    let data = json!({"tenancy": {
+        "defaultAction": "deny",
+        "fileServerHosts": ["pko-rs-fileserver.pko-rs-system:80"],
+        "policies": [{
+            "name": "team-a", "action": "deny", "namespaces": ["team-a"], "exemptFromRestricted": false,
+            "allowedServiceAccounts": ["pulumi"], "allowedImagePrefixes": ["pulumi/pulumi:"],
+        }],
+    }});
+    let decision = evaluate_n(
+        &engine,
+        DECISION_ENTRYPOINT,
+        &input,
+        &data,
+        args.evaluations,
+    )
+    .await?;
+    let defaults = evaluate_n(
+        &engine,
+        DEFAULTS_ENTRYPOINT,
+        &input,
+        &json!({}),
+        args.evaluations,
+    )
+    .await?;
+    writeln!(section, "## Admission policies: in-process evaluation\n")?;
+    writeln!(
+        section,
+        "opa-wasm on wasmtime, one fresh instance per evaluation (instantiate + load data + \
+         evaluate), {} sequential evaluations of a compliant Workspace with a pod template and \
+         one TenancyPolicy; policy module ({} KiB) compiled once in {}.\n",
+        args.evaluations,
+        bundle.wasm.len() / 1024,
+        ms(compile)
+    )?;
+    writeln!(section, "| entrypoint | p50 | p99 | max |")?;
+    writeln!(section, "|---|---:|---:|---:|")?;
+    for (name, times) in [
+        (DECISION_ENTRYPOINT, &decision),
+        (DEFAULTS_ENTRYPOINT, &defaults),
+    ] {
+        writeln!(
+            section,
+            "| `{name}` | {} | {} | {} |",
+            us(percentile(times, 0.50)),
+            us(percentile(times, 0.99)),
+            us(percentile(times, 1.0))
+        )?;
+    }
+    writeln!(section)?;
+    drop(engine);
+
+    // Latency added to a create on a real apiserver.
+    let state = tempfile::Builder::new()
+        .prefix("pko-rs-bench-admission-")
+        .tempdir()?;
+    let plane = ControlPlane::start(StartOptions {
+        dir: Some(state.path().to_path_buf()),
+        crds_dir: None,
+    })
+    .await?;
+    let port = free_port()?;
+    let validate_only = Registration::create_on(
+        &plane,
+        "bench-validate",
+        port,
+        WebhookOptions {
+            mutating: false,
+            ..WebhookOptions::default()
+        },
+    )
+    .await?;
+    let both =
+        Registration::create_on(&plane, "bench-both", port, WebhookOptions::default()).await?;
+    let mut operator_args = validate_only.operator_args(&bundle_path);
+    operator_args.retain(|a| {
+        !a.starts_with("--webhook-validating-configuration=")
+            && !a.starts_with("--webhook-mutating-configuration=")
+    });
+    operator_args.push(format!(
+        "--webhook-validating-configuration={},{}",
+        validate_only.validating, both.validating
+    ));
+    operator_args.push(format!(
+        "--webhook-mutating-configuration={}",
+        both.mutating.clone().unwrap_or_default()
+    ));
+    let operator = Operator::start(
+        &plane,
+        OperatorOptions {
+            advertised: None,
+            args: operator_args,
+        },
+    )
+    .await?;
+    validate_only
+        .wait_ca_injected(&plane, Duration::from_secs(60))
+        .await?;
+    both.wait_ca_injected(&plane, Duration::from_secs(60))
+        .await?;
+    let rules = install_vap(&plane).await?;
+
+    let none = plane.namespace("bench-none").await?;
+    let vap = plane.namespace("bench-vap").await?;
+    let validate = plane.namespace("bench-validate").await?;
+    let mutate = plane.namespace("bench-both").await?;
+    pko_tests::webhook::set_namespace_labels(
+        &plane,
+        &vap,
+        [(VAP_LABEL.to_owned(), "true".to_owned())].into(),
+    )
+    .await?;
+    validate_only.enroll(&plane, &validate, &[]).await?;
+    both.enroll(&plane, &mutate, &[]).await?;
+
+    let client = plane.try_client()?;
+    // Every path is live before measuring: a refused baseline Workspace proves the check runs.
+    for ns in [&vap, &validate, &mutate] {
+        let api = workspaces(client.clone(), ns);
+        let mut bad = workspace("probe");
+        bad["spec"]["securityProfile"] = json!("baseline");
+        let bad: DynamicObject = serde_json::from_value(bad)?;
+        wait_for(
+            &format!("admission checks in {ns}"),
+            Duration::from_secs(60),
+            || {
+                let (api, bad) = (api.clone(), bad.clone());
+                async move {
+                    let dry = PostParams {
+                        dry_run: true,
+                        ..PostParams::default()
+                    };
+                    api.create(&dry, &bad).await.is_err().then_some(())
+                }
+            },
+        )
+        .await?;
+    }
+
+    let configs: [(&str, &String); 4] = [
+        ("no admission check", &none),
+        ("ValidatingAdmissionPolicy (CEL, in the apiserver)", &vap),
+        ("pko-rs webhook: `/validate`", &validate),
+        ("pko-rs webhook: `/mutate` + `/validate`", &mutate),
+    ];
+    // Warm connections and caches in every path first.
+    for (i, (_, ns)) in configs.iter().enumerate() {
+        let _ = load(&client, ns, &format!("warm{i}"), args.rate, 1.0).await;
+    }
+    let client = Arc::new(client);
+    let mut rows = Vec::new();
+    for (i, (name, ns)) in configs.iter().enumerate() {
+        let result = load(&client, ns, &format!("w{i}"), args.rate, args.seconds).await;
+        if let Some(e) = &result.first_error {
+            eprintln!("{name}: first error: {e}");
+        }
+        rows.push((*name, result));
+    }
+    let base = &rows[0].1.latencies;
+    let (base50, base99) = (percentile(base, 0.50), percentile(base, 0.99));
+    writeln!(section, "## Admission: latency added to a create\n")?;
+    writeln!(
+        section,
+        "Workspace creates (a compliant Workspace with a pod template, stored in etcd) at {:.0} \
+         requests/s for {:.0} s per row, open loop, from one client on the same machine; each row \
+         its own namespace on the same apiserver. The ValidatingAdmissionPolicy has {rules} CEL \
+         validations: the restricted rules and the image allowance, like the Rego policies. The \
+         pko-rs rows call the release operator over TLS (`clientConfig.url` on loopback); the \
+         mutating row also stores the defaults.\n",
+        args.rate, args.seconds
+    )?;
+    writeln!(
+        section,
+        "| admission | creates | errors | achieved/s | p50 | p99 | max | p50 vs none | p99 vs none |"
+    )?;
+    writeln!(section, "|---|---:|---:|---:|---:|---:|---:|---:|---:|")?;
+    for (name, result) in &rows {
+        let (p50, p99) = (
+            percentile(&result.latencies, 0.50),
+            percentile(&result.latencies, 0.99),
+        );
+        writeln!(
+            section,
+            "| {name} | {} | {} | {:.0} | {} | {} | {} | {} | {} |",
+            result.latencies.len() + result.errors,
+            result.errors,
+            (result.latencies.len() + result.errors) as f64 / result.elapsed.as_secs_f64(),
+            ms(p50),
+            ms(p99),
+            ms(percentile(&result.latencies, 1.0)),
+            signed_ms(p50, base50),
+            signed_ms(p99, base99),
+        )?;
+    }
+    let evaluation_p50 = operator
+        .metric("pko_admission_evaluation_duration_seconds_count{entrypoint=\"pko/admission/decision\"}")
+        .await
+        .unwrap_or(0.0);
+    writeln!(
+        section,
+        "\nThe operator evaluated the decision policy {evaluation_p50:.0} times in this run \
+         (`pko_admission_evaluation_duration_seconds`). The client, kube-apiserver, etcd and \
+         the operator share the machine's cores.\n"
+    )?;
+    writeln!(section, "{END}")?;
+    write_section(&args.out, &section)?;
+    println!("{section}");
+    Ok(())
+}
+
+/// Replaces this benchmark's section in `path` (or appends it).
+fn write_section(path: &PathBuf, section: &str) -> anyhow::Result<()> {
+    let current = std::fs::read_to_string(path).unwrap_or_else(|_| "# Benchmarks\n".into());
+    let updated = match (current.find(BEGIN), current.find(END)) {
+        (Some(begin), Some(end)) if end > begin => format!(
+            "{}{}{}",
+            &current[..begin],
+            section.trim_end(),
+            &current[end + END.len()..]
+        ),
+        _ => format!(
+            "{}\n{}",
+            current.trim_end_matches('\n').to_owned() + "\n",
+            section
+        ),
+    };
+    std::fs::write(path, updated).with_context(|| format!("writing {}", path.display()))
+}

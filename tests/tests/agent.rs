@@ -1,0 +1,562 @@
+//! The workspace agent against the real `pulumi` CLI (offline `file://` backend): RPCs,
+//! streaming, auth, and `init`'s artifact checks.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::Path;
+use tokio::process::Command;
+
+use pko_agent::proto::{self as pb, config_item};
+use pko_tests::agent::{AgentOptions, AgentProcess, StaticServer, agent_binary};
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+use tonic::Code;
+
+const PROGRAM: &str = r#"name: greeter
+runtime: yaml
+config:
+  greeting:
+    type: string
+  password:
+    type: string
+variables:
+  msg: ${greeting}-world
+outputs:
+  message: ${msg}
+  secretOut: ${password}
+  count: 3
+"#;
+
+fn project(dir: &Path, yaml: &str) {
+    std::fs::create_dir_all(dir).expect("project dir");
+    std::fs::write(dir.join("Pulumi.yaml"), yaml).expect("Pulumi.yaml");
+}
+
+async fn start(tmp: &Path, tls: bool, token: Option<&str>) -> AgentProcess {
+    let ws = tmp.join("workspace");
+    project(&ws, PROGRAM);
+    AgentProcess::start(AgentOptions {
+        workspace: ws,
+        state: tmp.to_path_buf(),
+        tls,
+        token: token.map(str::to_owned),
+    })
+    .await
+    .expect("agent starts")
+}
+
+fn literal(key: &str, value: &str, secret: bool) -> pb::ConfigItem {
+    pb::ConfigItem {
+        key: key.into(),
+        path: None,
+        v: Some(config_item::V::Value(pko_agent::values::to_pb(&json!(
+            value
+        )))),
+        secret: Some(secret),
+    }
+}
+
+/// Reads a server stream to its end: (events as JSON, the final message).
+async fn drain<T>(
+    mut stream: tonic::Streaming<T>,
+    event_of: impl Fn(&T) -> Option<Value>,
+) -> Result<(Vec<Value>, T), tonic::Status> {
+    let mut events = Vec::new();
+    let mut last = None;
+    while let Some(msg) = stream.message().await? {
+        match event_of(&msg) {
+            Some(e) => events.push(e),
+            None => last = Some(msg),
+        }
+    }
+    Ok((events, last.expect("a result message ends the stream")))
+}
+
+fn has_event(events: &[Value], kind: &str) -> bool {
+    events.iter().any(|e| e.get(kind).is_some())
+}
+
+#[tokio::test]
+async fn up_preview_destroy_with_config_and_outputs_over_tls() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let agent = start(tmp.path(), true, Some("t0ken-for-tests")).await;
+    let mut client = agent.client().await.expect("client");
+
+    let version = client
+        .pulumi_version(pb::PulumiVersionRequest {})
+        .await
+        .expect("version");
+    assert!(
+        version.metadata().get(pko_agent::INSTANCE_HEADER).is_some(),
+        "every answer names the agent instance"
+    );
+    assert_eq!(version.into_inner().version, "v3.274.1");
+    let who = client
+        .who_am_i(pb::WhoAmIRequest {})
+        .await
+        .expect("whoami")
+        .into_inner();
+    assert!(who.url.starts_with("file://"), "{who:?}");
+
+    // No stack selected yet.
+    let err = client.info(pb::InfoRequest {}).await.expect_err("no stack");
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    let err = client
+        .select_stack(pb::SelectStackRequest {
+            stack_name: "dev".into(),
+            create: Some(false),
+            secrets_provider: None,
+        })
+        .await
+        .expect_err("missing stack");
+    assert_eq!(err.code(), Code::NotFound);
+    let selected = client
+        .select_stack(pb::SelectStackRequest {
+            stack_name: "dev".into(),
+            create: Some(true),
+            secrets_provider: None,
+        })
+        .await
+        .expect("select")
+        .into_inner();
+    assert_eq!(selected.summary.expect("summary").name, "dev");
+
+    client
+        .set_all_config(pb::SetAllConfigRequest {
+            config: vec![
+                literal("greeting", "hello", false),
+                literal("password", "hunter2", true),
+            ],
+        })
+        .await
+        .expect("config");
+    let config = std::fs::read_to_string(tmp.path().join("workspace/Pulumi.dev.yaml"))
+        .expect("stack config");
+    assert!(config.contains("greeter:greeting: hello"), "{config}");
+    assert!(
+        !config.contains("hunter2"),
+        "secrets are encrypted: {config}"
+    );
+
+    let preview = client
+        .preview(pb::PreviewRequest::default())
+        .await
+        .expect("preview")
+        .into_inner();
+    let (events, result) = drain(preview, |m: &pb::PreviewStream| match &m.response {
+        Some(pb::preview_stream::Response::Event(e)) => {
+            Some(Value::Object(pko_agent::values::from_struct(e)))
+        }
+        _ => None,
+    })
+    .await
+    .expect("preview stream");
+    assert!(
+        has_event(&events, "preludeEvent") && has_event(&events, "summaryEvent"),
+        "{events:?}\n{}",
+        agent.log_text()
+    );
+    let Some(pb::preview_stream::Response::Result(preview)) = result.response else {
+        panic!("preview result")
+    };
+    assert_eq!(preview.summary.expect("summary").result, "succeeded");
+    assert_eq!(preview.project_info.expect("project").name, "greeter");
+
+    let up = client
+        .up(pb::UpRequest::default())
+        .await
+        .expect("up")
+        .into_inner();
+    let (events, result) = drain(up, |m: &pb::UpStream| match &m.response {
+        Some(pb::up_stream::Response::Event(e)) => {
+            Some(Value::Object(pko_agent::values::from_struct(e)))
+        }
+        _ => None,
+    })
+    .await
+    .expect("up stream");
+    assert!(has_event(&events, "resOutputsEvent"), "{events:?}");
+    let Some(pb::up_stream::Response::Result(up)) = result.response else {
+        panic!("up result")
+    };
+    let summary = up.summary.expect("summary");
+    assert_eq!(summary.result, "succeeded");
+    assert!(summary.start_time.is_some() && summary.end_time.is_some());
+    let output = |k: &str| {
+        let o = &up.outputs[k];
+        (
+            serde_json::from_slice::<Value>(&o.value).expect("json"),
+            o.secret,
+        )
+    };
+    assert_eq!(output("message"), (json!("hello-world"), false));
+    assert_eq!(output("secretOut"), (json!("hunter2"), true));
+    assert_eq!(output("count"), (json!(3), false));
+    assert!(up.stdout.contains("hello-world"), "{}", up.stdout);
+
+    let info = client
+        .info(pb::InfoRequest {})
+        .await
+        .expect("info")
+        .into_inner();
+    let summary = info.summary.expect("summary");
+    assert_eq!(summary.resource_count, Some(1));
+    assert!(summary.last_update.is_some());
+
+    let destroy = client
+        .destroy(pb::DestroyRequest::default())
+        .await
+        .expect("destroy")
+        .into_inner();
+    let (_, result) = drain(destroy, |m: &pb::DestroyStream| match &m.response {
+        Some(pb::destroy_stream::Response::Event(e)) => {
+            Some(Value::Object(pko_agent::values::from_struct(e)))
+        }
+        _ => None,
+    })
+    .await
+    .expect("destroy stream");
+    let Some(pb::destroy_stream::Response::Result(destroy)) = result.response else {
+        panic!("destroy result")
+    };
+    assert_eq!(destroy.summary.expect("summary").result, "succeeded");
+    let info = client
+        .info(pb::InfoRequest {})
+        .await
+        .expect("info")
+        .into_inner();
+    assert_eq!(info.summary.expect("summary").resource_count, Some(0));
+
+    // Refresh of the (empty) stack also streams and completes.
+    let refresh = client
+        .refresh(pb::RefreshRequest::default())
+        .await
+        .expect("refresh")
+        .into_inner();
+    let (_, result) = drain(refresh, |m: &pb::RefreshStream| match &m.response {
+        Some(pb::refresh_stream::Response::Event(e)) => {
+            Some(Value::Object(pko_agent::values::from_struct(e)))
+        }
+        _ => None,
+    })
+    .await
+    .expect("refresh stream");
+    assert!(matches!(
+        result.response,
+        Some(pb::refresh_stream::Response::Result(_))
+    ));
+}
+
+#[tokio::test]
+async fn failed_update_is_an_error_with_the_cli_diagnosis() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let agent = start(tmp.path(), false, None).await;
+    let mut client = agent.client().await.expect("client");
+    client
+        .select_stack(pb::SelectStackRequest {
+            stack_name: "dev".into(),
+            create: Some(true),
+            secrets_provider: None,
+        })
+        .await
+        .expect("select");
+    // `greeting` and `password` are required config: the program fails.
+    let stream = client
+        .up(pb::UpRequest::default())
+        .await
+        .expect("up")
+        .into_inner();
+    let err = drain(stream, |m: &pb::UpStream| match &m.response {
+        Some(pb::up_stream::Response::Event(_)) => Some(Value::Null),
+        _ => None,
+    })
+    .await
+    .expect_err("up fails");
+    assert_eq!(err.code(), Code::Unknown);
+    assert!(err.message().starts_with("up failed:"), "{}", err.message());
+    assert!(
+        err.message().contains("greeting"),
+        "the CLI's diagnosis is kept: {}",
+        err.message()
+    );
+}
+
+#[tokio::test]
+async fn calls_without_the_token_are_refused() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let agent = start(tmp.path(), true, Some("right-token")).await;
+    let mut target = agent.target();
+    target.token = None;
+    let mut anonymous = pko_agent::client::connect(&target).await.expect("connect");
+    let err = anonymous
+        .pulumi_version(pb::PulumiVersionRequest {})
+        .await
+        .expect_err("no token");
+    assert_eq!(err.code(), Code::Unauthenticated);
+    target.token = Some("wrong-token".into());
+    let mut wrong = pko_agent::client::connect(&target).await.expect("connect");
+    let err = wrong
+        .pulumi_version(pb::PulumiVersionRequest {})
+        .await
+        .expect_err("wrong token");
+    assert_eq!(err.code(), Code::Unauthenticated);
+    // TLS is pinned: a client that trusts another certificate cannot connect.
+    let (other_cert, _) =
+        pko_tests::agent::self_signed(&[pko_tests::agent::TEST_SERVER_NAME]).expect("cert");
+    let mut target = agent.target();
+    target.ca_pem = Some(other_cert.into_bytes());
+    let result = match pko_agent::client::connect(&target).await {
+        Ok(mut c) => c
+            .pulumi_version(pb::PulumiVersionRequest {})
+            .await
+            .map(|_| ()),
+        Err(e) => Err(tonic::Status::unavailable(e.to_string())),
+    };
+    assert!(result.is_err(), "an unpinned certificate is refused");
+}
+
+fn targz(entries: &[(&str, &[u8])]) -> Vec<u8> {
+    let gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    let mut builder = tar::Builder::new(gz);
+    for (path, data) in entries {
+        let mut header = tar::Header::new_gnu();
+        header.set_entry_type(tar::EntryType::Regular);
+        header.set_size(data.len() as u64);
+        header.set_mode(0o644);
+        // Written by hand so that unsafe names (`../x`) get through.
+        let name = &mut header.as_old_mut().name;
+        name[..path.len()].copy_from_slice(path.as_bytes());
+        header.set_cksum();
+        builder.append(&header, *data).expect("append");
+    }
+    let gz = builder.into_inner().expect("tar");
+    let mut out = gz.finish().expect("gzip");
+    out.flush().expect("flush");
+    out
+}
+
+fn digest(bytes: &[u8]) -> String {
+    format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
+}
+
+/// Runs `pko-agent init` (asynchronously: the artifact server runs on this test's runtime).
+async fn init(target: &Path, url: &str, digest: &str, link: &Path) -> std::process::Output {
+    Command::new(agent_binary().expect("agent binary"))
+        .args(["init", "--target-dir"])
+        .arg(target)
+        .args([
+            "--flux-url",
+            url,
+            "--flux-digest",
+            digest,
+            "--dir",
+            "proj",
+            "--link",
+        ])
+        .arg(link)
+        .output()
+        .await
+        .expect("run init")
+}
+
+#[tokio::test]
+async fn init_fetches_verifies_and_links_the_artifact() {
+    let good = targz(&[
+        ("proj/Pulumi.yaml", PROGRAM.as_bytes()),
+        ("proj/extra.txt", b"x"),
+    ]);
+    let server = StaticServer::start(HashMap::from([("/a.tar.gz".to_owned(), good.clone())]))
+        .await
+        .expect("server");
+    let tmp = tempfile::tempdir().expect("tmp");
+    let (target, link) = (tmp.path().join("source"), tmp.path().join("workspace"));
+    let out = init(&target, &server.url("/a.tar.gz"), &digest(&good), &link).await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        std::fs::read_to_string(link.join("Pulumi.yaml")).expect("linked project"),
+        PROGRAM
+    );
+}
+
+#[tokio::test]
+async fn init_fails_clearly_on_a_digest_mismatch() {
+    let good = targz(&[("proj/Pulumi.yaml", PROGRAM.as_bytes())]);
+    let mut corrupted = good.clone();
+    let last = corrupted.len() - 1;
+    corrupted[last] ^= 0xff;
+    let server = StaticServer::start(HashMap::from([("/a.tar.gz".to_owned(), corrupted)]))
+        .await
+        .expect("server");
+    let tmp = tempfile::tempdir().expect("tmp");
+    let (target, link) = (tmp.path().join("source"), tmp.path().join("workspace"));
+    let out = init(&target, &server.url("/a.tar.gz"), &digest(&good), &link).await;
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("artifact digest mismatch") && stderr.contains(&digest(&good)),
+        "{stderr}"
+    );
+    assert!(!target.exists() && !link.exists(), "nothing is unpacked");
+}
+
+#[tokio::test]
+async fn init_rejects_path_traversal() {
+    let evil = targz(&[
+        ("proj/Pulumi.yaml", PROGRAM.as_bytes()),
+        ("../escaped.txt", b"pwned"),
+    ]);
+    let server = StaticServer::start(HashMap::from([("/e.tar.gz".to_owned(), evil.clone())]))
+        .await
+        .expect("server");
+    let tmp = tempfile::tempdir().expect("tmp");
+    let outer = tmp.path().join("outer");
+    std::fs::create_dir_all(&outer).expect("outer");
+    let (target, link) = (outer.join("source"), outer.join("workspace"));
+    let out = init(&target, &server.url("/e.tar.gz"), &digest(&evil), &link).await;
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("unsafe path in artifact: \"../escaped.txt\""),
+        "{stderr}"
+    );
+    assert!(!outer.join("escaped.txt").exists() && !tmp.path().join("escaped.txt").exists());
+    assert!(!target.exists());
+}
+
+#[tokio::test]
+async fn init_reports_http_errors() {
+    let server = StaticServer::start(HashMap::new()).await.expect("server");
+    let tmp = tempfile::tempdir().expect("tmp");
+    let (target, link) = (tmp.path().join("source"), tmp.path().join("workspace"));
+    let out = init(
+        &target,
+        &server.url("/missing.tar.gz"),
+        &format!("sha256:{}", "0".repeat(64)),
+        &link,
+    )
+    .await;
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("HTTP 404"), "{stderr}");
+}
+
+/// `fn::readFile` of a named pipe blocks the program until something writes to the pipe: an
+/// operation that runs as long as the test wants, with no provider plugin.
+const BLOCKING_PROGRAM: &str = r#"name: blocker
+runtime: yaml
+config:
+  file:
+    type: string
+variables:
+  content:
+    fn::readFile: ${file}
+outputs:
+  content: ${content}
+"#;
+
+#[tokio::test]
+async fn a_disconnected_client_cancels_its_operation_and_frees_the_workspace() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let ws = tmp.path().join("workspace");
+    project(&ws, BLOCKING_PROGRAM);
+    std::fs::write(ws.join("plain.txt"), "hi\n").expect("plain file");
+    let pipe = ws.join("pipe");
+    let status = std::process::Command::new("mkfifo")
+        .arg(&pipe)
+        .status()
+        .expect("mkfifo");
+    assert!(status.success());
+    let agent = AgentProcess::start(AgentOptions {
+        workspace: ws.clone(),
+        state: tmp.path().to_path_buf(),
+        tls: false,
+        token: Some("tok".into()),
+    })
+    .await
+    .expect("agent");
+    let mut client = agent.client().await.expect("client");
+    client
+        .select_stack(pb::SelectStackRequest {
+            stack_name: "dev".into(),
+            create: Some(true),
+            secrets_provider: None,
+        })
+        .await
+        .expect("select");
+    let set_file = |file: &str| pb::SetAllConfigRequest {
+        config: vec![literal("file", file, false)],
+    };
+    client
+        .set_all_config(set_file("./pipe"))
+        .await
+        .expect("config");
+
+    let mut stream = client
+        .up(pb::UpRequest::default())
+        .await
+        .expect("up")
+        .into_inner();
+    let first = stream
+        .message()
+        .await
+        .expect("an event")
+        .expect("not the end");
+    assert!(matches!(
+        first.response,
+        Some(pb::up_stream::Response::Event(_))
+    ));
+    // The client goes away while the program is blocked.
+    drop(stream);
+    pko_tests::wait_for(
+        "the agent to interrupt pulumi",
+        std::time::Duration::from_secs(20),
+        || async {
+            agent
+                .log_text()
+                .contains("interrupting pulumi")
+                .then_some(())
+        },
+    )
+    .await
+    .expect("interrupted");
+    // Unblock the program so pulumi can finish canceling (and unlock the stack).
+    let writer = tokio::task::spawn_blocking(move || std::fs::write(&pipe, "late\n"));
+    tokio::time::timeout(std::time::Duration::from_secs(20), writer)
+        .await
+        .expect("the program still reads the pipe")
+        .expect("join")
+        .expect("write");
+
+    // The workspace is free again: the next operation runs (after the canceled one ends).
+    client
+        .set_all_config(set_file("./plain.txt"))
+        .await
+        .expect("config");
+    let stream = client
+        .up(pb::UpRequest::default())
+        .await
+        .expect("up")
+        .into_inner();
+    let (_, result) = drain(stream, |m: &pb::UpStream| match &m.response {
+        Some(pb::up_stream::Response::Event(_)) => Some(Value::Null),
+        _ => None,
+    })
+    .await
+    .expect("second up");
+    let Some(pb::up_stream::Response::Result(up)) = result.response else {
+        panic!("up result")
+    };
+    assert_eq!(
+        serde_json::from_slice::<Value>(&up.outputs["content"].value).expect("json"),
+        json!("hi\n")
+    );
+    assert!(
+        agent.log_text().contains("up was canceled"),
+        "the first update ended canceled: {}",
+        agent.log_text()
+    );
+}

@@ -1,0 +1,313 @@
+//! `/metrics` of the real operator: every documented name is exposed, and the values follow
+//! Programs and Stacks as they are created, changed and deleted.
+
+use std::time::Duration;
+
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+use kube::Api;
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use pko_api::program::Program;
+use pko_api::stack::Stack;
+use pko_tests::operator::{Operator, OperatorOptions, metric_value};
+use pko_tests::{ControlPlane, wait_for};
+use serde_json::{Value, json};
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// Every metric family docs/operations.md lists, by the name in its `# TYPE` line.
+const FAMILIES: &[&str] = &[
+    "programs_active",
+    "stacks_active",
+    "stacks_failing",
+    "stacks_reconciling",
+    "pko_leader",
+    "pko_reconciles",
+    "pko_reconcile_errors",
+    "pko_reconcile_duration_seconds",
+    "pko_fileserver_requests",
+    "pko_fileserver_request_duration_seconds",
+    "pko_fileserver_cache_hits",
+    "pko_fileserver_cache_misses",
+    "pko_fileserver_cache_bytes",
+    // An info metric: `# TYPE pko_build info`, sample `pko_build_info{version=…} 1`.
+    "pko_build",
+];
+
+fn program(name: &str) -> Program {
+    serde_json::from_value(json!({
+        "apiVersion": "pulumi.com/v1",
+        "kind": "Program",
+        "metadata": {"name": name},
+        "program": {"resources": {"r": {"type": "kubernetes:core/v1:ConfigMap"}}},
+    }))
+    .expect("valid Program")
+}
+
+fn stack(name: &str) -> Stack {
+    serde_json::from_value(json!({
+        "apiVersion": "pulumi.com/v1",
+        "kind": "Stack",
+        "metadata": {"name": name},
+        "spec": {"stack": format!("dev/{name}")},
+    }))
+    .expect("valid Stack")
+}
+
+/// Waits until the sample `series` reads `want` (`None`: the series is absent).
+async fn until_metric(op: &Operator, series: &str, want: Option<f64>) {
+    let result = wait_for(&format!("{series} = {want:?}"), WAIT, || async {
+        let text = op.metrics_text().await?;
+        (metric_value(&text, series) == want).then_some(())
+    })
+    .await;
+    if let Err(e) = result {
+        panic!(
+            "{e}; /metrics:\n{}",
+            op.metrics_text().await.unwrap_or_default()
+        );
+    }
+}
+
+fn typed_families(text: &str) -> Vec<&str> {
+    text.lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split_whitespace().next())
+        .collect()
+}
+
+#[tokio::test]
+async fn metrics_follow_programs_reconciles_and_fetches() {
+    let plane = ControlPlane::shared().await;
+    let ns = plane.namespace("metrics-prog").await.expect("namespace");
+    let op = Operator::start(
+        plane,
+        OperatorOptions {
+            advertised: None,
+            args: vec![format!("--watch-namespace={ns}")],
+        },
+    )
+    .await
+    .expect("operator starts");
+
+    let text = op.metrics_text().await.expect("/metrics answers");
+    assert_eq!(metric_value(&text, "programs_active"), Some(0.0));
+    // A controller's series exist at zero from its start, errors included.
+    assert_eq!(
+        metric_value(
+            &text,
+            "pko_reconcile_errors_total{controller=\"program\",error=\"status_write\"}"
+        ),
+        Some(0.0),
+        "{text}"
+    );
+    assert_eq!(
+        metric_value(&text, "pko_leader"),
+        Some(1.0),
+        "no election: leader"
+    );
+    assert_eq!(
+        metric_value(
+            &text,
+            &format!(
+                "pko_build_info{{version=\"{}\"}}",
+                env!("CARGO_PKG_VERSION")
+            )
+        ),
+        Some(1.0),
+        "{text}"
+    );
+
+    let api: Api<Program> = Api::namespaced(plane.client(), &ns);
+    for name in ["one", "two", "three"] {
+        api.create(&PostParams::default(), &program(name))
+            .await
+            .expect("create");
+    }
+    until_metric(&op, "programs_active", Some(3.0)).await;
+    // Each Program is reconciled at least once (and timed).
+    wait_for("three reconciles", WAIT, || async {
+        let text = op.metrics_text().await?;
+        let runs = metric_value(&text, "pko_reconciles_total{controller=\"program\"}")?;
+        let timed = metric_value(
+            &text,
+            "pko_reconcile_duration_seconds_count{controller=\"program\"}",
+        )?;
+        (runs >= 3.0 && timed >= 3.0).then_some(())
+    })
+    .await
+    .expect("reconciles counted");
+
+    // A fetch shows in the file-server series and is a cache hit (artifacts are pre-built).
+    let before = op.metrics_text().await.expect("/metrics");
+    let hits_before = metric_value(&before, "pko_fileserver_cache_hits_total").unwrap_or(0.0);
+    let resp = reqwest::get(op.fs_url(&format!("/programs/{ns}/one/1")))
+        .await
+        .expect("fetch");
+    assert_eq!(resp.status(), 200);
+    let missing = reqwest::get(op.fs_url(&format!("/programs/{ns}/nope/1")))
+        .await
+        .expect("fetch");
+    assert_eq!(missing.status(), 404);
+    let after = op.metrics_text().await.expect("/metrics");
+    assert!(
+        metric_value(
+            &after,
+            "pko_fileserver_requests_total{method=\"GET\",code=\"200\"}"
+        )
+        .unwrap_or(0.0)
+            >= 1.0,
+        "{after}"
+    );
+    assert!(
+        metric_value(
+            &after,
+            "pko_fileserver_requests_total{method=\"GET\",code=\"404\"}"
+        )
+        .unwrap_or(0.0)
+            >= 1.0,
+        "{after}"
+    );
+    assert!(
+        metric_value(&after, "pko_fileserver_request_duration_seconds_count").unwrap_or(0.0) >= 2.0
+    );
+    assert!(metric_value(&after, "pko_fileserver_cache_hits_total").unwrap_or(0.0) > hits_before);
+    assert!(metric_value(&after, "pko_fileserver_cache_bytes").unwrap_or(0.0) > 0.0);
+
+    api.delete("two", &DeleteParams::default())
+        .await
+        .expect("delete");
+    until_metric(&op, "programs_active", Some(2.0)).await;
+    api.delete("one", &DeleteParams::default())
+        .await
+        .expect("delete");
+    until_metric(&op, "programs_active", Some(1.0)).await;
+
+    // With a Stack around (per-Stack families have no series without one), every documented
+    // family is exported.
+    Api::<Stack>::namespaced(plane.client(), &ns)
+        .create(&PostParams::default(), &stack("gamma"))
+        .await
+        .expect("create stack");
+    until_metric(&op, "stacks_active", Some(1.0)).await;
+    let text = op.metrics_text().await.expect("/metrics");
+    let families = typed_families(&text);
+    for family in FAMILIES {
+        assert!(families.contains(family), "{family} missing:\n{text}");
+    }
+}
+
+/// A Lease held for an hour by someone else: an operator started with election against it
+/// stays a follower, so no controller touches the objects this test writes.
+async fn foreign_lease(plane: &ControlPlane, ns: &str) {
+    let lease: Lease = serde_json::from_value(json!({
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": {"name": "pko-rs-operator"},
+        "spec": {
+            "holderIdentity": "someone-else",
+            "leaseDurationSeconds": 3600,
+            "renewTime": MicroTime(k8s_openapi::jiff::Timestamp::now()),
+        },
+    }))
+    .expect("lease");
+    Api::<Lease>::namespaced(plane.client(), ns)
+        .create(&PostParams::default(), &lease)
+        .await
+        .expect("create lease");
+}
+
+async fn set_stack_status(api: &Api<Stack>, name: &str, status: Value) {
+    api.patch_status(
+        name,
+        &PatchParams::default(),
+        &Patch::Merge(json!({ "status": status })),
+    )
+    .await
+    .expect("patch stack status");
+}
+
+fn condition(type_: &str, status: &str) -> Value {
+    json!({
+        "type": type_,
+        "status": status,
+        "reason": "Test",
+        "message": "set by the test",
+        "lastTransitionTime": "2025-01-01T00:00:00Z",
+    })
+}
+
+#[tokio::test]
+async fn stack_gauges_follow_stacks_on_a_follower() {
+    let plane = ControlPlane::shared().await;
+    let ns = plane.namespace("metrics-stack").await.expect("namespace");
+    foreign_lease(plane, &ns).await;
+    let op = Operator::start(
+        plane,
+        OperatorOptions {
+            advertised: None,
+            args: vec![
+                format!("--watch-namespace={ns}"),
+                "--leader-elect".into(),
+                format!("--leader-election-namespace={ns}"),
+            ],
+        },
+    )
+    .await
+    .expect("operator starts");
+    // Ready although not leader: followers serve and report too.
+    until_metric(&op, "pko_leader", Some(0.0)).await;
+    until_metric(&op, "stacks_active", Some(0.0)).await;
+
+    let api: Api<Stack> = Api::namespaced(plane.client(), &ns);
+    for name in ["alpha", "beta"] {
+        api.create(&PostParams::default(), &stack(name))
+            .await
+            .expect("create stack");
+    }
+    let failing = |name: &str| format!("stacks_failing{{namespace=\"{ns}\",name=\"{name}\"}}");
+    let reconciling =
+        |name: &str| format!("stacks_reconciling{{namespace=\"{ns}\",name=\"{name}\"}}");
+    until_metric(&op, "stacks_active", Some(2.0)).await;
+    until_metric(&op, &failing("alpha"), Some(0.0)).await;
+    until_metric(&op, &reconciling("beta"), Some(0.0)).await;
+
+    set_stack_status(
+        &api,
+        "alpha",
+        json!({"lastUpdate": {"state": "failed", "generation": 1}}),
+    )
+    .await;
+    until_metric(&op, &failing("alpha"), Some(1.0)).await;
+    set_stack_status(
+        &api,
+        "beta",
+        json!({"conditions": [condition("Ready", "False"), condition("Reconciling", "True")]}),
+    )
+    .await;
+    until_metric(&op, &reconciling("beta"), Some(1.0)).await;
+    set_stack_status(&api, "alpha", json!({"lastUpdate": {"state": "succeeded"}})).await;
+    until_metric(&op, &failing("alpha"), Some(0.0)).await;
+
+    // Deleting a Stack removes its series (PKO leaves them at 0 forever).
+    api.delete("beta", &DeleteParams::default())
+        .await
+        .expect("delete stack");
+    until_metric(&op, "stacks_active", Some(1.0)).await;
+    until_metric(&op, &reconciling("beta"), None).await;
+    until_metric(&op, &failing("beta"), None).await;
+
+    // Programs are counted on followers too, but never reconciled there.
+    Api::<Program>::namespaced(plane.client(), &ns)
+        .create(&PostParams::default(), &program("p"))
+        .await
+        .expect("create program");
+    until_metric(&op, "programs_active", Some(1.0)).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let text = op.metrics_text().await.expect("/metrics");
+    assert_eq!(
+        metric_value(&text, "pko_reconciles_total{controller=\"program\"}"),
+        None,
+        "a follower reconciled"
+    );
+}

@@ -1,0 +1,184 @@
+//! Program → Stack → Workspace → Update → outputs, end to end on the real control plane with the
+//! harness as kubelet, the real agent and the real pulumi CLI.
+
+use std::time::Duration;
+
+use kube::Api;
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use pko_api::program::Program;
+use pko_api::stack::Stack;
+use pko_api::update::Update;
+use pko_tests::kubelet::Kubelet;
+use pko_tests::operator::{Operator, OperatorOptions};
+use pko_tests::{ControlPlane, wait_for};
+use serde_json::{Value, json};
+
+const WAIT: Duration = Duration::from_secs(120);
+
+fn program(message: &str) -> Value {
+    json!({
+        "configuration": {"greeting": {"type": "String"}, "password": {"type": "String", "default": "pw"}},
+        "outputs": {"message": format!("${{greeting}}-{message}"), "token": {"fn::secret": "${password}"}},
+    })
+}
+
+#[tokio::test]
+async fn program_to_stack_ready_with_outputs_then_edit_then_destroy_on_delete() {
+    let plane = ControlPlane::shared().await;
+    let ns = plane.namespace("stack-e2e").await.expect("namespace");
+    let tmp = tempfile::tempdir().expect("tmp");
+    let backend = tmp.path().join("backend");
+    std::fs::create_dir_all(&backend).expect("backend");
+    let kubelet = Kubelet::start(plane.client(), &ns, &tmp.path().join("pods")).expect("kubelet");
+    let _operator = Operator::start(
+        plane,
+        OperatorOptions {
+            advertised: None,
+            args: vec![
+                format!("--watch-namespace={ns}"),
+                "--workspace-localhost=127.0.0.1".into(),
+            ],
+        },
+    )
+    .await
+    .expect("operator");
+
+    let programs: Api<Program> = Api::namespaced(plane.client(), &ns);
+    let p: Program = serde_json::from_value(json!({
+        "apiVersion": "pulumi.com/v1", "kind": "Program",
+        "metadata": {"name": "hello"}, "program": program("world"),
+    }))
+    .expect("program");
+    programs
+        .create(&PostParams::default(), &p)
+        .await
+        .expect("create program");
+
+    let stacks: Api<Stack> = Api::namespaced(plane.client(), &ns);
+    let stack: Stack = serde_json::from_value(json!({
+        "apiVersion": "pulumi.com/v1", "kind": "Stack",
+        "metadata": {"name": "hello"},
+        "spec": {
+            "stack": "dev",
+            "programRef": {"name": "hello"},
+            "backend": format!("file://{}", backend.display()),
+            "envRefs": {"PULUMI_CONFIG_PASSPHRASE": {"type": "Literal", "literal": {"value": "pko-tests"}}},
+            "config": {"greeting": "hello"},
+            "destroyOnFinalize": true,
+        },
+    }))
+    .expect("stack");
+    stacks
+        .create(&PostParams::default(), &stack)
+        .await
+        .expect("create stack");
+
+    let outputs_with = |expected: &'static str| {
+        let stacks = stacks.clone();
+        async move {
+            wait_for(&format!("stack outputs with {expected}"), WAIT, || async {
+                let s = stacks.get("hello").await.ok()?;
+                let status = s.status?;
+                let ready = status
+                    .conditions
+                    .iter()
+                    .any(|c| c.type_ == "Ready" && c.status == "True");
+                (ready && status.outputs.get("message") == Some(&json!(expected))).then_some(status)
+            })
+            .await
+        }
+    };
+    let status = match outputs_with("hello-world").await {
+        Ok(s) => s,
+        Err(e) => panic!(
+            "{e}: {:?}\n{}",
+            stacks.get("hello").await.ok().and_then(|s| s.status),
+            kubelet.logs("hello")
+        ),
+    };
+    assert_eq!(status.outputs.get("token"), Some(&json!("[secret]")));
+    let last = status.last_update.expect("lastUpdate");
+    assert_eq!(
+        (last.type_.as_deref(), last.state.as_deref()),
+        (Some("up"), Some("succeeded"))
+    );
+    assert!(status.current_update.is_none());
+    assert_eq!(status.project_info.map(|p| p.name), Some("hello".into()));
+    let first_update = last.name.expect("update name");
+
+    // A Program edit (new artifact digest) runs a new Update and the outputs follow.
+    programs
+        .patch(
+            "hello",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"program": program("again")})),
+        )
+        .await
+        .expect("edit program");
+    let status = outputs_with("hello-again")
+        .await
+        .expect("outputs after the edit");
+    assert_ne!(status.last_update.and_then(|l| l.name), Some(first_update));
+
+    // A deleted current Update does not wedge the stack: the next one runs.
+    stacks
+        .patch(
+            "hello",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"config": {"greeting": "hey"}}})),
+        )
+        .await
+        .expect("edit config");
+    let updates: Api<Update> = Api::namespaced(plane.client(), &ns);
+    let current = wait_for("a current update", WAIT, || async {
+        stacks.get("hello").await.ok()?.status?.current_update?.name
+    })
+    .await
+    .expect("current update");
+    let _ = updates.delete(&current, &DeleteParams::default()).await;
+    let status = outputs_with("hey-again")
+        .await
+        .expect("outputs after the lost update");
+    assert!(status.last_update.is_some());
+
+    // Deleting the stack destroys it first (destroyOnFinalize), then the finalizer goes.
+    stacks
+        .delete("hello", &DeleteParams::default())
+        .await
+        .expect("delete");
+    wait_for("the stack to be gone", WAIT, || async {
+        stacks.get_opt("hello").await.ok()?.is_none().then_some(())
+    })
+    .await
+    .unwrap_or_else(|e| {
+        panic!(
+            "{e}: {:?}",
+            futures::executor::block_on(stacks.get_opt("hello"))
+                .ok()
+                .flatten()
+                .and_then(|s| s.status)
+        )
+    });
+    let destroys: Vec<Update> = updates
+        .list(&Default::default())
+        .await
+        .expect("list")
+        .items
+        .into_iter()
+        .filter(|u| {
+            u.spec
+                .type_
+                .is_some_and(|t| serde_json::to_value(t).ok() == Some(json!("destroy")))
+        })
+        .collect();
+    assert_eq!(destroys.len(), 1, "one destroy update ran");
+    let d = &destroys[0];
+    assert!(
+        d.status.as_ref().is_some_and(|s| s
+            .conditions
+            .iter()
+            .any(|c| c.type_ == "Failed" && c.status == "False")),
+        "{:?}",
+        d.status
+    );
+}

@@ -1,0 +1,1168 @@
+//! Transform plugins on the real control plane with the real operator binary: ProgramTransform
+//! and ClusterProgramTransform objects, modules from ConfigMaps and files, the served
+//! artifacts, the status of Programs and transforms, Events, and hostile guests.
+//!
+//! Needs the components built by `make plugins` (`$PKO_PLUGINS_DIR`).
+
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::time::Duration;
+
+use k8s_openapi::ByteString;
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
+use k8s_openapi::api::events::v1::Event;
+use kube::Api;
+use kube::api::{DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
+use pko_api::program::Program;
+use pko_api::transform::{ClusterProgramTransform, ProgramTransform, TransformStatus};
+use pko_operator::controller::program::{METADATA_APPLIED, METADATA_CHAIN, METADATA_SKIPPED};
+use pko_tests::operator::{Operator, OperatorOptions};
+use pko_tests::plugins::{PluginModule, module, plugins_dir, shared_cache_dir};
+use pko_tests::{ControlPlane, wait_for};
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+
+const WAIT: Duration = Duration::from_secs(120);
+/// Both operators of a test advertise this address, so they agree on `status.artifact.url`.
+const ADVERTISED: &str = "http://pko-rs-fileserver.test";
+
+async fn operator(plane: &ControlPlane, ns: &str) -> Operator {
+    Operator::start(
+        plane,
+        OperatorOptions {
+            advertised: Some(ADVERTISED.into()),
+            args: vec![
+                format!("--watch-namespace={ns}"),
+                format!("--plugin-cache-dir={}", shared_cache_dir().display()),
+                format!("--plugin-file-root={}", plugins_dir().display()),
+            ],
+        },
+    )
+    .await
+    .expect("operator starts")
+}
+
+fn program(name: &str, labels: &[(&str, &str)], spec: Value) -> Program {
+    let labels: BTreeMap<&str, &str> = labels.iter().copied().collect();
+    serde_json::from_value(json!({
+        "apiVersion": "pulumi.com/v1",
+        "kind": "Program",
+        "metadata": {"name": name, "labels": labels},
+        "program": spec,
+    }))
+    .expect("valid Program")
+}
+
+fn bucket_spec() -> Value {
+    json!({"resources": {"bucket": {"type": "aws:s3/bucket:Bucket", "properties": {"name": "logs"}}}})
+}
+
+fn transform(name: &str, spec: Value) -> ProgramTransform {
+    serde_json::from_value(json!({
+        "apiVersion": "pko-rs.dev/v1alpha1",
+        "kind": "ProgramTransform",
+        "metadata": {"name": name},
+        "spec": spec,
+    }))
+    .expect("valid ProgramTransform")
+}
+
+fn from_config_map(cm: &str, key: &str, module: &PluginModule, rest: Value) -> Value {
+    let mut spec = json!({
+        "source": {"configMap": {"name": cm, "key": key}},
+        "sha256": module.sha256,
+    });
+    merge(&mut spec, rest);
+    spec
+}
+
+fn merge(into: &mut Value, from: Value) {
+    if let (Value::Object(into), Value::Object(from)) = (into, from) {
+        into.extend(from);
+    }
+}
+
+async fn config_map(plane: &ControlPlane, ns: &str, name: &str, modules: &[(&str, &PluginModule)]) {
+    let api: Api<ConfigMap> = Api::namespaced(plane.client(), ns);
+    let cm = ConfigMap {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            ..Default::default()
+        },
+        binary_data: Some(
+            modules
+                .iter()
+                .map(|(key, m)| ((*key).to_owned(), ByteString(m.bytes.clone())))
+                .collect(),
+        ),
+        ..Default::default()
+    };
+    api.create(&PostParams::default(), &cm)
+        .await
+        .expect("module ConfigMap");
+}
+
+fn status_of(p: &Program) -> Value {
+    p.status
+        .as_ref()
+        .map(|s| serde_json::to_value(s).expect("status json"))
+        .unwrap_or(Value::Null)
+}
+
+fn ready_of(p: &Program) -> Option<(String, String, String)> {
+    let status = status_of(p);
+    let ready = status["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == "Ready")?
+        .clone();
+    Some((
+        ready["status"].as_str()?.to_owned(),
+        ready["reason"].as_str()?.to_owned(),
+        ready["message"].as_str()?.to_owned(),
+    ))
+}
+
+/// Waits until `pred` holds for the Program's status artifact; returns it.
+async fn artifact_where(
+    api: &Api<Program>,
+    name: &str,
+    what: &str,
+    pred: impl Fn(&Value) -> bool,
+) -> Value {
+    wait_for(&format!("{name}: {what}"), WAIT, || async {
+        let p = api.get(name).await.ok()?;
+        let artifact = status_of(&p).get("artifact")?.clone();
+        pred(&artifact).then_some(artifact)
+    })
+    .await
+    .expect("artifact")
+}
+
+/// Waits until the Program's Ready condition has `reason`; returns (status, message).
+async fn ready_reason(
+    op: &Operator,
+    api: &Api<Program>,
+    name: &str,
+    reason: &str,
+) -> (String, String) {
+    let found = wait_for(&format!("{name}: Ready reason {reason}"), WAIT, || async {
+        let p = api.get(name).await.ok()?;
+        let (status, got, message) = ready_of(&p)?;
+        (got == reason).then_some((status, message))
+    })
+    .await;
+    match found {
+        Ok(found) => found,
+        Err(e) => {
+            let last = api.get(name).await.map(|p| ready_of(&p));
+            panic!(
+                "{e}; last Ready: {last:?}\noperator log:\n{}",
+                op.log_text()
+            )
+        }
+    }
+}
+
+async fn transform_status<F>(
+    get: impl Fn() -> F,
+    what: &str,
+    pred: impl Fn(&TransformStatus) -> bool,
+) -> TransformStatus
+where
+    F: std::future::Future<Output = Option<TransformStatus>>,
+{
+    wait_for(what, WAIT, || async {
+        let status = get().await?;
+        pred(&status).then_some(status)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn ready_condition(status: &TransformStatus) -> Option<(&str, &str, &str)> {
+    status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Ready")
+        .map(|c| (c.status.as_str(), c.reason.as_str(), c.message.as_str()))
+}
+
+fn sha256(bytes: &[u8]) -> String {
+    format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
+}
+
+fn project(bytes: &[u8]) -> Value {
+    let mut archive = tar::Archive::new(flate2::read::GzDecoder::new(bytes));
+    let mut entries = archive.entries().expect("tar");
+    let mut entry = entries.next().expect("one entry").expect("entry");
+    let mut text = String::new();
+    entry.read_to_string(&mut text).expect("utf8");
+    yaml_serde::from_str(&text).expect("yaml")
+}
+
+/// GETs the artifact of `ns/name` at `generation` from `op` until its digest is `digest`.
+async fn served(op: &Operator, ns: &str, name: &str, generation: i64, digest: &str) -> Vec<u8> {
+    let url = op.fs_url(&format!("/programs/{ns}/{name}/{generation}"));
+    wait_for(&format!("{url} serves {digest}"), WAIT, || async {
+        let resp = reqwest::get(&url).await.ok()?;
+        if resp.status() != 200 {
+            return None;
+        }
+        let body = resp.bytes().await.ok()?.to_vec();
+        (sha256(&body) == digest).then_some(body)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}\nlog:\n{}", op.log_text()))
+}
+
+async fn events_about(plane: &ControlPlane, ns: &str, name: &str) -> Vec<(String, String, String)> {
+    let api: Api<Event> = Api::namespaced(plane.client(), ns);
+    api.list(&ListParams::default())
+        .await
+        .map(|list| {
+            list.items
+                .into_iter()
+                .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
+                .map(|e| {
+                    (
+                        e.type_.unwrap_or_default(),
+                        e.reason.unwrap_or_default(),
+                        e.note.unwrap_or_default(),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+async fn wait_event(
+    plane: &ControlPlane,
+    ns: &str,
+    name: &str,
+    reason: &str,
+    needle: &str,
+) -> String {
+    let found = wait_for(
+        &format!("{name}: {reason} event naming {needle:?}"),
+        WAIT,
+        || async {
+            events_about(plane, ns, name)
+                .await
+                .into_iter()
+                .find(|(type_, r, note)| type_ == "Warning" && r == reason && note.contains(needle))
+                .map(|(_, _, note)| note)
+        },
+    )
+    .await;
+    match found {
+        Ok(note) => note,
+        Err(e) => panic!("{e}; events: {:?}", events_about(plane, ns, name).await),
+    }
+}
+
+fn applied_ids(artifact: &Value) -> Vec<String> {
+    artifact["metadata"][METADATA_APPLIED]
+        .as_str()
+        .and_then(|text| serde_json::from_str::<Vec<Value>>(text).ok())
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|a| a["transform"].as_str().map(str::to_owned))
+        .collect()
+}
+
+#[tokio::test]
+async fn a_transform_changes_the_artifact_every_replica_serves_until_it_is_deleted() {
+    let plane = ControlPlane::shared().await;
+    let ns = plane.namespace("tf-basic").await.expect("namespace");
+    let first = operator(plane, &ns).await;
+    let second = operator(plane, &ns).await;
+    let programs: Api<Program> = Api::namespaced(plane.client(), &ns);
+    let transforms: Api<ProgramTransform> = Api::namespaced(plane.client(), &ns);
+    programs
+        .create(
+            &PostParams::default(),
+            &program("web", &[("team", "blue")], bucket_spec()),
+        )
+        .await
+        .expect("create program");
+    let plain = artifact_where(&programs, "web", "plain artifact", |a| a["revision"] == "1").await;
+    let plain_digest = plain["digest"].as_str().expect("digest").to_owned();
+    assert!(plain.get("metadata").is_none(), "{plain}");
+
+    let tags = module("default_tags").expect("module");
+    config_map(plane, &ns, "plugins", &[("default-tags.wasm", &tags)]).await;
+    let config = json!({"tags": {"managed-by": "pko-rs"}, "fromLabels": {"team": "team"}, "targets": [{"typePrefix": "aws:"}]});
+    transforms
+        .create(
+            &PostParams::default(),
+            &transform(
+                "tags",
+                from_config_map(
+                    "plugins",
+                    "default-tags.wasm",
+                    &tags,
+                    json!({"config": config}),
+                ),
+            ),
+        )
+        .await
+        .expect("create transform");
+
+    // Same generation, new bytes: the digest in status follows the chain.
+    let artifact = artifact_where(&programs, "web", "transformed artifact", |a| {
+        a["metadata"].get(METADATA_CHAIN).is_some()
+    })
+    .await;
+    let digest = artifact["digest"].as_str().expect("digest").to_owned();
+    assert_ne!(digest, plain_digest);
+    assert_eq!(artifact["revision"], "1");
+    let applied: Vec<Value> = serde_json::from_str(
+        artifact["metadata"][METADATA_APPLIED]
+            .as_str()
+            .expect("applied"),
+    )
+    .expect("applied json");
+    let config_digest = sha256(
+        serde_json::to_string(&json!({"fromLabels": {"team": "team"}, "tags": {"managed-by": "pko-rs"}, "targets": [{"typePrefix": "aws:"}]}))
+            .expect("json")
+            .as_bytes(),
+    );
+    assert_eq!(
+        applied,
+        vec![json!({
+            "transform": format!("ProgramTransform/{ns}/tags"),
+            "plugin": "default-tags",
+            "module": format!("sha256:{}", tags.sha256),
+            "config": config_digest,
+        })]
+    );
+    let p = programs.get("web").await.expect("get");
+    let (status, reason, message) = ready_of(&p).expect("ready");
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("True", "ArtifactReady")
+    );
+    assert!(
+        message.contains(&format!("transformed by ProgramTransform/{ns}/tags")),
+        "{message}"
+    );
+
+    // Both replicas serve the bytes whose digest is in status.
+    let a = served(&first, &ns, "web", 1, &digest).await;
+    let b = served(&second, &ns, "web", 1, &digest).await;
+    assert_eq!(a, b);
+    let yaml = project(&a);
+    assert_eq!(
+        yaml["resources"]["bucket"]["properties"]["tags"],
+        json!({"managed-by": "pko-rs", "team": "blue"})
+    );
+    assert_eq!(yaml["resources"]["bucket"]["properties"]["name"], "logs");
+
+    let status = transform_status(
+        || async { transforms.get("tags").await.ok()?.status },
+        "transform tags ready",
+        |s| ready_condition(s).is_some_and(|(st, _, _)| st == "True"),
+    )
+    .await;
+    assert_eq!(status.observed_generation, Some(1));
+    assert_eq!(status.digest, Some(format!("sha256:{}", tags.sha256)));
+    let plugin = status.plugin.clone().expect("plugin");
+    assert_eq!(
+        (plugin.name.as_str(), plugin.version.as_str()),
+        ("default-tags", "0.1.0")
+    );
+    assert_eq!(ready_condition(&status).map(|c| c.1), Some("Loaded"));
+
+    let metrics = reqwest::get(first.probe_url("/metrics"))
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    let series = format!(
+        "pko_plugin_calls_total{{transform=\"ProgramTransform/{ns}/tags\",plugin=\"default-tags\",function=\"transform\",outcome=\"ok\"}}"
+    );
+    assert!(metrics.contains(&series), "{series} missing:\n{metrics}");
+    assert!(
+        metrics.contains("pko_plugin_fuel_consumed_bucket"),
+        "{metrics}"
+    );
+
+    // Deleting the transform restores the original artifact, everywhere.
+    transforms
+        .delete("tags", &DeleteParams::default())
+        .await
+        .expect("delete transform");
+    let restored = artifact_where(&programs, "web", "original artifact back", |a| {
+        a["digest"] == plain_digest.as_str()
+    })
+    .await;
+    assert!(restored.get("metadata").is_none(), "{restored}");
+    let a = served(&first, &ns, "web", 1, &plain_digest).await;
+    let b = served(&second, &ns, "web", 1, &plain_digest).await;
+    assert_eq!(a, b);
+    assert!(
+        project(&a)["resources"]["bucket"]["properties"]
+            .get("tags")
+            .is_none()
+    );
+}
+
+#[tokio::test]
+async fn transforms_run_in_priority_order_and_only_selected_programs_change() {
+    let plane = ControlPlane::shared().await;
+    let ns = plane.namespace("tf-order").await.expect("namespace");
+    let op = operator(plane, &ns).await;
+    let programs: Api<Program> = Api::namespaced(plane.client(), &ns);
+    let transforms: Api<ProgramTransform> = Api::namespaced(plane.client(), &ns);
+    let tags = module("default_tags").expect("module");
+    config_map(plane, &ns, "plugins", &[("tags", &tags)]).await;
+
+    programs
+        .create(
+            &PostParams::default(),
+            &program("web", &[("app", "web")], bucket_spec()),
+        )
+        .await
+        .expect("web");
+    programs
+        .create(
+            &PostParams::default(),
+            &program("other", &[], bucket_spec()),
+        )
+        .await
+        .expect("other");
+    artifact_where(&programs, "other", "plain artifact", |a| {
+        a["revision"] == "1"
+    })
+    .await;
+    let other_version = programs
+        .get("other")
+        .await
+        .expect("get")
+        .metadata
+        .resource_version;
+
+    let tagging = |value: &str, priority: i32| {
+        json!({
+            "priority": priority,
+            "programSelector": {"matchLabels": {"app": "web"}},
+            "config": {"tags": {"order": value}, "overwrite": true, "targets": [{"typePrefix": "aws:"}]},
+        })
+    };
+    transforms
+        .create(
+            &PostParams::default(),
+            &transform(
+                "first",
+                from_config_map("plugins", "tags", &tags, tagging("first", 10)),
+            ),
+        )
+        .await
+        .expect("first");
+    // The same module from a file:// URL under --plugin-file-root.
+    let mut second = json!({
+        "source": {"url": format!("file://{}", tags.path.display())},
+        "sha256": tags.sha256,
+    });
+    merge(&mut second, tagging("second", 20));
+    transforms
+        .create(&PostParams::default(), &transform("second", second))
+        .await
+        .expect("second");
+
+    let expected = vec![
+        format!("ProgramTransform/{ns}/first"),
+        format!("ProgramTransform/{ns}/second"),
+    ];
+    let artifact = artifact_where(&programs, "web", "first then second", |a| {
+        applied_ids(a) == expected
+    })
+    .await;
+    let body = served(
+        &op,
+        &ns,
+        "web",
+        1,
+        artifact["digest"].as_str().expect("digest"),
+    )
+    .await;
+    assert_eq!(
+        project(&body)["resources"]["bucket"]["properties"]["tags"]["order"],
+        "second"
+    );
+
+    // Raising first's priority number moves it last: the order, and the result, flip.
+    transforms
+        .patch(
+            "first",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"priority": 30}})),
+        )
+        .await
+        .expect("patch priority");
+    let flipped = vec![expected[1].clone(), expected[0].clone()];
+    let artifact = artifact_where(&programs, "web", "second then first", |a| {
+        applied_ids(a) == flipped
+    })
+    .await;
+    let body = served(
+        &op,
+        &ns,
+        "web",
+        1,
+        artifact["digest"].as_str().expect("digest"),
+    )
+    .await;
+    assert_eq!(
+        project(&body)["resources"]["bucket"]["properties"]["tags"]["order"],
+        "first"
+    );
+
+    // The unselected Program was never rewritten.
+    let other = programs.get("other").await.expect("get");
+    assert_eq!(other.metadata.resource_version, other_version);
+    assert!(status_of(&other)["artifact"].get("metadata").is_none());
+}
+
+#[tokio::test]
+async fn a_cluster_transform_applies_only_to_selected_namespaces() {
+    let plane = ControlPlane::shared().await;
+    let gold = plane.namespace("tf-gold").await.expect("namespace");
+    let free = plane.namespace("tf-free").await.expect("namespace");
+    let tier = format!("gold-{gold}");
+    let namespaces: Api<Namespace> = Api::all(plane.client());
+    let label = |value: Option<&str>| {
+        Patch::Merge(json!({"metadata": {"labels": {"pko-rs.test/tier": value}}}))
+    };
+    namespaces
+        .patch(&gold, &PatchParams::default(), &label(Some(&tier)))
+        .await
+        .expect("label gold");
+    let gold_op = operator(plane, &gold).await;
+    let free_op = operator(plane, &free).await;
+    let naming = module("naming_policy").expect("module");
+    config_map(plane, &gold, "plugins", &[("naming", &naming)]).await;
+
+    let gold_programs: Api<Program> = Api::namespaced(plane.client(), &gold);
+    let free_programs: Api<Program> = Api::namespaced(plane.client(), &free);
+    for api in [&gold_programs, &free_programs] {
+        api.create(&PostParams::default(), &program("web", &[], bucket_spec()))
+            .await
+            .expect("program");
+    }
+    let name = format!("prefix-{gold}");
+    let clusters: Api<ClusterProgramTransform> = Api::all(plane.client());
+    let cpt: ClusterProgramTransform = serde_json::from_value(json!({
+        "apiVersion": "pko-rs.dev/v1alpha1",
+        "kind": "ClusterProgramTransform",
+        "metadata": {"name": name},
+        "spec": {
+            "source": {"configMap": {"namespace": gold, "name": "plugins", "key": "naming"}},
+            "sha256": naming.sha256,
+            "namespaceSelector": {"matchLabels": {"pko-rs.test/tier": tier}},
+            "config": {"mode": "prefix"},
+        },
+    }))
+    .expect("cpt");
+    clusters
+        .create(&PostParams::default(), &cpt)
+        .await
+        .expect("create cluster transform");
+
+    let artifact = artifact_where(&gold_programs, "web", "prefixed", |a| {
+        a["metadata"].get(METADATA_CHAIN).is_some()
+    })
+    .await;
+    assert_eq!(
+        applied_ids(&artifact),
+        [format!("ClusterProgramTransform/{name}")]
+    );
+    let body = served(
+        &gold_op,
+        &gold,
+        "web",
+        1,
+        artifact["digest"].as_str().expect("digest"),
+    )
+    .await;
+    assert_eq!(
+        project(&body)["resources"]["bucket"]["properties"]["name"],
+        format!("{gold}-logs")
+    );
+    transform_status(
+        || async { clusters.get(&name).await.ok()?.status },
+        "cluster transform ready",
+        |s| ready_condition(s).is_some_and(|(st, _, _)| st == "True"),
+    )
+    .await;
+
+    // The other operator has loaded the transform too (it validated the config) and still
+    // leaves its namespace alone.
+    let series = format!(
+        "pko_plugin_calls_total{{transform=\"ClusterProgramTransform/{name}\",plugin=\"naming-policy\",function=\"validate-config\",outcome=\"ok\"}}"
+    );
+    let metrics_url = free_op.probe_url("/metrics");
+    wait_for(
+        "the free namespace's operator loaded the transform",
+        WAIT,
+        || async {
+            let text = reqwest::get(&metrics_url).await.ok()?.text().await.ok()?;
+            text.contains(&series).then_some(())
+        },
+    )
+    .await
+    .expect("loaded");
+    let free_plain = artifact_where(&free_programs, "web", "plain", |a| a["revision"] == "1").await;
+    assert!(free_plain.get("metadata").is_none(), "{free_plain}");
+    let body = served(
+        &free_op,
+        &free,
+        "web",
+        1,
+        free_plain["digest"].as_str().expect("digest"),
+    )
+    .await;
+    assert_eq!(
+        project(&body)["resources"]["bucket"]["properties"]["name"],
+        "logs"
+    );
+
+    // Labelling the namespace brings it into the selection; unlabelling takes it out again.
+    namespaces
+        .patch(&free, &PatchParams::default(), &label(Some(&tier)))
+        .await
+        .expect("label free");
+    let artifact = artifact_where(&free_programs, "web", "prefixed after labelling", |a| {
+        a["metadata"].get(METADATA_CHAIN).is_some()
+    })
+    .await;
+    let body = served(
+        &free_op,
+        &free,
+        "web",
+        1,
+        artifact["digest"].as_str().expect("digest"),
+    )
+    .await;
+    assert_eq!(
+        project(&body)["resources"]["bucket"]["properties"]["name"],
+        format!("{free}-logs")
+    );
+    namespaces
+        .patch(&free, &PatchParams::default(), &label(None))
+        .await
+        .expect("unlabel free");
+    artifact_where(&free_programs, "web", "plain after unlabelling", |a| {
+        a["digest"] == free_plain["digest"]
+    })
+    .await;
+
+    clusters
+        .delete(&name, &DeleteParams::default())
+        .await
+        .expect("delete cluster transform");
+}
+
+#[tokio::test]
+async fn hostile_guests_fail_only_their_own_program() {
+    let plane = ControlPlane::shared().await;
+    let ns = plane.namespace("tf-hostile").await.expect("namespace");
+    let op = operator(plane, &ns).await;
+    let programs: Api<Program> = Api::namespaced(plane.client(), &ns);
+    let transforms: Api<ProgramTransform> = Api::namespaced(plane.client(), &ns);
+    let guests = [
+        ("loop", module("hostile_infinite_loop").expect("module")),
+        ("bomb", module("hostile_memory_bomb").expect("module")),
+        ("trap", module("hostile_trap").expect("module")),
+        ("json", module("hostile_invalid_json").expect("module")),
+        ("big", module("hostile_oversized_output").expect("module")),
+        (
+            "forbidden",
+            module("hostile_forbidden_import").expect("module"),
+        ),
+    ];
+    let entries: Vec<(&str, &PluginModule)> = guests.iter().map(|(k, m)| (*k, m)).collect();
+    config_map(plane, &ns, "hostile", &entries).await;
+    let guest = |key: &str| &guests.iter().find(|(k, _)| *k == key).expect("guest").1;
+
+    // (case, guest, extra spec, expected Program reason, words naming the cause)
+    let cases: Vec<(&str, &str, Value, &str, &str)> = vec![
+        (
+            "fuel",
+            "loop",
+            json!({"limits": {"fuel": 50_000_000}}),
+            "TransformFuelExhausted",
+            "fuel exhausted",
+        ),
+        (
+            "timeout",
+            "loop",
+            json!({"limits": {"fuel": 50_000_000_000_i64, "timeoutMillis": 300}}),
+            "TransformTimeout",
+            "timed out after 300ms",
+        ),
+        (
+            "memory",
+            "bomb",
+            json!({"limits": {"memoryMiB": 32}}),
+            "TransformMemoryLimit",
+            "memory limit of 33554432 bytes",
+        ),
+        (
+            "trap",
+            "trap",
+            json!({}),
+            "TransformTrap",
+            "deliberate panic",
+        ),
+        (
+            "json",
+            "json",
+            json!({}),
+            "TransformInvalidOutput",
+            "not JSON",
+        ),
+        (
+            "big",
+            "big",
+            json!({"limits": {"outputKiB": 1024, "memoryMiB": 128}}),
+            "TransformOutputTooLarge",
+            "exceeds the limit of 1048576 bytes",
+        ),
+        (
+            "forbidden",
+            "forbidden",
+            json!({}),
+            "TransformForbiddenImport",
+            "wasi:filesystem/",
+        ),
+    ];
+    for (case, key, extra, _, _) in &cases {
+        let mut rest = json!({"programSelector": {"matchLabels": {"hostile": case}}});
+        merge(&mut rest, extra.clone());
+        transforms
+            .create(
+                &PostParams::default(),
+                &transform(case, from_config_map("hostile", key, guest(key), rest)),
+            )
+            .await
+            .expect("hostile transform");
+        programs
+            .create(
+                &PostParams::default(),
+                &program(case, &[("hostile", case)], bucket_spec()),
+            )
+            .await
+            .expect("hostile program");
+    }
+    // The same trapping guest under failurePolicy Ignore.
+    transforms
+        .create(
+            &PostParams::default(),
+            &transform(
+                "trap-ignored",
+                from_config_map(
+                    "hostile",
+                    "trap",
+                    guest("trap"),
+                    json!({"failurePolicy": "Ignore", "programSelector": {"matchLabels": {"hostile": "ignored"}}}),
+                ),
+            ),
+        )
+        .await
+        .expect("ignored transform");
+    programs
+        .create(
+            &PostParams::default(),
+            &program("ignored", &[("hostile", "ignored")], bucket_spec()),
+        )
+        .await
+        .expect("ignored program");
+    programs
+        .create(
+            &PostParams::default(),
+            &program("healthy", &[], bucket_spec()),
+        )
+        .await
+        .expect("healthy program");
+
+    for (case, _, _, reason, cause) in &cases {
+        let (status, message) = ready_reason(&op, &programs, case, reason).await;
+        assert_eq!(status, "False", "{case}");
+        assert!(message.contains(cause), "{case}: {message}");
+        assert!(
+            message.contains(&format!("ProgramTransform/{ns}/{case}")),
+            "{case}: {message}"
+        );
+        let note = wait_event(plane, &ns, case, "TransformFailed", cause).await;
+        assert!(
+            note.contains(&format!("ProgramTransform/{ns}/{case}")),
+            "{note}"
+        );
+        // Not served: the file server names the cause too.
+        let resp = reqwest::get(op.fs_url(&format!("/programs/{ns}/{case}/1")))
+            .await
+            .expect("GET");
+        let code = resp.status().as_u16();
+        let body = resp.text().await.expect("body");
+        assert!(matches!(code, 500 | 503), "{case}: {code} {body}");
+        assert!(body.contains(cause), "{case}: {body}");
+    }
+    // The forbidden import is refused when the module loads: the transform says so.
+    let status = transform_status(
+        || async { transforms.get("forbidden").await.ok()?.status },
+        "forbidden transform not ready",
+        |s| ready_condition(s).is_some_and(|(st, _, _)| st == "False"),
+    )
+    .await;
+    let (_, reason, message) = ready_condition(&status).expect("ready");
+    assert_eq!(reason, "ForbiddenImport");
+    assert!(message.contains("wasi:filesystem/"), "{message}");
+    assert!(status.digest.is_none());
+    wait_event(
+        plane,
+        &ns,
+        "forbidden",
+        "TransformForbiddenImport",
+        "wasi:filesystem/",
+    )
+    .await;
+
+    // Ignore: served without the plugin, with a Warning event and the skip recorded.
+    let expected = pko_operator::artifact::build_typed("ignored", &bucket_spec()).expect("plain");
+    let artifact = artifact_where(&programs, "ignored", "served untransformed", |a| {
+        a["metadata"].get(METADATA_SKIPPED).is_some()
+    })
+    .await;
+    assert_eq!(artifact["digest"], expected.digest.as_str());
+    assert!(applied_ids(&artifact).is_empty());
+    let skipped = artifact["metadata"][METADATA_SKIPPED]
+        .as_str()
+        .expect("skipped");
+    assert!(skipped.contains("\"reason\":\"Trap\""), "{skipped}");
+    let body = served(&op, &ns, "ignored", 1, &expected.digest).await;
+    assert_eq!(body, expected.bytes.to_vec());
+    wait_event(
+        plane,
+        &ns,
+        "ignored",
+        "TransformSkipped",
+        "deliberate panic",
+    )
+    .await;
+    let p = programs.get("ignored").await.expect("get");
+    assert_eq!(ready_of(&p).map(|r| r.0), Some("True".to_owned()));
+
+    // The operator is unharmed and keeps serving everything else.
+    let healthy = artifact_where(&programs, "healthy", "healthy artifact", |a| {
+        a["revision"] == "1"
+    })
+    .await;
+    served(
+        &op,
+        &ns,
+        "healthy",
+        1,
+        healthy["digest"].as_str().expect("digest"),
+    )
+    .await;
+    let ready = reqwest::get(op.probe_url("/readyz")).await.expect("readyz");
+    assert_eq!(ready.status(), 200);
+    let metrics = reqwest::get(op.probe_url("/metrics"))
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    for kind in [
+        "fuel-exhausted",
+        "timeout",
+        "memory-limit",
+        "trap",
+        "invalid-output",
+        "output-too-large",
+    ] {
+        assert!(
+            metrics.contains(&format!("kind=\"{kind}\"")),
+            "no pko_plugin_errors_total with kind {kind}:\n{metrics}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn transform_status_explains_a_wrong_digest_an_invalid_config_and_a_missing_source() {
+    let plane = ControlPlane::shared().await;
+    let ns = plane.namespace("tf-status").await.expect("namespace");
+    let op = operator(plane, &ns).await;
+    let programs: Api<Program> = Api::namespaced(plane.client(), &ns);
+    let transforms: Api<ProgramTransform> = Api::namespaced(plane.client(), &ns);
+    let allow = module("resource_allowlist").expect("module");
+    config_map(plane, &ns, "plugins", &[("allow", &allow)]).await;
+    let not_ready = |name: &'static str| {
+        let transforms = transforms.clone();
+        async move {
+            let status = transform_status(
+                || async { transforms.get(name).await.ok()?.status },
+                &format!("{name} not ready"),
+                |s| ready_condition(s).is_some_and(|(st, _, _)| st == "False"),
+            )
+            .await;
+            let (_, reason, message) = ready_condition(&status).expect("ready");
+            (status.clone(), reason.to_owned(), message.to_owned())
+        }
+    };
+
+    // A wrong sha256: not loaded, and the status names both digests.
+    let mut wrong = from_config_map(
+        "plugins",
+        "allow",
+        &allow,
+        json!({"config": {"allow": ["aws:*"]}, "programSelector": {"matchLabels": {"app": "wrong"}}}),
+    );
+    wrong["sha256"] = json!("0".repeat(64));
+    transforms
+        .create(&PostParams::default(), &transform("wrong-sha", wrong))
+        .await
+        .expect("wrong sha");
+    let (status, reason, message) = not_ready("wrong-sha").await;
+    assert_eq!(reason, "DigestMismatch");
+    assert!(message.contains(&"0".repeat(64)), "{message}");
+    assert!(message.contains(&allow.sha256), "{message}");
+    assert_eq!(status.observed_generation, Some(1));
+
+    // An invalid configuration, refused by the plugin's validate-config; a Program it selects
+    // is not served and says why.
+    transforms
+        .create(
+            &PostParams::default(),
+            &transform(
+                "allow",
+                from_config_map(
+                    "plugins",
+                    "allow",
+                    &allow,
+                    json!({"config": {"allow": []}, "programSelector": {"matchLabels": {"app": "checked"}}}),
+                ),
+            ),
+        )
+        .await
+        .expect("bad config");
+    let (_, reason, message) = not_ready("allow").await;
+    assert_eq!(reason, "InvalidConfig");
+    assert!(message.contains("allow is empty"), "{message}");
+    programs
+        .create(
+            &PostParams::default(),
+            &program("checked", &[("app", "checked")], bucket_spec()),
+        )
+        .await
+        .expect("program");
+    let (_, message) = ready_reason(&op, &programs, "checked", "TransformInvalidConfig").await;
+    assert!(message.contains("allow is empty"), "{message}");
+
+    // Fixing the configuration makes the transform ready and the Program served.
+    transforms
+        .patch(
+            "allow",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"config": {"allow": ["aws:s3*"]}}})),
+        )
+        .await
+        .expect("fix config");
+    let status = transform_status(
+        || async { transforms.get("allow").await.ok()?.status },
+        "allow ready at generation 2",
+        |s| {
+            s.observed_generation == Some(2)
+                && ready_condition(s).is_some_and(|(st, _, _)| st == "True")
+        },
+    )
+    .await;
+    assert_eq!(
+        status.plugin.map(|p| p.name),
+        Some("resource-allowlist".to_owned())
+    );
+    ready_reason(&op, &programs, "checked", "ArtifactReady").await;
+
+    // A configuration the Program breaks: rejected, naming the offender.
+    transforms
+        .patch(
+            "allow",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"config": {"allow": ["gcp:*"]}}})),
+        )
+        .await
+        .expect("narrow config");
+    let (_, message) = ready_reason(&op, &programs, "checked", "TransformRejected").await;
+    assert!(
+        message.contains("\"bucket\" (aws:s3/bucket:Bucket)"),
+        "{message}"
+    );
+
+    // A ConfigMap that does not exist yet: not ready; loaded once it appears.
+    transforms
+        .create(
+            &PostParams::default(),
+            &transform(
+                "later",
+                from_config_map(
+                    "late-plugins",
+                    "allow",
+                    &allow,
+                    json!({"config": {"allow": ["aws:*"]}, "programSelector": {"matchLabels": {"app": "later"}}}),
+                ),
+            ),
+        )
+        .await
+        .expect("later");
+    let (_, reason, message) = not_ready("later").await;
+    assert_eq!(reason, "Source");
+    assert!(message.contains("late-plugins not found"), "{message}");
+    config_map(plane, &ns, "late-plugins", &[("allow", &allow)]).await;
+    transform_status(
+        || async { transforms.get("later").await.ok()?.status },
+        "later ready once its ConfigMap exists",
+        |s| ready_condition(s).is_some_and(|(st, _, _)| st == "True"),
+    )
+    .await;
+}
+
+/// A one-file HTTPS server on loopback, with its own CA: every path but `/missing` answers
+/// `body`. Returns the port and the CA certificate (PEM).
+fn https_server(body: Vec<u8>) -> (u16, String) {
+    use std::io::Write;
+    use std::sync::Arc;
+
+    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let mut ca_params = CertificateParams::default();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca =
+        CertifiedIssuer::self_signed(ca_params, KeyPair::generate().expect("ca key")).expect("ca");
+    let key = KeyPair::generate().expect("key");
+    let cert = CertificateParams::new(vec!["127.0.0.1".to_owned()])
+        .expect("params")
+        .signed_by(&key, &*ca)
+        .expect("cert");
+    let config = rustls::ServerConfig::builder()
+        .with_no_client_auth()
+        .with_single_cert(
+            vec![cert.der().clone()],
+            rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
+        )
+        .expect("tls config");
+    let config = Arc::new(config);
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    std::thread::spawn(move || {
+        for tcp in listener.incoming().flatten() {
+            let Ok(conn) = rustls::ServerConnection::new(config.clone()) else {
+                continue;
+            };
+            let mut tls = rustls::StreamOwned::new(conn, tcp);
+            let mut request = Vec::new();
+            let mut byte = [0u8; 1];
+            while !request.ends_with(b"\r\n\r\n") {
+                match std::io::Read::read(&mut tls, &mut byte) {
+                    Ok(1) => request.push(byte[0]),
+                    _ => break,
+                }
+            }
+            let head = String::from_utf8_lossy(&request);
+            let response = if head.starts_with("GET /missing ") {
+                b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".to_vec()
+            } else {
+                let mut r = format!(
+                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                    body.len()
+                )
+                .into_bytes();
+                r.extend_from_slice(&body);
+                r
+            };
+            let _ = tls.write_all(&response);
+            let _ = tls.flush();
+            tls.conn.send_close_notify();
+            let _ = tls.flush();
+        }
+    });
+    (port, ca.pem())
+}
+
+#[tokio::test]
+async fn a_module_is_fetched_from_an_https_url_trusting_the_configured_ca() {
+    let plane = ControlPlane::shared().await;
+    let ns = plane.namespace("tf-https").await.expect("namespace");
+    let tags = module("default_tags").expect("module");
+    let (port, ca) = https_server(tags.bytes.clone());
+    let ca_file = plane.dir().join(format!("plugin-ca-{ns}.pem"));
+    std::fs::write(&ca_file, ca).expect("write CA");
+    let op = Operator::start(
+        plane,
+        OperatorOptions {
+            advertised: Some(ADVERTISED.into()),
+            args: vec![
+                format!("--watch-namespace={ns}"),
+                format!("--plugin-cache-dir={}", shared_cache_dir().display()),
+                format!("--plugin-ca-file={}", ca_file.display()),
+            ],
+        },
+    )
+    .await
+    .expect("operator starts");
+    let programs: Api<Program> = Api::namespaced(plane.client(), &ns);
+    let transforms: Api<ProgramTransform> = Api::namespaced(plane.client(), &ns);
+    programs
+        .create(&PostParams::default(), &program("web", &[], bucket_spec()))
+        .await
+        .expect("program");
+    let https = |path: &str| {
+        json!({
+            "source": {"url": format!("https://127.0.0.1:{port}{path}")},
+            "sha256": tags.sha256,
+            "config": {"tags": {"fetched": "https"}, "targets": [{"typePrefix": "aws:"}]},
+        })
+    };
+    transforms
+        .create(
+            &PostParams::default(),
+            &transform("remote", https("/tags.wasm")),
+        )
+        .await
+        .expect("transform");
+    let artifact = artifact_where(&programs, "web", "transformed", |a| {
+        a["metadata"].get(METADATA_CHAIN).is_some()
+    })
+    .await;
+    let body = served(
+        &op,
+        &ns,
+        "web",
+        1,
+        artifact["digest"].as_str().expect("digest"),
+    )
+    .await;
+    assert_eq!(
+        project(&body)["resources"]["bucket"]["properties"]["tags"]["fetched"],
+        "https"
+    );
+
+    let mut missing = https("/missing");
+    missing["programSelector"] = json!({"matchLabels": {"app": "none"}});
+    transforms
+        .create(&PostParams::default(), &transform("missing", missing))
+        .await
+        .expect("transform");
+    let status = transform_status(
+        || async { transforms.get("missing").await.ok()?.status },
+        "missing module not ready",
+        |s| ready_condition(s).is_some_and(|(st, _, _)| st == "False"),
+    )
+    .await;
+    let (_, reason, message) = ready_condition(&status).expect("ready");
+    assert_eq!(reason, "Source");
+    assert!(message.contains("404"), "{message}");
+}

@@ -1,0 +1,336 @@
+//! Update controller on the real control plane, with the harness as kubelet and the real agent
+//! and pulumi CLI: outputs Secret and PKO's conditions, failures, a killed agent mid-update.
+
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Secret;
+use kube::Api;
+use kube::api::PostParams;
+use pko_api::program::Program;
+use pko_api::update::Update;
+use pko_api::workspace::Workspace;
+use pko_tests::kubelet::Kubelet;
+use pko_tests::operator::{Operator, OperatorOptions};
+use pko_tests::{ControlPlane, wait_for};
+use serde_json::{Value, json};
+
+const WAIT: Duration = Duration::from_secs(120);
+
+struct Env {
+    ns: String,
+    client: kube::Client,
+    _operator: Operator,
+    kubelet: Kubelet,
+    tmp: tempfile::TempDir,
+}
+
+async fn env(prefix: &str) -> Env {
+    let plane = ControlPlane::shared().await;
+    let ns = plane.namespace(prefix).await.expect("namespace");
+    let tmp = tempfile::tempdir().expect("tmp");
+    std::fs::create_dir_all(tmp.path().join("backend")).expect("backend");
+    let kubelet = Kubelet::start(plane.client(), &ns, &tmp.path().join("pods")).expect("kubelet");
+    let operator = Operator::start(
+        plane,
+        OperatorOptions {
+            advertised: None,
+            args: vec![
+                format!("--watch-namespace={ns}"),
+                "--workspace-localhost=127.0.0.1".into(),
+            ],
+        },
+    )
+    .await
+    .expect("operator");
+    Env {
+        ns,
+        client: plane.client(),
+        _operator: operator,
+        kubelet,
+        tmp,
+    }
+}
+
+/// Reads the file named by config `file` (a named pipe blocks the program until written to).
+const PROGRAM: &str = r#"{
+  "configuration": {"file": {"type": "String"}, "password": {"type": "String", "default": "pw"}},
+  "variables": {"content": {"fn::readFile": "${file}"}},
+  "outputs": {"content": "${content}", "with whitespace": {"fn::secret": "${password}"}, "count": 3}
+}"#;
+
+impl Env {
+    fn client(&self) -> kube::Client {
+        self.client.clone()
+    }
+
+    async fn program(&self) -> (String, String) {
+        let api: Api<Program> = Api::namespaced(self.client(), &self.ns);
+        let program: Program = serde_json::from_value(json!({
+            "apiVersion": "pulumi.com/v1", "kind": "Program",
+            "metadata": {"name": "reader"}, "program": serde_json::from_str::<Value>(PROGRAM).expect("json"),
+        }))
+        .expect("program");
+        api.create(&PostParams::default(), &program)
+            .await
+            .expect("create program");
+        wait_for("the program artifact", WAIT, || async {
+            let p = api.get("reader").await.ok()?;
+            let s = serde_json::to_value(p.status?).ok()?;
+            let a = s.get("artifact")?;
+            Some((
+                a["url"].as_str()?.to_owned(),
+                a["digest"].as_str()?.to_owned(),
+            ))
+        })
+        .await
+        .expect("artifact")
+    }
+
+    fn workspace_spec(&self, url: &str, digest: &str, file: &Path) -> Value {
+        json!({
+            "flux": {"url": url, "digest": digest},
+            "env": [
+                {"name": "PULUMI_BACKEND_URL", "value": format!("file://{}", self.tmp.path().join("backend").display())},
+                {"name": "PULUMI_CONFIG_PASSPHRASE", "value": "pko-tests"},
+            ],
+            "stacks": [{"name": "dev", "create": true, "config": [{"key": "file", "value": file.display().to_string()}]}],
+        })
+    }
+
+    async fn workspace(&self, url: &str, digest: &str, file: &Path) {
+        let api: Api<Workspace> = Api::namespaced(self.client(), &self.ns);
+        let ws: Workspace = serde_json::from_value(json!({
+            "apiVersion": "auto.pulumi.com/v1alpha1", "kind": "Workspace",
+            "metadata": {"name": "reader"}, "spec": self.workspace_spec(url, digest, file),
+        }))
+        .expect("workspace");
+        api.create(&PostParams::default(), &ws)
+            .await
+            .expect("create workspace");
+        self.wait_workspace(1).await;
+    }
+
+    async fn wait_workspace(&self, generation: i64) {
+        let api: Api<Workspace> = Api::namespaced(self.client(), &self.ns);
+        let result = wait_for("the workspace to be ready", WAIT, || async {
+            let ws = api.get("reader").await.ok()?;
+            let s = ws.status?;
+            (s.observed_generation == Some(generation)
+                && s.conditions
+                    .iter()
+                    .any(|c| c.type_ == "Ready" && c.status == "True"))
+            .then_some(())
+        })
+        .await;
+        if let Err(e) = result {
+            panic!(
+                "{e}: {:?}\n{}",
+                api.get("reader").await.ok().and_then(|w| w.status),
+                self.kubelet.logs("reader")
+            );
+        }
+    }
+
+    async fn update(&self, name: &str, type_: &str) -> Api<Update> {
+        let api: Api<Update> = Api::namespaced(self.client(), &self.ns);
+        let update: Update = serde_json::from_value(json!({
+            "apiVersion": "auto.pulumi.com/v1alpha1", "kind": "Update",
+            "metadata": {"name": name},
+            "spec": {"workspaceName": "reader", "stackName": "dev", "type": type_},
+        }))
+        .expect("update");
+        api.create(&PostParams::default(), &update)
+            .await
+            .expect("create update");
+        api
+    }
+
+    async fn completed(&self, api: &Api<Update>, name: &str) -> Update {
+        let result = wait_for(&format!("update {name} to complete"), WAIT, || async {
+            let u = api.get(name).await.ok()?;
+            u.status
+                .as_ref()?
+                .conditions
+                .iter()
+                .any(|c| c.type_ == "Complete" && c.status == "True")
+                .then_some(u)
+        })
+        .await;
+        match result {
+            Ok(u) => u,
+            Err(e) => panic!(
+                "{e}: {:?}\n{}",
+                api.get(name).await.ok().and_then(|u| u.status),
+                self.kubelet.logs("reader")
+            ),
+        }
+    }
+}
+
+fn condition(u: &Update, type_: &str) -> (String, String, String) {
+    let c = u
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.iter().find(|c| c.type_ == type_))
+        .unwrap_or_else(|| panic!("no {type_} condition: {:?}", u.status));
+    (c.status.clone(), c.reason.clone(), c.message.clone())
+}
+
+#[tokio::test]
+async fn up_preview_destroy_with_outputs_secret_and_pko_conditions() {
+    let env = env("upd-ok").await;
+    let (url, digest) = env.program().await;
+    let plain = env.tmp.path().join("plain.txt");
+    std::fs::write(&plain, "hi\n").expect("plain");
+    env.workspace(&url, &digest, &plain).await;
+
+    let api = env.update("up-1", "up").await;
+    let up = env.completed(&api, "up-1").await;
+    assert_eq!(condition(&up, "Failed").0, "False", "{:?}", up.status);
+    assert_eq!(condition(&up, "Failed").1, "UpdateSucceeded");
+    assert_eq!(condition(&up, "Complete").1, "Updated");
+    assert_eq!(condition(&up, "Progressing").0, "False");
+    let status = up.status.clone().expect("status");
+    assert_eq!(status.outputs.as_deref(), Some("up-1-stack-outputs"));
+    assert!(status.start_time.is_some() && status.end_time.is_some());
+    assert_eq!(
+        status.project_info.as_ref().map(|p| p.name.as_str()),
+        Some("reader")
+    );
+    assert!(
+        status
+            .message
+            .as_deref()
+            .is_some_and(|m| m.contains("create: 1")),
+        "{:?}",
+        status.message
+    );
+
+    let secrets: Api<Secret> = Api::namespaced(env.client(), &env.ns);
+    let secret = secrets
+        .get("up-1-stack-outputs")
+        .await
+        .expect("outputs secret");
+    assert_eq!(secret.immutable, Some(true));
+    let annotations = secret.metadata.annotations.clone().unwrap_or_default();
+    assert_eq!(
+        annotations.get("pulumi.com/secrets").map(String::as_str),
+        Some(r#"["with_whitespace"]"#)
+    );
+    let labels = secret.metadata.labels.clone().unwrap_or_default();
+    assert_eq!(
+        labels
+            .get("auto.pulumi.com/update-name")
+            .map(String::as_str),
+        Some("up-1")
+    );
+    let data = secret.data.unwrap_or_default();
+    let value = |k: &str| serde_json::from_slice::<Value>(&data[k].0).expect("json");
+    assert_eq!(value("content"), json!("hi\n"));
+    assert_eq!(value("with_whitespace"), json!("pw"));
+    assert_eq!(value("count"), json!(3));
+
+    let preview = env.update("preview-1", "preview").await;
+    let p = env.completed(&preview, "preview-1").await;
+    assert_eq!(condition(&p, "Failed").1, "UpdateSucceeded");
+    assert!(p.status.as_ref().and_then(|s| s.outputs.clone()).is_none());
+
+    let destroy = env.update("destroy-1", "destroy").await;
+    let d = env.completed(&destroy, "destroy-1").await;
+    assert_eq!(
+        condition(&d, "Failed").1,
+        "UpdateSucceeded",
+        "{:?}",
+        d.status
+    );
+    assert!(
+        d.status
+            .as_ref()
+            .and_then(|s| s.message.clone())
+            .is_some_and(|m| m.contains("delete: 1")),
+        "{:?}",
+        d.status
+    );
+}
+
+#[tokio::test]
+async fn a_failing_program_fails_the_update_with_the_cli_diagnosis() {
+    let env = env("upd-fail").await;
+    let (url, digest) = env.program().await;
+    env.workspace(&url, &digest, &env.tmp.path().join("does-not-exist.txt"))
+        .await;
+    let api = env.update("up-bad", "up").await;
+    let up = env.completed(&api, "up-bad").await;
+    let (failed, reason, message) = condition(&up, "Failed");
+    assert_eq!(
+        (failed.as_str(), reason.as_str()),
+        ("True", "Unknown"),
+        "{message}"
+    );
+    assert!(
+        message.contains("up failed") && message.contains("does-not-exist.txt"),
+        "{message}"
+    );
+    assert_eq!(condition(&up, "Complete").1, "Failed");
+}
+
+#[tokio::test]
+async fn a_killed_agent_fails_the_update_clearly_and_the_workspace_recovers() {
+    let env = env("upd-kill").await;
+    let (url, digest) = env.program().await;
+    let pipe = env.tmp.path().join("pipe");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&pipe)
+        .status()
+        .expect("mkfifo");
+    assert!(made.success());
+    env.workspace(&url, &digest, &pipe).await;
+
+    let api = env.update("up-blocked", "up").await;
+    wait_for("pulumi up to start", WAIT, || async {
+        env.kubelet
+            .logs("reader")
+            .contains("operation started")
+            .then_some(())
+    })
+    .await
+    .expect("operation started");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(env.kubelet.kill_agent("reader"));
+
+    let up = env.completed(&api, "up-blocked").await;
+    let (failed, reason, message) = condition(&up, "Failed");
+    assert_eq!(
+        (failed.as_str(), reason.as_str()),
+        ("True", "AgentUnavailable"),
+        "{message}"
+    );
+    assert!(
+        message.contains("connection to the workspace agent was lost"),
+        "{message}"
+    );
+
+    // The kubelet restarts the agent; the workspace becomes ready again with the new one.
+    let pid = env.kubelet.agent_pid("reader");
+    wait_for("a restarted agent", WAIT, || async {
+        env.kubelet.agent_pid("reader").filter(|p| Some(*p) != pid)
+    })
+    .await
+    .ok();
+    env.wait_workspace(1).await;
+    // Let the orphaned program end (best effort: it may already be gone).
+    let writer = tokio::task::spawn_blocking(move || {
+        let _ = std::fs::OpenOptions::new()
+            .write(true)
+            .custom_flags(libc_nonblock())
+            .open(&pipe);
+    });
+    let _ = tokio::time::timeout(Duration::from_secs(5), writer).await;
+}
+
+/// O_NONBLOCK: opening a pipe for writing fails at once instead of waiting for a reader.
+fn libc_nonblock() -> i32 {
+    0o4000
+}

@@ -1,0 +1,313 @@
+//! Workspace controller on the real control plane, with the harness as kubelet running the real
+//! agent and pulumi CLI: the agent comes up, stacks are configured over RPC (a config change does
+//! not restart the pod), a corrupted artifact and a root pod template are reported.
+
+use std::time::Duration;
+
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::core::v1::Service;
+use kube::Api;
+use kube::api::{Patch, PatchParams, PostParams};
+use pko_api::program::Program;
+use pko_api::workspace::Workspace;
+use pko_tests::kubelet::Kubelet;
+use pko_tests::operator::{Operator, OperatorOptions};
+use pko_tests::{ControlPlane, wait_for};
+use serde_json::{Value, json};
+
+const WAIT: Duration = Duration::from_secs(90);
+
+struct Env {
+    ns: String,
+    _operator: Operator,
+    kubelet: Kubelet,
+    tmp: tempfile::TempDir,
+}
+
+async fn env(prefix: &str) -> Env {
+    let plane = ControlPlane::shared().await;
+    let ns = plane.namespace(prefix).await.expect("namespace");
+    let tmp = tempfile::tempdir().expect("tmp");
+    let kubelet = Kubelet::start(plane.client(), &ns, &tmp.path().join("pods")).expect("kubelet");
+    let operator = Operator::start(
+        plane,
+        OperatorOptions {
+            advertised: None,
+            args: vec![
+                format!("--watch-namespace={ns}"),
+                "--workspace-localhost=127.0.0.1".into(),
+            ],
+        },
+    )
+    .await
+    .expect("operator");
+    std::fs::create_dir_all(tmp.path().join("backend")).expect("backend");
+    Env {
+        ns,
+        _operator: operator,
+        kubelet,
+        tmp,
+    }
+}
+
+/// A Program's artifact (url, digest) once the operator has built it.
+async fn program_artifact(ns: &str, name: &str, spec: Value) -> (String, String) {
+    let api: Api<Program> = Api::namespaced(ControlPlane::shared().await.client(), ns);
+    let program: Program = serde_json::from_value(json!({
+        "apiVersion": "pulumi.com/v1", "kind": "Program",
+        "metadata": {"name": name}, "program": spec,
+    }))
+    .expect("program");
+    api.create(&PostParams::default(), &program)
+        .await
+        .expect("create program");
+    wait_for("the program artifact", WAIT, || async {
+        let p = api.get(name).await.ok()?;
+        let s = serde_json::to_value(p.status?).ok()?;
+        let a = s.get("artifact")?;
+        Some((
+            a["url"].as_str()?.to_owned(),
+            a["digest"].as_str()?.to_owned(),
+        ))
+    })
+    .await
+    .expect("artifact")
+}
+
+fn workspace(name: &str, backend: &str, url: &str, digest: &str, greeting: &str) -> Workspace {
+    serde_json::from_value(json!({
+        "apiVersion": "auto.pulumi.com/v1alpha1", "kind": "Workspace",
+        "metadata": {"name": name},
+        "spec": {
+            "flux": {"url": url, "digest": digest},
+            "env": [
+                {"name": "PULUMI_BACKEND_URL", "value": format!("file://{backend}")},
+                {"name": "PULUMI_CONFIG_PASSPHRASE", "value": "pko-tests"},
+            ],
+            "stacks": [{"name": "dev", "create": true, "config": [{"key": "greeting", "value": greeting}]}],
+        },
+    }))
+    .expect("workspace")
+}
+
+fn ready(ws: &Workspace) -> Option<(String, String, String)> {
+    let c = ws
+        .status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Ready")?;
+    Some((c.status.clone(), c.reason.clone(), c.message.clone()))
+}
+
+async fn wait_ready(
+    api: &Api<Workspace>,
+    name: &str,
+    generation: i64,
+    kubelet: &Kubelet,
+) -> Workspace {
+    let result = wait_for(
+        &format!("workspace {name} ready at generation {generation}"),
+        WAIT,
+        || async {
+            let ws = api.get(name).await.ok()?;
+            let (status, _, _) = ready(&ws)?;
+            (status == "True" && ws.status.as_ref()?.observed_generation == Some(generation))
+                .then_some(ws)
+        },
+    )
+    .await;
+    match result {
+        Ok(ws) => ws,
+        Err(e) => {
+            let ws = api.get(name).await.ok();
+            panic!(
+                "{e}; status: {:?}\n{}",
+                ws.and_then(|w| w.status),
+                kubelet.logs(name)
+            )
+        }
+    }
+}
+
+const PROGRAM: &str =
+    r#"{"configuration": {"greeting": {"type": "String"}}, "outputs": {"message": "${greeting}"}}"#;
+
+#[tokio::test]
+async fn workspace_runs_the_agent_and_pushes_config_without_restarting_it() {
+    let env = env("ws-ready").await;
+    let plane = ControlPlane::shared().await;
+    let (url, digest) = program_artifact(
+        &env.ns,
+        "hello",
+        serde_json::from_str(PROGRAM).expect("json"),
+    )
+    .await;
+    let backend = env.tmp.path().join("backend").display().to_string();
+    let api: Api<Workspace> = Api::namespaced(plane.client(), &env.ns);
+    api.create(
+        &PostParams::default(),
+        &workspace("hello", &backend, &url, &digest, "hi"),
+    )
+    .await
+    .expect("create workspace");
+    let ws = wait_ready(&api, "hello", 1, &env.kubelet).await;
+    let status = ws.status.expect("status");
+    assert_eq!(status.pulumi_version.as_deref(), Some("v3.274.1"));
+    assert!(
+        status
+            .address
+            .as_deref()
+            .is_some_and(|a| a.starts_with("127.0.0.1:")),
+        "{status:?}"
+    );
+    assert_eq!(
+        ready(&api.get("hello").await.expect("get"))
+            .expect("ready")
+            .1,
+        "Succeeded"
+    );
+
+    // PKO's objects: StatefulSet and headless Service `<ws>-workspace`, owned by the Workspace.
+    let sts: StatefulSet = Api::namespaced(plane.client(), &env.ns)
+        .get("hello-workspace")
+        .await
+        .expect("statefulset");
+    let owners = sts.metadata.owner_references.clone().unwrap_or_default();
+    assert_eq!(owners.len(), 1);
+    assert_eq!(
+        (owners[0].kind.as_str(), owners[0].controller),
+        ("Workspace", Some(true))
+    );
+    let pod = sts.spec.expect("spec").template.spec.expect("pod spec");
+    let inits: Vec<&str> = pod
+        .init_containers
+        .as_deref()
+        .unwrap_or_default()
+        .iter()
+        .map(|c| c.name.as_str())
+        .collect();
+    assert_eq!(inits, ["bootstrap", "fetch"]);
+    let pulumi = &pod.containers[0];
+    assert_eq!(
+        pulumi.image.as_deref(),
+        Some("pulumi/pulumi:latest-nonroot")
+    );
+    assert!(pulumi.readiness_probe.is_some());
+    assert_eq!(
+        pod.security_context
+            .as_ref()
+            .and_then(|s| s.run_as_non_root),
+        Some(true)
+    );
+    let svc: Service = Api::namespaced(plane.client(), &env.ns)
+        .get("hello-workspace")
+        .await
+        .expect("service");
+    assert_eq!(svc.spec.and_then(|s| s.cluster_ip).as_deref(), Some("None"));
+
+    let stack_config = env
+        .tmp
+        .path()
+        .join("pods/hello-workspace/volumes/share/workspace/Pulumi.dev.yaml");
+    let config = std::fs::read_to_string(&stack_config).expect("stack config written by the agent");
+    assert!(config.contains("hello:greeting: hi"), "{config}");
+
+    // A config change is pushed over RPC: same agent process, new config.
+    let pid = env.kubelet.agent_pid("hello").expect("agent runs");
+    api.patch(
+        "hello",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"spec": {"stacks": [{"name": "dev", "create": true, "config": [{"key": "greeting", "value": "bye"}]}]}})),
+    )
+    .await
+    .expect("patch");
+    wait_ready(&api, "hello", 2, &env.kubelet).await;
+    let config = std::fs::read_to_string(&stack_config).expect("stack config");
+    assert!(config.contains("hello:greeting: bye"), "{config}");
+    assert_eq!(
+        env.kubelet.agent_pid("hello"),
+        Some(pid),
+        "the pod was not restarted"
+    );
+
+    // A killed agent is restarted by the kubelet and initialized again.
+    assert!(env.kubelet.kill_agent("hello"));
+    wait_for("a new agent process", WAIT, || async {
+        env.kubelet.agent_pid("hello").filter(|p| *p != pid)
+    })
+    .await
+    .expect("restarted");
+    wait_ready(&api, "hello", 2, &env.kubelet).await;
+}
+
+#[tokio::test]
+async fn a_corrupted_artifact_fails_init_and_the_workspace_says_why() {
+    let env = env("ws-digest").await;
+    let plane = ControlPlane::shared().await;
+    let (url, _) = program_artifact(
+        &env.ns,
+        "hello",
+        serde_json::from_str(PROGRAM).expect("json"),
+    )
+    .await;
+    let wrong = format!("sha256:{}", "ab".repeat(32));
+    let backend = env.tmp.path().join("backend").display().to_string();
+    let api: Api<Workspace> = Api::namespaced(plane.client(), &env.ns);
+    api.create(
+        &PostParams::default(),
+        &workspace("bad", &backend, &url, &wrong, "hi"),
+    )
+    .await
+    .expect("create workspace");
+    let message = wait_for("the init failure in the Ready condition", WAIT, || async {
+        let ws = api.get("bad").await.ok()?;
+        let (status, _, message) = ready(&ws)?;
+        (status == "False" && message.contains("artifact digest mismatch")).then_some(message)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", env.kubelet.logs("bad")));
+    assert!(message.contains("init container fetch failed"), "{message}");
+    assert!(message.contains(&wrong), "{message}");
+}
+
+#[tokio::test]
+async fn a_root_pod_template_never_reaches_a_pod() {
+    let env = env("ws-root").await;
+    let plane = ControlPlane::shared().await;
+    let api: Api<Workspace> = Api::namespaced(plane.client(), &env.ns);
+    let mut ws = workspace(
+        "root",
+        "/nowhere",
+        "http://127.0.0.1:1/x",
+        &format!("sha256:{}", "0".repeat(64)),
+        "hi",
+    );
+    ws.spec.pod_template = Some(
+        serde_json::from_value(json!({"spec": {"securityContext": {"runAsUser": 0}, "containers": [{"name": "pulumi"}]}}))
+            .expect("template"),
+    );
+    api.create(&PostParams::default(), &ws)
+        .await
+        .expect("create");
+    let ws = wait_for("the Stalled condition", WAIT, || async {
+        let ws = api.get("root").await.ok()?;
+        let stalled = ws
+            .status
+            .as_ref()?
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Stalled")?
+            .clone();
+        (stalled.status == "True").then_some(stalled)
+    })
+    .await
+    .expect("stalled");
+    assert_eq!(ws.reason, "SpecInvalid");
+    assert!(ws.message.contains("runAsUser is 0"), "{}", ws.message);
+    let sts: Api<StatefulSet> = Api::namespaced(plane.client(), &env.ns);
+    assert!(
+        sts.get_opt("root-workspace").await.expect("get").is_none(),
+        "no pod template was written"
+    );
+}
