@@ -200,7 +200,13 @@ impl Agent {
             // Ends when the CLI stops writing events, or when the client is gone; dropping
             // events_rx then tells the CLI runner to interrupt pulumi.
             let forward = tokio::spawn(async move {
-                while let Some(event) = events_rx.recv().await {
+                loop {
+                    // A blocked program writes no events: notice the client leaving anyway.
+                    let event = tokio::select! {
+                        event = events_rx.recv() => event,
+                        () = forward_tx.closed() => break,
+                    };
+                    let Some(event) = event else { break };
                     let Value::Object(map) = event else { continue };
                     if forward_tx
                         .send(Ok(wrap_event(values::to_struct(&map))))

@@ -182,3 +182,167 @@ async fn program_to_stack_ready_with_outputs_then_edit_then_destroy_on_delete() 
         d.status
     );
 }
+
+#[tokio::test]
+async fn invalid_sources_and_references_stall_with_a_clear_reason_and_reclaim_deletes_the_workspace()
+ {
+    let plane = ControlPlane::shared().await;
+    let ns = plane.namespace("stack-stall").await.expect("namespace");
+    let tmp = tempfile::tempdir().expect("tmp");
+    let backend = tmp.path().join("backend");
+    std::fs::create_dir_all(&backend).expect("backend");
+    let kubelet = Kubelet::start(plane.client(), &ns, &tmp.path().join("pods")).expect("kubelet");
+    let _operator = Operator::start(
+        plane,
+        OperatorOptions {
+            advertised: None,
+            args: vec![
+                format!("--watch-namespace={ns}"),
+                "--workspace-localhost=127.0.0.1".into(),
+            ],
+        },
+    )
+    .await
+    .expect("operator");
+    let programs: Api<Program> = Api::namespaced(plane.client(), &ns);
+    let p: Program = serde_json::from_value(json!({
+        "apiVersion": "pulumi.com/v1", "kind": "Program",
+        "metadata": {"name": "hello"}, "program": program("world"),
+    }))
+    .expect("program");
+    programs
+        .create(&PostParams::default(), &p)
+        .await
+        .expect("create program");
+    let stacks: Api<Stack> = Api::namespaced(plane.client(), &ns);
+    let make = |name: &str, extra: Value| -> Stack {
+        let mut spec = json!({
+            "stack": "dev",
+            "backend": format!("file://{}", backend.display()),
+            "envRefs": {"PULUMI_CONFIG_PASSPHRASE": {"type": "Literal", "literal": {"value": "pko-tests"}}},
+            "config": {"greeting": "hi"},
+        });
+        if let (Value::Object(base), Value::Object(more)) = (&mut spec, extra) {
+            base.extend(more);
+        }
+        serde_json::from_value(json!({
+            "apiVersion": "pulumi.com/v1", "kind": "Stack", "metadata": {"name": name}, "spec": spec,
+        }))
+        .expect("stack")
+    };
+    let cross_ns = make(
+        "cross-ns",
+        json!({
+            "programRef": {"name": "hello"},
+            "envRefs": {"TOKEN": {"type": "Secret", "secret": {"namespace": "kube-system", "name": "s", "key": "k"}}},
+        }),
+    );
+    let git = make(
+        "git",
+        json!({"projectRepo": "https://example.invalid/repo.git", "branch": "main"}),
+    );
+    let reclaim = make(
+        "reclaim",
+        json!({"programRef": {"name": "hello"}, "workspaceReclaimPolicy": "Delete"}),
+    );
+    let dependent = make(
+        "dependent",
+        json!({"stack": "dep", "programRef": {"name": "hello"}, "prerequisites": [{"name": "reclaim"}]}),
+    );
+    let orphan = make(
+        "orphan",
+        json!({"stack": "orphan", "programRef": {"name": "hello"}, "prerequisites": [{"name": "missing"}]}),
+    );
+    for s in [&cross_ns, &git, &reclaim, &dependent, &orphan] {
+        stacks
+            .create(&PostParams::default(), s)
+            .await
+            .expect("create stack");
+    }
+
+    let stalled = |name: &'static str| {
+        let stacks = stacks.clone();
+        async move {
+            wait_for(&format!("stack {name} to stall"), WAIT, || async {
+                let status = stacks.get(name).await.ok()?.status?;
+                status
+                    .conditions
+                    .iter()
+                    .find(|c| c.type_ == "Stalled" && c.status == "True")
+                    .map(|c| (c.reason.clone(), c.message.clone()))
+            })
+            .await
+            .expect("stalled")
+        }
+    };
+    let (reason, message) = stalled("cross-ns").await;
+    assert_eq!(reason, "SpecInvalid");
+    assert!(
+        message.contains("cross-namespace refs are not allowed"),
+        "{message}"
+    );
+    let (reason, message) = stalled("git").await;
+    assert_eq!(reason, "SpecInvalid");
+    assert!(message.contains("not supported"), "{message}");
+    let workspaces: Api<pko_api::workspace::Workspace> = Api::namespaced(plane.client(), &ns);
+    assert!(
+        workspaces.get_opt("cross-ns").await.expect("get").is_none(),
+        "a stalled stack makes no workspace, so the reference never reaches a pod"
+    );
+
+    // workspaceReclaimPolicy: Delete — the workspace goes once the stack is up to date.
+    let result = wait_for(
+        "stack reclaim to be Ready without its workspace",
+        WAIT,
+        || async {
+            let status = stacks.get("reclaim").await.ok()?.status?;
+            let ready = status
+                .conditions
+                .iter()
+                .any(|c| c.type_ == "Ready" && c.status == "True");
+            let gone = workspaces.get_opt("reclaim").await.ok()?.is_none();
+            (ready && gone && status.outputs.get("message") == Some(&json!("hi-world")))
+                .then_some(())
+        },
+    )
+    .await;
+    if let Err(e) = result {
+        panic!(
+            "{e}: {:?}\n{}",
+            stacks.get("reclaim").await.ok().and_then(|s| s.status),
+            kubelet.logs("reclaim")
+        );
+    }
+
+    // Prerequisites: a missing one holds the stack; a satisfied one lets it run.
+    let reason = wait_for(
+        "stack orphan to wait for its prerequisite",
+        WAIT,
+        || async {
+            let status = stacks.get("orphan").await.ok()?.status?;
+            status
+                .conditions
+                .iter()
+                .find(|c| c.type_ == "Reconciling" && c.status == "True")
+                .filter(|c| c.reason == "PrerequisiteNotSatisfied")
+                .map(|c| c.message.clone())
+        },
+    )
+    .await
+    .expect("prerequisite not satisfied");
+    assert!(reason.contains("missing"), "{reason}");
+    wait_for(
+        "stack dependent to be Ready after its prerequisite",
+        WAIT,
+        || async {
+            let status = stacks.get("dependent").await.ok()?.status?;
+            status
+                .conditions
+                .iter()
+                .any(|c| c.type_ == "Ready" && c.status == "True")
+                .then_some(())
+        },
+    )
+    .await
+    .expect("dependent ready");
+}

@@ -682,6 +682,7 @@ async fn hostile_guests_fail_only_their_own_program() {
             "forbidden",
             module("hostile_forbidden_import").expect("module"),
         ),
+        ("sleep", module("hostile_sleep").expect("module")),
     ];
     let entries: Vec<(&str, &PluginModule)> = guests.iter().map(|(k, m)| (*k, m)).collect();
     config_map(plane, &ns, "hostile", &entries).await;
@@ -757,6 +758,30 @@ async fn hostile_guests_fail_only_their_own_program() {
             .await
             .expect("hostile program");
     }
+    // A guest that sleeps an hour within a 500 ms budget: timers are already due, so it
+    // returns at once, and its warnings become Events.
+    transforms
+        .create(
+            &PostParams::default(),
+            &transform(
+                "sleep",
+                from_config_map(
+                    "hostile",
+                    "sleep",
+                    guest("sleep"),
+                    json!({"limits": {"timeoutMillis": 500}, "programSelector": {"matchLabels": {"hostile": "sleep"}}}),
+                ),
+            ),
+        )
+        .await
+        .expect("sleep transform");
+    programs
+        .create(
+            &PostParams::default(),
+            &program("sleeper", &[("hostile", "sleep")], bucket_spec()),
+        )
+        .await
+        .expect("sleeper program");
     // The same trapping guest under failurePolicy Ignore.
     transforms
         .create(
@@ -854,6 +879,23 @@ async fn hostile_guests_fail_only_their_own_program() {
     .await;
     let p = programs.get("ignored").await.expect("get");
     assert_eq!(ready_of(&p).map(|r| r.0), Some("True".to_owned()));
+
+    let (status, _) = ready_reason(&op, &programs, "sleeper", "ArtifactReady").await;
+    assert_eq!(status, "True");
+    let found = wait_for("sleeper: TransformWarning event", WAIT, || async {
+        events_about(plane, &ns, "sleeper")
+            .await
+            .into_iter()
+            .find(|(type_, reason, note)| {
+                type_ == "Warning" && reason == "TransformWarning" && note.contains("slept 0ns")
+            })
+    })
+    .await;
+    assert!(
+        found.is_ok(),
+        "{:?}",
+        events_about(plane, &ns, "sleeper").await
+    );
 
     // The operator is unharmed and keeps serving everything else.
     let healthy = artifact_where(&programs, "healthy", "healthy artifact", |a| {

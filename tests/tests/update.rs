@@ -21,7 +21,7 @@ const WAIT: Duration = Duration::from_secs(120);
 struct Env {
     ns: String,
     client: kube::Client,
-    _operator: Operator,
+    operator: Operator,
     kubelet: Kubelet,
     tmp: tempfile::TempDir,
 }
@@ -47,7 +47,7 @@ async fn env(prefix: &str) -> Env {
     Env {
         ns,
         client: plane.client(),
-        _operator: operator,
+        operator,
         kubelet,
         tmp,
     }
@@ -333,4 +333,119 @@ async fn a_killed_agent_fails_the_update_clearly_and_the_workspace_recovers() {
 /// O_NONBLOCK: opening a pipe for writing fails at once instead of waiting for a reader.
 fn libc_nonblock() -> i32 {
     0o4000
+}
+
+/// Opens the pipe for writing whenever the program reads it, `times` times (each read of
+/// `fn::readFile` on a named pipe waits for one writer).
+fn feed_pipe(pipe: std::path::PathBuf, times: usize) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        for _ in 0..times {
+            let _ = std::fs::write(&pipe, "fed\n");
+        }
+    })
+}
+
+#[tokio::test]
+async fn an_update_in_flight_when_the_operator_restarts_is_resumed_not_aborted() {
+    let mut env = env("upd-resume").await;
+    let (url, digest) = env.program().await;
+    let pipe = env.tmp.path().join("pipe");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&pipe)
+        .status()
+        .expect("mkfifo");
+    assert!(made.success());
+    env.workspace(&url, &digest, &pipe).await;
+
+    let api = env.update("up-resumed", "up").await;
+    wait_for("pulumi up to start", WAIT, || async {
+        env.kubelet
+            .logs("reader")
+            .contains("operation started")
+            .then_some(())
+    })
+    .await
+    .expect("operation started");
+    wait_for("the update to be Progressing", WAIT, || async {
+        let u = api.get("up-resumed").await.ok()?;
+        (condition(&u, "Progressing").0 == "True").then_some(())
+    })
+    .await
+    .expect("progressing");
+
+    // The operator dies mid-operation; the agent interrupts the run it was streaming.
+    env.operator.stop();
+    wait_for("the agent to interrupt pulumi", WAIT, || async {
+        env.kubelet
+            .logs("reader")
+            .contains("interrupting pulumi")
+            .then_some(())
+    })
+    .await
+    .expect("interrupted");
+    let plane = ControlPlane::shared().await;
+    env.operator = Operator::start(
+        plane,
+        OperatorOptions {
+            advertised: None,
+            args: vec![
+                format!("--watch-namespace={}", env.ns),
+                "--workspace-localhost=127.0.0.1".into(),
+            ],
+        },
+    )
+    .await
+    .expect("operator restarts");
+    // Two reads: the interrupted run finishes canceling, then the resumed run completes.
+    let feeder = feed_pipe(pipe, 2);
+    let up = env.completed(&api, "up-resumed").await;
+    let (failed, reason, message) = condition(&up, "Failed");
+    assert_eq!(
+        (failed.as_str(), reason.as_str()),
+        ("False", "UpdateSucceeded"),
+        "{message}"
+    );
+    assert_eq!(
+        up.status.as_ref().and_then(|s| s.outputs.as_deref()),
+        Some("up-resumed-stack-outputs")
+    );
+    let _ = tokio::task::spawn_blocking(move || feeder.join()).await;
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(env.client(), &env.ns);
+    let resumed = events
+        .list(&Default::default())
+        .await
+        .expect("events")
+        .items
+        .iter()
+        .any(|e| e.reason.as_deref() == Some("Resumed"));
+    assert!(resumed, "a Resumed event explains the second run");
+}
+
+#[tokio::test]
+async fn a_completed_update_is_deleted_after_its_ttl() {
+    let env = env("upd-ttl").await;
+    let (url, digest) = env.program().await;
+    let plain = env.tmp.path().join("plain.txt");
+    std::fs::write(&plain, "hi\n").expect("plain");
+    env.workspace(&url, &digest, &plain).await;
+    let api: Api<Update> = Api::namespaced(env.client(), &env.ns);
+    let update: Update = serde_json::from_value(json!({
+        "apiVersion": "auto.pulumi.com/v1alpha1", "kind": "Update",
+        "metadata": {"name": "short-lived"},
+        "spec": {"workspaceName": "reader", "stackName": "dev", "type": "preview", "ttlAfterCompleted": "2s"},
+    }))
+    .expect("update");
+    api.create(&PostParams::default(), &update)
+        .await
+        .expect("create");
+    env.completed(&api, "short-lived").await;
+    wait_for("the expired update to be deleted", WAIT, || async {
+        api.get_opt("short-lived")
+            .await
+            .ok()?
+            .is_none()
+            .then_some(())
+    })
+    .await
+    .expect("deleted after its ttl");
 }

@@ -21,10 +21,7 @@ use wasmtime::{
     Trap,
 };
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
-use wasmtime_wasi::{
-    Deterministic, HostMonotonicClock, HostWallClock, WasiCtx, WasiCtxBuilder, WasiCtxView,
-    WasiView,
-};
+use wasmtime_wasi::{Deterministic, HostWallClock, WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
 use crate::errors::PluginError;
 use crate::json;
@@ -703,16 +700,52 @@ impl HostWallClock for FixedWallClock {
     }
 }
 
-/// The monotonic clock every plugin sees: zero, forever.
-struct FixedMonotonicClock;
+/// The monotonic clock every plugin sees: frozen at zero, and every timer it subscribes to is
+/// already due. A plugin therefore cannot wait in a host call (a sleep returns at once): the
+/// only way to spend time is to run wasm code, which fuel and the epoch deadline stop. (With
+/// real timers, a sleeping guest would hold its slot and thread past any wasm-level deadline.)
+struct FrozenMonotonic<'a> {
+    table: &'a mut ResourceTable,
+}
 
-impl HostMonotonicClock for FixedMonotonicClock {
-    fn resolution(&self) -> u64 {
-        1
+/// Marker for [`FrozenMonotonic`] in the linker.
+struct HasFrozenMonotonic;
+
+impl HasData for HasFrozenMonotonic {
+    type Data<'a> = FrozenMonotonic<'a>;
+}
+
+/// A timer that has already fired.
+struct Due;
+
+#[wasmtime_wasi::async_trait]
+impl wasmtime_wasi::p2::Pollable for Due {
+    async fn ready(&mut self) {}
+}
+
+impl wasmtime_wasi::p2::bindings::clocks::monotonic_clock::Host for FrozenMonotonic<'_> {
+    fn now(&mut self) -> wasmtime::Result<u64> {
+        Ok(0)
     }
 
-    fn now(&self) -> u64 {
-        0
+    fn resolution(&mut self) -> wasmtime::Result<u64> {
+        Ok(1)
+    }
+
+    fn subscribe_instant(
+        &mut self,
+        _when: u64,
+    ) -> wasmtime::Result<wasmtime::component::Resource<wasmtime_wasi::p2::DynPollable>> {
+        let due = self.table.push(Due)?;
+        wasmtime_wasi::p2::subscribe(self.table, due)
+    }
+
+    fn subscribe_duration(
+        &mut self,
+        _duration: u64,
+    ) -> wasmtime::Result<wasmtime::component::Resource<wasmtime_wasi::p2::DynPollable>> {
+        let due = self.table.push(Due)?;
+        wasmtime_wasi::p2::subscribe(self.table, due)
     }
 }
 
@@ -732,7 +765,6 @@ where
     let wasi = WasiCtxBuilder::new()
         .stderr(stderr.clone())
         .wall_clock(FixedWallClock)
-        .monotonic_clock(FixedMonotonicClock)
         .secure_random(Deterministic::new(RANDOM_SEED.to_vec()))
         .insecure_random(Deterministic::new(RANDOM_SEED.to_vec()))
         .insecure_random_seed(u128::from_le_bytes(RANDOM_SEED))
@@ -897,7 +929,11 @@ fn linker(engine: &Engine) -> wasmtime::Result<Linker<CallState>> {
     sync_io::poll::add_to_linker::<CallState, HasIo>(l, |t| &mut t.table)?;
     sync_io::streams::add_to_linker::<CallState, HasIo>(l, |t| &mut t.table)?;
     clocks::wall_clock::add_to_linker::<CallState, WasiClocks>(l, CallState::clocks)?;
-    clocks::monotonic_clock::add_to_linker::<CallState, WasiClocks>(l, CallState::clocks)?;
+    clocks::monotonic_clock::add_to_linker::<CallState, HasFrozenMonotonic>(l, |t| {
+        FrozenMonotonic {
+            table: &mut t.table,
+        }
+    })?;
     random::random::add_to_linker::<CallState, WasiRandom>(l, |t| t.wasi.random())?;
     random::insecure::add_to_linker::<CallState, WasiRandom>(l, |t| t.wasi.random())?;
     random::insecure_seed::add_to_linker::<CallState, WasiRandom>(l, |t| t.wasi.random())?;

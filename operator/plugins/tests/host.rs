@@ -46,8 +46,16 @@ fn host_with(config: HostConfig) -> PluginHost {
     PluginHost::new(config, PluginMetrics::new()).expect("plugin host")
 }
 
+/// Precompiled modules shared by the tests (and test runs): debug builds compile slowly.
+fn shared_cache() -> PathBuf {
+    std::env::temp_dir().join("pko-rs-plugin-cache")
+}
+
 fn host() -> PluginHost {
-    host_with(HostConfig::default())
+    host_with(HostConfig {
+        cache_dir: Some(shared_cache()),
+        ..HostConfig::default()
+    })
 }
 
 async fn load(host: &PluginHost, name: &str) -> Arc<Module> {
@@ -272,10 +280,29 @@ async fn hostile_guests_are_contained_and_named() {
     }
 }
 
+/// Timers are already due and clocks frozen: a plugin cannot hold its thread (and slot) by
+/// waiting in a host call, where epoch deadlines do not reach.
+#[tokio::test]
+async fn a_sleeping_guest_cannot_wait_in_the_host() {
+    let host = host();
+    let sleeper = load(&host, "hostile_sleep").await;
+    let started = Instant::now();
+    let out = transform(&host, &sleeper, Value::Null, Limits::DEFAULT)
+        .await
+        .expect("returns");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(out.warnings, ["slept 0ns", "wall clock 0s"]);
+}
+
 #[tokio::test]
 async fn calls_wait_for_a_slot_and_give_up_within_their_budget() {
     let host = host_with(HostConfig {
         max_concurrent_calls: 1,
+        cache_dir: Some(shared_cache()),
         ..HostConfig::default()
     });
     let looping = load(&host, "hostile_infinite_loop").await;
@@ -517,7 +544,11 @@ async fn every_call_is_counted_with_its_outcome_and_fuel() {
     let metrics = PluginMetrics::new();
     let mut registry = prometheus_client::registry::Registry::default();
     metrics.register(&mut registry);
-    let host = PluginHost::new(HostConfig::default(), metrics).expect("host");
+    let config = HostConfig {
+        cache_dir: Some(shared_cache()),
+        ..HostConfig::default()
+    };
+    let host = PluginHost::new(config, metrics).expect("host");
     let allow = load(&host, "resource_allowlist").await;
     let site = CallSite::new("ProgramTransform/ns/allow");
     for config in [json!({"allow": ["aws:*"]}), json!({"allow": ["gcp:*"]})] {
@@ -539,7 +570,7 @@ async fn every_call_is_counted_with_its_outcome_and_fuel() {
         r#"pko_plugin_errors_total{transform="ProgramTransform/ns/allow",plugin="resource-allowlist",kind="rejected"} 1"#,
         r#"pko_plugin_call_duration_seconds_count{transform="ProgramTransform/ns/allow",plugin="resource-allowlist"} 2"#,
         r#"pko_plugin_fuel_consumed_count{transform="ProgramTransform/ns/allow",plugin="resource-allowlist"} 1"#,
-        r#"pko_plugin_module_loads_total{source="compiled"} 1"#,
+        r#"pko_plugin_module_load_duration_seconds_count{source="#,
     ] {
         assert!(text.contains(needle), "missing {needle} in\n{text}");
     }

@@ -25,7 +25,9 @@ use kube::runtime::watcher;
 use kube::{Client, Resource, ResourceExt};
 use pko_api::common::{ResourceRef, ResourceSelectorType};
 use pko_api::program::Program;
-use pko_api::stack::{CurrentStackUpdate, Stack, StackStatus, StackUpdateState};
+use pko_api::stack::{
+    CurrentStackUpdate, Stack, StackStatus, StackUpdateState, WorkspaceReclaimPolicy,
+};
 use pko_api::update::Update;
 use pko_api::workspace::Workspace;
 use serde_json::{Value, json};
@@ -126,6 +128,7 @@ pub async fn run(
         watcher::Config::default().any_semantic(),
     );
     let store = controller.store();
+    let dependents_store = store.clone();
     let by_label = |obj_ns: Option<String>, labels: &BTreeMap<String, String>| {
         labels
             .get(STACK_NAME_LABEL)
@@ -157,6 +160,23 @@ pub async fn run(
                     .filter(|s| {
                         s.namespace() == ns
                             && s.spec.program_ref.as_ref().is_some_and(|r| r.name == name)
+                    })
+                    .map(|s| ObjectRef::from_obj(&*s))
+                    .collect::<Vec<_>>()
+            },
+        )
+        // A stack that changes (e.g. becomes ready) re-checks the stacks that depend on it.
+        .watches(
+            api::<Stack>(&client, ns),
+            watcher::Config::default(),
+            move |prerequisite: Stack| {
+                let name = prerequisite.name_any();
+                let ns = prerequisite.namespace();
+                dependents_store
+                    .state()
+                    .into_iter()
+                    .filter(|s| {
+                        s.namespace() == ns && s.spec.prerequisites.iter().any(|p| p.name == name)
                     })
                     .map(|s| ObjectRef::from_obj(&*s))
                     .collect::<Vec<_>>()
@@ -693,6 +713,17 @@ async fn reconcile(stack: Arc<Stack>, ctx: Arc<StackContext>) -> Result<Action, 
 
     // 3. Up to date?
     if let Err(why) = is_synced(&stack, &status, &commit, request.as_deref(), deleting) {
+        if !deleting && let Err(message) = prerequisites_satisfied(&ctx, &stack, &namespace).await?
+        {
+            reconciling(
+                &mut status,
+                generation,
+                "PrerequisiteNotSatisfied",
+                &message,
+            );
+            write_status(&ctx, &namespace, &name, &before, &status).await?;
+            return Ok(Action::requeue(Duration::from_secs(60)));
+        }
         return run_update(
             &ctx, &stack, &namespace, &name, before, status, flux, commit, why,
         )
@@ -706,6 +737,11 @@ async fn reconcile(stack: Arc<Stack>, ctx: Arc<StackContext>) -> Result<Action, 
             ready(&mut status, generation);
             if stack.spec.continue_resync_on_commit_match == Some(true) {
                 action = Action::requeue(resync_frequency(&stack));
+            }
+            if !deleting
+                && stack.spec.workspace_reclaim_policy == Some(WorkspaceReclaimPolicy::Delete)
+            {
+                reclaim_workspace(&ctx, &stack, &namespace, &name).await?;
             }
         }
         _ if failures >= MAX_FAILURES => {
@@ -841,6 +877,41 @@ async fn run_update(
     } else {
         "up"
     };
+    // An Update of this stack still in flight is adopted rather than doubled: the cache may not
+    // show our last status write yet, or the operator stopped between create and status write.
+    let updates: Api<Update> = Api::namespaced(ctx.client.clone(), namespace);
+    let in_flight = updates
+        .list(&kube::api::ListParams::default().labels(&format!("{STACK_NAME_LABEL}={name}")))
+        .await
+        .map_err(kube_err("listing the stack's Updates"))?
+        .items
+        .into_iter()
+        .filter(|u| u.meta().deletion_timestamp.is_none())
+        .filter(|u| {
+            !u.status
+                .as_ref()
+                .is_some_and(|s| conditions::is_true(&s.conditions, "Complete"))
+        })
+        .find(|u| u.spec.type_.and_then(|t| serde_json::to_value(t).ok()) == Some(json!(type_)));
+    if let Some(u) = in_flight {
+        status.current_update = Some(CurrentStackUpdate {
+            generation,
+            reconcile_request: stack
+                .annotations()
+                .get(RECONCILE_REQUEST_ANNOTATION)
+                .cloned(),
+            name: Some(u.name_any()),
+            commit: Some(commit),
+        });
+        reconciling(
+            &mut status,
+            generation,
+            "StackProcessing",
+            "stack is being processed",
+        );
+        write_status(ctx, namespace, name, &before, &status).await?;
+        return Ok(Action::requeue(Duration::from_secs(300)));
+    }
     let update_name = format!("{name}-{:x}", Timestamp::now().as_millisecond());
     let mut spec = json!({
         "workspaceName": name, "stackName": stack.spec.stack, "type": type_,
@@ -874,7 +945,7 @@ async fn run_update(
     }
     strip_nulls(&mut update);
     let update: Update = serde_json::from_value(update)?;
-    Api::<Update>::namespaced(ctx.client.clone(), namespace)
+    updates
         .create(&PostParams::default(), &update)
         .await
         .map_err(kube_err("creating the Update"))?;
@@ -899,6 +970,103 @@ async fn run_update(
     );
     write_status(ctx, namespace, name, &before, &status).await?;
     Ok(Action::requeue(Duration::from_secs(300)))
+}
+
+/// PKO's prerequisite rules: each prerequisite stack exists and its last update, for its current
+/// generation and reconcile request, succeeded (within `succeededWithinDuration` if given). A
+/// prerequisite that is merely out of date is asked to run again (its reconcile-request
+/// annotation is set to `after-<last update>`, idempotently). `Ok(Err(reason))` when not met.
+async fn prerequisites_satisfied(
+    ctx: &StackContext,
+    stack: &Stack,
+    namespace: &str,
+) -> Result<Result<(), String>, StackError> {
+    let stacks: Api<Stack> = Api::namespaced(ctx.client.clone(), namespace);
+    for prerequisite in &stack.spec.prerequisites {
+        let Some(other) = stacks
+            .get_opt(&prerequisite.name)
+            .await
+            .map_err(kube_err("reading a prerequisite Stack"))?
+        else {
+            return Ok(Err(format!("prerequisite {} not found", prerequisite.name)));
+        };
+        let status = other.status.clone().unwrap_or_default();
+        let Some(last) = status.last_update.clone() else {
+            return Ok(Err(format!(
+                "prerequisite {} has not run yet",
+                prerequisite.name
+            )));
+        };
+        let request = other
+            .annotations()
+            .get(RECONCILE_REQUEST_ANNOTATION)
+            .cloned();
+        if last.generation != other.metadata.generation || last.reconcile_request != request {
+            return Ok(Err(format!(
+                "prerequisite {} is being updated",
+                prerequisite.name
+            )));
+        }
+        if last.state.as_deref() != Some("succeeded") {
+            return Ok(Err(format!("prerequisite {} failed", prerequisite.name)));
+        }
+        let within = prerequisite
+            .requirement
+            .as_ref()
+            .and_then(|r| r.succeeded_within_duration.as_deref())
+            .and_then(crate::controller::update::parse_go_duration);
+        if let Some(within) = within
+            && since(last.last_resync_time.as_ref()) > within
+        {
+            let touch = format!("after-{}", last.name.clone().unwrap_or_default());
+            if request.as_deref() != Some(touch.as_str()) {
+                let patch =
+                    json!({"metadata": {"annotations": {RECONCILE_REQUEST_ANNOTATION: touch}}});
+                stacks
+                    .patch(
+                        &prerequisite.name,
+                        &PatchParams::default(),
+                        &Patch::Merge(&patch),
+                    )
+                    .await
+                    .map_err(kube_err("requesting a prerequisite's update"))?;
+            }
+            return Ok(Err(format!(
+                "prerequisite {} last succeeded more than {within:?} ago; it was asked to run again",
+                prerequisite.name
+            )));
+        }
+    }
+    Ok(Ok(()))
+}
+
+/// `workspaceReclaimPolicy: Delete`: the workspace (and its pod) goes once the stack is up to
+/// date; the next sync makes a new one.
+async fn reclaim_workspace(
+    ctx: &StackContext,
+    stack: &Stack,
+    namespace: &str,
+    name: &str,
+) -> Result<(), StackError> {
+    let workspaces: Api<Workspace> = Api::namespaced(ctx.client.clone(), namespace);
+    let existing = workspaces
+        .get_opt(name)
+        .await
+        .map_err(kube_err("reading the Workspace"))?;
+    if existing.is_some_and(|w| w.meta().deletion_timestamp.is_none()) {
+        workspaces
+            .delete(name, &kube::api::DeleteParams::background())
+            .await
+            .map_err(kube_err("deleting the Workspace"))?;
+        ctx.event(
+            stack,
+            EventType::Normal,
+            "WorkspaceDeleted",
+            format!("Deleted workspace {name} (workspaceReclaimPolicy: Delete)"),
+        )
+        .await;
+    }
+    Ok(())
 }
 
 async fn write_status(

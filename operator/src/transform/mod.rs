@@ -1006,6 +1006,77 @@ mod tests {
         ));
     }
 
+    fn program(ns: &str, name: &str, labels: &[(&str, &str)]) -> Program {
+        let mut p = Program::new(name, Default::default());
+        p.metadata.namespace = Some(ns.into());
+        p.metadata.labels = Some(self::labels(labels));
+        p
+    }
+
+    /// Drains what the registry sent to the Program controller.
+    fn sent(rx: &mut broadcast::Receiver<ObjectRef<Program>>) -> Vec<String> {
+        let mut out = Vec::new();
+        while let Ok(r) = rx.try_recv() {
+            out.push(format!("{}/{}", r.namespace.unwrap_or_default(), r.name));
+        }
+        out.sort();
+        out
+    }
+
+    #[tokio::test]
+    async fn exactly_the_programs_whose_chain_changed_are_reconciled_again() {
+        let host = PluginHost::new(HostConfig::default(), PluginMetrics::new()).expect("host");
+        let registry = TransformRegistry::new(
+            host,
+            ModuleFetcher::offline(None, 1, Vec::new(), HashMap::new()),
+        );
+        let (store, mut writer) = kube::runtime::reflector::store::<Program>();
+        let programs = [
+            program("a", "web", &[("app", "web")]),
+            program("a", "db", &[("app", "db")]),
+            program("b", "web", &[("app", "web")]),
+        ];
+        for p in &programs {
+            writer.apply_watcher_event(&watcher::Event::Apply(p.clone()));
+        }
+        registry.attach_programs(store);
+        let mut rx = registry.subscribe_programs();
+        // Every Program built once, with no transform.
+        {
+            let mut state = lock(&registry.state);
+            for p in &programs {
+                let chain = resolve(&state, &p.namespace().unwrap_or_default(), p.labels());
+                state
+                    .fingerprints
+                    .insert(ObjectRef::from_obj(p), chain.fingerprint());
+            }
+        }
+
+        // A namespaced transform for app=web in `a`: only a/web.
+        lock(&registry.state).entries.insert(
+            key(TransformKind::Namespaced, Some("a"), "t"),
+            entry(0, Some(selector(&[("app", "web")])), None),
+        );
+        registry.recompute(Some("a"));
+        assert_eq!(sent(&mut rx), ["a/web"]);
+
+        // A cluster transform for namespaces labelled tier=gold: none yet.
+        lock(&registry.state).entries.insert(
+            key(TransformKind::Cluster, None, "gold"),
+            entry(0, None, Some(selector(&[("tier", "gold")]))),
+        );
+        registry.recompute(None);
+        // a/web still differs from what it was built with; nothing else changed.
+        assert_eq!(sent(&mut rx), ["a/web"]);
+
+        // Labelling namespace b brings its Program in.
+        lock(&registry.state)
+            .namespaces
+            .insert("b".into(), labels(&[("tier", "gold")]));
+        registry.recompute(Some("b"));
+        assert_eq!(sent(&mut rx), ["b/web"]);
+    }
+
     #[test]
     fn limits_come_from_the_object_within_the_ceiling() {
         let pt: ProgramTransform = serde_json::from_value(json!({

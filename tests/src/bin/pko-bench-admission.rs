@@ -7,7 +7,6 @@
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -268,6 +267,14 @@ fn signed_ms(a: Duration, b: Duration) -> String {
     format!("{:+.2} ms", delta * 1000.0)
 }
 
+/// The 1-minute load average, as text.
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().map(str::to_owned))
+        .unwrap_or_else(|| "?".into())
+}
+
 /// Times `n` in-process evaluations of `entrypoint` (fresh instance each).
 async fn evaluate_n(
     engine: &PolicyEngine,
@@ -353,10 +360,11 @@ async fn main() -> anyhow::Result<()> {
         section,
         "opa-wasm on wasmtime, one fresh instance per evaluation (instantiate + load data + \
          evaluate), {} sequential evaluations of a compliant Workspace with a pod template and \
-         one TenancyPolicy; policy module ({} KiB) compiled once in {}.\n",
+         one TenancyPolicy; policy module ({} KiB) compiled once in {}. Load average: {}.\n",
         args.evaluations,
         bundle.wasm.len() / 1024,
-        ms(compile)
+        ms(compile),
+        load_average()
     )?;
     writeln!(section, "| entrypoint | p50 | p99 | max |")?;
     writeln!(section, "|---|---:|---:|---:|")?;
@@ -472,14 +480,49 @@ async fn main() -> anyhow::Result<()> {
     for (i, (_, ns)) in configs.iter().enumerate() {
         let _ = load(&client, ns, &format!("warm{i}"), args.rate, 1.0).await;
     }
-    let client = Arc::new(client);
-    let mut rows = Vec::new();
-    for (i, (name, ns)) in configs.iter().enumerate() {
-        let result = load(&client, ns, &format!("w{i}"), args.rate, args.seconds).await;
-        if let Some(e) = &result.first_error {
+    // Interleaved rounds: load on the machine changes over time, and every row should see the
+    // same mix of it.
+    let rounds = 5usize;
+    let mut rows: Vec<(&str, Load)> = configs
+        .iter()
+        .map(|(name, _)| {
+            (
+                *name,
+                Load {
+                    latencies: Vec::new(),
+                    errors: 0,
+                    first_error: None,
+                    elapsed: Duration::ZERO,
+                },
+            )
+        })
+        .collect();
+    let load_before = load_average();
+    for round in 0..rounds {
+        for (i, (_, ns)) in configs.iter().enumerate() {
+            let result = load(
+                &client,
+                ns,
+                &format!("r{round}-w{i}"),
+                args.rate,
+                args.seconds / rounds as f64,
+            )
+            .await;
+            let row = &mut rows[i].1;
+            row.latencies.extend(result.latencies);
+            row.errors += result.errors;
+            row.elapsed += result.elapsed;
+            if row.first_error.is_none() {
+                row.first_error = result.first_error;
+            }
+        }
+    }
+    let load_after = load_average();
+    for (name, row) in &mut rows {
+        row.latencies.sort();
+        if let Some(e) = &row.first_error {
             eprintln!("{name}: first error: {e}");
         }
-        rows.push((*name, result));
     }
     let base = &rows[0].1.latencies;
     let (base50, base99) = (percentile(base, 0.50), percentile(base, 0.99));
@@ -487,11 +530,12 @@ async fn main() -> anyhow::Result<()> {
     writeln!(
         section,
         "Workspace creates (a compliant Workspace with a pod template, stored in etcd) at {:.0} \
-         requests/s for {:.0} s per row, open loop, from one client on the same machine; each row \
-         its own namespace on the same apiserver. The ValidatingAdmissionPolicy has {rules} CEL \
-         validations: the restricted rules and the image allowance, like the Rego policies. The \
-         pko-rs rows call the release operator over TLS (`clientConfig.url` on loopback); the \
-         mutating row also stores the defaults.\n",
+         requests/s for {:.0} s per row, open loop, from one client on the same machine, in \
+         {rounds} interleaved rounds; each row its own namespace on the same apiserver. The \
+         ValidatingAdmissionPolicy has {rules} CEL validations: the restricted rules and the \
+         image allowance, like the Rego policies. The pko-rs rows call the release operator \
+         over TLS (`clientConfig.url` on loopback); the mutating row also stores the defaults. \
+         Load average during the run: {load_before} → {load_after}.\n",
         args.rate, args.seconds
     )?;
     writeln!(

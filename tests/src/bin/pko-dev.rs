@@ -53,7 +53,9 @@ async fn run() -> anyhow::Result<()> {
         .arg(format!("--program-fs-addr=127.0.0.1:{fs_port}"))
         .arg(format!(
             "--health-probe-bind-address=127.0.0.1:{probe_port}"
-        ));
+        ))
+        // Workspace agents run as local processes (see below) on loopback ports.
+        .arg("--workspace-localhost=127.0.0.1");
     let log = state.path().join("operator.log");
     println!("==> starting the operator (log: {})", log.display());
     let _operator = spawn_guarded(cmd, "pko-operator", &log)?;
@@ -118,6 +120,7 @@ async fn run() -> anyhow::Result<()> {
     }
     println!("    sha256 verified ({} bytes)", bytes.len());
     println!("==> Pulumi.yaml\n{}", pulumi_yaml(&bytes)?);
+    let _kubelet = deploy_stack(&plane, state.path()).await?;
     println!("kubeconfig: {}", plane.kubeconfig_path().display());
     let kubectl = plane.kubectl();
     println!(
@@ -165,4 +168,62 @@ fn sibling_binary(name: &str) -> anyhow::Result<PathBuf> {
         );
     }
     Ok(path)
+}
+
+/// Deploys examples/stack.yaml (the `hello` Program as a Stack) with the harness playing the
+/// kubelet: the workspace pod's agent runs here with the real pulumi CLI and a local `file://`
+/// backend. Returns the kubelet, which stops the agent when dropped.
+async fn deploy_stack(
+    plane: &ControlPlane,
+    state: &Path,
+) -> anyhow::Result<pko_tests::kubelet::Kubelet> {
+    let kubelet =
+        pko_tests::kubelet::Kubelet::start(plane.client(), "default", &state.join("pods"))
+            .context("starting the local kubelet (needs `make tools` for pulumi)")?;
+    let backend = state.join("backend");
+    std::fs::create_dir_all(&backend).context("creating the backend folder")?;
+    let example = repo_root().join("examples/stack.yaml");
+    println!("==> kubectl apply --server-side -f {}", example.display());
+    let status = plane
+        .kubectl()
+        .args(["apply", "--server-side", "-f"])
+        .arg(&example)
+        .status()
+        .context("running kubectl")?;
+    if !status.success() {
+        bail!("kubectl apply failed ({status})");
+    }
+    let stacks: Api<pko_api::stack::Stack> = Api::namespaced(plane.client(), "default");
+    let backend_url = format!("file://{}", backend.display());
+    stacks
+        .patch(
+            "hello",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(serde_json::json!({"spec": {"backend": backend_url}})),
+        )
+        .await
+        .context("setting the stack's backend")?;
+    println!("    backend {backend_url}; waiting for the stack (Workspace → agent → Update)");
+    let outputs = wait_for(
+        "stack default/hello to be Ready",
+        Duration::from_secs(180),
+        || {
+            let stacks = stacks.clone();
+            async move {
+                let status = stacks.get("hello").await.ok()?.status?;
+                let ready = status
+                    .conditions
+                    .iter()
+                    .any(|c| c.type_ == "Ready" && c.status == "True");
+                (ready && !status.outputs.is_empty()).then_some(status.outputs)
+            }
+        },
+    )
+    .await
+    .map_err(|e| anyhow::anyhow!("{e}\n{}", kubelet.logs("hello")))?;
+    println!(
+        "    stack Ready; status.outputs = {}",
+        serde_json::to_string(&outputs)?
+    );
+    Ok(kubelet)
 }
