@@ -72,6 +72,7 @@ bench: tools plugins policies ## benchmarks (release build, own target dir); res
 	CARGO_TARGET_DIR=$(CACHE_DIR)/target-release $(CARGO) build --release -p pko-operator -p pko-tests --bins
 	$(CACHE_DIR)/target-release/release/pko-bench --out docs/benchmarks.md
 	$(CACHE_DIR)/target-release/release/pko-bench-admission --out docs/benchmarks.md
+	$(CACHE_DIR)/target-release/release/pko-bench-plugins --out docs/benchmarks.md
 
 # The container image ships exactly what `make dist` leaves in $(DIST_DIR); the Dockerfile runs
 # this target and copies nothing else (tests/tests/deploy.rs checks both).

@@ -346,3 +346,146 @@ async fn invalid_sources_and_references_stall_with_a_clear_reason_and_reclaim_de
     .await
     .expect("dependent ready");
 }
+
+/// A minimal `GitRepository` CRD: the test plane has no Flux; only `status.artifact` matters.
+async fn install_flux_crd(client: kube::Client) {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    let crd: CustomResourceDefinition = serde_json::from_value(json!({
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "metadata": {"name": "gitrepositories.source.toolkit.fluxcd.io"},
+        "spec": {
+            "group": "source.toolkit.fluxcd.io",
+            "names": {"kind": "GitRepository", "plural": "gitrepositories", "singular": "gitrepository", "listKind": "GitRepositoryList"},
+            "scope": "Namespaced",
+            "versions": [{
+                "name": "v1", "served": true, "storage": true,
+                "subresources": {"status": {}},
+                "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": true}},
+            }],
+        },
+    }))
+    .expect("crd");
+    let crds: Api<CustomResourceDefinition> = Api::all(client);
+    crds.patch(
+        "gitrepositories.source.toolkit.fluxcd.io",
+        &PatchParams::apply("pko-tests").force(),
+        &Patch::Apply(&crd),
+    )
+    .await
+    .expect("apply CRD");
+    wait_for("the GitRepository CRD to be established", WAIT, || async {
+        let crd = crds
+            .get("gitrepositories.source.toolkit.fluxcd.io")
+            .await
+            .ok()?;
+        crd.status?
+            .conditions?
+            .iter()
+            .any(|c| c.type_ == "Established" && c.status == "True")
+            .then_some(())
+    })
+    .await
+    .expect("established");
+}
+
+#[tokio::test]
+async fn a_flux_source_object_is_fetched_verified_and_deployed() {
+    let plane = ControlPlane::shared().await;
+    install_flux_crd(plane.client()).await;
+    let ns = plane.namespace("stack-flux").await.expect("namespace");
+    let tmp = tempfile::tempdir().expect("tmp");
+    let backend = tmp.path().join("backend");
+    std::fs::create_dir_all(&backend).expect("backend");
+    let kubelet = Kubelet::start(plane.client(), &ns, &tmp.path().join("pods")).expect("kubelet");
+    let _operator = Operator::start(
+        plane,
+        OperatorOptions {
+            advertised: None,
+            args: vec![
+                format!("--watch-namespace={ns}"),
+                "--workspace-localhost=127.0.0.1".into(),
+            ],
+        },
+    )
+    .await
+    .expect("operator");
+    // Any Flux-style artifact will do: a Program's, served by the operator.
+    let programs: Api<Program> = Api::namespaced(plane.client(), &ns);
+    let p: Program = serde_json::from_value(json!({
+        "apiVersion": "pulumi.com/v1", "kind": "Program",
+        "metadata": {"name": "src"}, "program": program("flux"),
+    }))
+    .expect("program");
+    programs
+        .create(&PostParams::default(), &p)
+        .await
+        .expect("create program");
+    let artifact = wait_for("the program artifact", WAIT, || async {
+        let s = serde_json::to_value(programs.get("src").await.ok()?.status?).ok()?;
+        s.get("artifact").cloned()
+    })
+    .await
+    .expect("artifact");
+    let resource = kube::api::ApiResource {
+        group: "source.toolkit.fluxcd.io".into(),
+        version: "v1".into(),
+        api_version: "source.toolkit.fluxcd.io/v1".into(),
+        kind: "GitRepository".into(),
+        plural: "gitrepositories".into(),
+    };
+    let repos: Api<kube::api::DynamicObject> = Api::namespaced_with(plane.client(), &ns, &resource);
+    let repo: kube::api::DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "source.toolkit.fluxcd.io/v1", "kind": "GitRepository",
+        "metadata": {"name": "repo"}, "spec": {"url": "https://example.invalid/repo.git"},
+    }))
+    .expect("repo");
+    repos
+        .create(&PostParams::default(), &repo)
+        .await
+        .expect("create repo");
+    repos
+        .patch_status(
+            "repo",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"artifact": {
+                "url": artifact["url"], "digest": artifact["digest"], "revision": "main@sha1:abc",
+                "path": "x", "lastUpdateTime": "2026-01-01T00:00:00Z",
+            }}})),
+        )
+        .await
+        .expect("repo status");
+
+    let stacks: Api<Stack> = Api::namespaced(plane.client(), &ns);
+    let stack: Stack = serde_json::from_value(json!({
+        "apiVersion": "pulumi.com/v1", "kind": "Stack",
+        "metadata": {"name": "from-flux"},
+        "spec": {
+            "stack": "dev",
+            "fluxSource": {"sourceRef": {"apiVersion": "source.toolkit.fluxcd.io/v1", "kind": "GitRepository", "name": "repo"}},
+            "backend": format!("file://{}", backend.display()),
+            "envRefs": {"PULUMI_CONFIG_PASSPHRASE": {"type": "Literal", "literal": {"value": "pko-tests"}}},
+            "config": {"greeting": "hi"},
+        },
+    }))
+    .expect("stack");
+    stacks
+        .create(&PostParams::default(), &stack)
+        .await
+        .expect("create stack");
+    let result = wait_for("the flux-sourced stack to be Ready", WAIT, || async {
+        let status = stacks.get("from-flux").await.ok()?.status?;
+        let ready = status
+            .conditions
+            .iter()
+            .any(|c| c.type_ == "Ready" && c.status == "True");
+        (ready && status.outputs.get("message") == Some(&json!("hi-flux"))).then_some(())
+    })
+    .await;
+    if let Err(e) = result {
+        panic!(
+            "{e}: {:?}\n{}",
+            stacks.get("from-flux").await.ok().and_then(|s| s.status),
+            kubelet.logs("from-flux")
+        );
+    }
+}

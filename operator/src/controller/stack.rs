@@ -6,8 +6,9 @@
 //! `currentUpdate` whose Update is gone is dropped and the stack carries on (PKO waits forever,
 //! #1292); `currentUpdate` is saved only once its Update exists.
 //!
-//! Sources: `programRef` only. Git (`projectRepo`) and Flux (`fluxSource`) sources are refused
-//! with a Stalled condition that says so.
+//! Sources: `programRef` (watched) and `fluxSource` (any object with a Flux-style
+//! `status.artifact`, polled every minute). Git (`projectRepo`) is refused with a Stalled
+//! condition that says so.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -677,39 +678,14 @@ async fn reconcile(stack: Arc<Stack>, ctx: Arc<StackContext>) -> Result<Action, 
     }
 
     // 2. The source.
-    let Some(program_ref) = stack.spec.program_ref.clone() else {
-        let message = if stack.spec.project_repo.is_some() || stack.spec.flux_source.is_some() {
-            "git and Flux sources are not supported by pko-rs yet; use programRef"
-        } else {
-            "the stack has no source (programRef)"
-        };
-        stalled(&mut status, generation, "SpecInvalid", message);
-        write_status(&ctx, &namespace, &name, &before, &status).await?;
-        return Ok(Action::await_change());
+    let (flux, commit, poll) = match resolve_source(&ctx, &stack, &namespace).await? {
+        Ok(resolved) => resolved,
+        Err((reason, message, requeue)) => {
+            stalled(&mut status, generation, reason, &message);
+            write_status(&ctx, &namespace, &name, &before, &status).await?;
+            return Ok(requeue.map_or_else(Action::await_change, Action::requeue));
+        }
     };
-    let program = Api::<Program>::namespaced(ctx.client.clone(), &namespace)
-        .get_opt(&program_ref.name)
-        .await
-        .map_err(kube_err("reading the Program"))?;
-    let artifact = program
-        .as_ref()
-        .and_then(|p| p.status.as_ref())
-        .and_then(|s| serde_json::to_value(s).ok())
-        .and_then(|s| s.get("artifact").cloned())
-        .filter(|a| a.get("url").is_some() && a.get("digest").is_some());
-    let Some(artifact) = artifact else {
-        let message = if program.is_none() {
-            "unable to retrieve program for stack"
-        } else {
-            "Program has no artifact"
-        };
-        stalled(&mut status, generation, "SourceUnavailable", message);
-        write_status(&ctx, &namespace, &name, &before, &status).await?;
-        return Ok(Action::requeue(Duration::from_secs(30)));
-    };
-    // The digest, not the revision: a changed artifact of the same generation re-runs too.
-    let commit = artifact["digest"].as_str().unwrap_or_default().to_owned();
-    let flux = json!({"url": artifact["url"], "digest": artifact["digest"]});
 
     // 3. Up to date?
     if let Err(why) = is_synced(&stack, &status, &commit, request.as_deref(), deleting) {
@@ -770,6 +746,11 @@ async fn reconcile(stack: Arc<Stack>, ctx: Arc<StackContext>) -> Result<Action, 
         }
     }
     write_status(&ctx, &namespace, &name, &before, &status).await?;
+    if let Some(poll) = poll
+        && !deleting
+    {
+        action = Action::requeue(poll);
+    }
     if deleting
         && last.type_.as_deref() == Some("destroy")
         && last.state.as_deref() == Some("succeeded")
@@ -972,6 +953,106 @@ async fn run_update(
     Ok(Action::requeue(Duration::from_secs(300)))
 }
 
+/// Why a source cannot be used: (Stalled reason, message, requeue after).
+type SourceProblem = (&'static str, String, Option<Duration>);
+
+/// The stack's source as a Workspace `flux` source, its "commit" (the artifact digest, so a new
+/// artifact re-runs the stack even under the same revision), and how often to poll it (Flux
+/// objects are read, not watched).
+async fn resolve_source(
+    ctx: &StackContext,
+    stack: &Stack,
+    namespace: &str,
+) -> Result<Result<(Value, String, Option<Duration>), SourceProblem>, StackError> {
+    if stack.spec.project_repo.is_some() {
+        return Ok(Err((
+            "SpecInvalid",
+            "git sources (projectRepo) are not supported by pko-rs yet; use programRef or fluxSource".into(),
+            None,
+        )));
+    }
+    if let Some(source) = &stack.spec.flux_source {
+        let r = &source.source_ref;
+        let (group, version) = r
+            .api_version
+            .split_once('/')
+            .unwrap_or(("", r.api_version.as_str()));
+        // kube's own pluralization (GitRepository → gitrepositories), as discovery would say.
+        let resource = kube::api::ApiResource::from_gvk(&kube::api::GroupVersionKind::gvk(
+            group, version, &r.kind,
+        ));
+        let api: Api<kube::api::DynamicObject> =
+            Api::namespaced_with(ctx.client.clone(), namespace, &resource);
+        let object = match api.get_opt(&r.name).await {
+            Ok(o) => o,
+            Err(e) => {
+                return Ok(Err((
+                    "SourceUnavailable",
+                    format!("could not resolve sourceRef: {e}"),
+                    Some(Duration::from_secs(30)),
+                )));
+            }
+        };
+        let Some(object) = object else {
+            return Ok(Err((
+                "SourceUnavailable",
+                "could not resolve sourceRef".into(),
+                Some(Duration::from_secs(30)),
+            )));
+        };
+        let artifact = object
+            .data
+            .pointer("/status/artifact")
+            .cloned()
+            .unwrap_or(Value::Null);
+        let (Some(url), Some(digest)) = (artifact["url"].as_str(), artifact["digest"].as_str())
+        else {
+            return Ok(Err((
+                "SourceUnavailable",
+                "Flux source has no artifact".into(),
+                Some(Duration::from_secs(30)),
+            )));
+        };
+        let flux = json!({"url": url, "digest": digest, "dir": source.dir});
+        return Ok(Ok((flux, digest.to_owned(), Some(Duration::from_secs(60)))));
+    }
+    let Some(program_ref) = &stack.spec.program_ref else {
+        return Ok(Err((
+            "SpecInvalid",
+            "the stack has no source (programRef or fluxSource)".into(),
+            None,
+        )));
+    };
+    let program = Api::<Program>::namespaced(ctx.client.clone(), namespace)
+        .get_opt(&program_ref.name)
+        .await
+        .map_err(kube_err("reading the Program"))?;
+    let artifact = program
+        .as_ref()
+        .and_then(|p| p.status.as_ref())
+        .and_then(|s| serde_json::to_value(s).ok())
+        .and_then(|s| s.get("artifact").cloned())
+        .filter(|a| a.get("url").is_some() && a.get("digest").is_some());
+    let Some(artifact) = artifact else {
+        let message = if program.is_none() {
+            "unable to retrieve program for stack"
+        } else {
+            "Program has no artifact"
+        };
+        return Ok(Err((
+            "SourceUnavailable",
+            message.into(),
+            Some(Duration::from_secs(30)),
+        )));
+    };
+    let commit = artifact["digest"].as_str().unwrap_or_default().to_owned();
+    Ok(Ok((
+        json!({"url": artifact["url"], "digest": artifact["digest"]}),
+        commit,
+        None,
+    )))
+}
+
 /// PKO's prerequisite rules: each prerequisite stack exists and its last update, for its current
 /// generation and reconcile request, succeeded (within `succeededWithinDuration` if given). A
 /// prerequisite that is merely out of date is asked to run again (its reconcile-request
@@ -1096,4 +1177,118 @@ async fn write_status(
         .await
         .map_err(kube_err("writing the Stack status"))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stack(generation: i64) -> Stack {
+        let mut s: Stack = serde_json::from_value(json!({
+            "apiVersion": "pulumi.com/v1", "kind": "Stack",
+            "metadata": {"name": "s", "namespace": "ns"},
+            "spec": {"stack": "dev", "programRef": {"name": "p"}},
+        }))
+        .expect("stack");
+        s.metadata.generation = Some(generation);
+        s
+    }
+
+    fn last(state: &str, commit: &str, failures: i64, ago: i64) -> StackStatus {
+        StackStatus {
+            last_update: Some(StackUpdateState {
+                generation: Some(1),
+                type_: Some("up".into()),
+                state: Some(state.into()),
+                last_attempted_commit: Some(commit.into()),
+                last_successful_commit: (state == "succeeded").then(|| commit.into()),
+                last_resync_time: Some(Time(
+                    Timestamp::now() - k8s_openapi::jiff::SignedDuration::from_secs(ago),
+                )),
+                failures: Some(failures),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    // PKO's TestIsSynced cases that apply.
+    #[test]
+    fn sync_rules() {
+        let s = stack(1);
+        assert!(
+            is_synced(&s, &StackStatus::default(), "d1", None, false)
+                .is_err_and(|r| r == "Initial stack update")
+        );
+        assert!(is_synced(&s, &last("succeeded", "d1", 0, 5), "d1", None, false).is_ok());
+        assert!(
+            is_synced(&s, &last("succeeded", "d1", 0, 5), "d2", None, false)
+                .is_err_and(|r| r.starts_with("New commit"))
+        );
+        assert!(
+            is_synced(&stack(2), &last("succeeded", "d1", 0, 5), "d1", None, false)
+                .is_err_and(|r| r.starts_with("New stack generation"))
+        );
+        assert!(
+            is_synced(&s, &last("succeeded", "d1", 0, 5), "d1", Some("now"), false)
+                .is_err_and(|r| r.starts_with("Sync request"))
+        );
+        // Failed: wait for the cooldown (10 s × 3^failures), stop after 3 failures.
+        assert!(is_synced(&s, &last("failed", "d1", 0, 5), "d1", None, false).is_ok());
+        assert!(
+            is_synced(&s, &last("failed", "d1", 0, 11), "d1", None, false)
+                .is_err_and(|r| r.starts_with("Backoff"))
+        );
+        assert!(is_synced(&s, &last("failed", "d1", 3, 100_000), "d1", None, false).is_ok());
+        assert!(is_synced(&s, &last("failed", "d1", 3, 5), "d2", None, false).is_err());
+        // Deleting: a destroy is needed unless one succeeded.
+        assert!(
+            is_synced(&s, &last("succeeded", "d1", 0, 5), "d1", None, true)
+                .is_err_and(|r| r == "Stack marked for deletion")
+        );
+    }
+
+    #[test]
+    fn cooldown_grows_and_is_capped() {
+        let mut s = stack(1);
+        assert_eq!(cooldown(&s, 0), Duration::from_secs(10));
+        assert_eq!(cooldown(&s, 2), Duration::from_secs(90));
+        s.spec.retry_max_backoff_duration_seconds = Some(30);
+        assert_eq!(cooldown(&s, 5), Duration::from_secs(30));
+    }
+
+    #[test]
+    fn workspace_spec_follows_setup_workspace() {
+        let mut s = stack(1);
+        s.spec.backend = Some("file:///state".into());
+        s.spec.config.insert("greeting".into(), json!("hi"));
+        s.spec.secrets.insert("pw".into(), "x".into());
+        s.spec.use_local_stack_only = Some(true);
+        let ws = workspace_spec(&s, "ns", json!({"url": "u", "digest": "d"})).expect("spec");
+        assert_eq!(
+            ws["env"][0],
+            json!({"name": "PULUMI_BACKEND_URL", "value": "file:///state"})
+        );
+        assert_eq!(ws["stacks"][0]["create"], false);
+        assert_eq!(
+            ws["stacks"][0]["config"][0],
+            json!({"key": "greeting", "value": "hi"})
+        );
+        assert_eq!(
+            ws["stacks"][0]["config"][1],
+            json!({"key": "pw", "value": "x", "secret": true})
+        );
+        s.spec.env_refs.insert(
+            "X".into(),
+            pko_api::common::ResourceRef {
+                selector_type: ResourceSelectorType::Env,
+                filesystem: None,
+                env: None,
+                secret: None,
+                literal: None,
+            },
+        );
+        let err = workspace_spec(&s, "ns", json!({})).expect_err("Env refs are refused");
+        assert!(err.contains("not supported"), "{err}");
+    }
 }

@@ -356,6 +356,11 @@ async fn reconcile(update: Arc<Update>, ctx: Arc<UpdateContext>) -> Result<Actio
         for attempt in 0..8 {
             match write_status(&task_ctx.client, &namespace, &name, &before, &status).await {
                 Ok(()) => break,
+                // The Update was deleted meanwhile: nobody is left to tell.
+                Err(UpdateError::Kube {
+                    source: kube::Error::Api(e),
+                    ..
+                }) if e.code == 404 => break,
                 Err(e) => {
                     warn!(update = %name, attempt, error = %e, "cannot write the update result; retrying");
                     tokio::time::sleep(delay).await;

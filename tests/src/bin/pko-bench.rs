@@ -161,8 +161,6 @@ async fn main() -> anyhow::Result<()> {
          with etcd and kube-apiserver.\n"
     )?;
     report.push_str(&load_section);
-    report.push('\n');
-    report.push_str(&pko_tests::plugin_bench::run().await?);
     std::fs::write(&args.out, report).with_context(|| format!("writing {}", args.out.display()))?;
     println!("wrote {}", args.out.display());
     Ok(())
