@@ -169,7 +169,8 @@ async fn download(
         .get(url)
         .send()
         .await
-        .map_err(|e| err(e.to_string()))?;
+        // reqwest's own text hides the cause ("connection refused", DNS): add the chain.
+        .map_err(|e| err(crate::client::error_chain(&e)))?;
     let status = resp.status();
     if !status.is_success() {
         let body = resp.text().await.unwrap_or_default();
@@ -184,7 +185,7 @@ async fn download(
     let mut bytes = Vec::new();
     let mut body = resp.bytes_stream();
     while let Some(chunk) = body.next().await {
-        let chunk = chunk.map_err(|e| err(e.to_string()))?;
+        let chunk = chunk.map_err(|e| err(crate::client::error_chain(&e)))?;
         bytes.extend_from_slice(&chunk);
         if limit.is_some_and(|l| bytes.len() as u64 > l) {
             return Err(InitError::TooLarge {

@@ -13,6 +13,36 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::{ChildGuard, HarnessError, spawn_guarded, tool_dir};
 
+/// Environment variable marking every process started for one agent or pod (inherited by
+/// pulumi and its plugins), so the whole process tree can be killed the way a container runtime
+/// kills a container's cgroup, orphans included.
+pub const POD_MARKER: &str = "PKO_TESTS_POD";
+
+/// SIGKILLs every process whose environment holds `PKO_TESTS_POD=<marker>`.
+pub fn kill_marked(marker: &str) {
+    let needle = format!("{POD_MARKER}={marker}");
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|p| p.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let Ok(environ) = std::fs::read(entry.path().join("environ")) else {
+            continue;
+        };
+        if environ.split(|b| *b == 0).any(|v| v == needle.as_bytes()) {
+            // SAFETY: plain system call on a process this harness started (it carries the
+            // marker only because the harness put it in the environment).
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
+}
+
 /// The `pko-agent` binary from the same target folder as the running test.
 pub fn agent_binary() -> Result<PathBuf, HarnessError> {
     sibling_binary("pko-agent")
@@ -92,6 +122,7 @@ pub struct AgentOptions {
 /// A running `pko-agent serve`, killed on drop.
 pub struct AgentProcess {
     pub guard: ChildGuard,
+    marker: String,
     pub port: u16,
     pub token: Option<String>,
     pub cert_pem: Option<String>,
@@ -117,7 +148,8 @@ impl AgentProcess {
             ])
             .arg("--log-level=info,pko_agent=debug")
             .args(["--cancel-grace-seconds", "20"])
-            .envs(pulumi_env(&opts.state)?);
+            .envs(pulumi_env(&opts.state)?)
+            .env(POD_MARKER, opts.state.display().to_string());
         let mut cert_pem = None;
         if opts.tls {
             let (cert, key) = self_signed(&[TEST_SERVER_NAME])?;
@@ -178,6 +210,7 @@ impl AgentProcess {
         }
         Ok(Self {
             guard,
+            marker: opts.state.display().to_string(),
             port,
             token: opts.token,
             cert_pem,
@@ -206,6 +239,13 @@ impl AgentProcess {
 
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for AgentProcess {
+    fn drop(&mut self) {
+        self.guard.kill();
+        kill_marked(&self.marker);
     }
 }
 

@@ -26,7 +26,7 @@ use pko_api::workspace::Workspace;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
-use crate::agent::{agent_binary, free_port};
+use crate::agent::{POD_MARKER, agent_binary, free_port, kill_marked};
 use crate::process::log_tail;
 use crate::{ChildGuard, HarnessError, spawn_guarded, tool_dir};
 
@@ -47,6 +47,15 @@ struct PodRun {
     ready: bool,
     /// When an init container failed, the earliest time to try again.
     retry_at: Option<Instant>,
+}
+
+impl Drop for PodRun {
+    fn drop(&mut self) {
+        if let Some(agent) = self.agent.as_mut() {
+            agent.kill();
+        }
+        kill_marked(&self.dir.display().to_string());
+    }
 }
 
 #[derive(Default)]
@@ -85,7 +94,7 @@ impl Kubelet {
     /// SIGKILLs the agent of workspace `workspace` (it is restarted, as a crashed container).
     pub fn kill_agent(&self, workspace: &str) -> bool {
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        match state
+        let killed = match state
             .pods
             .get_mut(&format!("{workspace}-workspace"))
             .and_then(|p| p.agent.as_mut())
@@ -95,7 +104,12 @@ impl Kubelet {
                 true
             }
             None => false,
+        };
+        // The container dies as a whole: the agent and whatever it started.
+        if let Some(pod) = state.pods.get(&format!("{workspace}-workspace")) {
+            kill_marked(&pod.dir.display().to_string());
         }
+        killed
     }
 
     /// The agent's pid of workspace `workspace`, if it runs.
@@ -710,6 +724,7 @@ async fn container_command(
             "PULUMI_DISABLE_AUTOMATIC_PLUGIN_ACQUISITION".into(),
             "true".into(),
         ),
+        (POD_MARKER.into(), dir.display().to_string()),
     ];
     let set = |env: &mut Vec<(String, String)>, k: String, v: String| {
         env.retain(|(name, _)| *name != k);

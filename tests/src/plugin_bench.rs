@@ -73,7 +73,7 @@ fn configs() -> [Value; 3] {
     ]
 }
 
-/// A Program of 24 resources (buckets, ConfigMaps, random pets), ~4 KB of JSON.
+/// A Program of 24 resources (buckets, ConfigMaps, random pets), ~2.4 KB of JSON.
 fn sample_spec() -> Value {
     let mut resources = Map::new();
     for i in 0..8 {
