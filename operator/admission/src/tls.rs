@@ -827,6 +827,45 @@ mod tests {
         assert_eq!(again, bundle.ca_pem);
     }
 
+    #[tokio::test]
+    async fn certificate_files_load_and_reload() {
+        let s = settings();
+        let first = issue(None, &Assessment::RenewCa("new".into()), &s, unix_now()).expect("issue");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let write = |b: &CertBundle| {
+            std::fs::write(dir.path().join(TLS_CRT), &b.cert_pem).expect("crt");
+            std::fs::write(dir.path().join(TLS_KEY), &b.key_pem).expect("key");
+        };
+        let files = CertFiles::new(dir.path());
+        assert!(matches!(files.load(), Err(TlsError::Io { .. })));
+        write(&first);
+        let loaded = files.load().expect("loads");
+        assert_eq!(loaded.cert_pem, first.cert_pem);
+        assert_eq!(loaded.ca_key_pem, None);
+
+        // A new certificate on disk is picked up by the polling loop.
+        let tls = RustlsConfig::from_config(loaded.server_config().expect("config"));
+        let metrics = AdmissionMetrics::new();
+        let stop = tokio_util::sync::CancellationToken::new();
+        let task = tokio::spawn(CertFiles::new(dir.path()).run(
+            tls,
+            loaded,
+            Duration::from_millis(20),
+            metrics.clone(),
+            stop.clone().cancelled_owned(),
+        ));
+        let second =
+            issue(None, &Assessment::RenewCa("new".into()), &s, unix_now()).expect("issue");
+        write(&second);
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while metrics.certificate_rotations.get() == 0 && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(metrics.certificate_rotations.get(), 1);
+        stop.cancel();
+        task.await.expect("loop ends");
+    }
+
     #[test]
     fn secrets_round_trip() {
         let s = settings();
