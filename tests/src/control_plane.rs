@@ -101,6 +101,7 @@ impl ControlPlane {
     /// on a dedicated thread with its own runtime and callers only wait for its result.
     pub async fn try_shared() -> Result<&'static ControlPlane, HarnessError> {
         SHARED_INIT.call_once(|| {
+            start_watchdog();
             let spawned = std::thread::Builder::new()
                 .name("pko-tests-shared-plane".into())
                 .spawn(|| {
@@ -871,6 +872,32 @@ fn read_crds(dir: &Path) -> Result<Vec<(PathBuf, String, serde_json::Value)>, Ha
         }
     }
     Ok(crds)
+}
+
+/// How long one test binary may run before the watchdog ends it (`PKO_TEST_BINARY_TIMEOUT`,
+/// seconds; default 20 minutes).
+const BINARY_TIMEOUT_DEFAULT: Duration = Duration::from_secs(20 * 60);
+
+/// Ends a test binary that runs far longer than it should, so a hung test fails with a message
+/// (and the next binary runs) instead of stalling the whole `make test` until CI gives up.
+fn start_watchdog() {
+    let limit = std::env::var("PKO_TEST_BINARY_TIMEOUT")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .map(Duration::from_secs)
+        .unwrap_or(BINARY_TIMEOUT_DEFAULT);
+    let _ = std::thread::Builder::new()
+        .name("pko-tests-watchdog".into())
+        .spawn(move || {
+            std::thread::sleep(limit);
+            eprintln!(
+                "pko-tests watchdog: this test binary is still running after {}s; a test hangs. \
+                 Exiting with failure (set PKO_TEST_BINARY_TIMEOUT to change the limit).",
+                limit.as_secs()
+            );
+            // `exit` runs the atexit hook that stops the shared control plane.
+            std::process::exit(101);
+        });
 }
 
 #[cfg(test)]

@@ -10,6 +10,7 @@
 
 pub mod agent;
 mod control_plane;
+pub mod fifo;
 pub mod kubelet;
 pub mod operator;
 mod pki;

@@ -465,11 +465,7 @@ async fn a_disconnected_client_cancels_its_operation_and_frees_the_workspace() {
     project(&ws, BLOCKING_PROGRAM);
     std::fs::write(ws.join("plain.txt"), "hi\n").expect("plain file");
     let pipe = ws.join("pipe");
-    let status = std::process::Command::new("mkfifo")
-        .arg(&pipe)
-        .status()
-        .expect("mkfifo");
-    assert!(status.success());
+    pko_tests::fifo::make(&pipe).expect("mkfifo");
     let agent = AgentProcess::start(AgentOptions {
         workspace: ws.clone(),
         state: tmp.path().to_path_buf(),
@@ -524,12 +520,10 @@ async fn a_disconnected_client_cancels_its_operation_and_frees_the_workspace() {
     .await
     .expect("interrupted");
     // Unblock the program so pulumi can finish canceling (and unlock the stack).
-    let writer = tokio::task::spawn_blocking(move || std::fs::write(&pipe, "late\n"));
-    tokio::time::timeout(std::time::Duration::from_secs(20), writer)
-        .await
-        .expect("the program still reads the pipe")
-        .expect("join")
-        .expect("write");
+    assert!(
+        pko_tests::fifo::write_within(&pipe, "late\n", std::time::Duration::from_secs(20)).await,
+        "the program still reads the pipe"
+    );
 
     // The workspace is free again: the next operation runs (after the canceled one ends).
     client

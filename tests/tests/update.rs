@@ -1,7 +1,6 @@
 //! Update controller on the real control plane, with the harness as kubelet and the real agent
 //! and pulumi CLI: outputs Secret and PKO's conditions, failures, a killed agent mid-update.
 
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::time::Duration;
 
@@ -13,7 +12,7 @@ use pko_api::update::Update;
 use pko_api::workspace::Workspace;
 use pko_tests::kubelet::Kubelet;
 use pko_tests::operator::{Operator, OperatorOptions};
-use pko_tests::{ControlPlane, wait_for};
+use pko_tests::{ControlPlane, fifo, wait_for};
 use serde_json::{Value, json};
 
 const WAIT: Duration = Duration::from_secs(120);
@@ -281,11 +280,7 @@ async fn a_killed_agent_fails_the_update_clearly_and_the_workspace_recovers() {
     let env = env("upd-kill").await;
     let (url, digest) = env.program().await;
     let pipe = env.tmp.path().join("pipe");
-    let made = std::process::Command::new("mkfifo")
-        .arg(&pipe)
-        .status()
-        .expect("mkfifo");
-    assert!(made.success());
+    fifo::make(&pipe).expect("mkfifo");
     env.workspace(&url, &digest, &pipe).await;
 
     let api = env.update("up-blocked", "up").await;
@@ -321,28 +316,7 @@ async fn a_killed_agent_fails_the_update_clearly_and_the_workspace_recovers() {
     .ok();
     env.wait_workspace(1).await;
     // Let the orphaned program end (best effort: it may already be gone).
-    let writer = tokio::task::spawn_blocking(move || {
-        let _ = std::fs::OpenOptions::new()
-            .write(true)
-            .custom_flags(libc_nonblock())
-            .open(&pipe);
-    });
-    let _ = tokio::time::timeout(Duration::from_secs(5), writer).await;
-}
-
-/// O_NONBLOCK: opening a pipe for writing fails at once instead of waiting for a reader.
-fn libc_nonblock() -> i32 {
-    0o4000
-}
-
-/// Opens the pipe for writing whenever the program reads it, `times` times (each read of
-/// `fn::readFile` on a named pipe waits for one writer).
-fn feed_pipe(pipe: std::path::PathBuf, times: usize) -> std::thread::JoinHandle<()> {
-    std::thread::spawn(move || {
-        for _ in 0..times {
-            let _ = std::fs::write(&pipe, "fed\n");
-        }
-    })
+    fifo::write_within(&pipe, "late\n", Duration::from_secs(5)).await;
 }
 
 #[tokio::test]
@@ -350,11 +324,7 @@ async fn an_update_in_flight_when_the_operator_restarts_is_resumed_not_aborted()
     let mut env = env("upd-resume").await;
     let (url, digest) = env.program().await;
     let pipe = env.tmp.path().join("pipe");
-    let made = std::process::Command::new("mkfifo")
-        .arg(&pipe)
-        .status()
-        .expect("mkfifo");
-    assert!(made.success());
+    fifo::make(&pipe).expect("mkfifo");
     env.workspace(&url, &digest, &pipe).await;
 
     let api = env.update("up-resumed", "up").await;
@@ -396,8 +366,8 @@ async fn an_update_in_flight_when_the_operator_restarts_is_resumed_not_aborted()
     )
     .await
     .expect("operator restarts");
-    // Two reads: the interrupted run finishes canceling, then the resumed run completes.
-    let feeder = feed_pipe(pipe, 2);
+    // Feed every read: the interrupted run may read once to finish canceling; the resumed run reads.
+    let feeder = fifo::Feeder::start(pipe, "fed\n", WAIT);
     let up = env.completed(&api, "up-resumed").await;
     let (failed, reason, message) = condition(&up, "Failed");
     assert_eq!(
@@ -409,7 +379,7 @@ async fn an_update_in_flight_when_the_operator_restarts_is_resumed_not_aborted()
         up.status.as_ref().and_then(|s| s.outputs.as_deref()),
         Some("up-resumed-stack-outputs")
     );
-    let _ = tokio::task::spawn_blocking(move || feeder.join()).await;
+    drop(feeder);
     let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(env.client(), &env.ns);
     let resumed = events
         .list(&Default::default())
