@@ -19,6 +19,7 @@ use tonic::{Code, Request, Response, Status};
 use tracing::{info, warn};
 
 use crate::INSTANCE_HEADER;
+use crate::inflight::{self, Inflight};
 use crate::proto::automation_service_server::AutomationService;
 use crate::proto::{self as pb, config_item, config_value_from};
 use crate::pulumi::{Cli, Output, PulumiError, tail};
@@ -217,12 +218,25 @@ impl Agent {
                     }
                 }
             });
+            let project = agent.inner.cli.workdir().to_path_buf();
+            agent.release_lock_of_crashed_run(&project).await;
+            let marker = Inflight {
+                operation: kind.to_owned(),
+                stack: stack.clone(),
+                instance: agent.inner.instance.clone(),
+            };
+            if let Err(e) = inflight::write(&project, &marker) {
+                // Only crash recovery depends on it; the operation itself can go on.
+                warn!(error = %e, "operation marker not written");
+            }
             let started = jiff::Timestamp::now();
             info!(operation = kind, %stack, "operation started");
             let mut full = cli_args;
             full.push(format!("--stack={stack}"));
             let cancel = agent.inner.shutdown.child_token();
             let result = agent.inner.cli.operation(&full, events_tx, cancel).await;
+            // The CLI has ended (it unlocked the stack), whatever the result.
+            inflight::clear(&project);
             let _ = forward.await;
             let times = OpTimes {
                 start: started,
@@ -241,6 +255,35 @@ impl Agent {
         });
         let stream = tokio_stream::wrappers::ReceiverStream::new(rx);
         Ok(self.respond(Box::pin(stream) as RpcStream<T>))
+    }
+
+    /// Releases the stack lock left by an earlier agent of this workspace that died during an
+    /// operation (see [`crate::inflight`]). Called with the workspace lock held, so no operation
+    /// of ours is running.
+    async fn release_lock_of_crashed_run(&self, project: &Path) {
+        let Some(previous) = inflight::read(project) else {
+            return;
+        };
+        if previous.instance == self.inner.instance {
+            // Our own marker: a previous operation of this process ended without clearing it.
+            inflight::clear(project);
+            return;
+        }
+        let cancel = args(["cancel", "--yes", "--stack", &previous.stack]);
+        match self.inner.cli.run(&cancel).await {
+            Ok(_) => warn!(
+                operation = %previous.operation,
+                stack = %previous.stack,
+                agent = %previous.instance,
+                "released the stack lock left by an agent that stopped during an operation"
+            ),
+            Err(e) => warn!(
+                stack = %previous.stack,
+                error = %e,
+                "could not release the lock left by an interrupted operation"
+            ),
+        }
+        inflight::clear(project);
     }
 
     /// Outputs of the stack as `stack output --json` shows them, with secrets marked.

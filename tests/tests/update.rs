@@ -315,8 +315,26 @@ async fn a_killed_agent_fails_the_update_clearly_and_the_workspace_recovers() {
     .await
     .ok();
     env.wait_workspace(1).await;
-    // Let the orphaned program end (best effort: it may already be gone).
-    fifo::write_within(&pipe, "late\n", Duration::from_secs(5)).await;
+
+    // The next update recovers: the lock the dead run left on the stack is released first.
+    let feeder = fifo::Feeder::start(pipe, "fed\n", WAIT);
+    let api = env.update("up-after-crash", "up").await;
+    let up = env.completed(&api, "up-after-crash").await;
+    let (failed, reason, message) = condition(&up, "Failed");
+    assert_eq!(
+        (failed.as_str(), reason.as_str()),
+        ("False", "UpdateSucceeded"),
+        "{message}\n{}",
+        env.kubelet.logs("reader")
+    );
+    drop(feeder);
+    assert!(
+        env.kubelet
+            .logs("reader")
+            .contains("released the stack lock left by an agent that stopped during an operation"),
+        "{}",
+        env.kubelet.logs("reader")
+    );
 }
 
 #[tokio::test]
