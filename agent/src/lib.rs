@@ -10,6 +10,7 @@
 
 pub mod auth;
 pub mod client;
+pub mod git;
 pub mod inflight;
 pub mod init;
 pub mod pulumi;

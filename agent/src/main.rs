@@ -7,6 +7,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand, ValueEnum};
 use pko_agent::auth::TokenAuth;
+use pko_agent::git;
 use pko_agent::init::{self, FluxFetch};
 use pko_agent::proto::automation_service_server::AutomationServiceServer;
 use pko_agent::pulumi::Cli;
@@ -105,11 +106,19 @@ struct InitArgs {
     /// `sha256:<hex>` digest the artifact must have.
     #[arg(long, requires = "flux_url")]
     flux_digest: Option<String>,
-    /// Git repository URL (not supported yet: fails with a clear message).
+    /// Git repository URL, checked out with the image's `git` CLI (credentials from the
+    /// `GIT_USERNAME`/`GIT_PASSWORD`/`GIT_TOKEN`/`GIT_SSH_PRIVATE_KEY` env).
     #[arg(long, requires = "git_revision", conflicts_with = "project_name")]
     git_url: Option<String>,
+    /// Commit SHA, branch or tag to check out.
     #[arg(long, requires = "git_url")]
     git_revision: Option<String>,
+    /// Fetch only the one commit when the server allows it.
+    #[arg(long, env = "GIT_SHALLOW")]
+    git_shallow: bool,
+    /// The git executable.
+    #[arg(long, env = "GIT_CLI", default_value = "git")]
+    git: PathBuf,
     /// Write a minimal Pulumi.yaml with this project name (destroy without the source).
     #[arg(long, requires = "project_runtime")]
     project_name: Option<String>,
@@ -187,8 +196,18 @@ async fn run_init(a: InitArgs) -> anyhow::Result<()> {
     } else if let (Some(name), Some(runtime)) = (&a.project_name, &a.project_runtime) {
         init::write_project(&target_dir, name, runtime)?;
         info!(target = %target_dir.display(), "project file written");
-    } else if a.git_url.is_some() {
-        bail!("git sources are not supported by this agent yet; use a Program or a Flux source");
+    } else if let (Some(url), Some(revision)) = (&a.git_url, &a.git_revision) {
+        let fetch = git::GitFetch {
+            url: url.clone(),
+            revision: revision.clone(),
+            shallow: a.git_shallow,
+            auth: git::GitAuth::from_env(),
+            program: a.git.clone(),
+        };
+        let commit = git::clone(&fetch, &target_dir)
+            .await
+            .with_context(|| format!("checking out {revision} of {url}"))?;
+        info!(target = %target_dir.display(), %commit, "source ready");
     } else {
         bail!("one of --flux-url, --git-url or --project-name is required");
     }

@@ -8,6 +8,7 @@ pub mod cli;
 pub mod config;
 pub mod controller;
 pub mod fileserver;
+pub mod gitremote;
 pub mod leader;
 pub mod metrics;
 pub mod probes;

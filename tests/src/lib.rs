@@ -11,6 +11,7 @@
 pub mod agent;
 mod control_plane;
 pub mod fifo;
+pub mod gitrepo;
 pub mod kubelet;
 pub mod operator;
 mod pki;

@@ -129,6 +129,34 @@ async fn stack_sources_are_mutually_exclusive_and_names_short() {
             create(plane, &ns, flux_and_program).await,
             "mutually exclusive",
         );
+        for (suffix, revision) in [
+            ("none", json!({})),
+            (
+                "both",
+                json!({"commit": "0123456789012345678901234567890123456789", "branch": "main"}),
+            ),
+            ("empty", json!({"branch": ""})),
+        ] {
+            let mut spec = json!({"stack": "dev", "projectRepo": "https://example.com/repo.git"});
+            spec.as_object_mut()
+                .expect("object")
+                .extend(revision.as_object().cloned().unwrap_or_default());
+            let git = json!({
+                "apiVersion": format!("pulumi.com/{version}"), "kind": "Stack",
+                "metadata": {"name": format!("git-{suffix}-{version}")},
+                "spec": spec,
+            });
+            assert_rejected(
+                create(plane, &ns, git).await,
+                "exactly one of commit and branch",
+            );
+        }
+        let branch_only = json!({
+            "apiVersion": format!("pulumi.com/{version}"), "kind": "Stack",
+            "metadata": {"name": format!("git-branch-{version}")},
+            "spec": {"stack": "dev", "projectRepo": "https://example.com/repo.git", "branch": "main", "commit": ""},
+        });
+        assert_eq!(create(plane, &ns, branch_only).await, None, "{version}");
         let one = json!({
             "apiVersion": format!("pulumi.com/{version}"), "kind": "Stack",
             "metadata": {"name": format!("one-{version}")},

@@ -8,6 +8,7 @@ use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use pko_api::program::Program;
 use pko_api::stack::Stack;
 use pko_api::update::Update;
+use pko_tests::gitrepo::GitRepo;
 use pko_tests::kubelet::Kubelet;
 use pko_tests::operator::{Operator, OperatorOptions};
 use pko_tests::{ControlPlane, wait_for};
@@ -239,7 +240,8 @@ async fn invalid_sources_and_references_stall_with_a_clear_reason_and_reclaim_de
     );
     let git = make(
         "git",
-        json!({"projectRepo": "https://example.invalid/repo.git", "branch": "main"}),
+        // Nothing listens on port 1: the branch cannot be resolved.
+        json!({"projectRepo": "http://127.0.0.1:1/repo.git", "branch": "main"}),
     );
     let reclaim = make(
         "reclaim",
@@ -282,8 +284,11 @@ async fn invalid_sources_and_references_stall_with_a_clear_reason_and_reclaim_de
         "{message}"
     );
     let (reason, message) = stalled("git").await;
-    assert_eq!(reason, "SpecInvalid");
-    assert!(message.contains("not supported"), "{message}");
+    assert_eq!(reason, "SourceUnavailable");
+    assert!(
+        message.contains("cannot list the refs of http://127.0.0.1:1/repo.git"),
+        "{message}"
+    );
     let workspaces: Api<pko_api::workspace::Workspace> = Api::namespaced(plane.client(), &ns);
     assert!(
         workspaces.get_opt("cross-ns").await.expect("get").is_none(),
@@ -488,4 +493,165 @@ async fn a_flux_source_object_is_fetched_verified_and_deployed() {
             kubelet.logs("from-flux")
         );
     }
+}
+
+fn git_program(message: &str) -> String {
+    format!(
+        "name: from-git\nruntime: yaml\nconfiguration:\n  greeting:\n    type: String\noutputs:\n  message: ${{greeting}}-{message}\n"
+    )
+}
+
+#[tokio::test]
+async fn a_git_branch_is_deployed_with_credentials_and_a_new_commit_redeploys() {
+    let plane = ControlPlane::shared().await;
+    let ns = plane.namespace("stack-git").await.expect("namespace");
+    let tmp = tempfile::tempdir().expect("tmp");
+    let backend = tmp.path().join("backend");
+    std::fs::create_dir_all(&backend).expect("backend");
+    let repo = GitRepo::start(&tmp.path().join("git"), Some(("pko", "s3cret")))
+        .await
+        .expect("git repo");
+    let first = repo
+        .commit("main", &[("app/Pulumi.yaml", &git_program("one"))])
+        .expect("first commit");
+    let kubelet = Kubelet::start(plane.client(), &ns, &tmp.path().join("pods")).expect("kubelet");
+    let _operator = Operator::start(
+        plane,
+        OperatorOptions {
+            advertised: None,
+            args: vec![
+                format!("--watch-namespace={ns}"),
+                "--workspace-localhost=127.0.0.1".into(),
+            ],
+        },
+    )
+    .await
+    .expect("operator");
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> = Api::namespaced(plane.client(), &ns);
+    let creds: k8s_openapi::api::core::v1::Secret = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "git-creds"},
+        "stringData": {"user": "pko", "password": "s3cret"},
+    }))
+    .expect("secret");
+    secrets
+        .create(&PostParams::default(), &creds)
+        .await
+        .expect("create secret");
+
+    let stacks: Api<Stack> = Api::namespaced(plane.client(), &ns);
+    let make = |name: &str, branch: &str, password_key: &str| -> Stack {
+        serde_json::from_value(json!({
+            "apiVersion": "pulumi.com/v1", "kind": "Stack", "metadata": {"name": name},
+            "spec": {
+                "stack": name,
+                "projectRepo": repo.url(), "branch": branch, "repoDir": "app",
+                "gitAuth": {"basicAuth": {
+                    "userName": {"type": "Secret", "secret": {"name": "git-creds", "key": "user"}},
+                    "password": {"type": "Secret", "secret": {"name": "git-creds", "key": password_key}},
+                }},
+                "backend": format!("file://{}", backend.display()),
+                "envRefs": {"PULUMI_CONFIG_PASSPHRASE": {"type": "Literal", "literal": {"value": "pko-tests"}}},
+                "config": {"greeting": "hi"},
+            },
+        }))
+        .expect("stack")
+    };
+    for s in [
+        make("tracked", "main", "password"),
+        make("no-branch", "does-not-exist", "password"),
+        make("bad-creds", "main", "user"),
+    ] {
+        stacks
+            .create(&PostParams::default(), &s)
+            .await
+            .expect("create stack");
+    }
+
+    let deployed = |message: &'static str, commit: String| {
+        let stacks = stacks.clone();
+        async move {
+            wait_for(&format!("stack tracked at {commit}"), WAIT, || async {
+                let status = stacks.get("tracked").await.ok()?.status?;
+                let ready = status
+                    .conditions
+                    .iter()
+                    .any(|c| c.type_ == "Ready" && c.status == "True");
+                let last = status.last_update.as_ref()?;
+                (ready
+                    && status.outputs.get("message") == Some(&json!(message))
+                    && last.last_successful_commit.as_deref() == Some(commit.as_str()))
+                .then_some(())
+            })
+            .await
+        }
+    };
+    if let Err(e) = deployed("hi-one", first.clone()).await {
+        panic!(
+            "{e}: {:?}\n{}",
+            stacks.get("tracked").await.ok().and_then(|s| s.status),
+            kubelet.logs("tracked")
+        );
+    }
+    let workspaces: Api<pko_api::workspace::Workspace> = Api::namespaced(plane.client(), &ns);
+    let ws = workspaces.get("tracked").await.expect("workspace");
+    let git = ws.spec.git.expect("a git workspace source");
+    assert_eq!(
+        git.ref_.as_deref(),
+        Some(first.as_str()),
+        "pinned to the resolved commit"
+    );
+    assert_eq!(git.dir.as_deref(), Some("app"));
+    let auth = serde_json::to_value(git.auth.expect("auth")).expect("json");
+    assert_eq!(
+        auth,
+        json!({"username": {"name": "git-creds", "key": "user"}, "password": {"name": "git-creds", "key": "password"}}),
+        "credentials travel by reference, never by value"
+    );
+
+    // A new commit on the branch is found (here on a sync request, instead of the next poll).
+    let second = repo
+        .commit("main", &[("app/Pulumi.yaml", &git_program("two"))])
+        .expect("second commit");
+    stacks
+        .patch(
+            "tracked",
+            &PatchParams::default(),
+            &Patch::Merge(
+                json!({"metadata": {"annotations": {"pulumi.com/reconciliation-request": "now"}}}),
+            ),
+        )
+        .await
+        .expect("request a sync");
+    if let Err(e) = deployed("hi-two", second).await {
+        panic!(
+            "{e}: {:?}\n{}",
+            stacks.get("tracked").await.ok().and_then(|s| s.status),
+            kubelet.logs("tracked")
+        );
+    }
+
+    // A branch that does not exist, or credentials the server refuses: Stalled, saying which.
+    for (name, expected) in [
+        ("no-branch", "no branch or tag \"does-not-exist\""),
+        ("bad-creds", "answered 401"),
+    ] {
+        let message = wait_for(&format!("stack {name} to stall"), WAIT, || async {
+            let status = stacks.get(name).await.ok()?.status?;
+            status
+                .conditions
+                .iter()
+                .find(|c| {
+                    c.type_ == "Stalled" && c.status == "True" && c.reason == "SourceUnavailable"
+                })
+                .map(|c| c.message.clone())
+        })
+        .await
+        .expect("stalled");
+        assert!(message.contains(expected), "{name}: {message}");
+    }
+    assert!(
+        repo.requests().iter().all(|p| p.starts_with("/repo.git/")),
+        "{:?}",
+        repo.requests()
+    );
 }

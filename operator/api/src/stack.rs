@@ -35,6 +35,11 @@ pub const SOURCE_EXCLUSIVITY_RULE: &str = "(has(self.projectRepo) ? 1 : 0) + (ha
 /// Message of [`SOURCE_EXCLUSIVITY_RULE`].
 pub const SOURCE_EXCLUSIVITY_MESSAGE: &str =
     "projectRepo, fluxSource and programRef are mutually exclusive";
+/// CEL rule (on the spec): a git source names exactly one of `commit` and `branch`. PKO only
+/// finds out in the controller; an empty string counts as unset, as there.
+pub const GIT_REVISION_RULE: &str = "!has(self.projectRepo) || (has(self.commit) && size(self.commit) > 0 ? 1 : 0) + (has(self.branch) && size(self.branch) > 0 ? 1 : 0) == 1";
+/// Message of [`GIT_REVISION_RULE`].
+pub const GIT_REVISION_MESSAGE: &str = "projectRepo needs exactly one of commit and branch";
 /// PKO's CEL rule on the `v1` root: the workspace pod's `controller-revision-hash` label
 /// (`<name>-workspace-<hash>`) must fit in 63 characters.
 pub const NAME_LENGTH_RULE: &str = "size(self.metadata.name) <= 42";
@@ -47,6 +52,9 @@ pub const NAME_LENGTH_MESSAGE: &str = "Stack name must be no more than 42 charac
 #[schemars(extend("x-kubernetes-validations" = [{
     "rule": SOURCE_EXCLUSIVITY_RULE,
     "message": SOURCE_EXCLUSIVITY_MESSAGE,
+}, {
+    "rule": GIT_REVISION_RULE,
+    "message": GIT_REVISION_MESSAGE,
 }]))]
 pub struct StackSpec {
     /// Stack is the fully qualified name of the stack to deploy (<org>/<stack>).

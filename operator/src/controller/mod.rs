@@ -4,6 +4,7 @@ pub mod conditions;
 pub mod execution;
 pub mod program;
 pub mod stack;
+pub mod stack_source;
 pub mod transform;
 pub mod update;
 pub mod workspace;

@@ -6,9 +6,8 @@
 //! `currentUpdate` whose Update is gone is dropped and the stack carries on (PKO waits forever,
 //! #1292); `currentUpdate` is saved only once its Update exists.
 //!
-//! Sources: `programRef` (watched) and `fluxSource` (any object with a Flux-style
-//! `status.artifact`, polled every minute). Git (`projectRepo`) is refused with a Stalled
-//! condition that says so.
+//! Sources (see [`stack_source`]): `programRef` (watched), `fluxSource` (polled), `projectRepo`
+//! (a pinned commit, or a branch polled without cloning).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -35,8 +34,10 @@ use serde_json::{Value, json};
 use tracing::{info, warn};
 
 use crate::controller::conditions;
+use crate::controller::stack_source;
 use crate::controller::update::SECRETS_ANNOTATION;
 use crate::controller::workspace::{APPLY_MANAGER, merge};
+use crate::gitremote;
 use crate::metrics::{ErrorLabels, Metrics};
 
 pub const STATUS_MANAGER: &str = "pko-rs/stack-status";
@@ -74,6 +75,8 @@ pub struct StackContext {
     pub client: Client,
     pub recorder: Recorder,
     pub metrics: Metrics,
+    /// Branch → commit lookups, shared by every stack.
+    pub git: gitremote::Resolver,
 }
 
 impl StackContext {
@@ -89,6 +92,7 @@ impl StackContext {
             client,
             recorder,
             metrics,
+            git: gitremote::Resolver::new(git_http_client(), GIT_REFS_TTL),
         }
     }
 
@@ -104,6 +108,19 @@ impl StackContext {
             warn!(error = %e, "cannot publish event");
         }
     }
+}
+
+/// How long a branch lookup is reused (stacks polling one branch share the request).
+const GIT_REFS_TTL: Duration = Duration::from_secs(20);
+
+/// The HTTP client for refs listings: the system's trusted roots, no cookies, a bounded number
+/// of redirects (hosts redirect `/repo` to `/repo.git`).
+fn git_http_client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::limited(5))
+        .user_agent(concat!("pko-rs/", env!("CARGO_PKG_VERSION"), " git/2"))
+        .build()
+        .unwrap_or_default()
 }
 
 /// Runs the controller until `shutdown` resolves.
@@ -272,7 +289,7 @@ fn cooldown(stack: &Stack, failures: i64) -> Duration {
     Duration::from_secs(secs.max(0) as u64)
 }
 
-fn resync_frequency(stack: &Stack) -> Duration {
+pub(crate) fn resync_frequency(stack: &Stack) -> Duration {
     Duration::from_secs(stack.spec.resync_frequency_seconds.unwrap_or(60).max(60) as u64)
 }
 
@@ -395,7 +412,7 @@ async fn read_outputs(
 }
 
 /// The Workspace spec of a stack (PKO's `setupWorkspace`), or a reason the spec is invalid.
-fn workspace_spec(stack: &Stack, namespace: &str, flux: Value) -> Result<Value, String> {
+fn workspace_spec(stack: &Stack, namespace: &str, source: Value) -> Result<Value, String> {
     let spec = &stack.spec;
     let mut env = Vec::new();
     if let Some(backend) = &spec.backend {
@@ -482,7 +499,6 @@ fn workspace_spec(stack: &Stack, namespace: &str, flux: Value) -> Result<Value, 
         }
     }
     let mut ws = json!({
-        "flux": flux,
         "env": env,
         "stacks": [{
             "name": spec.stack,
@@ -493,6 +509,9 @@ fn workspace_spec(stack: &Stack, namespace: &str, flux: Value) -> Result<Value, 
         }],
         "podTemplate": {"spec": {"containers": [{"name": "pulumi"}]}},
     });
+    if let (Some(ws), Value::Object(source)) = (ws.as_object_mut(), source) {
+        ws.extend(source);
+    }
     if let Some(sa) = &spec.service_account_name {
         ws["serviceAccountName"] = json!(sa);
     }
@@ -677,8 +696,13 @@ async fn reconcile(stack: Arc<Stack>, ctx: Arc<StackContext>) -> Result<Action, 
         return Ok(Action::await_change());
     }
 
-    // 2. The source.
-    let (flux, commit, poll) = match resolve_source(&ctx, &stack, &namespace).await? {
+    // 2. The source (a sync the user asked for looks at the branch afresh).
+    let fresh = request.is_some() && request != before.observed_reconcile_request;
+    let stack_source::Resolved {
+        workspace_source,
+        commit,
+        poll,
+    } = match stack_source::resolve(&ctx, &stack, &namespace, fresh).await? {
         Ok(resolved) => resolved,
         Err((reason, message, requeue)) => {
             stalled(&mut status, generation, reason, &message);
@@ -701,7 +725,15 @@ async fn reconcile(stack: Arc<Stack>, ctx: Arc<StackContext>) -> Result<Action, 
             return Ok(Action::requeue(Duration::from_secs(60)));
         }
         return run_update(
-            &ctx, &stack, &namespace, &name, before, status, flux, commit, why,
+            &ctx,
+            &stack,
+            &namespace,
+            &name,
+            before,
+            status,
+            workspace_source,
+            commit,
+            why,
         )
         .await;
     }
@@ -769,12 +801,12 @@ async fn run_update(
     name: &str,
     before: StackStatus,
     mut status: StackStatus,
-    flux: Value,
+    workspace_source: Value,
     commit: String,
     why: String,
 ) -> Result<Action, StackError> {
     let generation = stack.metadata.generation;
-    let ws_spec = match workspace_spec(stack, namespace, flux) {
+    let ws_spec = match workspace_spec(stack, namespace, workspace_source) {
         Ok(s) => s,
         Err(message) => {
             ctx.event(
@@ -951,106 +983,6 @@ async fn run_update(
     );
     write_status(ctx, namespace, name, &before, &status).await?;
     Ok(Action::requeue(Duration::from_secs(300)))
-}
-
-/// Why a source cannot be used: (Stalled reason, message, requeue after).
-type SourceProblem = (&'static str, String, Option<Duration>);
-
-/// The stack's source as a Workspace `flux` source, its "commit" (the artifact digest, so a new
-/// artifact re-runs the stack even under the same revision), and how often to poll it (Flux
-/// objects are read, not watched).
-async fn resolve_source(
-    ctx: &StackContext,
-    stack: &Stack,
-    namespace: &str,
-) -> Result<Result<(Value, String, Option<Duration>), SourceProblem>, StackError> {
-    if stack.spec.project_repo.is_some() {
-        return Ok(Err((
-            "SpecInvalid",
-            "git sources (projectRepo) are not supported by pko-rs yet; use programRef or fluxSource".into(),
-            None,
-        )));
-    }
-    if let Some(source) = &stack.spec.flux_source {
-        let r = &source.source_ref;
-        let (group, version) = r
-            .api_version
-            .split_once('/')
-            .unwrap_or(("", r.api_version.as_str()));
-        // kube's own pluralization (GitRepository → gitrepositories), as discovery would say.
-        let resource = kube::api::ApiResource::from_gvk(&kube::api::GroupVersionKind::gvk(
-            group, version, &r.kind,
-        ));
-        let api: Api<kube::api::DynamicObject> =
-            Api::namespaced_with(ctx.client.clone(), namespace, &resource);
-        let object = match api.get_opt(&r.name).await {
-            Ok(o) => o,
-            Err(e) => {
-                return Ok(Err((
-                    "SourceUnavailable",
-                    format!("could not resolve sourceRef: {e}"),
-                    Some(Duration::from_secs(30)),
-                )));
-            }
-        };
-        let Some(object) = object else {
-            return Ok(Err((
-                "SourceUnavailable",
-                "could not resolve sourceRef".into(),
-                Some(Duration::from_secs(30)),
-            )));
-        };
-        let artifact = object
-            .data
-            .pointer("/status/artifact")
-            .cloned()
-            .unwrap_or(Value::Null);
-        let (Some(url), Some(digest)) = (artifact["url"].as_str(), artifact["digest"].as_str())
-        else {
-            return Ok(Err((
-                "SourceUnavailable",
-                "Flux source has no artifact".into(),
-                Some(Duration::from_secs(30)),
-            )));
-        };
-        let flux = json!({"url": url, "digest": digest, "dir": source.dir});
-        return Ok(Ok((flux, digest.to_owned(), Some(Duration::from_secs(60)))));
-    }
-    let Some(program_ref) = &stack.spec.program_ref else {
-        return Ok(Err((
-            "SpecInvalid",
-            "the stack has no source (programRef or fluxSource)".into(),
-            None,
-        )));
-    };
-    let program = Api::<Program>::namespaced(ctx.client.clone(), namespace)
-        .get_opt(&program_ref.name)
-        .await
-        .map_err(kube_err("reading the Program"))?;
-    let artifact = program
-        .as_ref()
-        .and_then(|p| p.status.as_ref())
-        .and_then(|s| serde_json::to_value(s).ok())
-        .and_then(|s| s.get("artifact").cloned())
-        .filter(|a| a.get("url").is_some() && a.get("digest").is_some());
-    let Some(artifact) = artifact else {
-        let message = if program.is_none() {
-            "unable to retrieve program for stack"
-        } else {
-            "Program has no artifact"
-        };
-        return Ok(Err((
-            "SourceUnavailable",
-            message.into(),
-            Some(Duration::from_secs(30)),
-        )));
-    };
-    let commit = artifact["digest"].as_str().unwrap_or_default().to_owned();
-    Ok(Ok((
-        json!({"url": artifact["url"], "digest": artifact["digest"]}),
-        commit,
-        None,
-    )))
 }
 
 /// PKO's prerequisite rules: each prerequisite stack exists and its last update, for its current
@@ -1264,7 +1196,9 @@ mod tests {
         s.spec.config.insert("greeting".into(), json!("hi"));
         s.spec.secrets.insert("pw".into(), "x".into());
         s.spec.use_local_stack_only = Some(true);
-        let ws = workspace_spec(&s, "ns", json!({"url": "u", "digest": "d"})).expect("spec");
+        let ws =
+            workspace_spec(&s, "ns", json!({"flux": {"url": "u", "digest": "d"}})).expect("spec");
+        assert_eq!(ws["flux"], json!({"url": "u", "digest": "d"}));
         assert_eq!(
             ws["env"][0],
             json!({"name": "PULUMI_BACKEND_URL", "value": "file:///state"})

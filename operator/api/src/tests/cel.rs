@@ -9,7 +9,8 @@ use serde_json::{Value, json};
 
 use super::support::{CRD_FILES, our_crd, schema, version_names, walk};
 use crate::stack::{
-    NAME_LENGTH_MESSAGE, NAME_LENGTH_RULE, SOURCE_EXCLUSIVITY_MESSAGE, SOURCE_EXCLUSIVITY_RULE,
+    GIT_REVISION_MESSAGE, GIT_REVISION_RULE, NAME_LENGTH_MESSAGE, NAME_LENGTH_RULE,
+    SOURCE_EXCLUSIVITY_MESSAGE, SOURCE_EXCLUSIVITY_RULE,
 };
 
 fn rules_at(file: &str, version: &str, path: &str) -> Vec<(String, String)> {
@@ -66,10 +67,16 @@ fn stack_sources_are_mutually_exclusive_in_both_versions() {
         let rules = rules_at("pulumi.com_stacks.yaml", version, ".spec");
         assert_eq!(
             rules,
-            [(
-                SOURCE_EXCLUSIVITY_RULE.to_owned(),
-                SOURCE_EXCLUSIVITY_MESSAGE.to_owned()
-            )],
+            [
+                (
+                    SOURCE_EXCLUSIVITY_RULE.to_owned(),
+                    SOURCE_EXCLUSIVITY_MESSAGE.to_owned()
+                ),
+                (
+                    GIT_REVISION_RULE.to_owned(),
+                    GIT_REVISION_MESSAGE.to_owned()
+                ),
+            ],
             "{version}"
         );
     }
@@ -165,6 +172,6 @@ fn every_rule_refers_to_existing_fields_and_does_not_iterate() {
             }
         }
     }
-    // Stack: source exclusivity in v1 and v1alpha1, name length in v1.
-    assert_eq!(count, 3, "expected 3 CEL rules in total");
+    // Stack: source exclusivity and git revision in v1 and v1alpha1, name length in v1.
+    assert_eq!(count, 5, "expected 5 CEL rules in total");
 }

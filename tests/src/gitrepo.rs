@@ -1,0 +1,215 @@
+//! A real git repository served over HTTP for git-source tests: commits are made with the real
+//! `git` CLI into a bare repository, which a small static file server on loopback serves the way
+//! git's "dumb" HTTP transport reads it (`info/refs`, `objects/…`, after
+//! `git update-server-info`). Both the operator's refs listing and the agent's `git` clone talk
+//! to it as to any git host. Optional basic auth checks that credentials travel.
+
+use std::path::{Component, Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+use crate::HarnessError;
+
+pub struct GitRepo {
+    work: PathBuf,
+    bare: PathBuf,
+    port: u16,
+    /// Requests served, by path (for asserting who fetched what).
+    log: Arc<std::sync::Mutex<Vec<String>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+fn git(dir: &Path, args: &[&str]) -> Result<String, HarnessError> {
+    let out = Command::new("git")
+        .arg("-C")
+        .arg(dir)
+        .args([
+            "-c",
+            "user.name=pko-tests",
+            "-c",
+            "user.email=tests@pko.invalid",
+        ])
+        .args(args)
+        .env("GIT_CONFIG_GLOBAL", "/dev/null")
+        .env("GIT_CONFIG_NOSYSTEM", "1")
+        .output()
+        .map_err(|e| HarnessError::io(format!("running git {}", args.join(" ")), e))?;
+    if !out.status.success() {
+        return Err(HarnessError::io(
+            format!("git {}", args.join(" ")),
+            std::io::Error::other(String::from_utf8_lossy(&out.stderr).into_owned()),
+        ));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+}
+
+impl GitRepo {
+    /// An empty repository (branch `main`) under `dir`, served on a free loopback port;
+    /// `basic_auth` (`user`, `password`) makes every request need those credentials.
+    pub async fn start(dir: &Path, basic_auth: Option<(&str, &str)>) -> Result<Self, HarnessError> {
+        let work = dir.join("work");
+        let bare = dir.join("repo.git");
+        std::fs::create_dir_all(&work)
+            .map_err(|e| HarnessError::io(format!("creating {}", work.display()), e))?;
+        git(&work, &["init", "-q", "-b", "main"])?;
+        git(dir, &["init", "-q", "--bare", "-b", "main", "repo.git"])?;
+        git(
+            &work,
+            &["remote", "add", "origin", &bare.display().to_string()],
+        )?;
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .map_err(|e| HarnessError::io("binding the git server", e))?;
+        let port = listener
+            .local_addr()
+            .map_err(|e| HarnessError::io("git server address", e))?
+            .port();
+        let expected = basic_auth.map(|(u, p)| {
+            use base64::Engine;
+            format!(
+                "Basic {}",
+                base64::engine::general_purpose::STANDARD.encode(format!("{u}:{p}"))
+            )
+        });
+        let log = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let task = tokio::spawn(serve(listener, bare.clone(), expected, log.clone()));
+        Ok(Self {
+            work,
+            bare,
+            port,
+            log,
+            task,
+        })
+    }
+
+    /// The clone URL.
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}/repo.git", self.port)
+    }
+
+    /// Writes `files` (path → content), commits them on `branch` and pushes; returns the SHA.
+    pub fn commit(&self, branch: &str, files: &[(&str, &str)]) -> Result<String, HarnessError> {
+        let current = git(&self.work, &["rev-parse", "--abbrev-ref", "HEAD"]).unwrap_or_default();
+        if current != branch {
+            // A new branch starts from the current commit; an existing one is checked out.
+            if git(&self.work, &["checkout", "-q", branch]).is_err() {
+                git(&self.work, &["checkout", "-q", "-b", branch])?;
+            }
+        }
+        for (path, content) in files {
+            let file = self.work.join(path);
+            if let Some(parent) = file.parent() {
+                std::fs::create_dir_all(parent)
+                    .map_err(|e| HarnessError::io(format!("creating {}", parent.display()), e))?;
+            }
+            std::fs::write(&file, content)
+                .map_err(|e| HarnessError::io(format!("writing {}", file.display()), e))?;
+        }
+        git(&self.work, &["add", "-A"])?;
+        git(
+            &self.work,
+            &["commit", "-q", "--allow-empty", "-m", "change"],
+        )?;
+        git(&self.work, &["push", "-q", "origin", branch])?;
+        git(&self.bare, &["update-server-info"])?;
+        git(&self.work, &["rev-parse", "HEAD"])
+    }
+
+    /// Paths requested so far.
+    pub fn requests(&self) -> Vec<String> {
+        self.log
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+}
+
+impl Drop for GitRepo {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn serve(
+    listener: TcpListener,
+    root: PathBuf,
+    auth: Option<String>,
+    log: Arc<std::sync::Mutex<Vec<String>>>,
+) {
+    while let Ok((mut conn, _)) = listener.accept().await {
+        let root = root.clone();
+        let auth = auth.clone();
+        let log = log.clone();
+        tokio::spawn(async move {
+            let mut head = Vec::new();
+            let mut buf = [0u8; 1024];
+            while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 64 * 1024 {
+                match conn.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => head.extend_from_slice(&buf[..n]),
+                }
+            }
+            let text = String::from_utf8_lossy(&head).into_owned();
+            let target = text
+                .lines()
+                .next()
+                .and_then(|l| l.split_whitespace().nth(1))
+                .unwrap_or("/")
+                .to_owned();
+            let authorized = auth.as_ref().is_none_or(|want| {
+                text.lines().any(|l| {
+                    l.split_once(':').is_some_and(|(k, v)| {
+                        k.eq_ignore_ascii_case("authorization") && v.trim() == want
+                    })
+                })
+            });
+            let path = target.split('?').next().unwrap_or("/").to_owned();
+            if let Ok(mut l) = log.lock() {
+                l.push(path.clone());
+            }
+            let response = if !authorized {
+                reply(401, "text/plain", b"unauthorized\n".to_vec(), true)
+            } else {
+                match file_under(&root, &path).and_then(|f| std::fs::read(f).ok()) {
+                    Some(body) => reply(200, "application/octet-stream", body, false),
+                    None => reply(404, "text/plain", b"not found\n".to_vec(), false),
+                }
+            };
+            let _ = conn.write_all(&response).await;
+            let _ = conn.shutdown().await;
+        });
+    }
+}
+
+/// `/repo.git/<rest>` → a file of the bare repository; nothing outside it.
+fn file_under(root: &Path, path: &str) -> Option<PathBuf> {
+    let rest = path.strip_prefix("/repo.git/")?;
+    let rel = Path::new(rest);
+    if rel.components().any(|c| !matches!(c, Component::Normal(_))) {
+        return None;
+    }
+    let file = root.join(rel);
+    file.is_file().then_some(file)
+}
+
+fn reply(status: u16, content_type: &str, body: Vec<u8>, challenge: bool) -> Vec<u8> {
+    let reason = match status {
+        200 => "OK",
+        401 => "Unauthorized",
+        _ => "Not Found",
+    };
+    let mut head = format!(
+        "HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n",
+        body.len()
+    );
+    if challenge {
+        head.push_str("WWW-Authenticate: Basic realm=\"git\"\r\n");
+    }
+    head.push_str("\r\n");
+    let mut out = head.into_bytes();
+    out.extend_from_slice(&body);
+    out
+}
