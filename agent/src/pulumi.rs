@@ -1,9 +1,10 @@
 //! Runs the `pulumi` CLI, the way the Automation API does: one process per command, with an
 //! engine event log (`--event-log`) tailed while an operation runs.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use serde_json::Value;
@@ -78,6 +79,8 @@ pub struct Cli {
     log_level: u32,
     state_dir: PathBuf,
     cancel_grace: Duration,
+    /// Variables pushed by the operator (`SetEnvironmentVariables`); shared by clones.
+    pushed: Arc<Mutex<BTreeMap<String, String>>>,
 }
 
 impl Cli {
@@ -91,7 +94,41 @@ impl Cli {
             log_level: 0,
             state_dir,
             cancel_grace: Duration::from_secs(60),
+            pushed: Arc::default(),
         }
+    }
+
+    /// Replaces the pushed variables; they apply to every later command, over `with_env`'s.
+    pub fn set_pushed_env(&self, env: BTreeMap<String, String>) {
+        *self.pushed.lock().unwrap_or_else(PoisonError::into_inner) = env;
+    }
+
+    /// A variable as commands see it: pushed, else from `with_env`, else the agent's own.
+    pub fn env_var(&self, name: &str) -> Option<String> {
+        let pushed = self
+            .pushed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(name)
+            .cloned();
+        pushed
+            .or_else(|| {
+                self.env
+                    .iter()
+                    .rev()
+                    .find(|(k, _)| k == name)
+                    .map(|(_, v)| v.clone())
+            })
+            .or_else(|| std::env::var(name).ok())
+    }
+
+    fn pushed_env(&self) -> Vec<(String, String)> {
+        self.pushed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
     }
 
     /// Variables added to every command (e.g. from the pod's `$PULUMI_ENV` file).
@@ -132,6 +169,7 @@ impl Cli {
             // `--event-log` is offered only with debug commands on (the Automation API sets it too).
             .env("PULUMI_DEBUG_COMMANDS", "true")
             .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .envs(self.pushed_env())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

@@ -528,12 +528,16 @@ struct Resolved {
     value: Value,
 }
 
-fn resolve_item(item: &pb::ConfigItem) -> Result<Resolved, Status> {
+/// `env` looks a variable up as a Pulumi command would see it.
+fn resolve_item(
+    item: &pb::ConfigItem,
+    env: impl Fn(&str) -> Option<String>,
+) -> Result<Resolved, Status> {
     let value = match &item.v {
         Some(config_item::V::Value(v)) => values::from_pb(v),
         Some(config_item::V::ValueFrom(from)) => {
             let raw = match &from.f {
-                Some(config_value_from::F::Env(name)) => std::env::var(name).map_err(|_| {
+                Some(config_value_from::F::Env(name)) => env(name).ok_or_else(|| {
                     Status::invalid_argument(format!(
                         "config {}: environment variable {name} is not set",
                         item.key
@@ -708,7 +712,7 @@ impl AutomationService for Agent {
             .into_inner()
             .config
             .iter()
-            .map(resolve_item)
+            .map(|item| resolve_item(item, |name| self.inner.cli.env_var(name)))
             .collect::<Result<Vec<_>, _>>()?;
         if items.is_empty() {
             return Ok(self.respond(pb::SetAllConfigResult {}));
@@ -745,6 +749,33 @@ impl AutomationService for Agent {
             .await
             .map_err(|e| to_status("config env add", e))?;
         Ok(self.respond(pb::AddEnvironmentsResult {}))
+    }
+
+    async fn set_environment_variables(
+        &self,
+        request: Request<pb::SetEnvironmentVariablesRequest>,
+    ) -> Result<Response<pb::SetEnvironmentVariablesResult>, Status> {
+        let env: std::collections::BTreeMap<String, String> =
+            request.into_inner().env.into_iter().collect();
+        if let Some(bad) = env
+            .keys()
+            .find(|k| k.is_empty() || k.contains('=') || k.contains('\0'))
+        {
+            return Err(Status::invalid_argument(format!(
+                "invalid environment variable name {bad:?}"
+            )));
+        }
+        if let Some((k, _)) = env.iter().find(|(_, v)| v.contains('\0')) {
+            return Err(Status::invalid_argument(format!(
+                "the value of {k} contains a NUL byte"
+            )));
+        }
+        // Waits for a running operation: its process keeps the variables it started with.
+        let _guard = self.inner.lock.lock().await;
+        let names: Vec<&String> = env.keys().collect();
+        info!(?names, "environment variables set");
+        self.inner.cli.set_pushed_env(env);
+        Ok(self.respond(pb::SetEnvironmentVariablesResult {}))
     }
 
     async fn install(

@@ -655,3 +655,110 @@ async fn a_git_branch_is_deployed_with_credentials_and_a_new_commit_redeploys() 
         repo.requests()
     );
 }
+
+#[tokio::test]
+async fn a_destroy_in_a_terminating_namespace_stalls_and_says_how_to_let_go() {
+    let plane = ControlPlane::shared().await;
+    let ns = plane.namespace("stack-ns-gone").await.expect("namespace");
+    let tmp = tempfile::tempdir().expect("tmp");
+    let backend = tmp.path().join("backend");
+    std::fs::create_dir_all(&backend).expect("backend");
+    let kubelet = Kubelet::start(plane.client(), &ns, &tmp.path().join("pods")).expect("kubelet");
+    let _operator = Operator::start(
+        plane,
+        OperatorOptions {
+            advertised: None,
+            args: vec![
+                format!("--watch-namespace={ns}"),
+                "--workspace-localhost=127.0.0.1".into(),
+            ],
+        },
+    )
+    .await
+    .expect("operator");
+    let programs: Api<Program> = Api::namespaced(plane.client(), &ns);
+    let p: Program = serde_json::from_value(json!({
+        "apiVersion": "pulumi.com/v1", "kind": "Program",
+        "metadata": {"name": "hello"}, "program": program("world"),
+    }))
+    .expect("program");
+    programs
+        .create(&PostParams::default(), &p)
+        .await
+        .expect("create program");
+    let stacks: Api<Stack> = Api::namespaced(plane.client(), &ns);
+    let stack: Stack = serde_json::from_value(json!({
+        "apiVersion": "pulumi.com/v1", "kind": "Stack", "metadata": {"name": "doomed"},
+        "spec": {
+            "stack": "dev", "programRef": {"name": "hello"},
+            "backend": format!("file://{}", backend.display()),
+            "envRefs": {"PULUMI_CONFIG_PASSPHRASE": {"type": "Literal", "literal": {"value": "pko-tests"}}},
+            "config": {"greeting": "hi"},
+            "destroyOnFinalize": true, "workspaceReclaimPolicy": "Delete",
+        },
+    }))
+    .expect("stack");
+    stacks
+        .create(&PostParams::default(), &stack)
+        .await
+        .expect("create stack");
+    let workspaces: Api<pko_api::workspace::Workspace> = Api::namespaced(plane.client(), &ns);
+    let deployed = wait_for("the stack deployed and its workspace reclaimed", WAIT, || async {
+        let status = stacks.get("doomed").await.ok()?.status?;
+        let ready = status
+            .conditions
+            .iter()
+            .any(|c| c.type_ == "Ready" && c.status == "True");
+        let gone = workspaces.get_opt("doomed").await.ok()?.is_none();
+        (ready && gone).then_some(())
+    })
+    .await;
+    if let Err(e) = deployed {
+        panic!(
+            "{e}: {:?}\n{}",
+            stacks.get("doomed").await.ok().and_then(|s| s.status),
+            kubelet.logs("doomed")
+        );
+    }
+
+    // The namespace goes (this plane has no namespace controller, so it stays Terminating and
+    // the test deletes the stack as that controller would).
+    let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(plane.client());
+    namespaces
+        .delete(&ns, &DeleteParams::default())
+        .await
+        .expect("delete namespace");
+    stacks
+        .delete("doomed", &DeleteParams::default())
+        .await
+        .expect("delete stack");
+    let message = wait_for("the stack to stall on the terminating namespace", WAIT, || async {
+        let status = stacks.get("doomed").await.ok()?.status?;
+        status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Stalled" && c.status == "True" && c.reason == "NamespaceTerminating")
+            .map(|c| c.message.clone())
+    })
+    .await
+    .expect("stalled");
+    assert!(
+        message.contains(&format!("namespace {ns} is being deleted"))
+            && message.contains(&format!("kubectl patch stack doomed -n {ns}")),
+        "{message}"
+    );
+    // The advice works: without the finalizer the stack goes.
+    stacks
+        .patch(
+            "doomed",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"finalizers": null}})),
+        )
+        .await
+        .expect("remove the finalizer");
+    wait_for("the stack to be gone", WAIT, || async {
+        stacks.get_opt("doomed").await.ok()?.is_none().then_some(())
+    })
+    .await
+    .expect("gone");
+}

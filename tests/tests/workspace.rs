@@ -231,6 +231,48 @@ async fn workspace_runs_the_agent_and_pushes_config_without_restarting_it() {
         "the pod was not restarted"
     );
 
+    // An env change is pushed too (PKO restarts the pod): a variable from a Secret that does not
+    // exist yet holds the workspace not ready, saying which; once it exists, config read from
+    // that variable reaches the stack, still without a restart.
+    api.patch(
+        "hello",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"spec": {
+            "env": [
+                {"name": "PULUMI_BACKEND_URL", "value": format!("file://{backend}")},
+                {"name": "PULUMI_CONFIG_PASSPHRASE", "value": "pko-tests"},
+                {"name": "GREETING", "valueFrom": {"secretKeyRef": {"name": "greeting", "key": "text"}}},
+            ],
+            "stacks": [{"name": "dev", "create": true, "config": [{"key": "greeting", "valueFrom": {"env": "GREETING"}}]}],
+        }})),
+    )
+    .await
+    .expect("patch env");
+    let message = wait_for("the missing Secret to be reported", WAIT, || async {
+        let (status, reason, message) = ready(&api.get("hello").await.ok()?)?;
+        (status == "False" && reason == "EnvironmentUnavailable").then_some(message)
+    })
+    .await
+    .expect("not ready");
+    assert!(message.contains("Secret greeting not found"), "{message}");
+    let secret: k8s_openapi::api::core::v1::Secret = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "greeting"},
+        "stringData": {"text": "from-a-secret"},
+    }))
+    .expect("secret");
+    Api::<k8s_openapi::api::core::v1::Secret>::namespaced(plane.client(), &env.ns)
+        .create(&PostParams::default(), &secret)
+        .await
+        .expect("create secret");
+    wait_ready(&api, "hello", 3, &env.kubelet).await;
+    let config = std::fs::read_to_string(&stack_config).expect("stack config");
+    assert!(config.contains("hello:greeting: from-a-secret"), "{config}");
+    assert_eq!(
+        env.kubelet.agent_pid("hello"),
+        Some(pid),
+        "an env change did not restart the pod"
+    );
+
     // A killed agent is restarted by the kubelet and initialized again.
     assert!(env.kubelet.kill_agent("hello"));
     wait_for("a new agent process", WAIT, || async {
@@ -238,7 +280,7 @@ async fn workspace_runs_the_agent_and_pushes_config_without_restarting_it() {
     })
     .await
     .expect("restarted");
-    wait_ready(&api, "hello", 2, &env.kubelet).await;
+    wait_ready(&api, "hello", 3, &env.kubelet).await;
 }
 
 #[tokio::test]

@@ -852,14 +852,27 @@ async fn run_update(
         "waiting for workspace readiness",
     );
     let workspaces: Api<Workspace> = Api::namespaced(ctx.client.clone(), namespace);
-    let applied = workspaces
+    let applied = match workspaces
         .patch(
             name,
             &PatchParams::apply(APPLY_MANAGER).force(),
             &Patch::Apply(&ws),
         )
         .await
-        .map_err(kube_err("applying the Workspace"))?;
+    {
+        Ok(applied) => applied,
+        Err(e) => {
+            return stall_if_namespace_terminating(
+                ctx,
+                stack,
+                (namespace, name),
+                (&before, status),
+                e,
+                "Workspace",
+            )
+            .await;
+        }
+    };
     let ws_status = applied.status.clone().unwrap_or_default();
     let ws_ready = ws_status.observed_generation == applied.metadata.generation
         && conditions::is_true(&ws_status.conditions, "Ready");
@@ -958,10 +971,17 @@ async fn run_update(
     }
     strip_nulls(&mut update);
     let update: Update = serde_json::from_value(update)?;
-    updates
-        .create(&PostParams::default(), &update)
-        .await
-        .map_err(kube_err("creating the Update"))?;
+    if let Err(e) = updates.create(&PostParams::default(), &update).await {
+        return stall_if_namespace_terminating(
+            ctx,
+            stack,
+            (namespace, name),
+            (&before, status),
+            e,
+            "Update",
+        )
+        .await;
+    }
     info!(stack = %name, update = %update_name, %why, "update created");
     ctx.event(stack, EventType::Normal, "StackUpdateDetected", why)
         .await;
@@ -983,6 +1003,53 @@ async fn run_update(
     );
     write_status(ctx, namespace, name, &before, &status).await?;
     Ok(Action::requeue(Duration::from_secs(300)))
+}
+
+/// A create refused because the namespace is being deleted (the apiserver's NamespaceLifecycle
+/// admission) stalls the stack with `NamespaceTerminating` and says how to let it go; any other
+/// error is returned. Objects that already exist keep working: a destroy whose Update was
+/// created before the namespace started terminating still runs.
+async fn stall_if_namespace_terminating(
+    ctx: &StackContext,
+    stack: &Stack,
+    (namespace, name): (&str, &str),
+    (before, mut status): (&StackStatus, StackStatus),
+    err: kube::Error,
+    kind: &str,
+) -> Result<Action, StackError> {
+    let forbidden = matches!(&err, kube::Error::Api(e) if e.code == 403);
+    let terminating = forbidden
+        && Api::<k8s_openapi::api::core::v1::Namespace>::all(ctx.client.clone())
+            .get_opt(namespace)
+            .await
+            .ok()
+            .flatten()
+            .is_some_and(|n| n.metadata.deletion_timestamp.is_some());
+    if !terminating {
+        let what = if kind == "Workspace" {
+            "applying the Workspace"
+        } else {
+            "creating the Update"
+        };
+        return Err(kube_err(what)(err));
+    }
+    let message = format!(
+        "namespace {namespace} is being deleted, so no {kind} can be created and the stack cannot be \
+         destroyed; to let the namespace go without a destroy, remove the finalizer: kubectl patch \
+         stack {name} -n {namespace} --type=merge -p '{{\"metadata\":{{\"finalizers\":null}}}}'"
+    );
+    if !conditions::is_true(&status.conditions, "Stalled") {
+        ctx.event(stack, EventType::Warning, "NamespaceTerminating", message.clone())
+            .await;
+    }
+    stalled(
+        &mut status,
+        stack.metadata.generation,
+        "NamespaceTerminating",
+        &message,
+    );
+    write_status(ctx, namespace, name, before, &status).await?;
+    Ok(Action::requeue(Duration::from_secs(30)))
 }
 
 /// PKO's prerequisite rules: each prerequisite stack exists and its last update, for its current

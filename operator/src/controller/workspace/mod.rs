@@ -8,6 +8,7 @@
 //! workspace run as root is refused with a Stalled condition; a failed init container (bad
 //! artifact digest, …) is reported in the Ready condition.
 
+pub mod env;
 pub mod merge;
 pub mod pod;
 
@@ -87,8 +88,8 @@ pub struct WorkspaceContext {
     pub agents: Arc<Agents>,
     pub settings: PodSettings,
     pub metrics: Metrics,
-    /// Workspace uid → (agent instance, generation) whose stacks were initialized.
-    initialized: Mutex<HashMap<String, (String, i64)>>,
+    /// Workspace uid → what its agent was last initialized with.
+    initialized: Mutex<HashMap<String, Initialized>>,
 }
 
 impl WorkspaceContext {
@@ -115,7 +116,7 @@ impl WorkspaceContext {
         }
     }
 
-    fn initialized_for(&self, uid: &str) -> Option<(String, i64)> {
+    fn initialized_for(&self, uid: &str) -> Option<Initialized> {
         self.initialized
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -123,7 +124,7 @@ impl WorkspaceContext {
             .cloned()
     }
 
-    fn set_initialized(&self, uid: &str, value: Option<(String, i64)>) {
+    fn set_initialized(&self, uid: &str, value: Option<Initialized>) {
         let mut map = self
             .initialized
             .lock()
@@ -284,6 +285,15 @@ pub fn to_pb_item(item: &ConfigItem) -> pb::ConfigItem {
         v,
         secret: item.secret,
     }
+}
+
+/// What an agent was told: it is told again when any part changes (a restarted agent has a new
+/// instance id and remembers nothing).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Initialized {
+    instance: String,
+    generation: i64,
+    env_digest: String,
 }
 
 /// Selects and configures every stack of the workspace.
@@ -556,10 +566,51 @@ async fn reconcile_inner(ws: &Workspace, ctx: &WorkspaceContext) -> Result<Actio
         return Ok(Action::await_change());
     }
 
+    let pushed_env = match env::resolve(&ctx.client, &namespace, &ws.spec.env).await {
+        Ok(e) => e,
+        Err(message) => {
+            // Like a pod whose Secret is missing: not ready until it appears.
+            conditions::set(
+                &mut status.conditions,
+                READY,
+                false,
+                "EnvironmentUnavailable",
+                &message,
+                generation,
+            );
+            write_status(ctx, &namespace, &name, &before, &status).await?;
+            return Ok(Action::requeue(Duration::from_secs(15)));
+        }
+    };
     let done = ctx.initialized_for(&uid);
     let generation_value = generation.unwrap_or(0);
-    if done.as_ref() != Some(&(instance.clone(), generation_value)) {
-        let fresh_agent = done.as_ref().is_none_or(|(i, _)| *i != instance);
+    let wanted = Initialized {
+        instance: instance.clone(),
+        generation: generation_value,
+        env_digest: env::digest(&pushed_env),
+    };
+    if done.as_ref() != Some(&wanted) {
+        let fresh_agent = done.as_ref().is_none_or(|d| d.instance != instance);
+        // First, as every later command (install, stack selection) may need it.
+        if let Err(s) = client
+            .set_environment_variables(pb::SetEnvironmentVariablesRequest {
+                env: pushed_env.clone().into_iter().collect(),
+            })
+            .await
+        {
+            ctx.agents.forget(&name, &namespace);
+            let message = format!("Failed to set the environment: {}", s.message());
+            conditions::set(
+                &mut status.conditions,
+                READY,
+                false,
+                "InitializationFailed",
+                &message,
+                generation,
+            );
+            write_status(ctx, &namespace, &name, &before, &status).await?;
+            return Ok(Action::requeue(Duration::from_secs(5)));
+        }
         if fresh_agent && let Err(s) = client.install(pb::InstallRequest {}).await {
             let message = format!("Installation failed: {}", s.message());
             ctx.event(
@@ -615,13 +666,13 @@ async fn reconcile_inner(ws: &Workspace, ctx: &WorkspaceContext) -> Result<Actio
             write_status(ctx, &namespace, &name, &before, &status).await?;
             return Ok(Action::requeue(Duration::from_secs(60)));
         }
-        ctx.set_initialized(&uid, Some((instance.clone(), generation_value)));
+        ctx.set_initialized(&uid, Some(wanted));
         info!(%instance, generation = generation_value, "workspace initialized");
         let note = if fresh_agent {
             format!("Initialized workspace pod {}-0", pod::workload_name(&name))
         } else {
             format!(
-                "Configured the stacks of generation {generation_value} without restarting the pod"
+                "Configured the environment and stacks of generation {generation_value} without restarting the pod"
             )
         };
         ctx.event(ws, EventType::Normal, "Initialized", note).await;

@@ -278,9 +278,11 @@ pub fn desired_statefulset(
     if let Some(level) = spec.pulumi_log_level.filter(|l| *l > 0) {
         command.push(format!("--pulumi-log-level={level}"));
     }
+    // The rest of `env` is pushed to the agent (see `env.rs`): changing it restarts nothing.
     let mut pulumi_env: Vec<Value> = spec
         .env
         .iter()
+        .filter(|v| !super::env::is_pushed(v))
         .map(serde_json::to_value)
         .collect::<Result<_, _>>()?;
     pulumi_env.push(json!({"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}));
@@ -522,14 +524,24 @@ mod tests {
         let p = pod(json!({
             "image": "test/pulumi:v3.42.0",
             "serviceAccountName": "test",
-            "env": [{"name": "FOO", "value": "BAR"}],
+            "env": [
+                {"name": "FOO", "value": "BAR"},
+                {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+            ],
             "envFrom": [{"configMapRef": {"name": "test"}}],
             "resources": {"requests": {"cpu": "1", "memory": "1Gi"}},
         }));
         let pulumi = container(&p, "containers", "pulumi");
         assert_eq!(pulumi["image"], "test/pulumi:v3.42.0");
         assert_eq!(p["serviceAccountName"], "test");
-        assert_eq!(env_of(pulumi, "FOO").as_deref(), Some("BAR"));
+        // PKO puts FOO on the container; here it is pushed to the agent (no restart on change),
+        // and only what the kubelet must resolve stays.
+        assert_eq!(env_of(pulumi, "FOO"), None);
+        assert!(
+            pulumi["env"]
+                .as_array()
+                .is_some_and(|e| e.iter().any(|v| v["name"] == "NODE"))
+        );
         assert_eq!(pulumi["envFrom"][0]["configMapRef"]["name"], "test");
         assert_eq!(
             pulumi["resources"],
