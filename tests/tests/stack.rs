@@ -703,15 +703,19 @@ async fn a_destroy_in_a_terminating_namespace_stalls_and_says_how_to_let_go() {
         .await
         .expect("create stack");
     let workspaces: Api<pko_api::workspace::Workspace> = Api::namespaced(plane.client(), &ns);
-    let deployed = wait_for("the stack deployed and its workspace reclaimed", WAIT, || async {
-        let status = stacks.get("doomed").await.ok()?.status?;
-        let ready = status
-            .conditions
-            .iter()
-            .any(|c| c.type_ == "Ready" && c.status == "True");
-        let gone = workspaces.get_opt("doomed").await.ok()?.is_none();
-        (ready && gone).then_some(())
-    })
+    let deployed = wait_for(
+        "the stack deployed and its workspace reclaimed",
+        WAIT,
+        || async {
+            let status = stacks.get("doomed").await.ok()?.status?;
+            let ready = status
+                .conditions
+                .iter()
+                .any(|c| c.type_ == "Ready" && c.status == "True");
+            let gone = workspaces.get_opt("doomed").await.ok()?.is_none();
+            (ready && gone).then_some(())
+        },
+    )
     .await;
     if let Err(e) = deployed {
         panic!(
@@ -732,14 +736,20 @@ async fn a_destroy_in_a_terminating_namespace_stalls_and_says_how_to_let_go() {
         .delete("doomed", &DeleteParams::default())
         .await
         .expect("delete stack");
-    let message = wait_for("the stack to stall on the terminating namespace", WAIT, || async {
-        let status = stacks.get("doomed").await.ok()?.status?;
-        status
-            .conditions
-            .iter()
-            .find(|c| c.type_ == "Stalled" && c.status == "True" && c.reason == "NamespaceTerminating")
-            .map(|c| c.message.clone())
-    })
+    let message = wait_for(
+        "the stack to stall on the terminating namespace",
+        WAIT,
+        || async {
+            let status = stacks.get("doomed").await.ok()?.status?;
+            status
+                .conditions
+                .iter()
+                .find(|c| {
+                    c.type_ == "Stalled" && c.status == "True" && c.reason == "NamespaceTerminating"
+                })
+                .map(|c| c.message.clone())
+        },
+    )
     .await
     .expect("stalled");
     assert!(

@@ -1039,8 +1039,13 @@ async fn stall_if_namespace_terminating(
          stack {name} -n {namespace} --type=merge -p '{{\"metadata\":{{\"finalizers\":null}}}}'"
     );
     if !conditions::is_true(&status.conditions, "Stalled") {
-        ctx.event(stack, EventType::Warning, "NamespaceTerminating", message.clone())
-            .await;
+        ctx.event(
+            stack,
+            EventType::Warning,
+            "NamespaceTerminating",
+            message.clone(),
+        )
+        .await;
     }
     stalled(
         &mut status,

@@ -139,7 +139,10 @@ mod tests {
             required("A", "Secret", "s", "k", None, Some(None)),
             Err("env A: Secret s has no key \"k\"".into())
         );
-        assert_eq!(required("A", "Secret", "s", "k", Some(true), None), Ok(None));
+        assert_eq!(
+            required("A", "Secret", "s", "k", Some(true), None),
+            Ok(None)
+        );
     }
 
     #[test]
