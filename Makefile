@@ -19,6 +19,12 @@ export PKO_POLICY_BUNDLE ?= $(CACHE_DIR)/policies/policies.tar.gz
 PLUGINS_TARGET_DIR ?= $(CACHE_DIR)/plugins-target
 export PKO_PLUGINS_DIR ?= $(PLUGINS_TARGET_DIR)/wasm32-wasip2/release
 CARGO ?= cargo
+# The workspace agent is linked statically (musl), so it runs in any image with the pulumi CLI.
+# ring's C code is built with the host C compiler; it needs no libc headers of the target.
+AGENT_TARGET := x86_64-unknown-linux-musl
+export CC_x86_64_unknown_linux_musl ?= gcc
+# The static agent `make test` and `make run` give the harness's kubelet and agent tests.
+export PKO_AGENT_BINARY ?= $(CARGO_TARGET_DIR)/$(AGENT_TARGET)/debug/pko-agent
 
 .PHONY: help
 help: ## list targets
@@ -50,8 +56,16 @@ plugins: toolchain ## build the transform plugins and hostile test guests (wasm3
 	cd plugins && CARGO_TARGET_DIR=$(PLUGINS_TARGET_DIR) $(CARGO) build --release --target wasm32-wasip2
 
 .PHONY: build
-build: toolchain ## build every crate and test (debug)
+build: toolchain agent-static ## build every crate and test (debug)
 	$(CARGO) build --workspace --all-targets
+
+.PHONY: agent-target
+agent-target: toolchain
+	@rustup target list --installed | grep -qx $(AGENT_TARGET) || rustup target add $(AGENT_TARGET)
+
+.PHONY: agent-static
+agent-static: agent-target ## the workspace agent as a static binary (debug), which the tests run
+	$(CARGO) build -p pko-agent --bin pko-agent --target $(AGENT_TARGET)
 
 .PHONY: lint
 lint: toolchain ## rustfmt and clippy, warnings are errors
@@ -79,10 +93,11 @@ bench: tools plugins policies ## benchmarks (release build, own target dir); res
 DIST_DIR ?= dist
 
 .PHONY: dist
-dist: ## release binaries the container image ships, into $(DIST_DIR)/
-	$(CARGO) build --locked --release -p pko-operator --bin pko-operator -p pko-agent --bin pko-agent
+dist: agent-target ## release binaries the container image ships, into $(DIST_DIR)/
+	$(CARGO) build --locked --release -p pko-operator --bin pko-operator
+	$(CARGO) build --locked --release -p pko-agent --bin pko-agent --target $(AGENT_TARGET)
 	install -D -m 0755 $(CARGO_TARGET_DIR)/release/pko-operator $(DIST_DIR)/pko-operator
-	install -D -m 0755 $(CARGO_TARGET_DIR)/release/pko-agent $(DIST_DIR)/pko-agent
+	install -D -m 0755 $(CARGO_TARGET_DIR)/$(AGENT_TARGET)/release/pko-agent $(DIST_DIR)/pko-agent
 
 .PHONY: dist-policies
 dist-policies: ## the admission policy bundle the container image ships, into $(DIST_DIR)/

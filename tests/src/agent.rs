@@ -43,9 +43,55 @@ pub fn kill_marked(marker: &str) {
     }
 }
 
-/// The `pko-agent` binary from the same target folder as the running test.
+/// Names the agent binary to run; `make test` sets it to the static (musl) build, the one the
+/// image ships.
+pub const AGENT_BINARY_ENV: &str = "PKO_AGENT_BINARY";
+
+/// The `pko-agent` binary: `$PKO_AGENT_BINARY`, else the one from the same target folder as the
+/// running test.
 pub fn agent_binary() -> Result<PathBuf, HarnessError> {
-    sibling_binary("pko-agent")
+    match std::env::var_os(AGENT_BINARY_ENV) {
+        Some(path) => {
+            let path = PathBuf::from(path);
+            if path.is_file() {
+                Ok(path)
+            } else {
+                Err(HarnessError::Missing {
+                    what: format!(
+                        "{} (named by {AGENT_BINARY_ENV}); run `make agent-static`",
+                        path.display()
+                    ),
+                })
+            }
+        }
+        None => sibling_binary("pko-agent"),
+    }
+}
+
+/// Whether the ELF file at `path` asks for a dynamic loader (a `PT_INTERP` program header).
+pub fn needs_dynamic_loader(path: &Path) -> Result<bool, HarnessError> {
+    let bytes = std::fs::read(path)
+        .map_err(|e| HarnessError::io(format!("reading {}", path.display()), e))?;
+    let bad = || HarnessError::Missing {
+        what: format!("an ELF64 little-endian file at {}", path.display()),
+    };
+    if bytes.len() < 64 || &bytes[..4] != b"\x7fELF" || bytes[4] != 2 || bytes[5] != 1 {
+        return Err(bad());
+    }
+    let u16_at = |o: usize| u16::from_le_bytes([bytes[o], bytes[o + 1]]) as usize;
+    let mut off = [0u8; 8];
+    off.copy_from_slice(&bytes[0x20..0x28]);
+    let phoff = u64::from_le_bytes(off) as usize;
+    let (entry_size, count) = (u16_at(0x36), u16_at(0x38));
+    const PT_INTERP: u32 = 3;
+    for i in 0..count {
+        let at = phoff + i * entry_size;
+        let header = bytes.get(at..at + 4).ok_or_else(bad)?;
+        if u32::from_le_bytes([header[0], header[1], header[2], header[3]]) == PT_INTERP {
+            return Ok(true);
+        }
+    }
+    Ok(false)
 }
 
 pub(crate) fn sibling_binary(name: &str) -> Result<PathBuf, HarnessError> {

@@ -554,3 +554,24 @@ async fn a_disconnected_client_cancels_its_operation_and_frees_the_workspace() {
         agent.log_text()
     );
 }
+
+/// The agent runs inside any image that has the pulumi CLI (Debian, Alpine, distroless…), so it
+/// must not need a dynamic loader. `make test` points `PKO_AGENT_BINARY` at the static build, the
+/// one every test here (and the image) runs.
+#[test]
+fn the_agent_under_test_is_statically_linked() {
+    let binary = agent_binary().expect("agent binary");
+    assert!(
+        std::env::var_os(pko_tests::agent::AGENT_BINARY_ENV).is_some(),
+        "{} is not set: run the tests with `make test` (it builds the static agent)",
+        pko_tests::agent::AGENT_BINARY_ENV
+    );
+    assert!(
+        !pko_tests::agent::needs_dynamic_loader(&binary).expect("an ELF file"),
+        "{} needs a dynamic loader",
+        binary.display()
+    );
+    // A dynamically linked executable is told apart, so the check above can fail.
+    let dynamic = std::env::current_exe().expect("this test binary");
+    assert!(pko_tests::agent::needs_dynamic_loader(&dynamic).expect("an ELF file"));
+}
