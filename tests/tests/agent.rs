@@ -575,3 +575,89 @@ fn the_agent_under_test_is_statically_linked() {
     let dynamic = std::env::current_exe().expect("this test binary");
     assert!(pko_tests::agent::needs_dynamic_loader(&dynamic).expect("an ELF file"));
 }
+
+const STRUCTURED_PROGRAM: &str = r#"name: shapes
+runtime: yaml
+configuration:
+  settings:
+    type: Object
+  replicas:
+    type: Number
+  tags:
+    type: List<String>
+outputs:
+  settings: ${settings}
+  replicas: ${replicas}
+  tags: ${tags}
+"#;
+
+/// Structured values (objects, lists, numbers) reach the program typed, by value and from a
+/// file read as JSON, through the real CLI (`config set-all --json`).
+#[tokio::test]
+async fn structured_config_reaches_the_program_typed() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let ws = tmp.path().join("workspace");
+    project(&ws, STRUCTURED_PROGRAM);
+    std::fs::write(tmp.path().join("replicas.json"), "3").expect("file");
+    let agent = AgentProcess::start(AgentOptions {
+        workspace: ws.clone(),
+        state: tmp.path().to_path_buf(),
+        tls: false,
+        token: Some("tok".into()),
+    })
+    .await
+    .expect("agent");
+    let mut client = agent.client().await.expect("client");
+    client
+        .select_stack(pb::SelectStackRequest {
+            stack_name: "dev".into(),
+            create: Some(true),
+            secrets_provider: None,
+        })
+        .await
+        .expect("select");
+    let value = |key: &str, v: Value| pb::ConfigItem {
+        key: key.into(),
+        path: None,
+        v: Some(config_item::V::Value(pko_agent::values::to_pb(&v))),
+        secret: None,
+    };
+    client
+        .set_all_config(pb::SetAllConfigRequest {
+            config: vec![
+                value("settings", json!({"size": "large", "ports": [80, 443]})),
+                value("tags", json!(["a", "b"])),
+                pb::ConfigItem {
+                    key: "replicas".into(),
+                    path: None,
+                    v: Some(config_item::V::ValueFrom(pb::ConfigValueFrom {
+                        f: Some(pko_agent::proto::config_value_from::F::Path(
+                            tmp.path().join("replicas.json").display().to_string(),
+                        )),
+                        json: Some(true),
+                    })),
+                    secret: None,
+                },
+            ],
+        })
+        .await
+        .expect("structured config");
+    let up = client
+        .up(pb::UpRequest::default())
+        .await
+        .expect("up")
+        .into_inner();
+    let (_, result) = drain(up, |_: &pb::UpStream| None::<Value>)
+        .await
+        .expect("up stream");
+    let Some(pb::up_stream::Response::Result(up)) = result.response else {
+        panic!("up result: {}", agent.log_text())
+    };
+    let output = |k: &str| serde_json::from_slice::<Value>(&up.outputs[k].value).expect("json");
+    assert_eq!(
+        output("settings"),
+        json!({"size": "large", "ports": [80, 443]})
+    );
+    assert_eq!(output("replicas"), json!(3));
+    assert_eq!(output("tags"), json!(["a", "b"]));
+}
