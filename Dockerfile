@@ -27,12 +27,21 @@ RUN --mount=type=cache,target=/go/pkg/mod \
     --mount=type=cache,target=/cache \
     make dist-policies CACHE_DIR=/cache DIST_DIR=/out
 
+FROM ${RUST_IMAGE} AS plugins
+WORKDIR /src
+COPY . .
+RUN --mount=type=cache,target=/usr/local/cargo/registry \
+    --mount=type=cache,target=/cache \
+    make dist-plugins CACHE_DIR=/cache DIST_DIR=/out
+
 FROM ${RUNTIME_IMAGE}
 COPY --from=build /out/pko-operator /usr/local/bin/pko-operator
 # The workspace agent ships in the same image, as PKO's does.
 COPY --from=build /out/pko-agent /usr/local/bin/pko-agent
 # The admission policies (`opa build -t wasm`), loaded with --policy-bundle.
 COPY --from=policies /out/policies.tar.gz /usr/local/share/pko-rs/policies.tar.gz
+# Example transform plugins (wasm32-wasip2 components), for `file://` module sources.
+COPY --from=plugins /out/plugins/default_tags.wasm /out/plugins/naming_policy.wasm /out/plugins/resource_allowlist.wasm /usr/local/share/pko-rs/plugins/
 # Numeric, so `runAsNonRoot` can verify it; the operator writes no files, so the root
 # filesystem can be (and in deploy/ is) read-only.
 USER 65532:65532

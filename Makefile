@@ -33,11 +33,14 @@ help: ## list targets
 .PHONY: toolchain
 toolchain: ## check the Rust toolchain (rust-toolchain.toml pins it; rustup installs it)
 	@command -v cargo >/dev/null || { echo "cargo not found: install rustup first" >&2; exit 1; }
-	@command -v go >/dev/null || { echo "go not found: Go 1.26 is needed to build tools/" >&2; exit 1; }
 	@rustup show active-toolchain >/dev/null
 
+.PHONY: go-toolchain
+go-toolchain:
+	@command -v go >/dev/null || { echo "go not found: Go 1.26 is needed to build tools/" >&2; exit 1; }
+
 .PHONY: tools
-tools: toolchain ## build kube-apiserver, etcd, kubectl, opa, pulumi (+ YAML host) from Go modules into $(PKO_TOOLS_CACHE)
+tools: toolchain go-toolchain ## build kube-apiserver, etcd, kubectl, opa, pulumi (+ YAML host) from Go modules into $(PKO_TOOLS_CACHE)
 	tools/build.sh kube
 	tools/build.sh opa
 	tools/build.sh pulumi
@@ -103,6 +106,14 @@ dist: agent-target ## release binaries the container image ships, into $(DIST_DI
 dist-policies: ## the admission policy bundle the container image ships, into $(DIST_DIR)/
 	tools/policies.sh $(CACHE_DIR)/policies/dist.tar.gz
 	install -D -m 0644 $(CACHE_DIR)/policies/dist.tar.gz $(DIST_DIR)/policies.tar.gz
+
+# The example transform plugins the image ships (built like `make plugins`; the hostile test
+# guests stay out). ProgramTransforms load them with `file:///usr/local/share/pko-rs/plugins/…`.
+.PHONY: dist-plugins
+dist-plugins: plugins ## the example transform plugins the container image ships, into $(DIST_DIR)/plugins/
+	install -D -m 0644 $(PKO_PLUGINS_DIR)/default_tags.wasm $(DIST_DIR)/plugins/default_tags.wasm
+	install -D -m 0644 $(PKO_PLUGINS_DIR)/naming_policy.wasm $(DIST_DIR)/plugins/naming_policy.wasm
+	install -D -m 0644 $(PKO_PLUGINS_DIR)/resource_allowlist.wasm $(DIST_DIR)/plugins/resource_allowlist.wasm
 
 .PHONY: clean-cache
 clean-cache: ## remove built tools and the Rust target dir

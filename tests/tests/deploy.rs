@@ -146,6 +146,28 @@ async fn kustomize_renders_a_complete_consistent_install() {
     assert_eq!(strings(&security["capabilities"]["drop"]), ["ALL"]);
     let args = strings(&container["args"]);
     assert!(args.contains(&"--leader-elect"), "{args:?}");
+    // The operator knows every flag the Deployment passes (clap refuses an unknown one before
+    // it reaches `--help`).
+    let parsed = Command::new(pko_tests::operator::operator_binary().expect("operator binary"))
+        .args(&args)
+        .arg("--help")
+        .output()
+        .expect("run the operator");
+    assert!(
+        parsed.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&parsed.stderr)
+    );
+    // Read-only root filesystem: the plugin cache is the one writable mount.
+    let cache_dir = args
+        .iter()
+        .find_map(|a| a.strip_prefix("--plugin-cache-dir="))
+        .expect("--plugin-cache-dir");
+    let mounts = container["volumeMounts"].as_array().expect("volumeMounts");
+    assert!(
+        mounts.iter().any(|m| m["mountPath"] == cache_dir),
+        "{mounts:?}"
+    );
     for probe in ["livenessProbe", "readinessProbe"] {
         assert!(container[probe]["httpGet"]["path"].is_string(), "{probe}");
     }
@@ -482,7 +504,12 @@ fn make_dry_run(target: &str, vars: &[String]) -> String {
         .arg(target)
         .args(vars)
         .env_remove("CARGO_TARGET_DIR")
-        .env_remove("MAKEFLAGS");
+        .env_remove("MAKEFLAGS")
+        // As in an image build: nothing from the developer's environment.
+        .env_remove("PKO_PLUGINS_DIR")
+        .env_remove("PKO_POLICY_BUNDLE")
+        .env_remove("PKO_TOOLS_CACHE")
+        .env_remove("PKO_AGENT_BINARY");
     run(cmd, &format!("make -n {target}"))
 }
 
