@@ -23,15 +23,25 @@ fn program(message: &str) -> Value {
     })
 }
 
-#[tokio::test]
-async fn program_to_stack_ready_with_outputs_then_edit_then_destroy_on_delete() {
+/// One test's world: a namespace, a file backend, the harness as kubelet and an operator
+/// watching that namespace (fields are kept alive until the test ends).
+struct Env {
+    plane: &'static ControlPlane,
+    ns: String,
+    tmp: tempfile::TempDir,
+    backend: std::path::PathBuf,
+    kubelet: Kubelet,
+    _operator: Operator,
+}
+
+async fn env(prefix: &str) -> Env {
     let plane = ControlPlane::shared().await;
-    let ns = plane.namespace("stack-e2e").await.expect("namespace");
+    let ns = plane.namespace(prefix).await.expect("namespace");
     let tmp = tempfile::tempdir().expect("tmp");
     let backend = tmp.path().join("backend");
     std::fs::create_dir_all(&backend).expect("backend");
     let kubelet = Kubelet::start(plane.client(), &ns, &tmp.path().join("pods")).expect("kubelet");
-    let _operator = Operator::start(
+    let operator = Operator::start(
         plane,
         OperatorOptions {
             advertised: None,
@@ -43,6 +53,26 @@ async fn program_to_stack_ready_with_outputs_then_edit_then_destroy_on_delete() 
     )
     .await
     .expect("operator");
+    Env {
+        plane,
+        ns,
+        tmp,
+        backend,
+        kubelet,
+        _operator: operator,
+    }
+}
+
+#[tokio::test]
+async fn program_to_stack_ready_with_outputs_then_edit_then_destroy_on_delete() {
+    let Env {
+        plane,
+        ns,
+        tmp: _tmp,
+        backend,
+        kubelet,
+        _operator,
+    } = env("stack-e2e").await;
 
     let programs: Api<Program> = Api::namespaced(plane.client(), &ns);
     let p: Program = serde_json::from_value(json!({
@@ -187,24 +217,14 @@ async fn program_to_stack_ready_with_outputs_then_edit_then_destroy_on_delete() 
 #[tokio::test]
 async fn invalid_sources_and_references_stall_with_a_clear_reason_and_reclaim_deletes_the_workspace()
  {
-    let plane = ControlPlane::shared().await;
-    let ns = plane.namespace("stack-stall").await.expect("namespace");
-    let tmp = tempfile::tempdir().expect("tmp");
-    let backend = tmp.path().join("backend");
-    std::fs::create_dir_all(&backend).expect("backend");
-    let kubelet = Kubelet::start(plane.client(), &ns, &tmp.path().join("pods")).expect("kubelet");
-    let _operator = Operator::start(
+    let Env {
         plane,
-        OperatorOptions {
-            advertised: None,
-            args: vec![
-                format!("--watch-namespace={ns}"),
-                "--workspace-localhost=127.0.0.1".into(),
-            ],
-        },
-    )
-    .await
-    .expect("operator");
+        ns,
+        tmp: _tmp,
+        backend,
+        kubelet,
+        _operator,
+    } = env("stack-stall").await;
     let programs: Api<Program> = Api::namespaced(plane.client(), &ns);
     let p: Program = serde_json::from_value(json!({
         "apiVersion": "pulumi.com/v1", "kind": "Program",
@@ -395,25 +415,15 @@ async fn install_flux_crd(client: kube::Client) {
 
 #[tokio::test]
 async fn a_flux_source_object_is_fetched_verified_and_deployed() {
-    let plane = ControlPlane::shared().await;
-    install_flux_crd(plane.client()).await;
-    let ns = plane.namespace("stack-flux").await.expect("namespace");
-    let tmp = tempfile::tempdir().expect("tmp");
-    let backend = tmp.path().join("backend");
-    std::fs::create_dir_all(&backend).expect("backend");
-    let kubelet = Kubelet::start(plane.client(), &ns, &tmp.path().join("pods")).expect("kubelet");
-    let _operator = Operator::start(
+    install_flux_crd(ControlPlane::shared().await.client()).await;
+    let Env {
         plane,
-        OperatorOptions {
-            advertised: None,
-            args: vec![
-                format!("--watch-namespace={ns}"),
-                "--workspace-localhost=127.0.0.1".into(),
-            ],
-        },
-    )
-    .await
-    .expect("operator");
+        ns,
+        tmp: _tmp,
+        backend,
+        kubelet,
+        _operator,
+    } = env("stack-flux").await;
     // Any Flux-style artifact will do: a Program's, served by the operator.
     let programs: Api<Program> = Api::namespaced(plane.client(), &ns);
     let p: Program = serde_json::from_value(json!({
@@ -503,30 +513,20 @@ fn git_program(message: &str) -> String {
 
 #[tokio::test]
 async fn a_git_branch_is_deployed_with_credentials_and_a_new_commit_redeploys() {
-    let plane = ControlPlane::shared().await;
-    let ns = plane.namespace("stack-git").await.expect("namespace");
-    let tmp = tempfile::tempdir().expect("tmp");
-    let backend = tmp.path().join("backend");
-    std::fs::create_dir_all(&backend).expect("backend");
+    let Env {
+        plane,
+        ns,
+        tmp,
+        backend,
+        kubelet,
+        _operator,
+    } = env("stack-git").await;
     let repo = GitRepo::start(&tmp.path().join("git"), Some(("pko", "s3cret")))
         .await
         .expect("git repo");
     let first = repo
         .commit("main", &[("app/Pulumi.yaml", &git_program("one"))])
         .expect("first commit");
-    let kubelet = Kubelet::start(plane.client(), &ns, &tmp.path().join("pods")).expect("kubelet");
-    let _operator = Operator::start(
-        plane,
-        OperatorOptions {
-            advertised: None,
-            args: vec![
-                format!("--watch-namespace={ns}"),
-                "--workspace-localhost=127.0.0.1".into(),
-            ],
-        },
-    )
-    .await
-    .expect("operator");
     let secrets: Api<k8s_openapi::api::core::v1::Secret> = Api::namespaced(plane.client(), &ns);
     let creds: k8s_openapi::api::core::v1::Secret = serde_json::from_value(json!({
         "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "git-creds"},
@@ -658,24 +658,14 @@ async fn a_git_branch_is_deployed_with_credentials_and_a_new_commit_redeploys() 
 
 #[tokio::test]
 async fn a_destroy_in_a_terminating_namespace_stalls_and_says_how_to_let_go() {
-    let plane = ControlPlane::shared().await;
-    let ns = plane.namespace("stack-ns-gone").await.expect("namespace");
-    let tmp = tempfile::tempdir().expect("tmp");
-    let backend = tmp.path().join("backend");
-    std::fs::create_dir_all(&backend).expect("backend");
-    let kubelet = Kubelet::start(plane.client(), &ns, &tmp.path().join("pods")).expect("kubelet");
-    let _operator = Operator::start(
+    let Env {
         plane,
-        OperatorOptions {
-            advertised: None,
-            args: vec![
-                format!("--watch-namespace={ns}"),
-                "--workspace-localhost=127.0.0.1".into(),
-            ],
-        },
-    )
-    .await
-    .expect("operator");
+        ns,
+        tmp: _tmp,
+        backend,
+        kubelet,
+        _operator,
+    } = env("stack-ns-gone").await;
     let programs: Api<Program> = Api::namespaced(plane.client(), &ns);
     let p: Program = serde_json::from_value(json!({
         "apiVersion": "pulumi.com/v1", "kind": "Program",
