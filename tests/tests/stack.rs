@@ -63,6 +63,26 @@ async fn env(prefix: &str) -> Env {
     }
 }
 
+/// Creates the Program `name` in `ns`; returns the Programs API of `ns`.
+async fn create_program(
+    plane: &ControlPlane,
+    ns: &str,
+    name: &str,
+    program: Value,
+) -> Api<Program> {
+    let programs: Api<Program> = Api::namespaced(plane.client(), ns);
+    let p: Program = serde_json::from_value(json!({
+        "apiVersion": "pulumi.com/v1", "kind": "Program",
+        "metadata": {"name": name}, "program": program,
+    }))
+    .expect("program");
+    programs
+        .create(&PostParams::default(), &p)
+        .await
+        .expect("create program");
+    programs
+}
+
 #[tokio::test]
 async fn program_to_stack_ready_with_outputs_then_edit_then_destroy_on_delete() {
     let Env {
@@ -74,16 +94,7 @@ async fn program_to_stack_ready_with_outputs_then_edit_then_destroy_on_delete() 
         _operator,
     } = env("stack-e2e").await;
 
-    let programs: Api<Program> = Api::namespaced(plane.client(), &ns);
-    let p: Program = serde_json::from_value(json!({
-        "apiVersion": "pulumi.com/v1", "kind": "Program",
-        "metadata": {"name": "hello"}, "program": program("world"),
-    }))
-    .expect("program");
-    programs
-        .create(&PostParams::default(), &p)
-        .await
-        .expect("create program");
+    let programs = create_program(plane, &ns, "hello", program("world")).await;
 
     let stacks: Api<Stack> = Api::namespaced(plane.client(), &ns);
     let stack: Stack = serde_json::from_value(json!({
@@ -225,16 +236,7 @@ async fn invalid_sources_and_references_stall_with_a_clear_reason_and_reclaim_de
         kubelet,
         _operator,
     } = env("stack-stall").await;
-    let programs: Api<Program> = Api::namespaced(plane.client(), &ns);
-    let p: Program = serde_json::from_value(json!({
-        "apiVersion": "pulumi.com/v1", "kind": "Program",
-        "metadata": {"name": "hello"}, "program": program("world"),
-    }))
-    .expect("program");
-    programs
-        .create(&PostParams::default(), &p)
-        .await
-        .expect("create program");
+    create_program(plane, &ns, "hello", program("world")).await;
     let stacks: Api<Stack> = Api::namespaced(plane.client(), &ns);
     let make = |name: &str, extra: Value| -> Stack {
         let mut spec = json!({
@@ -425,16 +427,7 @@ async fn a_flux_source_object_is_fetched_verified_and_deployed() {
         _operator,
     } = env("stack-flux").await;
     // Any Flux-style artifact will do: a Program's, served by the operator.
-    let programs: Api<Program> = Api::namespaced(plane.client(), &ns);
-    let p: Program = serde_json::from_value(json!({
-        "apiVersion": "pulumi.com/v1", "kind": "Program",
-        "metadata": {"name": "src"}, "program": program("flux"),
-    }))
-    .expect("program");
-    programs
-        .create(&PostParams::default(), &p)
-        .await
-        .expect("create program");
+    let programs = create_program(plane, &ns, "src", program("flux")).await;
     let artifact = wait_for("the program artifact", WAIT, || async {
         let s = serde_json::to_value(programs.get("src").await.ok()?.status?).ok()?;
         s.get("artifact").cloned()
@@ -666,16 +659,7 @@ async fn a_destroy_in_a_terminating_namespace_stalls_and_says_how_to_let_go() {
         kubelet,
         _operator,
     } = env("stack-ns-gone").await;
-    let programs: Api<Program> = Api::namespaced(plane.client(), &ns);
-    let p: Program = serde_json::from_value(json!({
-        "apiVersion": "pulumi.com/v1", "kind": "Program",
-        "metadata": {"name": "hello"}, "program": program("world"),
-    }))
-    .expect("program");
-    programs
-        .create(&PostParams::default(), &p)
-        .await
-        .expect("create program");
+    create_program(plane, &ns, "hello", program("world")).await;
     let stacks: Api<Stack> = Api::namespaced(plane.client(), &ns);
     let stack: Stack = serde_json::from_value(json!({
         "apiVersion": "pulumi.com/v1", "kind": "Stack", "metadata": {"name": "doomed"},
