@@ -100,6 +100,8 @@ pub struct HostConfig {
     pub ceiling: Limits,
     /// Folder of precompiled modules (`None`: compile every module at every start).
     pub cache_dir: Option<PathBuf>,
+    /// Bytes of precompiled modules kept there (least recently used evicted first).
+    pub cache_max_bytes: u64,
     /// Largest module accepted, in bytes.
     pub max_module_bytes: u64,
 }
@@ -111,6 +113,7 @@ impl Default for HostConfig {
             default_limits: Limits::DEFAULT,
             ceiling: Limits::CEILING,
             cache_dir: None,
+            cache_max_bytes: 128 << 20,
             max_module_bytes: 32 << 20,
         }
     }
@@ -255,7 +258,9 @@ impl PluginHost {
         let cache_dir = config.cache_dir.as_ref().map(|dir| {
             let mut hasher = std::collections::hash_map::DefaultHasher::new();
             engine.precompile_compatibility_hash().hash(&mut hasher);
-            dir.join(format!("{:016x}", hasher.finish()))
+            let current = dir.join(format!("{:016x}", hasher.finish()));
+            crate::diskcache::clean_at_start(dir, &current);
+            current
         });
         let ticker = Arc::new(AtomicBool::new(false));
         {
@@ -1030,7 +1035,10 @@ fn compile(
     if let Some(path) = &cache_file {
         let started = Instant::now();
         match read_cached(&inner.engine, path) {
-            Ok(Some(component)) => return Ok((component, LoadSource::Cache, started.elapsed())),
+            Ok(Some(component)) => {
+                crate::diskcache::touch(path);
+                return Ok((component, LoadSource::Cache, started.elapsed()));
+            }
             Ok(None) => {}
             Err(reason) => {
                 warn!(path = %path.display(), %reason, "precompiled module unusable; compiling again");
@@ -1047,10 +1055,17 @@ fn compile(
     let component = Component::from_binary(&inner.engine, bytes)
         .map_err(|e| PluginError::Compile(bounded(format!("{e:#}"), 2048)))?;
     let load_time = started.elapsed();
-    if let Some(path) = &cache_file
-        && let Err(e) = write_cached(&component, path)
-    {
-        warn!(path = %path.display(), error = %e, "cannot write the precompiled module");
+    if let Some(path) = &cache_file {
+        match write_cached(&component, path) {
+            Ok(()) => {
+                if let Some(dir) = path.parent() {
+                    crate::diskcache::prune(dir, inner.config.cache_max_bytes, path);
+                }
+            }
+            Err(e) => {
+                warn!(path = %path.display(), error = %e, "cannot write the precompiled module")
+            }
+        }
     }
     Ok((component, LoadSource::Compiled, load_time))
 }

@@ -10,6 +10,7 @@
 
 pub mod chain;
 pub mod conformance;
+pub mod diskcache;
 pub mod errors;
 pub mod host;
 pub mod json;

@@ -396,6 +396,42 @@ async fn the_precompiled_cache_is_used_and_a_corrupt_entry_is_replaced() {
     assert_ne!(std::fs::read(&files[0]).expect("read"), data);
 }
 
+#[tokio::test]
+async fn the_precompiled_cache_stays_within_its_size_and_keeps_what_is_used() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let unbounded = HostConfig {
+        cache_dir: Some(dir.path().to_path_buf()),
+        ..HostConfig::default()
+    };
+    load(&host_with(unbounded.clone()), "default_tags").await;
+    let one = cache_files(dir.path());
+    assert_eq!(one.len(), 1);
+    let size = std::fs::metadata(&one[0]).expect("size").len();
+    // Room for about one module: loading a second evicts the first, never the new one.
+    let bounded = HostConfig {
+        cache_max_bytes: size + size / 2,
+        ..unbounded
+    };
+    let host = host_with(bounded.clone());
+    load(&host, "naming_policy").await;
+    let files = cache_files(dir.path());
+    assert_eq!(files.len(), 1, "{files:?}");
+    assert_ne!(
+        files[0], one[0],
+        "the least recently used module was evicted"
+    );
+    // The survivor is read from the cache by a new host; the evicted one is compiled again.
+    let fresh = host_with(bounded);
+    assert_eq!(
+        load(&fresh, "naming_policy").await.source(),
+        LoadSource::Cache
+    );
+    assert_eq!(
+        load(&fresh, "default_tags").await.source(),
+        LoadSource::Compiled
+    );
+}
+
 fn cache_files(dir: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
     for entry in walk(dir) {

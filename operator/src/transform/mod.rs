@@ -67,6 +67,10 @@ pub struct PluginArgs {
     /// Folder of precompiled modules, reused across restarts (unset: compile at every start).
     #[arg(long, env = "PLUGIN_CACHE_DIR")]
     pub plugin_cache_dir: Option<PathBuf>,
+    /// Bytes of precompiled modules kept in --plugin-cache-dir; the least recently used are
+    /// evicted (keep it below the volume's size).
+    #[arg(long, env = "PLUGIN_CACHE_MAX_BYTES", default_value_t = 128 << 20)]
+    pub plugin_cache_max_bytes: u64,
     /// Extra PEM CA certificates for https module URLs (the OS's roots are always trusted).
     #[arg(long, env = "PLUGIN_CA_FILE")]
     pub plugin_ca_file: Option<PathBuf>,
@@ -105,6 +109,7 @@ impl PluginArgs {
             .with(&LimitOverrides::default(), &ceiling),
             ceiling,
             cache_dir: self.plugin_cache_dir.clone(),
+            cache_max_bytes: self.plugin_cache_max_bytes,
             max_module_bytes: self.plugin_max_module_bytes,
         }
     }
