@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds the real components (kube-apiserver, etcd, kubectl, opa, pulumi, pulumi-language-yaml)
-# from Go modules into a cache keyed by the pinned versions. Idempotent: a component whose
+# Builds the real components (kube-apiserver, etcd, kubectl, opa, pulumi, pulumi-language-yaml,
+# the pulumi-resource-kubernetes provider) from Go modules into a cache keyed by the pinned versions. Idempotent: a component whose
 # binary already exists in its versioned folder is skipped.
 #
 #   tools/build.sh kube|opa|pulumi|all      prints nothing but progress; exits non-zero on failure
@@ -16,6 +16,9 @@ ETCD_VERSION=3.6.4
 OPA_VERSION=1.22.3
 PULUMI_VERSION=3.274.1
 PULUMI_YAML_VERSION=1.25.0
+# The provider is pinned by tools/pulumi-kubernetes/go.mod (a commit of the v4 line: the newest
+# the module proxy serves); this is the version it reports.
+PULUMI_KUBERNETES_VERSION=4.0.0-f47bc2d6f199
 
 # The folder's name carries every version and a hash of the helper module's go.sum, so a bump
 # builds into a new folder and never reuses a stale binary.
@@ -56,9 +59,37 @@ build_opa() {
   rm -rf "$out" && mv "$out.tmp" "$out"
 }
 
+# The provider's command embeds a versioned schema that its repository generates (`go generate`)
+# and does not ship, so it is built in a scratch copy of tools/pulumi-kubernetes: the command's
+# files are copied from the module cache, the schema generated, then built. Its own key file
+# lets it be added to (or replaced in) an existing pulumi folder without rebuilding the CLI.
+build_pulumi_kubernetes() {
+  local out=$1 stamp; stamp="$PULUMI_KUBERNETES_VERSION-$(key pulumi-kubernetes)"
+  if [[ -x $out/pulumi-resource-kubernetes && -f $out/pulumi-resource-kubernetes.version &&
+    "$(cat "$out/.pulumi-kubernetes.key" 2>/dev/null)" == "$stamp" ]]; then return; fi
+  echo "building pulumi-resource-kubernetes v$PULUMI_KUBERNETES_VERSION into $out (cold: ~15 min)" >&2
+  local mod=github.com/pulumi/pulumi-kubernetes/provider/v4 src work
+  (cd "$here/pulumi-kubernetes" && go mod download "$mod")
+  src=$(cd "$here/pulumi-kubernetes" && go list -m -f '{{.Dir}}' "$mod")
+  mkdir -p "$cache"
+  work=$(mktemp -d "$cache/.pulumi-kubernetes.XXXXXX")
+  cp "$here/pulumi-kubernetes/go.mod" "$here/pulumi-kubernetes/go.sum" "$work/"
+  mkdir "$work/cmd"
+  cp "$src"/cmd/pulumi-resource-kubernetes/{main.go,generate.go,schema.json,terraform-mapping.json} "$work/cmd/"
+  chmod u+w "$work"/cmd/*
+  (cd "$work/cmd" && VERSION=$PULUMI_KUBERNETES_VERSION go run generate.go)
+  (cd "$work" && go build -trimpath -o "$out/pulumi-resource-kubernetes.tmp" \
+    -ldflags "-s -w -X $mod/pkg/version.Version=$PULUMI_KUBERNETES_VERSION" ./cmd)
+  mv "$out/pulumi-resource-kubernetes.tmp" "$out/pulumi-resource-kubernetes"
+  echo "$stamp" > "$out/.pulumi-kubernetes.key"
+  # Where a workspace image installs it: ~/.pulumi/plugins/resource-kubernetes-v<version>/.
+  echo "$PULUMI_KUBERNETES_VERSION" > "$out/pulumi-resource-kubernetes.version"
+  rm -rf "$work"
+}
+
 build_pulumi() {
   local out; out=$(dir_for pulumi)
-  if [[ -x $out/pulumi && -x $out/pulumi-language-yaml ]]; then return; fi
+  if [[ -x $out/pulumi && -x $out/pulumi-language-yaml ]]; then build_pulumi_kubernetes "$out"; return; fi
   echo "building pulumi v$PULUMI_VERSION and pulumi-language-yaml v$PULUMI_YAML_VERSION into $out" >&2
   mkdir -p "$out.tmp"
   (cd "$here/pulumi" &&
@@ -69,6 +100,7 @@ build_pulumi() {
     -ldflags "-s -w -X github.com/pulumi/pulumi-yaml/pkg/version.Version=v$PULUMI_YAML_VERSION" \
     "github.com/pulumi/pulumi-yaml/cmd/pulumi-language-yaml@v$PULUMI_YAML_VERSION"
   rm -rf "$out" && mv "$out.tmp" "$out"
+  build_pulumi_kubernetes "$out"
 }
 
 case ${1:-all} in

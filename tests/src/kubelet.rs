@@ -149,17 +149,30 @@ impl Drop for Kubelet {
     }
 }
 
-/// What the workspace image provides: the pulumi CLI and YAML host on PATH, and no update
-/// checks or plugin downloads (the tests are offline).
+/// What the workspace image provides: the pulumi CLI and YAML host on PATH, the Kubernetes
+/// provider installed in `~/.pulumi/plugins` (as images that bundle providers do), and no
+/// update checks or plugin downloads (the tests are offline).
 #[derive(Clone)]
 struct ImageEnv {
     path: String,
     agent: PathBuf,
+    /// (plugin folder name, binary) of each provider the image has installed.
+    providers: Vec<(String, PathBuf)>,
 }
 
 impl ImageEnv {
     fn new() -> Result<Self, HarnessError> {
         let bin = tool_dir("pulumi")?;
+        let mut providers = Vec::new();
+        let kubernetes = bin.join("pulumi-resource-kubernetes");
+        if let Ok(version) = std::fs::read_to_string(bin.join("pulumi-resource-kubernetes.version"))
+            && kubernetes.is_file()
+        {
+            providers.push((
+                format!("resource-kubernetes-v{}", version.trim()),
+                kubernetes,
+            ));
+        }
         Ok(Self {
             path: format!(
                 "{}:{}",
@@ -167,7 +180,24 @@ impl ImageEnv {
                 std::env::var("PATH").unwrap_or_else(|_| "/usr/bin:/bin".into())
             ),
             agent: agent_binary()?,
+            providers,
         })
+    }
+
+    /// Lays the image's providers out in `home` as `pulumi plugin install` does (linked, not
+    /// copied: the binary is large).
+    fn install_providers(&self, home: &Path) -> Result<(), HarnessError> {
+        for (folder, binary) in &self.providers {
+            let dir = home.join(".pulumi/plugins").join(folder);
+            std::fs::create_dir_all(&dir)
+                .map_err(|e| HarnessError::io(format!("creating {}", dir.display()), e))?;
+            let link = dir.join(binary.file_name().unwrap_or_default());
+            if link.symlink_metadata().is_err() {
+                std::os::unix::fs::symlink(binary, &link)
+                    .map_err(|e| HarnessError::io(format!("linking {}", link.display()), e))?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -716,9 +746,15 @@ async fn container_command(
     };
     let home = dir.join("home");
     std::fs::create_dir_all(&home).map_err(|e| HarnessError::io("creating HOME", e))?;
+    image.install_providers(&home)?;
     let mut env: Vec<(String, String)> = vec![
         ("PATH".into(), image.path.clone()),
         ("HOME".into(), home.display().to_string()),
+        // The CLI finds its home from the user database, not $HOME: the image user's home here.
+        (
+            "PULUMI_HOME".into(),
+            home.join(".pulumi").display().to_string(),
+        ),
         ("PULUMI_SKIP_UPDATE_CHECK".into(), "true".into()),
         (
             "PULUMI_DISABLE_AUTOMATIC_PLUGIN_ACQUISITION".into(),

@@ -746,3 +746,123 @@ async fn a_destroy_in_a_terminating_namespace_stalls_and_says_how_to_let_go() {
     .await
     .expect("gone");
 }
+
+/// A real provider against the real control plane: the Pulumi Kubernetes provider creates a
+/// ConfigMap, updates it in place when the config changes, and deletes it when the Stack goes
+/// with `destroyOnFinalize`.
+#[tokio::test]
+async fn a_real_resource_is_created_updated_and_destroyed() {
+    let Env {
+        plane,
+        ns,
+        tmp: _tmp,
+        backend,
+        kubelet,
+        _operator,
+    } = env("stack-k8s").await;
+    create_program(
+        plane,
+        &ns,
+        "configmap",
+        json!({
+            "configuration": {"greeting": {"type": "String"}},
+            "resources": {"cm": {
+                "type": "kubernetes:core/v1:ConfigMap",
+                "properties": {
+                    // This plane has no garbage collector to finish a foreground deletion.
+                    "metadata": {"name": "made-by-pulumi", "namespace": ns,
+                        "annotations": {"pulumi.com/deletionPropagationPolicy": "background"}},
+                    "data": {"greeting": "${greeting}"},
+                },
+            }},
+            "outputs": {"uid": "${cm.metadata.uid}"},
+        }),
+    )
+    .await;
+    let stacks: Api<Stack> = Api::namespaced(plane.client(), &ns);
+    let stack: Stack = serde_json::from_value(json!({
+        "apiVersion": "pulumi.com/v1", "kind": "Stack", "metadata": {"name": "cm"},
+        "spec": {
+            "stack": "dev", "programRef": {"name": "configmap"},
+            "backend": format!("file://{}", backend.display()),
+            "envRefs": {
+                "PULUMI_CONFIG_PASSPHRASE": {"type": "Literal", "literal": {"value": "pko-tests"}},
+                "KUBECONFIG": {"type": "Literal", "literal": {"value": plane.kubeconfig_path().display().to_string()}},
+                // Data changes patch the ConfigMap instead of replacing it.
+                "PULUMI_K8S_ENABLE_CONFIGMAP_MUTABLE": {"type": "Literal", "literal": {"value": "true"}},
+            },
+            "config": {"greeting": "hello"},
+            "destroyOnFinalize": true,
+        },
+    }))
+    .expect("stack");
+    stacks
+        .create(&PostParams::default(), &stack)
+        .await
+        .expect("create stack");
+    let config_maps: Api<k8s_openapi::api::core::v1::ConfigMap> =
+        Api::namespaced(plane.client(), &ns);
+    let deployed = |greeting: &'static str| {
+        let (stacks, config_maps) = (stacks.clone(), config_maps.clone());
+        async move {
+            wait_for(
+                &format!("the ConfigMap to say {greeting}"),
+                WAIT,
+                || async {
+                    let status = stacks.get("cm").await.ok()?.status?;
+                    let ready = status
+                        .conditions
+                        .iter()
+                        .any(|c| c.type_ == "Ready" && c.status == "True");
+                    let cm = config_maps.get_opt("made-by-pulumi").await.ok()??;
+                    let data = cm.data.clone().unwrap_or_default();
+                    (ready && data.get("greeting").map(String::as_str) == Some(greeting))
+                        .then_some((cm, status))
+                },
+            )
+            .await
+        }
+    };
+    let (created, status) = match deployed("hello").await {
+        Ok(found) => found,
+        Err(e) => panic!(
+            "{e}: {:?}\n{}",
+            stacks.get("cm").await.ok().and_then(|s| s.status),
+            kubelet.logs("cm")
+        ),
+    };
+    let uid = created.metadata.uid.clone().expect("uid");
+    assert_eq!(status.outputs.get("uid"), Some(&json!(uid)));
+
+    // A config change updates the object in place (same uid).
+    stacks
+        .patch(
+            "cm",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"config": {"greeting": "bye"}}})),
+        )
+        .await
+        .expect("edit config");
+    let (updated, _) = match deployed("bye").await {
+        Ok(found) => found,
+        Err(e) => panic!(
+            "{e}: {:?}\n{}",
+            stacks.get("cm").await.ok().and_then(|s| s.status),
+            kubelet.logs("cm")
+        ),
+    };
+    assert_eq!(updated.metadata.uid.as_deref(), Some(uid.as_str()));
+
+    // Deleting the Stack destroys the resource, then the finalizer goes.
+    stacks
+        .delete("cm", &DeleteParams::default())
+        .await
+        .expect("delete stack");
+    wait_for("the Stack and its ConfigMap to be gone", WAIT, || async {
+        let stack_gone = stacks.get_opt("cm").await.ok()?.is_none();
+        let cm_gone = config_maps.get_opt("made-by-pulumi").await.ok()?.is_none();
+        (stack_gone && cm_gone).then_some(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", kubelet.logs("cm")));
+}
