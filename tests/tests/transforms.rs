@@ -1104,31 +1104,37 @@ fn https_server(body: Vec<u8>) -> (u16, String) {
             let Ok(conn) = rustls::ServerConnection::new(config.clone()) else {
                 continue;
             };
-            let mut tls = rustls::StreamOwned::new(conn, tcp);
-            let mut request = Vec::new();
-            let mut byte = [0u8; 1];
-            while !request.ends_with(b"\r\n\r\n") {
-                match std::io::Read::read(&mut tls, &mut byte) {
-                    Ok(1) => request.push(byte[0]),
-                    _ => break,
+            // One thread per connection, bounded reads: a stalled client cannot block the rest.
+            let _ = tcp.set_read_timeout(Some(std::time::Duration::from_secs(10)));
+            let body = body.clone();
+            std::thread::spawn(move || {
+                let mut tls = rustls::StreamOwned::new(conn, tcp);
+                let mut request = Vec::new();
+                let mut byte = [0u8; 1];
+                while !request.ends_with(b"\r\n\r\n") {
+                    match std::io::Read::read(&mut tls, &mut byte) {
+                        Ok(1) => request.push(byte[0]),
+                        _ => break,
+                    }
                 }
-            }
-            let head = String::from_utf8_lossy(&request);
-            let response = if head.starts_with("GET /missing ") {
-                b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".to_vec()
-            } else {
-                let mut r = format!(
-                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-                    body.len()
-                )
-                .into_bytes();
-                r.extend_from_slice(&body);
-                r
-            };
-            let _ = tls.write_all(&response);
-            let _ = tls.flush();
-            tls.conn.send_close_notify();
-            let _ = tls.flush();
+                let head = String::from_utf8_lossy(&request);
+                let response = if head.starts_with("GET /missing ") {
+                    b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                        .to_vec()
+                } else {
+                    let mut r = format!(
+                        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                        body.len()
+                    )
+                    .into_bytes();
+                    r.extend_from_slice(&body);
+                    r
+                };
+                let _ = tls.write_all(&response);
+                let _ = tls.flush();
+                tls.conn.send_close_notify();
+                let _ = tls.flush();
+            });
         }
     });
     (port, ca.pem())
@@ -1175,10 +1181,19 @@ async fn a_module_is_fetched_from_an_https_url_trusting_the_configured_ca() {
         )
         .await
         .expect("transform");
-    let artifact = artifact_where(&programs, "web", "transformed", |a| {
-        a["metadata"].get(METADATA_CHAIN).is_some()
+    let transformed = wait_for("web: transformed", WAIT, || async {
+        let p = programs.get("web").await.ok()?;
+        let artifact = status_of(&p).get("artifact")?.clone();
+        artifact["metadata"]
+            .get(METADATA_CHAIN)
+            .is_some()
+            .then_some(artifact)
     })
     .await;
+    let artifact = match transformed {
+        Ok(a) => a,
+        Err(e) => panic!("{e}\noperator log:\n{}", op.log_text()),
+    };
     let body = served(
         &op,
         &ns,
