@@ -187,3 +187,138 @@ _violations contains _v(
 	some field in ["hostNetwork", "hostPID", "hostIPC"]
 	pod.spec[field] == true
 }
+
+# The rest of Pod Security "baseline" and "restricted" (which includes baseline).
+
+_violations contains _v(
+	"host-ports",
+	concat(".", [lib.index_path(concat(".", [c.path, "ports"]), i), "hostPort"]),
+	"host ports are not allowed",
+) if {
+	some c in lib.containers
+	some i, port in c.container.ports
+	port.hostPort != 0
+}
+
+# Volume sources "restricted" allows; anything else (hostPath, nfs, iscsi, …) is refused.
+allowed_volume_sources := {
+	"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral",
+	"persistentVolumeClaim", "projected", "secret",
+}
+
+_violations contains _v(
+	"volume-type",
+	concat(".", [lib.index_path(concat(".", [pod.path, "volumes"]), i), source]),
+	concat("", ["volume source ", source, " is not allowed (only ", concat(", ", sort([s | some s in allowed_volume_sources])), ")"]),
+) if {
+	some pod in lib.pod_specs
+	some i, volume in pod.spec.volumes
+	some source, _ in volume
+	source != "name"
+	source != "hostPath" # reported as host-path
+	not source in allowed_volume_sources
+}
+
+# Sysctls that Pod Security "baseline" allows.
+safe_sysctls := {
+	"kernel.shm_rmid_forced",
+	"net.ipv4.ip_local_port_range",
+	"net.ipv4.ip_local_reserved_ports",
+	"net.ipv4.ip_unprivileged_port_start",
+	"net.ipv4.ping_group_range",
+	"net.ipv4.tcp_syncookies",
+	"net.ipv4.tcp_keepalive_time",
+	"net.ipv4.tcp_fin_timeout",
+	"net.ipv4.tcp_keepalive_intvl",
+	"net.ipv4.tcp_keepalive_probes",
+}
+
+_violations contains _v(
+	"sysctls",
+	concat(".", [lib.index_path(concat(".", [pod.path, "securityContext.sysctls"]), i), "name"]),
+	concat("", ["sysctl ", sysctl.name, " is not allowed"]),
+) if {
+	some pod in lib.pod_specs
+	some i, sysctl in pod.spec.securityContext.sysctls
+	not sysctl.name in safe_sysctls
+}
+
+# AppArmor: the runtime's default or a profile loaded on the node, never Unconfined.
+allowed_apparmor := {"RuntimeDefault", "Localhost"}
+
+_violations contains _v(
+	"apparmor",
+	concat(".", [pod.path, "securityContext.appArmorProfile.type"]),
+	"must be RuntimeDefault or Localhost",
+) if {
+	some pod in lib.pod_specs
+	type := pod.spec.securityContext.appArmorProfile.type
+	not type in allowed_apparmor
+}
+
+_violations contains _v(
+	"apparmor",
+	concat(".", [c.path, "securityContext.appArmorProfile.type"]),
+	"must be RuntimeDefault or Localhost",
+) if {
+	some c in lib.containers
+	type := c.container.securityContext.appArmorProfile.type
+	not type in allowed_apparmor
+}
+
+# SELinux: only the container types, and no user or role.
+allowed_selinux_types := {"", "container_t", "container_init_t", "container_kvm_t", "container_engine_t"}
+
+_selinux_contexts contains {"path": concat(".", [pod.path, "securityContext.seLinuxOptions"]), "options": pod.spec.securityContext.seLinuxOptions} if {
+	some pod in lib.pod_specs
+}
+
+_selinux_contexts contains {"path": concat(".", [c.path, "securityContext.seLinuxOptions"]), "options": c.container.securityContext.seLinuxOptions} if {
+	some c in lib.containers
+}
+
+_violations contains _v(
+	"selinux",
+	concat(".", [ctx.path, "type"]),
+	"must be container_t, container_init_t, container_kvm_t or container_engine_t",
+) if {
+	some ctx in _selinux_contexts
+	not ctx.options.type in allowed_selinux_types
+}
+
+_violations contains _v(
+	"selinux",
+	concat(".", [ctx.path, field]),
+	"must not be set",
+) if {
+	some ctx in _selinux_contexts
+	some field in ["user", "role"]
+	ctx.options[field] != ""
+}
+
+_violations contains _v(
+	"proc-mount",
+	concat(".", [c.path, "securityContext.procMount"]),
+	"must be Default",
+) if {
+	some c in lib.containers
+	c.container.securityContext.procMount != "Default"
+}
+
+_violations contains _v(
+	"host-process",
+	concat(".", [pod.path, "securityContext.windowsOptions.hostProcess"]),
+	"Windows host processes are not allowed",
+) if {
+	some pod in lib.pod_specs
+	pod.spec.securityContext.windowsOptions.hostProcess == true
+}
+
+_violations contains _v(
+	"host-process",
+	concat(".", [c.path, "securityContext.windowsOptions.hostProcess"]),
+	"Windows host processes are not allowed",
+) if {
+	some c in lib.containers
+	c.container.securityContext.windowsOptions.hostProcess == true
+}

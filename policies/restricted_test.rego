@@ -188,3 +188,57 @@ test_other_kinds_are_not_checked if {
 	program := review("pulumi.com", "Program", {"securityProfile": "baseline"})
 	count(found(program)) == 0
 }
+
+test_host_ports_denied if {
+	c := json.patch(good_container, [{"op": "add", "path": "/ports", "value": [{"containerPort": 80}, {"containerPort": 443, "hostPort": 443}]}])
+	found(workspace(with_pod(good_spec, ["containers"], [c]))) == {["host-ports", "spec.podTemplate.spec.containers[0].ports[1].hostPort"]}
+}
+
+test_only_restricted_volume_types_allowed if {
+	volumes := [
+		{"name": "a", "configMap": {"name": "c"}},
+		{"name": "b", "secret": {"secretName": "s"}},
+		{"name": "c", "persistentVolumeClaim": {"claimName": "p"}},
+		{"name": "d", "projected": {"sources": []}},
+		{"name": "e", "nfs": {"server": "n", "path": "/"}},
+	]
+	found(workspace(with_pod(good_spec, ["volumes"], volumes))) == {["volume-type", "spec.podTemplate.spec.volumes[4].nfs"]}
+}
+
+test_host_path_is_reported_once if {
+	volumes := [{"name": "h", "hostPath": {"path": "/"}}]
+	found(workspace(with_pod(good_spec, ["volumes"], volumes))) == {["host-path", "spec.podTemplate.spec.volumes[0].hostPath"]}
+}
+
+test_unsafe_sysctls_denied if {
+	sc := {"runAsNonRoot": true, "seccompProfile": {"type": "RuntimeDefault"}, "sysctls": [{"name": "net.ipv4.tcp_syncookies", "value": "1"}, {"name": "kernel.msgmax", "value": "1"}]}
+	found(workspace(with_pod(good_spec, ["securityContext"], sc))) == {["sysctls", "spec.podTemplate.spec.securityContext.sysctls[1].name"]}
+}
+
+test_apparmor_unconfined_denied if {
+	sc := {"runAsNonRoot": true, "seccompProfile": {"type": "RuntimeDefault"}, "appArmorProfile": {"type": "Unconfined"}}
+	found(workspace(with_pod(good_spec, ["securityContext"], sc))) == {["apparmor", "spec.podTemplate.spec.securityContext.appArmorProfile.type"]}
+	c := json.patch(good_container, [{"op": "add", "path": "/securityContext/appArmorProfile", "value": {"type": "Localhost", "localhostProfile": "p"}}])
+	count(found(workspace(with_pod(good_spec, ["containers"], [c])))) == 0
+}
+
+test_selinux_limited_to_container_types if {
+	c := json.patch(good_container, [{"op": "add", "path": "/securityContext/seLinuxOptions", "value": {"type": "spc_t", "user": "system_u"}}])
+	found(workspace(with_pod(good_spec, ["containers"], [c]))) == {
+		["selinux", "spec.podTemplate.spec.containers[0].securityContext.seLinuxOptions.type"],
+		["selinux", "spec.podTemplate.spec.containers[0].securityContext.seLinuxOptions.user"],
+	}
+	ok := json.patch(good_container, [{"op": "add", "path": "/securityContext/seLinuxOptions", "value": {"type": "container_t", "level": "s0:c1"}}])
+	count(found(workspace(with_pod(good_spec, ["containers"], [ok])))) == 0
+}
+
+test_proc_mount_and_host_process_denied if {
+	c := json.patch(good_container, [
+		{"op": "add", "path": "/securityContext/procMount", "value": "Unmasked"},
+		{"op": "add", "path": "/securityContext/windowsOptions", "value": {"hostProcess": true}},
+	])
+	found(stack(with_pod(good_spec, ["initContainers"], [c]))) == {
+		["proc-mount", "spec.workspaceTemplate.spec.podTemplate.spec.initContainers[0].securityContext.procMount"],
+		["host-process", "spec.workspaceTemplate.spec.podTemplate.spec.initContainers[0].securityContext.windowsOptions.hostProcess"],
+	}
+}
