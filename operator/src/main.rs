@@ -293,7 +293,10 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     // Admission webhook, on every replica: policies, tenancy data and its own certificate.
     let fs_host = advertised.as_str().split_once("://").map(|(_, host)| host);
     let pod_namespace = std::env::var("POD_NAMESPACE").ok();
-    if let Some(config) = args.webhook.config(fs_host, pod_namespace.as_deref())? {
+    let webhook_config = args.webhook.config(fs_host, pod_namespace.as_deref())?;
+    // TenancyPolicies matter only to the webhook; their status is reported where it runs.
+    let tenancy_status = webhook_config.is_some();
+    if let Some(config) = webhook_config {
         let started = pko_admission::start(
             client.clone(),
             config,
@@ -372,10 +375,26 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
                 stop.clone().cancelled_owned(),
             )
         });
+        let tenancy = tenancy_status.then(|| {
+            pko_operator::controller::tenancy::run(
+                Arc::new(pko_operator::controller::tenancy::TenancyContext {
+                    client: status_client.clone(),
+                    metrics: status_metrics.clone(),
+                }),
+                stop.clone().cancelled_owned(),
+            )
+        });
         async move {
             let programs = program::run(programs, ctx, concurrency, stop.cancelled_owned());
             let programs = async move {
-                tokio::join!(programs, execution);
+                match tenancy {
+                    Some(tenancy) => {
+                        tokio::join!(programs, execution, tenancy);
+                    }
+                    None => {
+                        tokio::join!(programs, execution);
+                    }
+                }
             };
             match transform_status {
                 Some(status) => {

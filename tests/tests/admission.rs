@@ -1133,3 +1133,78 @@ async fn certificates_are_managed_and_rotated() {
     );
     env.cleanup().await;
 }
+
+/// The leader reports each TenancyPolicy's reach: how many namespaces it selects (names and
+/// labels, following namespace changes), and a selector the webhook cannot use.
+#[tokio::test]
+async fn tenancy_policy_status_counts_namespaces_and_reports_a_bad_selector() {
+    let env = Env::start(WebhookOptions::default(), &[]).await;
+    let name = format!("{}-a", env.id);
+    let label = format!("b-{}", env.id);
+    env.apply_tenancy(
+        &name,
+        json!({"namespaces": [env.a], "namespaceSelector": {"matchLabels": {TENANT_LABEL: label}}}),
+    )
+    .await;
+    let api = Api::<DynamicObject>::all_with(env.client(), &tenancy_resource());
+    let status_where = |what: &'static str, pred: fn(&Value) -> bool| {
+        let api = api.clone();
+        let name = name.clone();
+        async move {
+            wait_for(what, WAIT, || async {
+                let p = api.get(&name).await.ok()?;
+                let status = p.data.get("status")?.clone();
+                pred(&status).then_some(status)
+            })
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+        }
+    };
+    let ready = |s: &Value| -> (String, String) {
+        let c = s["conditions"]
+            .as_array()
+            .and_then(|c| c.iter().find(|c| c["type"] == "Ready"))
+            .cloned()
+            .unwrap_or_default();
+        (
+            c["status"].as_str().unwrap_or_default().to_owned(),
+            c["reason"].as_str().unwrap_or_default().to_owned(),
+        )
+    };
+    // tenant-a by name, tenant-b by its label.
+    let status = status_where("two namespaces selected", |s| s["selectedNamespaces"] == 2).await;
+    assert_eq!(ready(&status), ("True".into(), "Accepted".into()));
+
+    // A third namespace that gets the label is counted.
+    let c = env.plane.namespace("tenant-c").await.expect("namespace c");
+    set_namespace_labels(
+        env.plane,
+        &c,
+        BTreeMap::from([(TENANT_LABEL.to_owned(), label.clone())]),
+    )
+    .await
+    .expect("label c");
+    status_where("three namespaces selected", |s| {
+        s["selectedNamespaces"] == 3
+    })
+    .await;
+
+    // A selector the webhook cannot parse selects nothing: the status says so.
+    env.apply_tenancy(
+        &name,
+        json!({"namespaces": [env.a], "namespaceSelector": {"matchExpressions": [{"key": TENANT_LABEL, "operator": "Near", "values": ["x"]}]}}),
+    )
+    .await;
+    let status = status_where("the invalid selector reported", |s| {
+        s["conditions"]
+            .as_array()
+            .is_some_and(|c| c.iter().any(|c| c["reason"] == "InvalidNamespaceSelector"))
+    })
+    .await;
+    assert_eq!(status["selectedNamespaces"], 1, "{status}");
+    assert_eq!(
+        ready(&status),
+        ("False".into(), "InvalidNamespaceSelector".into())
+    );
+    env.cleanup().await;
+}

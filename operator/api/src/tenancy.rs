@@ -33,10 +33,13 @@ pub const DIGESTS_MESSAGE: &str =
     plural = "tenancypolicies",
     shortname = "tp",
     category = "pko-rs",
+    status = "TenancyPolicyStatus",
     doc = "TenancyPolicy says what the tenants of the selected namespaces may use and how violations are enforced.",
     // JSON columns: the `printcolumn(...)` form repeats keys, which clippy flags.
     printcolumn = r#"{"name":"Action","type":"string","jsonPath":".spec.enforcementAction"}"#,
     printcolumn = r#"{"name":"Namespaces","type":"string","jsonPath":".spec.namespaces"}"#,
+    printcolumn = r#"{"name":"Selected","type":"integer","jsonPath":".status.selectedNamespaces"}"#,
+    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[x_kube(validation = Rule::new(SELECTS_RULE).message(SELECTS_MESSAGE))]
@@ -72,6 +75,27 @@ pub struct TenancyPolicySpec {
     #[schemars(length(max = 1024), inner(length(max = 71)))]
     #[x_kube(validation = Rule::new(DIGESTS_RULE).message(DIGESTS_MESSAGE))]
     pub allowed_transform_digests: Option<Vec<String>>,
+}
+
+/// Observed state of a TenancyPolicy, written by the operator's leader.
+#[derive(Serialize, Deserialize, schemars::JsonSchema, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct TenancyPolicyStatus {
+    /// The generation the status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// How many existing namespaces the policy selects now (by name or by labels).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selected_namespaces: Option<i64>,
+    /// `Ready`: `True` (`Accepted`) when the admission webhook applies the whole policy;
+    /// `False` with `InvalidNamespaceSelector` when the selector cannot be parsed (it then
+    /// selects nothing and only `namespaces` apply).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend(
+        "x-kubernetes-list-type" = "map",
+        "x-kubernetes-list-map-keys" = ["type"],
+    ))]
+    pub conditions: Vec<crate::common::Condition>,
 }
 
 /// What a violation does, as in OPA Gatekeeper.

@@ -5,6 +5,7 @@ pub mod execution;
 pub mod program;
 pub mod stack;
 pub mod stack_source;
+pub mod tenancy;
 pub mod transform;
 pub mod update;
 pub mod workspace;

@@ -1,0 +1,235 @@
+//! TenancyPolicy status: how many namespaces a policy selects, and whether the webhook can use
+//! all of it.
+//!
+//! The webhook (on every replica) evaluates the policies; this controller (on the leader) only
+//! reports. An invalid `namespaceSelector` would otherwise fail silently: the webhook logs it and
+//! the selector selects nothing, so the status says so (`Ready=False`,
+//! `InvalidNamespaceSelector`). A namespace created, deleted or relabelled updates the counts.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Namespace;
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::core::{PartialObjectMeta, Selector};
+use kube::runtime::controller::{self, Action, Controller};
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::watcher;
+use kube::{Client, ResourceExt};
+use pko_api::tenancy::{TenancyPolicy, TenancyPolicyStatus};
+use serde_json::json;
+use tracing::warn;
+
+use crate::controller::conditions;
+use crate::metrics::{ErrorLabels, Metrics};
+
+pub const STATUS_MANAGER: &str = "pko-rs/tenancy-status";
+const CONTROLLER: &str = "tenancy";
+
+#[derive(Debug, thiserror::Error)]
+pub enum TenancyStatusError {
+    #[error("{what}: {source}")]
+    Kube {
+        what: &'static str,
+        #[source]
+        source: kube::Error,
+    },
+}
+
+pub struct TenancyContext {
+    pub client: Client,
+    pub metrics: Metrics,
+}
+
+/// Runs until `shutdown` resolves.
+pub async fn run(
+    ctx: Arc<TenancyContext>,
+    shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
+) {
+    let client = ctx.client.clone();
+    let controller = Controller::new(
+        Api::<TenancyPolicy>::all(client.clone()),
+        watcher::Config::default().any_semantic(),
+    );
+    let store = controller.store();
+    controller
+        // Any namespace change may change any policy's count.
+        .watches(
+            Api::<Namespace>::all(client.clone()),
+            watcher::Config::default(),
+            move |_: Namespace| {
+                store
+                    .state()
+                    .iter()
+                    .map(|p| ObjectRef::from_obj(p.as_ref()))
+                    .collect::<Vec<_>>()
+            },
+        )
+        .with_config(controller::Config::default().debounce(Duration::from_millis(500)))
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, ctx)
+        .for_each(|result| async move {
+            if let Err(err) = result {
+                warn!(controller = CONTROLLER, error = %err, "controller event");
+            }
+        })
+        .await;
+}
+
+fn error_policy(
+    policy: Arc<TenancyPolicy>,
+    err: &TenancyStatusError,
+    ctx: Arc<TenancyContext>,
+) -> Action {
+    warn!(policy = %policy.name_any(), error = %err, "reconcile failed");
+    ctx.metrics
+        .reconcile_errors
+        .get_or_create(&ErrorLabels {
+            controller: CONTROLLER.into(),
+            error: "kube".into(),
+        })
+        .inc();
+    Action::requeue(Duration::from_secs(30))
+}
+
+/// The status a policy should have, given every namespace's name and labels.
+pub fn status_for(
+    policy: &TenancyPolicy,
+    namespaces: &[PartialObjectMeta<Namespace>],
+) -> TenancyPolicyStatus {
+    let name = policy.name_any();
+    let generation = policy.metadata.generation;
+    let selected = namespaces
+        .iter()
+        .filter(|ns| {
+            pko_admission::tenancy::selects(&name, &policy.spec, &ns.name_any(), ns.labels())
+        })
+        .count();
+    let mut status = policy.status.clone().unwrap_or_default();
+    status.observed_generation = generation;
+    status.selected_namespaces = Some(selected as i64);
+    let invalid = policy
+        .spec
+        .namespace_selector
+        .clone()
+        .map(Selector::try_from)
+        .and_then(Result::err);
+    let (ok, reason, message) = match invalid {
+        Some(e) => (
+            false,
+            "InvalidNamespaceSelector",
+            format!(
+                "namespaceSelector is invalid ({e}): it selects nothing, only spec.namespaces apply"
+            ),
+        ),
+        None => (true, "Accepted", format!("selects {selected} namespace(s)")),
+    };
+    conditions::set(
+        &mut status.conditions,
+        "Ready",
+        ok,
+        reason,
+        &message,
+        generation,
+    );
+    status
+}
+
+async fn reconcile(
+    policy: Arc<TenancyPolicy>,
+    ctx: Arc<TenancyContext>,
+) -> Result<Action, TenancyStatusError> {
+    let labels = ctx.metrics.controller(CONTROLLER);
+    ctx.metrics.reconciles.get_or_create(&labels).inc();
+    let namespaces = Api::<Namespace>::all(ctx.client.clone())
+        .list_metadata(&ListParams::default())
+        .await
+        .map_err(|source| TenancyStatusError::Kube {
+            what: "listing namespaces",
+            source,
+        })?
+        .items;
+    let status = status_for(&policy, &namespaces);
+    let before = policy.status.clone().unwrap_or_default();
+    let same = before.observed_generation == status.observed_generation
+        && before.selected_namespaces == status.selected_namespaces
+        && conditions::same(&before.conditions, &status.conditions);
+    if !same {
+        let patch = json!({
+            "apiVersion": "pko-rs.dev/v1alpha1", "kind": "TenancyPolicy", "status": status,
+        });
+        Api::<TenancyPolicy>::all(ctx.client.clone())
+            .patch_status(
+                &policy.name_any(),
+                &PatchParams::apply(STATUS_MANAGER).force(),
+                &Patch::Apply(&patch),
+            )
+            .await
+            .map_err(|source| TenancyStatusError::Kube {
+                what: "writing the TenancyPolicy status",
+                source,
+            })?;
+    }
+    Ok(Action::await_change())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::Value;
+
+    fn ns(name: &str, labels: Value) -> PartialObjectMeta<Namespace> {
+        serde_json::from_value(json!({
+            "apiVersion": "v1", "kind": "Namespace",
+            "metadata": {"name": name, "labels": labels},
+        }))
+        .expect("namespace")
+    }
+
+    fn policy(spec: Value) -> TenancyPolicy {
+        let mut p: TenancyPolicy = serde_json::from_value(json!({
+            "apiVersion": "pko-rs.dev/v1alpha1", "kind": "TenancyPolicy",
+            "metadata": {"name": "p"}, "spec": spec,
+        }))
+        .expect("policy");
+        p.metadata.generation = Some(3);
+        p
+    }
+
+    fn ready(status: &TenancyPolicyStatus) -> (String, String) {
+        let c = conditions::get(&status.conditions, "Ready").expect("Ready");
+        (c.status.clone(), c.reason.clone())
+    }
+
+    #[test]
+    fn counts_names_and_labels_once_each() {
+        let all = [
+            ns("a", json!({"team": "blue"})),
+            ns("b", json!({"team": "blue"})),
+            ns("c", json!({})),
+        ];
+        let p = policy(
+            json!({"namespaces": ["a", "c"], "namespaceSelector": {"matchLabels": {"team": "blue"}}}),
+        );
+        let status = status_for(&p, &all);
+        assert_eq!(status.selected_namespaces, Some(3));
+        assert_eq!(status.observed_generation, Some(3));
+        assert_eq!(ready(&status), ("True".into(), "Accepted".into()));
+    }
+
+    #[test]
+    fn an_invalid_selector_is_reported() {
+        let all = [ns("a", json!({"team": "blue"}))];
+        let p = policy(json!({
+            "namespaces": ["a"],
+            "namespaceSelector": {"matchExpressions": [{"key": "team", "operator": "Near", "values": ["blue"]}]},
+        }));
+        let status = status_for(&p, &all);
+        assert_eq!(status.selected_namespaces, Some(1), "names still apply");
+        assert_eq!(
+            ready(&status),
+            ("False".into(), "InvalidNamespaceSelector".into())
+        );
+    }
+}
