@@ -20,8 +20,8 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::{self, Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-use kube::runtime::reflector::ObjectRef;
-use kube::runtime::watcher;
+use kube::runtime::reflector::{self, ObjectRef};
+use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, Resource, ResourceExt};
 use pko_api::program::Program;
 use serde_json::{Value, json};
@@ -127,7 +127,16 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
 ) {
     ctx.metrics.init_controller(CONTROLLER, ProgramError::KINDS);
-    let controller = Controller::new(api, watcher::Config::default().any_semantic());
+    // The controller's own cache of Programs, without managedFields (often the largest part of
+    // a small object, and never read here): with thousands of Programs this is most of the
+    // operator's memory.
+    let (reader, writer) = reflector::store::<Program>();
+    let programs = watcher(api, watcher::Config::default().any_semantic())
+        .default_backoff()
+        .modify(|program| program.managed_fields_mut().clear())
+        .reflect(writer)
+        .applied_objects();
+    let controller = Controller::for_stream(programs, reader);
     // Programs whose transform chain changed are reconciled again; a receiver that fell behind
     // gets every Program instead.
     let controller = match ctx.index.transforms() {
