@@ -64,6 +64,39 @@ pub fn clear(project: &Path) {
     let _ = std::fs::remove_file(marker_path(project));
 }
 
+/// This machine's host name (a workspace pod's name, stable across pod re-creation).
+pub fn hostname() -> Option<String> {
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer is valid for its length; gethostname NUL-terminates within it or
+    // truncates, and we stop at the first NUL.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc != 0 {
+        return None;
+    }
+    let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
+    std::str::from_utf8(&buf[..end]).ok().map(str::to_owned)
+}
+
+/// Whether `output` (a failed operation's) says the stack is locked and every lock it lists was
+/// taken on `host`. A workspace's pod keeps its name when it is re-created and only one pod of
+/// that name runs at a time, so such locks belong to a predecessor pod that died mid-operation
+/// (its marker was lost with its volume) and can be released.
+pub fn locked_only_by(output: &str, host: &str) -> bool {
+    if !output.contains("the stack is currently locked") {
+        return false;
+    }
+    let owners: Vec<&str> = output
+        .lines()
+        .filter_map(|l| l.split_once(": created by ").map(|(_, rest)| rest))
+        .collect();
+    !owners.is_empty()
+        && owners.iter().all(|rest| {
+            rest.split_once(" (pid ")
+                .and_then(|(who, _)| who.rsplit_once('@'))
+                .is_some_and(|(_, h)| h == host)
+        })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -81,6 +114,25 @@ mod tests {
         assert_eq!(read(dir.path()), Some(m));
         clear(dir.path());
         assert_eq!(read(dir.path()), None);
+    }
+
+    #[test]
+    fn only_locks_of_this_host_count_as_stale() {
+        let one = "error: the stack is currently locked by 1 lock(s). Either wait for the other process(es) to end or delete the lock file with `pulumi cancel`.\n  file:///b/.pulumi/locks/organization/p/dev/1.json: created by pulumi@ws-workspace-0 (pid 41) at 2026-11-30T09:52:43Z";
+        assert!(locked_only_by(one, "ws-workspace-0"));
+        assert!(!locked_only_by(one, "other-0"));
+        let two = format!(
+            "{one}\n  s3://b/.pulumi/locks/organization/p/dev/2.json: created by me@laptop (pid 7) at 2026-11-30T09:52:44Z"
+        );
+        assert!(
+            !locked_only_by(&two, "ws-workspace-0"),
+            "someone else holds one"
+        );
+        assert!(!locked_only_by("error: update failed", "ws-workspace-0"));
+        assert!(
+            !locked_only_by("the stack is currently locked by 1 lock(s).", "h"),
+            "owner unknown"
+        );
     }
 
     #[test]

@@ -234,7 +234,21 @@ impl Agent {
             let mut full = cli_args;
             full.push(format!("--stack={stack}"));
             let cancel = agent.inner.shutdown.child_token();
-            let result = agent.inner.cli.operation(&full, events_tx, cancel).await;
+            let mut result = agent
+                .inner
+                .cli
+                .operation(&full, events_tx.clone(), cancel.clone())
+                .await;
+            let retry = match &result {
+                Err(e) => agent.release_stale_locks_of_this_pod(&stack, e).await,
+                Ok(_) => false,
+            };
+            if retry {
+                result = agent.inner.cli.operation(&full, events_tx, cancel).await;
+            } else {
+                // The forwarder ends when the last sender is gone.
+                drop(events_tx);
+            }
             // The CLI has ended (it unlocked the stack), whatever the result.
             inflight::clear(&project);
             let _ = forward.await;
@@ -284,6 +298,30 @@ impl Agent {
             ),
         }
         inflight::clear(project);
+    }
+
+    /// After an operation refused because the stack is locked: when every lock was taken on
+    /// this pod's host (a predecessor pod with this name died mid-operation, and its marker went
+    /// with its volume), releases them and says to run again. Called with the workspace lock
+    /// held, so none of them is ours.
+    async fn release_stale_locks_of_this_pod(&self, stack: &str, err: &PulumiError) -> bool {
+        let Some(host) = inflight::hostname() else {
+            return false;
+        };
+        if !inflight::locked_only_by(&err.output_text(), &host) {
+            return false;
+        }
+        let cancel = args(["cancel", "--yes", "--stack", stack]);
+        match self.inner.cli.run(&cancel).await {
+            Ok(_) => {
+                warn!(%stack, %host, "released stack locks left by an earlier pod of this workspace; running again");
+                true
+            }
+            Err(e) => {
+                warn!(%stack, error = %e, "could not release stale stack locks");
+                false
+            }
+        }
     }
 
     /// Outputs of the stack as `stack output --json` shows them, with secrets marked.

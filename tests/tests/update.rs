@@ -277,7 +277,30 @@ async fn a_failing_program_fails_the_update_with_the_cli_diagnosis() {
 
 #[tokio::test]
 async fn a_killed_agent_fails_the_update_clearly_and_the_workspace_recovers() {
-    let env = env("upd-kill").await;
+    killed_agent_then_next_update(
+        "upd-kill",
+        false,
+        "released the stack lock left by an agent that stopped during an operation",
+    )
+    .await;
+}
+
+/// A re-created pod has a fresh volume, so no marker: the locks taken under this pod's host name
+/// are recognised in the CLI's refusal instead.
+#[tokio::test]
+async fn a_recreated_pod_releases_the_locks_of_its_predecessor() {
+    killed_agent_then_next_update(
+        "upd-recreated",
+        true,
+        "released stack locks left by an earlier pod of this workspace",
+    )
+    .await;
+}
+
+/// Kills the agent during `up`, optionally loses its volume's marker, then requires the next
+/// `up` to succeed and the agent log to say `released`.
+async fn killed_agent_then_next_update(prefix: &str, lose_marker: bool, released: &str) {
+    let env = env(prefix).await;
     let (url, digest) = env.program().await;
     let pipe = env.tmp.path().join("pipe");
     fifo::make(&pipe).expect("mkfifo");
@@ -315,6 +338,15 @@ async fn a_killed_agent_fails_the_update_clearly_and_the_workspace_recovers() {
     .await
     .ok();
     env.wait_workspace(1).await;
+    if lose_marker {
+        let marker = env
+            .tmp
+            .path()
+            .join("pods/reader-workspace/volumes/share/workspace")
+            .join(pko_agent::inflight::MARKER);
+        std::fs::remove_file(&marker)
+            .unwrap_or_else(|e| panic!("the dead run's marker {}: {e}", marker.display()));
+    }
 
     // The next update recovers: the lock the dead run left on the stack is released first.
     let feeder = fifo::Feeder::start(pipe, "fed\n", WAIT);
@@ -329,9 +361,7 @@ async fn a_killed_agent_fails_the_update_clearly_and_the_workspace_recovers() {
     );
     drop(feeder);
     assert!(
-        env.kubelet
-            .logs("reader")
-            .contains("released the stack lock left by an agent that stopped during an operation"),
+        env.kubelet.logs("reader").contains(released),
         "{}",
         env.kubelet.logs("reader")
     );
