@@ -161,6 +161,12 @@ async fn main() -> anyhow::Result<()> {
          with etcd and kube-apiserver.\n"
     )?;
     report.push_str(&load_section);
+    // The other benchmarks own marked sections of the same file (`<!-- … begin -->`): keep them.
+    if let Ok(current) = std::fs::read_to_string(&args.out)
+        && let Some(start) = current.find("<!-- ")
+    {
+        report = format!("{}\n\n{}", report.trim_end(), &current[start..]);
+    }
     std::fs::write(&args.out, report).with_context(|| format!("writing {}", args.out.display()))?;
     println!("wrote {}", args.out.display());
     Ok(())
