@@ -866,3 +866,178 @@ async fn a_real_resource_is_created_updated_and_destroyed() {
     .await
     .unwrap_or_else(|e| panic!("{e}\n{}", kubelet.logs("cm")));
 }
+
+/// PKO's retry rules: failures back off (capped by `retryMaxBackoffDurationSeconds`), the stack
+/// stalls after the fourth failure in a row, and a spec change runs it again.
+#[tokio::test]
+async fn repeated_failures_stall_the_stack_until_the_spec_changes() {
+    let Env {
+        plane,
+        ns,
+        tmp,
+        backend,
+        kubelet,
+        _operator,
+    } = env("stack-retry").await;
+    create_program(
+        plane,
+        &ns,
+        "reader",
+        json!({
+            "configuration": {"file": {"type": "String"}},
+            "variables": {"content": {"fn::readFile": "${file}"}},
+            "outputs": {"content": "${content}"},
+        }),
+    )
+    .await;
+    let good = tmp.path().join("content.txt");
+    std::fs::write(&good, "read\n").expect("file");
+    let stacks: Api<Stack> = Api::namespaced(plane.client(), &ns);
+    let stack: Stack = serde_json::from_value(json!({
+        "apiVersion": "pulumi.com/v1", "kind": "Stack", "metadata": {"name": "retry"},
+        "spec": {
+            "stack": "dev", "programRef": {"name": "reader"},
+            "backend": format!("file://{}", backend.display()),
+            "envRefs": {"PULUMI_CONFIG_PASSPHRASE": {"type": "Literal", "literal": {"value": "pko-tests"}}},
+            "config": {"file": tmp.path().join("missing.txt").display().to_string()},
+            "retryMaxBackoffDurationSeconds": 1,
+        },
+    }))
+    .expect("stack");
+    stacks
+        .create(&PostParams::default(), &stack)
+        .await
+        .expect("create stack");
+    let stalled = wait_for(
+        "the stack to stall after repeated failures",
+        WAIT,
+        || async {
+            let status = stacks.get("retry").await.ok()?.status?;
+            let c = status
+                .conditions
+                .iter()
+                .find(|c| c.type_ == "Stalled" && c.status == "True")?;
+            Some((c.reason.clone(), c.message.clone(), status.last_update?))
+        },
+    )
+    .await;
+    let (reason, message, last) = match stalled {
+        Ok(found) => found,
+        Err(e) => panic!(
+            "{e}: {:?}\n{}",
+            stacks.get("retry").await.ok().and_then(|s| s.status),
+            kubelet.logs("retry")
+        ),
+    };
+    assert_eq!(reason, "UpdateFailed");
+    assert!(
+        message.contains("up failed 4 times; not retrying until the spec or source changes"),
+        "{message}"
+    );
+    assert_eq!(last.failures, Some(3));
+    assert!(
+        last.message
+            .as_deref()
+            .is_some_and(|m| m.contains("missing.txt")),
+        "{last:?}"
+    );
+    let updates: Api<Update> = Api::namespaced(plane.client(), &ns);
+    let runs = updates
+        .list(&Default::default())
+        .await
+        .expect("updates")
+        .items
+        .len();
+    assert_eq!(runs, 4, "one Update per attempt");
+
+    // Fixing the spec runs it again, and it succeeds.
+    stacks
+        .patch(
+            "retry",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"config": {"file": good.display().to_string()}}})),
+        )
+        .await
+        .expect("fix config");
+    wait_for("the fixed stack to be Ready", WAIT, || async {
+        let status = stacks.get("retry").await.ok()?.status?;
+        let ready = status
+            .conditions
+            .iter()
+            .any(|c| c.type_ == "Ready" && c.status == "True");
+        (ready && status.outputs.get("content") == Some(&json!("read\n"))).then_some(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", kubelet.logs("retry")));
+}
+
+/// `preview: true` runs previews only, and deleting such a stack destroys nothing.
+#[tokio::test]
+async fn a_preview_stack_previews_and_is_deleted_without_a_destroy() {
+    let Env {
+        plane,
+        ns,
+        tmp: _tmp,
+        backend,
+        kubelet,
+        _operator,
+    } = env("stack-preview").await;
+    create_program(plane, &ns, "hello", program("world")).await;
+    let stacks: Api<Stack> = Api::namespaced(plane.client(), &ns);
+    let stack: Stack = serde_json::from_value(json!({
+        "apiVersion": "pulumi.com/v1", "kind": "Stack", "metadata": {"name": "preview"},
+        "spec": {
+            "stack": "dev", "programRef": {"name": "hello"},
+            "backend": format!("file://{}", backend.display()),
+            "envRefs": {"PULUMI_CONFIG_PASSPHRASE": {"type": "Literal", "literal": {"value": "pko-tests"}}},
+            "config": {"greeting": "hi"},
+            "preview": true, "destroyOnFinalize": true,
+        },
+    }))
+    .expect("stack");
+    stacks
+        .create(&PostParams::default(), &stack)
+        .await
+        .expect("create stack");
+    let last = wait_for("the preview to succeed", WAIT, || async {
+        let status = stacks.get("preview").await.ok()?.status?;
+        let ready = status
+            .conditions
+            .iter()
+            .any(|c| c.type_ == "Ready" && c.status == "True");
+        let last = status.last_update?;
+        (ready && last.state.as_deref() == Some("succeeded")).then_some(last)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", kubelet.logs("preview")));
+    assert_eq!(last.type_.as_deref(), Some("preview"));
+
+    stacks
+        .delete("preview", &DeleteParams::default())
+        .await
+        .expect("delete");
+    wait_for("the preview stack to be gone", WAIT, || async {
+        stacks
+            .get_opt("preview")
+            .await
+            .ok()?
+            .is_none()
+            .then_some(())
+    })
+    .await
+    .expect("gone");
+    let updates: Api<Update> = Api::namespaced(plane.client(), &ns);
+    let types: Vec<String> = updates
+        .list(&Default::default())
+        .await
+        .expect("updates")
+        .items
+        .iter()
+        .filter_map(|u| u.spec.type_.and_then(|t| serde_json::to_value(t).ok()))
+        .filter_map(|v| v.as_str().map(str::to_owned))
+        .collect();
+    assert!(
+        types.iter().all(|t| t == "preview"),
+        "only previews ran: {types:?}"
+    );
+}
