@@ -78,10 +78,11 @@ pub fn hostname() -> Option<String> {
 }
 
 /// Whether `output` (a failed operation's) says the stack is locked and every lock it lists was
-/// taken on `host`. A workspace's pod keeps its name when it is re-created and only one pod of
-/// that name runs at a time, so such locks belong to a predecessor pod that died mid-operation
-/// (its marker was lost with its volume) and can be released.
-pub fn locked_only_by(output: &str, host: &str) -> bool {
+/// taken on `host` before `started` (when this agent started). A workspace's pod keeps its name
+/// when it is re-created and only one pod of that name runs at a time, so such locks belong to a
+/// predecessor pod that died mid-operation (its marker was lost with its volume) and can be
+/// released. A lock taken while this agent runs is never one of them.
+pub fn stale_locks_of(output: &str, host: &str, started: jiff::Timestamp) -> bool {
     if !output.contains("the stack is currently locked") {
         return false;
     }
@@ -91,9 +92,16 @@ pub fn locked_only_by(output: &str, host: &str) -> bool {
         .collect();
     !owners.is_empty()
         && owners.iter().all(|rest| {
-            rest.split_once(" (pid ")
+            // `user@host (pid N) at 2026-11-30T09:52:43Z`
+            let on_host = rest
+                .split_once(" (pid ")
                 .and_then(|(who, _)| who.rsplit_once('@'))
-                .is_some_and(|(_, h)| h == host)
+                .is_some_and(|(_, h)| h == host);
+            let before_us = rest
+                .rsplit_once(" at ")
+                .and_then(|(_, at)| at.trim().parse::<jiff::Timestamp>().ok())
+                .is_some_and(|at| at < started);
+            on_host && before_us
         })
 }
 
@@ -117,20 +125,30 @@ mod tests {
     }
 
     #[test]
-    fn only_locks_of_this_host_count_as_stale() {
+    fn only_older_locks_of_this_host_count_as_stale() {
+        let started: jiff::Timestamp = "2026-11-30T10:00:00Z".parse().expect("time");
         let one = "error: the stack is currently locked by 1 lock(s). Either wait for the other process(es) to end or delete the lock file with `pulumi cancel`.\n  file:///b/.pulumi/locks/organization/p/dev/1.json: created by pulumi@ws-workspace-0 (pid 41) at 2026-11-30T09:52:43Z";
-        assert!(locked_only_by(one, "ws-workspace-0"));
-        assert!(!locked_only_by(one, "other-0"));
+        assert!(stale_locks_of(one, "ws-workspace-0", started));
+        assert!(!stale_locks_of(one, "other-0", started));
+        let early: jiff::Timestamp = "2026-11-30T09:00:00Z".parse().expect("time");
+        assert!(
+            !stale_locks_of(one, "ws-workspace-0", early),
+            "taken after we started"
+        );
         let two = format!(
             "{one}\n  s3://b/.pulumi/locks/organization/p/dev/2.json: created by me@laptop (pid 7) at 2026-11-30T09:52:44Z"
         );
         assert!(
-            !locked_only_by(&two, "ws-workspace-0"),
+            !stale_locks_of(&two, "ws-workspace-0", started),
             "someone else holds one"
         );
-        assert!(!locked_only_by("error: update failed", "ws-workspace-0"));
+        assert!(!stale_locks_of(
+            "error: update failed",
+            "ws-workspace-0",
+            started
+        ));
         assert!(
-            !locked_only_by("the stack is currently locked by 1 lock(s).", "h"),
+            !stale_locks_of("the stack is currently locked by 1 lock(s).", "h", started),
             "owner unknown"
         );
     }

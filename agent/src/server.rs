@@ -49,6 +49,8 @@ struct Inner {
     lock: tokio::sync::Mutex<()>,
     shutdown: CancellationToken,
     instance: String,
+    /// When this process started: stack locks taken before it may be a dead predecessor's.
+    started: jiff::Timestamp,
 }
 
 impl Agent {
@@ -61,6 +63,7 @@ impl Agent {
                 lock: tokio::sync::Mutex::new(()),
                 shutdown,
                 instance: format!("{:016x}", rand::random::<u64>()),
+                started: jiff::Timestamp::now(),
             }),
         }
     }
@@ -301,14 +304,14 @@ impl Agent {
     }
 
     /// After an operation refused because the stack is locked: when every lock was taken on
-    /// this pod's host (a predecessor pod with this name died mid-operation, and its marker went
-    /// with its volume), releases them and says to run again. Called with the workspace lock
+    /// this pod's host before this agent started (a predecessor pod with this name died
+    /// mid-operation, and its marker went with its volume), releases them and says to run again. Called with the workspace lock
     /// held, so none of them is ours.
     async fn release_stale_locks_of_this_pod(&self, stack: &str, err: &PulumiError) -> bool {
         let Some(host) = inflight::hostname() else {
             return false;
         };
-        if !inflight::locked_only_by(&err.output_text(), &host) {
+        if !inflight::stale_locks_of(&err.output_text(), &host, self.inner.started) {
             return false;
         }
         let cancel = args(["cancel", "--yes", "--stack", stack]);
