@@ -76,6 +76,31 @@ fn has_event(events: &[Value], kind: &str) -> bool {
     events.iter().any(|e| e.get(kind).is_some())
 }
 
+/// A plaintext agent serving the project in `ws`, with stack `dev` created and selected.
+async fn agent_with_dev_stack(
+    state: &Path,
+    ws: &Path,
+) -> (AgentProcess, pko_agent::client::AgentClient) {
+    let agent = AgentProcess::start(AgentOptions {
+        workspace: ws.to_path_buf(),
+        state: state.to_path_buf(),
+        tls: false,
+        token: Some("tok".into()),
+    })
+    .await
+    .expect("agent");
+    let mut client = agent.client().await.expect("client");
+    client
+        .select_stack(pb::SelectStackRequest {
+            stack_name: "dev".into(),
+            create: Some(true),
+            secrets_provider: None,
+        })
+        .await
+        .expect("select");
+    (agent, client)
+}
+
 #[tokio::test]
 async fn up_preview_destroy_with_config_and_outputs_over_tls() {
     let tmp = tempfile::tempdir().expect("tmp");
@@ -466,23 +491,7 @@ async fn a_disconnected_client_cancels_its_operation_and_frees_the_workspace() {
     std::fs::write(ws.join("plain.txt"), "hi\n").expect("plain file");
     let pipe = ws.join("pipe");
     pko_tests::fifo::make(&pipe).expect("mkfifo");
-    let agent = AgentProcess::start(AgentOptions {
-        workspace: ws.clone(),
-        state: tmp.path().to_path_buf(),
-        tls: false,
-        token: Some("tok".into()),
-    })
-    .await
-    .expect("agent");
-    let mut client = agent.client().await.expect("client");
-    client
-        .select_stack(pb::SelectStackRequest {
-            stack_name: "dev".into(),
-            create: Some(true),
-            secrets_provider: None,
-        })
-        .await
-        .expect("select");
+    let (agent, mut client) = agent_with_dev_stack(tmp.path(), &ws).await;
     let set_file = |file: &str| pb::SetAllConfigRequest {
         config: vec![literal("file", file, false)],
     };
@@ -599,23 +608,7 @@ async fn structured_config_reaches_the_program_typed() {
     let ws = tmp.path().join("workspace");
     project(&ws, STRUCTURED_PROGRAM);
     std::fs::write(tmp.path().join("replicas.json"), "3").expect("file");
-    let agent = AgentProcess::start(AgentOptions {
-        workspace: ws.clone(),
-        state: tmp.path().to_path_buf(),
-        tls: false,
-        token: Some("tok".into()),
-    })
-    .await
-    .expect("agent");
-    let mut client = agent.client().await.expect("client");
-    client
-        .select_stack(pb::SelectStackRequest {
-            stack_name: "dev".into(),
-            create: Some(true),
-            secrets_provider: None,
-        })
-        .await
-        .expect("select");
+    let (agent, mut client) = agent_with_dev_stack(tmp.path(), &ws).await;
     let value = |key: &str, v: Value| pb::ConfigItem {
         key: key.into(),
         path: None,

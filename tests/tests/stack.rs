@@ -83,6 +83,31 @@ async fn create_program(
     programs
 }
 
+/// A Stack `name` on the file backend `backend` (stack `dev`, the test passphrase) with `spec`'s
+/// fields on top.
+fn stack_object(backend: &std::path::Path, name: &str, spec: Value) -> Stack {
+    let mut full = json!({
+        "stack": "dev",
+        "backend": format!("file://{}", backend.display()),
+        "envRefs": {"PULUMI_CONFIG_PASSPHRASE": {"type": "Literal", "literal": {"value": "pko-tests"}}},
+    });
+    if let (Value::Object(base), Value::Object(more)) = (&mut full, spec) {
+        base.extend(more);
+    }
+    serde_json::from_value(json!({
+        "apiVersion": "pulumi.com/v1", "kind": "Stack", "metadata": {"name": name}, "spec": full,
+    }))
+    .expect("stack")
+}
+
+/// Creates [`stack_object`] through `stacks`.
+async fn create_stack(stacks: &Api<Stack>, backend: &std::path::Path, name: &str, spec: Value) {
+    stacks
+        .create(&PostParams::default(), &stack_object(backend, name, spec))
+        .await
+        .expect("create stack");
+}
+
 #[tokio::test]
 async fn program_to_stack_ready_with_outputs_then_edit_then_destroy_on_delete() {
     let Env {
@@ -97,23 +122,18 @@ async fn program_to_stack_ready_with_outputs_then_edit_then_destroy_on_delete() 
     let programs = create_program(plane, &ns, "hello", program("world")).await;
 
     let stacks: Api<Stack> = Api::namespaced(plane.client(), &ns);
-    let stack: Stack = serde_json::from_value(json!({
-        "apiVersion": "pulumi.com/v1", "kind": "Stack",
-        "metadata": {"name": "hello"},
-        "spec": {
+    create_stack(
+        &stacks,
+        &backend,
+        "hello",
+        json!({
             "stack": "dev",
             "programRef": {"name": "hello"},
-            "backend": format!("file://{}", backend.display()),
-            "envRefs": {"PULUMI_CONFIG_PASSPHRASE": {"type": "Literal", "literal": {"value": "pko-tests"}}},
             "config": {"greeting": "hello"},
             "destroyOnFinalize": true,
-        },
-    }))
-    .expect("stack");
-    stacks
-        .create(&PostParams::default(), &stack)
-        .await
-        .expect("create stack");
+        }),
+    )
+    .await;
 
     let outputs_with = |expected: &'static str| {
         let stacks = stacks.clone();
@@ -239,19 +259,11 @@ async fn invalid_sources_and_references_stall_with_a_clear_reason_and_reclaim_de
     create_program(plane, &ns, "hello", program("world")).await;
     let stacks: Api<Stack> = Api::namespaced(plane.client(), &ns);
     let make = |name: &str, extra: Value| -> Stack {
-        let mut spec = json!({
-            "stack": "dev",
-            "backend": format!("file://{}", backend.display()),
-            "envRefs": {"PULUMI_CONFIG_PASSPHRASE": {"type": "Literal", "literal": {"value": "pko-tests"}}},
-            "config": {"greeting": "hi"},
-        });
+        let mut spec = json!({"config": {"greeting": "hi"}});
         if let (Value::Object(base), Value::Object(more)) = (&mut spec, extra) {
             base.extend(more);
         }
-        serde_json::from_value(json!({
-            "apiVersion": "pulumi.com/v1", "kind": "Stack", "metadata": {"name": name}, "spec": spec,
-        }))
-        .expect("stack")
+        stack_object(&backend, name, spec)
     };
     let cross_ns = make(
         "cross-ns",
@@ -464,22 +476,17 @@ async fn a_flux_source_object_is_fetched_verified_and_deployed() {
         .expect("repo status");
 
     let stacks: Api<Stack> = Api::namespaced(plane.client(), &ns);
-    let stack: Stack = serde_json::from_value(json!({
-        "apiVersion": "pulumi.com/v1", "kind": "Stack",
-        "metadata": {"name": "from-flux"},
-        "spec": {
+    create_stack(
+        &stacks,
+        &backend,
+        "from-flux",
+        json!({
             "stack": "dev",
             "fluxSource": {"sourceRef": {"apiVersion": "source.toolkit.fluxcd.io/v1", "kind": "GitRepository", "name": "repo"}},
-            "backend": format!("file://{}", backend.display()),
-            "envRefs": {"PULUMI_CONFIG_PASSPHRASE": {"type": "Literal", "literal": {"value": "pko-tests"}}},
             "config": {"greeting": "hi"},
-        },
-    }))
-    .expect("stack");
-    stacks
-        .create(&PostParams::default(), &stack)
-        .await
-        .expect("create stack");
+        }),
+    )
+    .await;
     let result = wait_for("the flux-sourced stack to be Ready", WAIT, || async {
         let status = stacks.get("from-flux").await.ok()?.status?;
         let ready = status
@@ -532,32 +539,21 @@ async fn a_git_branch_is_deployed_with_credentials_and_a_new_commit_redeploys() 
         .expect("create secret");
 
     let stacks: Api<Stack> = Api::namespaced(plane.client(), &ns);
-    let make = |name: &str, branch: &str, password_key: &str| -> Stack {
-        serde_json::from_value(json!({
-            "apiVersion": "pulumi.com/v1", "kind": "Stack", "metadata": {"name": name},
-            "spec": {
-                "stack": name,
-                "projectRepo": repo.url(), "branch": branch, "repoDir": "app",
-                "gitAuth": {"basicAuth": {
-                    "userName": {"type": "Secret", "secret": {"name": "git-creds", "key": "user"}},
-                    "password": {"type": "Secret", "secret": {"name": "git-creds", "key": password_key}},
-                }},
-                "backend": format!("file://{}", backend.display()),
-                "envRefs": {"PULUMI_CONFIG_PASSPHRASE": {"type": "Literal", "literal": {"value": "pko-tests"}}},
-                "config": {"greeting": "hi"},
-            },
-        }))
-        .expect("stack")
-    };
-    for s in [
-        make("tracked", "main", "password"),
-        make("no-branch", "does-not-exist", "password"),
-        make("bad-creds", "main", "user"),
+    for (name, branch, password_key) in [
+        ("tracked", "main", "password"),
+        ("no-branch", "does-not-exist", "password"),
+        ("bad-creds", "main", "user"),
     ] {
-        stacks
-            .create(&PostParams::default(), &s)
-            .await
-            .expect("create stack");
+        let spec = json!({
+            "stack": name,
+            "projectRepo": repo.url(), "branch": branch, "repoDir": "app",
+            "gitAuth": {"basicAuth": {
+                "userName": {"type": "Secret", "secret": {"name": "git-creds", "key": "user"}},
+                "password": {"type": "Secret", "secret": {"name": "git-creds", "key": password_key}},
+            }},
+            "config": {"greeting": "hi"},
+        });
+        create_stack(&stacks, &backend, name, spec).await;
     }
 
     let deployed = |message: &'static str, commit: String| {
@@ -661,21 +657,17 @@ async fn a_destroy_in_a_terminating_namespace_stalls_and_says_how_to_let_go() {
     } = env("stack-ns-gone").await;
     create_program(plane, &ns, "hello", program("world")).await;
     let stacks: Api<Stack> = Api::namespaced(plane.client(), &ns);
-    let stack: Stack = serde_json::from_value(json!({
-        "apiVersion": "pulumi.com/v1", "kind": "Stack", "metadata": {"name": "doomed"},
-        "spec": {
+    create_stack(
+        &stacks,
+        &backend,
+        "doomed",
+        json!({
             "stack": "dev", "programRef": {"name": "hello"},
-            "backend": format!("file://{}", backend.display()),
-            "envRefs": {"PULUMI_CONFIG_PASSPHRASE": {"type": "Literal", "literal": {"value": "pko-tests"}}},
             "config": {"greeting": "hi"},
             "destroyOnFinalize": true, "workspaceReclaimPolicy": "Delete",
-        },
-    }))
-    .expect("stack");
-    stacks
-        .create(&PostParams::default(), &stack)
-        .await
-        .expect("create stack");
+        }),
+    )
+    .await;
     let workspaces: Api<pko_api::workspace::Workspace> = Api::namespaced(plane.client(), &ns);
     let deployed = wait_for(
         "the stack deployed and its workspace reclaimed",
@@ -780,11 +772,12 @@ async fn a_real_resource_is_created_updated_and_destroyed() {
     )
     .await;
     let stacks: Api<Stack> = Api::namespaced(plane.client(), &ns);
-    let stack: Stack = serde_json::from_value(json!({
-        "apiVersion": "pulumi.com/v1", "kind": "Stack", "metadata": {"name": "cm"},
-        "spec": {
+    create_stack(
+        &stacks,
+        &backend,
+        "cm",
+        json!({
             "stack": "dev", "programRef": {"name": "configmap"},
-            "backend": format!("file://{}", backend.display()),
             "envRefs": {
                 "PULUMI_CONFIG_PASSPHRASE": {"type": "Literal", "literal": {"value": "pko-tests"}},
                 "KUBECONFIG": {"type": "Literal", "literal": {"value": plane.kubeconfig_path().display().to_string()}},
@@ -793,13 +786,9 @@ async fn a_real_resource_is_created_updated_and_destroyed() {
             },
             "config": {"greeting": "hello"},
             "destroyOnFinalize": true,
-        },
-    }))
-    .expect("stack");
-    stacks
-        .create(&PostParams::default(), &stack)
-        .await
-        .expect("create stack");
+        }),
+    )
+    .await;
     let config_maps: Api<k8s_openapi::api::core::v1::ConfigMap> =
         Api::namespaced(plane.client(), &ns);
     let deployed = |greeting: &'static str| {
@@ -893,21 +882,17 @@ async fn repeated_failures_stall_the_stack_until_the_spec_changes() {
     let good = tmp.path().join("content.txt");
     std::fs::write(&good, "read\n").expect("file");
     let stacks: Api<Stack> = Api::namespaced(plane.client(), &ns);
-    let stack: Stack = serde_json::from_value(json!({
-        "apiVersion": "pulumi.com/v1", "kind": "Stack", "metadata": {"name": "retry"},
-        "spec": {
+    create_stack(
+        &stacks,
+        &backend,
+        "retry",
+        json!({
             "stack": "dev", "programRef": {"name": "reader"},
-            "backend": format!("file://{}", backend.display()),
-            "envRefs": {"PULUMI_CONFIG_PASSPHRASE": {"type": "Literal", "literal": {"value": "pko-tests"}}},
             "config": {"file": tmp.path().join("missing.txt").display().to_string()},
             "retryMaxBackoffDurationSeconds": 1,
-        },
-    }))
-    .expect("stack");
-    stacks
-        .create(&PostParams::default(), &stack)
-        .await
-        .expect("create stack");
+        }),
+    )
+    .await;
     let stalled = wait_for(
         "the stack to stall after repeated failures",
         WAIT,
@@ -984,21 +969,17 @@ async fn a_preview_stack_previews_and_is_deleted_without_a_destroy() {
     } = env("stack-preview").await;
     create_program(plane, &ns, "hello", program("world")).await;
     let stacks: Api<Stack> = Api::namespaced(plane.client(), &ns);
-    let stack: Stack = serde_json::from_value(json!({
-        "apiVersion": "pulumi.com/v1", "kind": "Stack", "metadata": {"name": "preview"},
-        "spec": {
+    create_stack(
+        &stacks,
+        &backend,
+        "preview",
+        json!({
             "stack": "dev", "programRef": {"name": "hello"},
-            "backend": format!("file://{}", backend.display()),
-            "envRefs": {"PULUMI_CONFIG_PASSPHRASE": {"type": "Literal", "literal": {"value": "pko-tests"}}},
             "config": {"greeting": "hi"},
             "preview": true, "destroyOnFinalize": true,
-        },
-    }))
-    .expect("stack");
-    stacks
-        .create(&PostParams::default(), &stack)
-        .await
-        .expect("create stack");
+        }),
+    )
+    .await;
     let last = wait_for("the preview to succeed", WAIT, || async {
         let status = stacks.get("preview").await.ok()?.status?;
         let ready = status

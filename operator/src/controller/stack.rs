@@ -427,16 +427,7 @@ fn workspace_spec(stack: &Stack, namespace: &str, source: Value) -> Result<Value
                 json!({"value": r.literal.as_ref().map(|l| l.value.clone()).unwrap_or_default()}),
             ),
             ResourceSelectorType::Secret => {
-                let s = r
-                    .secret
-                    .as_ref()
-                    .ok_or_else(|| format!("{what}: secret selector missing"))?;
-                if s.namespace
-                    .as_deref()
-                    .is_some_and(|n| !n.is_empty() && n != namespace)
-                {
-                    return Err(format!("{what}: cross-namespace refs are not allowed"));
-                }
+                let s = stack_source::own_secret(what, r, namespace)?;
                 Ok(json!({"secret": {"name": s.name, "key": s.key}}))
             }
             other => Err(format!(

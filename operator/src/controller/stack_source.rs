@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::Api;
-use pko_api::common::{ResourceRef, ResourceSelectorType};
+use pko_api::common::{ResourceRef, ResourceSelectorType, SecretSelector};
 use pko_api::program::Program;
 use pko_api::stack::Stack;
 use serde_json::{Value, json};
@@ -326,12 +326,13 @@ impl GitCredentials {
     }
 }
 
-fn key_ref(what: &str, r: &ResourceRef, namespace: &str) -> Result<KeyRef, String> {
-    if r.selector_type != ResourceSelectorType::Secret {
-        return Err(format!(
-            "{what}: only Secret references are supported for git credentials"
-        ));
-    }
+/// The Secret a `type: Secret` reference names, refused when it lies in another namespace
+/// (PKO's deprecated `secret.namespace`). `what` names the field in the error.
+pub fn own_secret<'a>(
+    what: &str,
+    r: &'a ResourceRef,
+    namespace: &str,
+) -> Result<&'a SecretSelector, String> {
     let s = r
         .secret
         .as_ref()
@@ -342,6 +343,16 @@ fn key_ref(what: &str, r: &ResourceRef, namespace: &str) -> Result<KeyRef, Strin
     {
         return Err(format!("{what}: cross-namespace refs are not allowed"));
     }
+    Ok(s)
+}
+
+fn key_ref(what: &str, r: &ResourceRef, namespace: &str) -> Result<KeyRef, String> {
+    if r.selector_type != ResourceSelectorType::Secret {
+        return Err(format!(
+            "{what}: only Secret references are supported for git credentials"
+        ));
+    }
+    let s = own_secret(what, r, namespace)?;
     Ok(KeyRef {
         name: s.name.clone(),
         key: s.key.clone(),

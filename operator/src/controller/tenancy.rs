@@ -11,11 +11,11 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Namespace;
-use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::api::{Api, Patch, PatchParams};
 use kube::core::{PartialObjectMeta, Selector};
 use kube::runtime::controller::{self, Action, Controller};
-use kube::runtime::reflector::ObjectRef;
-use kube::runtime::watcher;
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 use pko_api::tenancy::{TenancyPolicy, TenancyPolicyStatus};
 use serde_json::json;
@@ -29,6 +29,8 @@ const CONTROLLER: &str = "tenancy";
 
 #[derive(Debug, thiserror::Error)]
 pub enum TenancyStatusError {
+    #[error("the namespace watch stopped before listing namespaces")]
+    NamespacesNotListed,
     #[error("{what}: {source}")]
     Kube {
         what: &'static str,
@@ -42,6 +44,13 @@ pub struct TenancyContext {
     pub metrics: Metrics,
 }
 
+/// What a reconcile reads: the context, and the namespaces (names and labels) as the
+/// controller's own watch sees them, so a reconcile lists nothing.
+pub struct Shared {
+    ctx: Arc<TenancyContext>,
+    namespaces: Store<PartialObjectMeta<Namespace>>,
+}
+
 /// Runs until `shutdown` resolves.
 pub async fn run(
     ctx: Arc<TenancyContext>,
@@ -52,23 +61,32 @@ pub async fn run(
         Api::<TenancyPolicy>::all(client.clone()),
         watcher::Config::default().any_semantic(),
     );
-    let store = controller.store();
+    let policies = controller.store();
+    let (namespaces, writer) = reflector::store::<PartialObjectMeta<Namespace>>();
+    // Metadata only: names and labels are all a selector needs.
+    let namespace_changes = watcher(
+        Api::<PartialObjectMeta<Namespace>>::all(client.clone()),
+        watcher::Config::default(),
+    )
+    .default_backoff()
+    .reflect(writer)
+    .touched_objects();
     controller
         // Any namespace change may change any policy's count.
-        .watches(
-            Api::<Namespace>::all(client.clone()),
-            watcher::Config::default(),
-            move |_: Namespace| {
-                store
-                    .state()
-                    .iter()
-                    .map(|p| ObjectRef::from_obj(p.as_ref()))
-                    .collect::<Vec<_>>()
-            },
-        )
+        .watches_stream(namespace_changes, move |_| {
+            policies
+                .state()
+                .iter()
+                .map(|p| ObjectRef::from_obj(p.as_ref()))
+                .collect::<Vec<_>>()
+        })
         .with_config(controller::Config::default().debounce(Duration::from_millis(500)))
         .graceful_shutdown_on(shutdown)
-        .run(reconcile, error_policy, ctx)
+        .run(
+            reconcile,
+            error_policy,
+            Arc::new(Shared { ctx, namespaces }),
+        )
         .for_each(|result| async move {
             if let Err(err) = result {
                 warn!(controller = CONTROLLER, error = %err, "controller event");
@@ -80,10 +98,12 @@ pub async fn run(
 fn error_policy(
     policy: Arc<TenancyPolicy>,
     err: &TenancyStatusError,
-    ctx: Arc<TenancyContext>,
+    shared: Arc<Shared>,
 ) -> Action {
     warn!(policy = %policy.name_any(), error = %err, "reconcile failed");
-    ctx.metrics
+    shared
+        .ctx
+        .metrics
         .reconcile_errors
         .get_or_create(&ErrorLabels {
             controller: CONTROLLER.into(),
@@ -94,14 +114,14 @@ fn error_policy(
 }
 
 /// The status a policy should have, given every namespace's name and labels.
-pub fn status_for(
+pub fn status_for<'a>(
     policy: &TenancyPolicy,
-    namespaces: &[PartialObjectMeta<Namespace>],
+    namespaces: impl IntoIterator<Item = &'a PartialObjectMeta<Namespace>>,
 ) -> TenancyPolicyStatus {
     let name = policy.name_any();
     let generation = policy.metadata.generation;
     let selected = namespaces
-        .iter()
+        .into_iter()
         .filter(|ns| {
             pko_admission::tenancy::selects(&name, &policy.spec, &ns.name_any(), ns.labels())
         })
@@ -138,19 +158,19 @@ pub fn status_for(
 
 async fn reconcile(
     policy: Arc<TenancyPolicy>,
-    ctx: Arc<TenancyContext>,
+    shared: Arc<Shared>,
 ) -> Result<Action, TenancyStatusError> {
+    let ctx = &shared.ctx;
     let labels = ctx.metrics.controller(CONTROLLER);
     ctx.metrics.reconciles.get_or_create(&labels).inc();
-    let namespaces = Api::<Namespace>::all(ctx.client.clone())
-        .list_metadata(&ListParams::default())
+    // Counting before the namespace watch has listed everything would report too few.
+    shared
+        .namespaces
+        .wait_until_ready()
         .await
-        .map_err(|source| TenancyStatusError::Kube {
-            what: "listing namespaces",
-            source,
-        })?
-        .items;
-    let status = status_for(&policy, &namespaces);
+        .map_err(|_| TenancyStatusError::NamespacesNotListed)?;
+    let namespaces = shared.namespaces.state();
+    let status = status_for(&policy, namespaces.iter().map(AsRef::as_ref));
     let before = policy.status.clone().unwrap_or_default();
     let same = before.observed_generation == status.observed_generation
         && before.selected_namespaces == status.selected_namespaces

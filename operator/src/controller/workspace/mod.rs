@@ -287,6 +287,35 @@ pub fn to_pb_item(item: &ConfigItem) -> pb::ConfigItem {
     }
 }
 
+/// `Ready=False` for `reason`; with `stalled`, also `Stalled=True` (a state that retrying soon
+/// will not fix).
+fn mark_not_ready(
+    status: &mut WorkspaceStatus,
+    stalled: bool,
+    reason: &str,
+    message: &str,
+    generation: Option<i64>,
+) {
+    if stalled {
+        conditions::set(
+            &mut status.conditions,
+            STALLED,
+            true,
+            reason,
+            message,
+            generation,
+        );
+    }
+    conditions::set(
+        &mut status.conditions,
+        READY,
+        false,
+        reason,
+        message,
+        generation,
+    );
+}
+
 /// What an agent was told: it is told again when any part changes (a restarted agent has a new
 /// instance id and remembers nothing).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -404,22 +433,7 @@ async fn reconcile_inner(ws: &Workspace, ctx: &WorkspaceContext) -> Result<Actio
                     .await;
             }
             status.address = None;
-            conditions::set(
-                &mut status.conditions,
-                STALLED,
-                true,
-                "SpecInvalid",
-                &message,
-                generation,
-            );
-            conditions::set(
-                &mut status.conditions,
-                READY,
-                false,
-                "SpecInvalid",
-                &message,
-                generation,
-            );
+            mark_not_ready(&mut status, true, "SpecInvalid", &message, generation);
             write_status(ctx, &namespace, &name, &before, &status).await?;
             return Ok(Action::await_change());
         }
@@ -546,18 +560,9 @@ async fn reconcile_inner(ws: &Workspace, ctx: &WorkspaceContext) -> Result<Actio
             )
             .await;
         }
-        conditions::set(
-            &mut status.conditions,
-            STALLED,
+        mark_not_ready(
+            &mut status,
             true,
-            "IncompatibleConfiguration",
-            &message,
-            generation,
-        );
-        conditions::set(
-            &mut status.conditions,
-            READY,
-            false,
             "IncompatibleConfiguration",
             &message,
             generation,
@@ -570,9 +575,8 @@ async fn reconcile_inner(ws: &Workspace, ctx: &WorkspaceContext) -> Result<Actio
         Ok(e) => e,
         Err(message) => {
             // Like a pod whose Secret is missing: not ready until it appears.
-            conditions::set(
-                &mut status.conditions,
-                READY,
+            mark_not_ready(
+                &mut status,
                 false,
                 "EnvironmentUnavailable",
                 &message,
@@ -600,9 +604,8 @@ async fn reconcile_inner(ws: &Workspace, ctx: &WorkspaceContext) -> Result<Actio
         {
             ctx.agents.forget(&name, &namespace);
             let message = format!("Failed to set the environment: {}", s.message());
-            conditions::set(
-                &mut status.conditions,
-                READY,
+            mark_not_ready(
+                &mut status,
                 false,
                 "InitializationFailed",
                 &message,
@@ -620,18 +623,9 @@ async fn reconcile_inner(ws: &Workspace, ctx: &WorkspaceContext) -> Result<Actio
                 message.clone(),
             )
             .await;
-            conditions::set(
-                &mut status.conditions,
-                STALLED,
+            mark_not_ready(
+                &mut status,
                 true,
-                "InstallationFailed",
-                &message,
-                generation,
-            );
-            conditions::set(
-                &mut status.conditions,
-                READY,
-                false,
                 "InstallationFailed",
                 &message,
                 generation,
@@ -647,18 +641,9 @@ async fn reconcile_inner(ws: &Workspace, ctx: &WorkspaceContext) -> Result<Actio
                 message.clone(),
             )
             .await;
-            conditions::set(
-                &mut status.conditions,
-                STALLED,
+            mark_not_ready(
+                &mut status,
                 true,
-                "InitializationFailed",
-                &message,
-                generation,
-            );
-            conditions::set(
-                &mut status.conditions,
-                READY,
-                false,
                 "InitializationFailed",
                 &message,
                 generation,
