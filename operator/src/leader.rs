@@ -425,6 +425,18 @@ mod tests {
         assert_ne!(a, b);
     }
 
+    /// Polls `done` until it holds; fails naming `what` after a deadline far above any wait.
+    async fn eventually(what: &str, done: impl Fn() -> bool) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while !done() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "timed out waiting: {what}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
     #[tokio::test]
     async fn controllers_follow_leadership() {
         let (tx, rx) = watch::channel(false);
@@ -450,18 +462,22 @@ mod tests {
                 }
             },
         ));
-        let settle = || tokio::time::sleep(Duration::from_millis(50));
-        settle().await;
+        // A negative check: nothing may start before leadership. The sleep is a guess, but a
+        // slow machine only makes it pass more easily.
+        tokio::time::sleep(Duration::from_millis(50)).await;
         assert_eq!(starts.load(Ordering::SeqCst), 0, "not leader yet");
         tx.send_replace(true);
-        settle().await;
-        assert_eq!(running.load(Ordering::SeqCst), 1);
+        eventually("controllers running", || {
+            running.load(Ordering::SeqCst) == 1
+        })
+        .await;
         tx.send_replace(false);
-        settle().await;
-        assert_eq!(running.load(Ordering::SeqCst), 0, "stopped on loss");
+        eventually("stopped on loss", || running.load(Ordering::SeqCst) == 0).await;
         tx.send_replace(true);
-        settle().await;
-        assert_eq!(starts.load(Ordering::SeqCst), 2, "restarted on re-election");
+        eventually("restarted on re-election", || {
+            starts.load(Ordering::SeqCst) == 2
+        })
+        .await;
         shutdown.cancel();
         tokio::time::timeout(Duration::from_secs(5), supervisor)
             .await

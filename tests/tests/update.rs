@@ -177,6 +177,26 @@ fn condition(u: &Update, type_: &str) -> (String, String, String) {
     (c.status.clone(), c.reason.clone(), c.message.clone())
 }
 
+/// Whether pulumi holds a lock on a stack of the file backend at `backend`
+/// (`.pulumi/locks/<org>/<project>/<stack>/<id>.json`).
+fn stack_locked(backend: &Path) -> bool {
+    fn any_json(dir: &Path) -> bool {
+        std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|entry| {
+                let path = entry.path();
+                if path.is_dir() {
+                    any_json(&path)
+                } else {
+                    path.extension().is_some_and(|e| e == "json")
+                }
+            })
+    }
+    any_json(&backend.join(".pulumi/locks"))
+}
+
 #[tokio::test]
 async fn up_preview_destroy_with_outputs_secret_and_pko_conditions() {
     let env = env("upd-ok").await;
@@ -315,7 +335,15 @@ async fn killed_agent_then_next_update(prefix: &str, lose_marker: bool, released
     })
     .await
     .expect("operation started");
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // "operation started" is logged before pulumi runs: kill only once pulumi holds the stack
+    // lock (it keeps it, as the program blocks on the pipe), since a lock left behind is the
+    // point.
+    let backend = env.tmp.path().join("backend");
+    wait_for("pulumi to lock the stack", WAIT, || async {
+        stack_locked(&backend).then_some(())
+    })
+    .await
+    .expect("stack locked");
     assert!(env.kubelet.kill_agent("reader"));
 
     let up = env.completed(&api, "up-blocked").await;
