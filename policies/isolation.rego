@@ -5,7 +5,11 @@
 #   - Secret references naming another namespace (PKO's deprecated `secret.namespace`), and
 #     references to the operator's own environment or file system, shared by every tenant;
 #   - Workspace flux URLs (a Workspace's or a Stack's workspace template) that point at another
-#     namespace's Program on the operator's file server;
+#     namespace's Program on the operator's file server (http or https, one of
+#     data.tenancy.fileServer's hosts and ports, path /programs/<namespace>/...). Only the parts
+#     the webhook parsed (input.pko.urls, the WHATWG URL standard, like the agent's client) are
+#     used; a URL the parser rejects is refused (invalid-flux-url), and so is one the webhook
+#     did not parse (unparsed-flux-url: fail closed);
 #   - service accounts, workspace images and transform module digests outside the allowances
 #     of the TenancyPolicies selecting the namespace (no allowance list = no restriction).
 package pko.isolation
@@ -71,32 +75,146 @@ _violations contains _v(
 	r.ref.type in {"Env", "FS"}
 }
 
-# Flux URLs of Programs served by our file server: <scheme>://<host>/programs/<ns>/<name>/...
+# Workspace flux URLs, each with the path of its field.
+flux_urls contains {"url": ws.spec.flux.url, "path": concat(".", [ws.path, "flux.url"])} if {
+	some ws in lib.workspace_specs
+}
+
+# The parts of a flux URL, as the webhook parsed it (input.pko.urls, keyed by the raw string)
+# exactly like the agent's HTTP client does (WHATWG URL standard). Only these parts are used:
+# the raw string has countless spellings of one place (case, default ports, IPv4 forms, dot
+# and empty segments, percent-encoding, userinfo, backslashes, tabs, ...).
+parsed_url(url) := u if {
+	u := input.pko.urls[url]
+	u.valid == true
+	is_string(u.scheme)
+	is_string(u.host)
+	_is_port(u.port)
+	is_array(u.segments)
+	every segment in u.segments {
+		is_string(segment)
+	}
+}
+
+# A scheme without a default port (not http or https) may have none.
+_is_port(p) if is_number(p)
+
+_is_port(null)
+
+# A URL the parser rejects, with its message.
+url_error(url) := e if {
+	input.pko.urls[url].valid == false
+	e := _error_text(object.get(input.pko.urls[url], "error", null))
+}
+
+_error_text(e) := e if is_string(e)
+
+_error_text(e) := "rejected by the URL parser" if not is_string(e)
+
+# Programs served by our file server: http(s)://<host>:<port>/programs/<namespace>/<name>/...
 _violations contains _v(
 	"cross-namespace-program",
-	concat(".", [ws.path, "flux.url"]),
+	f.path,
 	concat("", ["points at a Program of namespace ", target, "; only Programs of namespace ", lib.namespace, " may be used"]),
 ) if {
-	some ws in lib.workspace_specs
-	target := program_namespace(ws.spec.flux.url)
+	some f in flux_urls
+	target := program_namespace(parsed_url(f.url))
 	target != lib.namespace
 }
 
-program_namespace(url) := parts[4] if {
-	parts := split(url, "/")
-	count(parts) > 5
-	endswith(parts[0], ":")
-	parts[1] == ""
-	file_server_host(parts[2])
-	parts[3] == "programs"
+_violations contains _v(
+	"invalid-flux-url",
+	f.path,
+	concat("", ["is not a URL the workspace can fetch: ", url_error(f.url)]),
+) if {
+	some f in flux_urls
 }
 
-# Without a configured host list every host counts: the path shape is the file server's own.
-file_server_host(_) if not data.tenancy.fileServerHosts
+# Fail closed: a URL the webhook did not parse (or parsed into something unusable) cannot be
+# checked.
+_violations contains _v(
+	"unparsed-flux-url",
+	f.path,
+	"the admission webhook did not parse this URL, so where it points cannot be checked",
+) if {
+	some f in flux_urls
+	not parsed_url(f.url)
+	not url_error(f.url)
+}
 
-file_server_host(_) if count(data.tenancy.fileServerHosts) == 0
+program_namespace(u) := u.segments[1] if {
+	u.scheme in {"http", "https"}
+	file_server_host(u.host)
+	file_server_port(u.port)
+	count(u.segments) >= 2
+	u.segments[0] == "programs"
+}
 
-file_server_host(host) if host in data.tenancy.fileServerHosts
+# data.tenancy.fileServer: the hosts and ports the file server answers on, normalised like
+# parsed URLs. Without hosts every host counts; without ports every port does.
+file_server_host(_) if not _configured("hosts")
+
+file_server_host(host) if host in data.tenancy.fileServer.hosts
+
+# An IPv4-mapped IPv6 address (::ffff:0:0/96) connects to its IPv4 address.
+file_server_host(host) if mapped_ipv4(host) in data.tenancy.fileServer.hosts
+
+file_server_port(_) if not _configured("ports")
+
+file_server_port(port) if port in data.tenancy.fileServer.ports
+
+_configured(key) if count(data.tenancy.fileServer[key]) > 0
+
+# The URL standard writes an IPv4-mapped address in hex (::ffff:a60:c for 10.96.0.12); the
+# dotted form (::ffff:10.96.0.12) is read too.
+mapped_ipv4(host) := ipv4 if {
+	startswith(host, "::ffff:")
+	ipv4 := substring(host, 7, -1)
+	parts := split(ipv4, ".")
+	count(parts) == 4
+	every part in parts {
+		_decimal_octet(part)
+	}
+}
+
+mapped_ipv4(host) := concat(".", [_high(hi), _low(hi), _high(lo), _low(lo)]) if {
+	startswith(host, "::ffff:")
+	groups := split(substring(host, 7, -1), ":")
+	count(groups) == 2
+	hi := _hex16(groups[0])
+	lo := _hex16(groups[1])
+}
+
+_decimal_octet(s) if {
+	count(s) > 0
+	count(s) <= 3
+	every i in numbers.range(0, count(s) - 1) {
+		_hex_digits[substring(s, i, 1)] < 10
+	}
+	to_number(s) <= 255
+}
+
+_hex_digits := {
+	"0": 0, "1": 1, "2": 2, "3": 3, "4": 4, "5": 5, "6": 6, "7": 7,
+	"8": 8, "9": 9, "a": 10, "b": 11, "c": 12, "d": 13, "e": 14, "f": 15,
+}
+
+# A 16-bit group of lowercase hex digits, as a number.
+_hex16(s) := n if {
+	count(s) > 0
+	count(s) <= 4
+	indexes := numbers.range(0, count(s) - 1)
+	every i in indexes {
+		_hex_digits[substring(s, i, 1)]
+	}
+	n := sum([v | some i in indexes; v := _hex_digits[substring(s, i, 1)] * _hex_weights[(count(s) - 1) - i]])
+}
+
+_hex_weights := [1, 16, 256, 4096]
+
+_high(n) := format_int((n - (n % 256)) / 256, 10)
+
+_low(n) := format_int(n % 256, 10)
 
 # Service accounts. `default` (the CRD default) is always allowed: it is the namespace's own.
 service_accounts contains {"name": ws.spec.serviceAccountName, "path": concat(".", [ws.path, "serviceAccountName"])} if {

@@ -2,8 +2,10 @@
 # title: Shared helpers of the pko-rs admission policies
 # description: |
 #   What the other packages need from the AdmissionReview (input) and the tenancy data
-#   (data.tenancy): which objects are checked, the workspace specs and pod templates they
-#   declare, and the TenancyPolicies that select the request's namespace.
+#   (data.tenancy): which objects are checked (every create and update but one that only
+#   removes finalizers from an object being deleted: its spec must equal oldObject's), the
+#   workspace specs and pod templates they declare, and the TenancyPolicies that select the
+#   request's namespace.
 package pko.lib
 
 namespace := input.request.namespace
@@ -14,11 +16,23 @@ group := input.request.kind.group
 
 kind := input.request.kind.kind
 
-# Only writes carry an object. An object already being deleted is let through so that
-# finalizers can always be removed, even from objects admitted before a policy changed.
+# Only writes carry an object, and every CREATE and UPDATE is checked but one: an update of an
+# object already being deleted (metadata.deletionTimestamp) that leaves its spec as it was
+# (request.oldObject.spec), so that finalizers can always be removed, even from objects
+# admitted before a policy changed. A spec that changes is checked, being deleted or not:
+# otherwise a tenant could add its own finalizer to an admitted object, delete it, and then
+# give it any spec while the finalizer holds it.
+checked if input.request.operation == "CREATE"
+
 checked if {
-	input.request.operation in {"CREATE", "UPDATE"}
-	not object.metadata.deletionTimestamp
+	input.request.operation == "UPDATE"
+	not _finalizing
+}
+
+# Being deleted, and the spec unchanged: only metadata (finalizers) changes.
+_finalizing if {
+	object.metadata.deletionTimestamp
+	object.spec == input.request.oldObject.spec
 }
 
 is_workspace if {

@@ -174,14 +174,41 @@ test_host_namespaces_denied if {
 	}
 }
 
+# An UPDATE of `review_doc`'s object, being deleted, from an object whose spec was `old_spec`.
+terminating_update(review_doc, old_spec) := json.patch(review_doc, [
+	{"op": "replace", "path": "/request/operation", "value": "UPDATE"},
+	{"op": "add", "path": "/request/object/metadata/deletionTimestamp", "value": "2025-01-01T00:00:00Z"},
+	{"op": "add", "path": "/request/oldObject", "value": {
+		"metadata": {"name": "x", "namespace": "team-a", "finalizers": ["pulumi.com/finalizer"]},
+		"spec": old_spec,
+	}},
+])
+
 test_deletes_and_terminating_objects_are_not_checked if {
 	bad := workspace({"securityProfile": "baseline"})
 	deleting := json.patch(bad, [{"op": "replace", "path": "/request/operation", "value": "DELETE"}])
 	count(found(deleting)) == 0
-	terminating := json.patch(bad, [{"op": "add", "path": "/request/object/metadata/deletionTimestamp", "value": "2025-01-01T00:00:00Z"}])
+
+	# Removing a finalizer from an object being deleted: its spec stays as it was.
+	terminating := terminating_update(bad, {"securityProfile": "baseline"})
 	count(found(terminating)) == 0
 	updating := json.patch(bad, [{"op": "replace", "path": "/request/operation", "value": "UPDATE"}])
 	count(found(updating)) == 1
+}
+
+# Otherwise a tenant could add its own finalizer, delete the object, then change its spec.
+test_spec_changes_of_terminating_objects_are_checked if {
+	changed := terminating_update(workspace({"securityProfile": "baseline"}), {"securityProfile": "restricted"})
+	found(changed) == {["baseline-profile", "spec.securityProfile"]}
+	template := terminating_update(stack({"securityProfile": "baseline"}), {"stack": "dev", "workspaceTemplate": {"spec": {}}})
+	found(template) == {["baseline-profile", "spec.workspaceTemplate.spec.securityProfile"]}
+	without_old := json.patch(workspace({"securityProfile": "baseline"}), [
+		{"op": "replace", "path": "/request/operation", "value": "UPDATE"},
+		{"op": "add", "path": "/request/object/metadata/deletionTimestamp", "value": "2025-01-01T00:00:00Z"},
+	])
+	found(without_old) == {["baseline-profile", "spec.securityProfile"]}
+	created := json.patch(workspace({"securityProfile": "baseline"}), [{"op": "add", "path": "/request/object/metadata/deletionTimestamp", "value": "2025-01-01T00:00:00Z"}])
+	found(created) == {["baseline-profile", "spec.securityProfile"]}
 }
 
 test_other_kinds_are_not_checked if {

@@ -7,10 +7,12 @@
 //! are cached briefly so many Stacks tracking one branch cost one request per interval.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
+
+use crate::egress::{self, EgressPolicy, Refused};
 
 /// Largest refs advertisement read (repositories with many tags stay far below).
 const MAX_BYTES: usize = 16 * 1024 * 1024;
@@ -24,6 +26,8 @@ pub enum GitRemoteError {
     UnsupportedUrl(String),
     #[error("cannot list the refs of {url}: {detail}")]
     Request { url: String, detail: String },
+    #[error("will not list the refs of {url}: its address is {refused}")]
+    Refused { url: String, refused: Refused },
     #[error("{url} answered {status} when listing its refs{hint}")]
     Status {
         url: String,
@@ -64,14 +68,17 @@ type RefsCache = HashMap<(String, String), (Instant, Refs)>;
 /// Refs of a repository, shared by every Stack of the operator.
 pub struct Resolver {
     http: reqwest::Client,
+    egress: Arc<EgressPolicy>,
     ttl: Duration,
     cache: Mutex<RefsCache>,
 }
 
 impl Resolver {
-    pub fn new(http: reqwest::Client, ttl: Duration) -> Self {
+    /// `http` must follow `egress` for names and redirects ([`EgressPolicy::client_builder`]).
+    pub fn new(http: reqwest::Client, egress: Arc<EgressPolicy>, ttl: Duration) -> Self {
         Self {
             http,
+            egress,
             ttl,
             cache: Mutex::new(HashMap::new()),
         }
@@ -116,26 +123,33 @@ impl Resolver {
     }
 
     async fn list(&self, url: &str, auth: Option<&HttpAuth>) -> Result<Refs, GitRemoteError> {
-        let lower = url.to_ascii_lowercase();
-        if !(lower.starts_with("https://") || lower.starts_with("http://")) {
-            return Err(GitRemoteError::UnsupportedUrl(url.to_owned()));
-        }
         let endpoint = format!(
             "{}/info/refs?service=git-upload-pack",
             url.trim_end_matches('/')
         );
+        // Parsed as the client will parse it, so the checks see the address it connects to.
+        let endpoint = reqwest::Url::parse(&endpoint)
+            .ok()
+            .filter(|u| matches!(u.scheme(), "http" | "https"))
+            .ok_or_else(|| GitRemoteError::UnsupportedUrl(url.to_owned()))?;
+        self.egress
+            .check_url(&endpoint)
+            .map_err(|refused| GitRemoteError::Refused {
+                url: url.to_owned(),
+                refused,
+            })?;
         let request_err = |detail: String| GitRemoteError::Request {
             url: url.to_owned(),
             detail,
         };
-        let mut request = self.http.get(&endpoint).timeout(TIMEOUT);
+        let mut request = self.http.get(endpoint).timeout(TIMEOUT);
         if let Some(a) = auth {
             request = request.basic_auth(&a.username, Some(&a.password));
         }
         let mut response = request
             .send()
             .await
-            .map_err(|e| request_err(e.to_string()))?;
+            .map_err(|e| request_err(egress::describe(&e)))?;
         let status = response.status();
         if !status.is_success() {
             let hint = match status.as_u16() {
@@ -158,7 +172,7 @@ impl Resolver {
         while let Some(chunk) = response
             .chunk()
             .await
-            .map_err(|e| request_err(e.to_string()))?
+            .map_err(|e| request_err(egress::describe(&e)))?
         {
             if body.len() + chunk.len() > MAX_BYTES {
                 return Err(request_err(format!("more than {MAX_BYTES} bytes of refs")));
@@ -242,14 +256,19 @@ fn parse_smart(body: &[u8]) -> Result<Refs, String> {
 fn parse_dumb(body: &[u8]) -> Result<Refs, String> {
     let text = std::str::from_utf8(body).map_err(|_| "refs are not UTF-8 text")?;
     let mut refs = HashMap::new();
-    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+    for (n, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
+        // What the server said is never repeated (it ends up in a Stack's status): only where.
         let (sha, name) = line
             .split_once('\t')
             .filter(|(sha, _)| is_commit(sha))
             .ok_or_else(|| {
                 format!(
-                    "not a git refs line: {:?}",
-                    line.chars().take(80).collect::<String>()
+                    "not a git refs listing (line {} is not <sha>TAB<ref>)",
+                    n + 1
                 )
             })?;
         refs.insert(name.trim().to_owned(), sha.to_ascii_lowercase());

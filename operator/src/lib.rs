@@ -4,9 +4,11 @@
 
 pub mod agents;
 pub mod artifact;
+pub mod capability;
 pub mod cli;
 pub mod config;
 pub mod controller;
+pub mod egress;
 pub mod fileserver;
 pub mod gitremote;
 pub mod leader;

@@ -12,6 +12,7 @@ use kube::discovery::ApiResource;
 use kube::{Api, Client};
 use pko_api::program::Program;
 use pko_api::stack::Stack;
+use pko_operator::capability::{self, KeyRing, KeySecret, KeySet, RotationPolicy};
 use pko_operator::config::{AdvertisedAddress, parse_duration};
 use pko_operator::controller::program::{self, ProgramContext};
 use pko_operator::fileserver::{self, FileServer, server};
@@ -91,6 +92,29 @@ struct RunArgs {
     /// Bytes of built artifacts kept in memory for the file server.
     #[arg(long, env = "ARTIFACT_CACHE_BYTES", default_value_t = 256 * 1024 * 1024)]
     artifact_cache_bytes: u64,
+    /// Secret (in --artifact-keys-namespace) holding the keys that sign artifact URLs; every
+    /// replica reads it by name, the first one creates it.
+    #[arg(
+        long,
+        env = "ARTIFACT_KEYS_SECRET",
+        default_value = "pko-rs-artifact-keys"
+    )]
+    artifact_keys_secret: String,
+    /// Namespace of that Secret. Default: $POD_NAMESPACE. With neither, each process signs with
+    /// a key of its own (one replica only: others could not verify its URLs).
+    #[arg(long, env = "ARTIFACT_KEYS_NAMESPACE")]
+    artifact_keys_namespace: Option<String>,
+    /// The leader adds a new artifact URL key when the newest one is this old.
+    #[arg(long, env = "ARTIFACT_KEY_MAX_AGE", default_value = "720h", value_parser = parse_duration)]
+    artifact_key_max_age: Duration,
+    /// An old key keeps verifying this long after a newer key started signing, so URLs signed
+    /// with it (re-signed at once) stay valid for workspaces already fetching them.
+    #[arg(long, env = "ARTIFACT_KEY_OVERLAP", default_value = "24h", value_parser = parse_duration)]
+    artifact_key_overlap: Duration,
+    /// How long the file server waits for this replica's watch before it answers 404 for a
+    /// Program, or a generation, that it has not seen yet (a URL just published by the leader).
+    #[arg(long, env = "ARTIFACT_PUBLISH_WAIT", default_value = "2s", value_parser = parse_duration)]
+    artifact_publish_wait: Duration,
     /// Log format (`console` is accepted for PKO's zap encoder name).
     #[arg(
         long,
@@ -145,6 +169,8 @@ struct RunArgs {
     webhook: pko_admission::cli::WebhookArgs,
     #[command(flatten)]
     plugins: pko_operator::transform::PluginArgs,
+    #[command(flatten)]
+    egress: pko_operator::egress::EgressArgs,
 }
 
 #[tokio::main]
@@ -212,19 +238,25 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         Some(namespace) => Api::namespaced(client.clone(), namespace),
         None => Api::all(client.clone()),
     };
+    // Where the operator may connect for a tenant's URL (git refs, https modules).
+    let egress = Arc::new(pko_operator::egress::EgressPolicy::from_args(&args.egress));
     // Transform plugins, on every replica: each file server runs the chains too.
     let transforms = if args.plugins.plugins_enabled {
         Some(pko_operator::transform::TransformRegistry::from_args(
             &args.plugins,
             client.clone(),
             metrics.plugins.clone(),
+            egress.clone(),
         )?)
     } else {
         None
     };
     let (index, index_driver) = fileserver::index::watch(
-        programs.clone(),
-        args.artifact_cache_bytes,
+        programs,
+        fileserver::index::IndexOptions {
+            cache_bytes: args.artifact_cache_bytes,
+            publish_wait: args.artifact_publish_wait,
+        },
         metrics.clone(),
         transforms.clone(),
     );
@@ -270,10 +302,37 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         });
     }
 
+    // Artifact URL keys: read (or created) before the file server can verify a single URL.
+    let key_secret = args
+        .artifact_keys_namespace
+        .clone()
+        .or_else(|| std::env::var("POD_NAMESPACE").ok())
+        .filter(|n| !n.is_empty())
+        .map(|namespace| KeySecret::new(client.clone(), &namespace, &args.artifact_keys_secret));
+    let keys = match &key_secret {
+        Some(secret) => KeyRing::new(load_keys(secret).await?),
+        None => {
+            tracing::warn!(
+                "no --artifact-keys-namespace or $POD_NAMESPACE: artifact URLs are signed with a key of this process only; run one replica"
+            );
+            KeyRing::new(KeySet::ephemeral(capability::unix_now()))
+        }
+    };
+    if let Some(secret) = key_secret.clone() {
+        let (ring, index, stop) = (keys.clone(), index.clone(), shutdown.clone());
+        tasks.spawn(capability::refresh(
+            secret,
+            ring,
+            move || index.resync(),
+            stop,
+        ));
+    }
+
     let fs_listener = server::bind(&args.program_fs_addr).await?;
     let fs_app = fileserver::router(FileServer {
         index: index.clone(),
         metrics: metrics.clone(),
+        keys: keys.clone(),
     });
     tasks.spawn(server::serve(
         "fileserver",
@@ -294,6 +353,8 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let fs_host = advertised.as_str().split_once("://").map(|(_, host)| host);
     let pod_namespace = std::env::var("POD_NAMESPACE").ok();
     let webhook_config = args.webhook.config(fs_host, pod_namespace.as_deref())?;
+    // The Workspace controller judges flux URLs by the same file-server names as the webhook.
+    let (file_server, _) = args.webhook.file_server_names(fs_host)?;
     // TenancyPolicies matter only to the webhook; their status is reported where it runs.
     let tenancy_status = webhook_config.is_some();
     if let Some(config) = webhook_config {
@@ -338,7 +399,12 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         advertised,
         index.clone(),
         metrics.clone(),
+        keys,
     ));
+    let rotation = RotationPolicy {
+        max_age: args.artifact_key_max_age,
+        overlap: args.artifact_key_overlap,
+    };
     // The lease is released only after the controllers stop, hence its own stop token.
     let election_stop = CancellationToken::new();
     let (leadership, mut election_task) = if args.leader_elect {
@@ -358,13 +424,17 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let execution_args = args.execution.clone();
     let execution_namespace = args.watch_namespace.clone().filter(|n| !n.is_empty());
     let controllers = move |stop: CancellationToken| {
-        let (programs, ctx) = (programs.clone(), ctx.clone());
+        let ctx = ctx.clone();
         let execution = pko_operator::controller::execution::run(
             status_client.clone(),
             execution_namespace.clone(),
             execution_args.clone(),
             status_metrics.clone(),
             concurrency,
+            pko_operator::controller::execution::TenantBounds {
+                egress: egress.clone(),
+                file_server: file_server.clone(),
+            },
             stop.clone(),
         );
         let transform_status = transforms.clone().map(|registry| {
@@ -384,8 +454,14 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
                 stop.clone().cancelled_owned(),
             )
         });
+        let rotate = key_secret
+            .clone()
+            .map(|secret| capability::rotate(secret, rotation, stop.clone()));
         async move {
-            let programs = program::run(programs, ctx, concurrency, stop.cancelled_owned());
+            if let Some(rotate) = rotate {
+                tokio::spawn(rotate);
+            }
+            let programs = program::run(ctx, concurrency, stop.cancelled_owned());
             let programs = async move {
                 match tenancy {
                     Some(tenancy) => {
@@ -442,6 +518,23 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         anyhow::bail!("leader election ended unexpectedly");
     }
     Ok(())
+}
+
+/// The artifact URL keys, retried while the apiserver is not reachable yet.
+async fn load_keys(secret: &KeySecret) -> anyhow::Result<KeySet> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let mut delay = Duration::from_millis(200);
+    loop {
+        match secret.load_or_create(capability::unix_now()).await {
+            Ok(keys) => return Ok(keys),
+            Err(err) if tokio::time::Instant::now() + delay < deadline => {
+                tracing::warn!(error = %err, "artifact URL keys not readable yet; retrying");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(5));
+            }
+            Err(err) => return Err(err).context("loading the artifact URL keys"),
+        }
+    }
 }
 
 /// Resolves when `task` ends; never when there is none.

@@ -28,8 +28,84 @@ pub struct ErrorLabels {
 /// Labels of file-server requests.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RequestLabels {
-    pub method: String,
+    /// `GET`, `HEAD` or `OTHER`: the method comes from the client, and any token is a method.
+    pub method: &'static str,
     pub code: u16,
+}
+
+impl RequestLabels {
+    /// Labels of one request; every method but GET and HEAD counts as `OTHER`, so clients
+    /// cannot add series.
+    pub fn new(method: &http::Method, code: http::StatusCode) -> Self {
+        let method = match *method {
+            http::Method::GET => "GET",
+            http::Method::HEAD => "HEAD",
+            _ => "OTHER",
+        };
+        Self {
+            method,
+            code: code.as_u16(),
+        }
+    }
+}
+
+/// How a file-server request for a Program this replica had not seen yet ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PublishWaitOutcome {
+    /// The replica's watch delivered it within the wait.
+    Seen,
+    /// Still unknown when the wait ended: answered 404.
+    NotSeen,
+    /// Too many requests were waiting already: answered at once.
+    Overflow,
+}
+
+impl PublishWaitOutcome {
+    const ALL: [Self; 3] = [Self::Seen, Self::NotSeen, Self::Overflow];
+
+    pub fn labels(self) -> OutcomeLabels {
+        OutcomeLabels {
+            outcome: match self {
+                Self::Seen => "seen",
+                Self::NotSeen => "not_seen",
+                Self::Overflow => "overflow",
+            },
+        }
+    }
+}
+
+/// Why the file server refused an artifact request (answered like an unknown Program).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RefusalReason {
+    /// No `digest` and `token` in the URL.
+    NoToken,
+    /// A token that these keys did not mint for this artifact.
+    BadToken,
+}
+
+impl RefusalReason {
+    const ALL: [Self; 2] = [Self::NoToken, Self::BadToken];
+
+    pub fn labels(self) -> ReasonLabels {
+        ReasonLabels {
+            reason: match self {
+                Self::NoToken => "no_token",
+                Self::BadToken => "bad_token",
+            },
+        }
+    }
+}
+
+/// Labels of refusal counters (a fixed set of values).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    pub reason: &'static str,
+}
+
+/// Labels of outcome counters (a fixed set of values).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    pub outcome: &'static str,
 }
 
 /// Labels of per-Stack series (PKO's `stacks_failing` / `stacks_reconciling`).
@@ -72,6 +148,12 @@ pub struct Metrics {
     pub fileserver_cache_hits: Counter,
     pub fileserver_cache_misses: Counter,
     pub fileserver_cache_bytes: Gauge,
+    /// Requests for a Program or generation not seen yet, by how the wait for the watch ended.
+    pub fileserver_publish_waits: Family<OutcomeLabels, Counter>,
+    /// How long those requests waited.
+    pub fileserver_publish_wait_duration: Histogram,
+    /// Artifact requests refused for lack of a valid capability token.
+    pub fileserver_refused: Family<ReasonLabels, Counter>,
     /// Transform plugin calls, errors, latency and fuel (`pko_plugin_*`).
     pub plugins: pko_plugins::PluginMetrics,
 }
@@ -173,6 +255,30 @@ impl Metrics {
             "Bytes of artifacts held in the artifact cache",
             fileserver_cache_bytes.clone(),
         );
+        let fileserver_publish_waits = Family::<OutcomeLabels, Counter>::default();
+        for outcome in PublishWaitOutcome::ALL {
+            drop(fileserver_publish_waits.get_or_create(&outcome.labels()));
+        }
+        registry.register(
+            "pko_fileserver_publish_waits",
+            "Requests for a Program or generation this replica had not seen yet, by how the wait for its watch ended",
+            fileserver_publish_waits.clone(),
+        );
+        let fileserver_publish_wait_duration = latency_histogram();
+        registry.register(
+            "pko_fileserver_publish_wait_duration_seconds",
+            "How long requests waited for this replica's watch to deliver a Program",
+            fileserver_publish_wait_duration.clone(),
+        );
+        let fileserver_refused = Family::<ReasonLabels, Counter>::default();
+        for reason in RefusalReason::ALL {
+            drop(fileserver_refused.get_or_create(&reason.labels()));
+        }
+        registry.register(
+            "pko_fileserver_refused",
+            "Artifact requests refused for lack of a valid URL token, by reason (answered as 404)",
+            fileserver_refused.clone(),
+        );
         registry.register(
             "pko_build",
             "Build information",
@@ -195,6 +301,9 @@ impl Metrics {
             fileserver_cache_hits,
             fileserver_cache_misses,
             fileserver_cache_bytes,
+            fileserver_publish_waits,
+            fileserver_publish_wait_duration,
+            fileserver_refused,
             plugins,
         }
     }

@@ -38,6 +38,21 @@ impl Operator {
             ))
             .arg("--log-level=info,pko_operator=debug")
             .args(&opts.args);
+        // Every operator of a control plane shares one key Secret, so any replica verifies the
+        // artifact URLs any other one signed (as replicas of one install do).
+        if !opts
+            .args
+            .iter()
+            .any(|a| a.starts_with("--artifact-keys-namespace"))
+        {
+            cmd.arg("--artifact-keys-namespace=default");
+        }
+        // Test servers (git, https modules) listen on loopback, which the operator refuses for
+        // tenants' URLs by default. A test that passes any `--egress-` flag of its own gets
+        // the production rules (loopback refused).
+        if !opts.args.iter().any(|a| a.starts_with("--egress-")) {
+            cmd.arg("--egress-allow-loopback");
+        }
         if let Some(adv) = &opts.advertised {
             cmd.arg(format!("--program-fs-adv-addr={adv}"));
         }
@@ -89,6 +104,13 @@ impl Operator {
     /// `http://127.0.0.1:<fs port><path>`.
     pub fn fs_url(&self, path: &str) -> String {
         format!("http://127.0.0.1:{}{path}", self.fs_port)
+    }
+
+    /// `url` (an artifact URL from a Program's status) with this operator's file server as its
+    /// host: same path, same token.
+    pub fn fs_url_of(&self, url: &str) -> String {
+        let path = url.find("/programs/").map(|at| &url[at..]).unwrap_or(url);
+        self.fs_url(path)
     }
 
     /// `http://127.0.0.1:<probe port><path>`.

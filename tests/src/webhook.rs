@@ -112,6 +112,10 @@ impl Registration {
                     "scope": "Namespaced",
                 }],
                 "namespaceSelector": selector,
+                "matchConditions": [{
+                    "name": "not-letting-go-of-a-deleted-object",
+                    "expression": pko_admission::MATCH_CONDITION,
+                }],
                 "failurePolicy": options.failure_policy,
                 "sideEffects": "None",
                 "admissionReviewVersions": ["v1"],
@@ -142,6 +146,10 @@ impl Registration {
                         "scope": "Namespaced",
                     }],
                     "namespaceSelector": selector,
+                    "matchConditions": [{
+                        "name": "not-letting-go-of-a-deleted-object",
+                        "expression": pko_admission::MATCH_CONDITION,
+                    }],
                     "failurePolicy": "Fail",
                     "sideEffects": "None",
                     "reinvocationPolicy": "Never",

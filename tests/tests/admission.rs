@@ -1038,8 +1038,19 @@ fn oversized_workspace(name: &str) -> Value {
 
 #[tokio::test]
 async fn failing_evaluation_follows_the_failure_policy() {
+    // Only the memory cap may fail the evaluation: the evaluation budget and the apiserver's
+    // webhook timeout (its maximum) are far above what the evaluation needs, so a slow machine
+    // cannot turn the memory error into a timeout.
+    let options = WebhookOptions {
+        timeout_seconds: 30,
+        ..WebhookOptions::default()
+    };
     // Fail: the request is refused with the reason; the operator keeps serving.
-    let env = Env::start(WebhookOptions::default(), &["--policy-memory-mib=1"]).await;
+    let env = Env::start(
+        options.clone(),
+        &["--policy-memory-mib=1", "--policy-timeout=25s"],
+    )
+    .await;
     let message = env
         .try_create(&env.a, &oversized_workspace("big"), true)
         .await
@@ -1066,8 +1077,12 @@ async fn failing_evaluation_follows_the_failure_policy() {
 
     // Ignore: admitted with a warning; the operator keeps serving.
     let env = Env::start(
-        WebhookOptions::default(),
-        &["--policy-memory-mib=1", "--policy-failure-policy=Ignore"],
+        options,
+        &[
+            "--policy-memory-mib=1",
+            "--policy-timeout=25s",
+            "--policy-failure-policy=Ignore",
+        ],
     )
     .await;
     let (ok, stderr) = env.kubectl_create(&env.a, &oversized_workspace("big"));
@@ -1206,5 +1221,100 @@ async fn tenancy_policy_status_counts_namespaces_and_reports_a_bad_selector() {
         ready(&status),
         ("False".into(), "InvalidNamespaceSelector".into())
     );
+    env.cleanup().await;
+}
+
+/// Issue: an object being deleted skipped every check, so a tenant could hold an allowed
+/// ProgramTransform with its own finalizer, delete it, then point it at any module. Now the
+/// checks are skipped only while the spec stays the same; and removing finalizers needs no
+/// webhook at all (`matchConditions`), so clean-up works with the operator stopped.
+#[tokio::test]
+async fn deleted_objects_are_checked_until_let_go_and_let_go_without_the_operator() {
+    let mut env = Env::start(WebhookOptions::default(), &[]).await;
+    let a = env.a.clone();
+    env.apply_tenancy(
+        &format!("{}-a", env.id),
+        json!({"namespaces": [a], "allowedTransformDigests": [DIGEST_OK]}),
+    )
+    .await;
+    env.eventually(
+        "tenant a's transform allowance",
+        &a,
+        &transform("probe", DIGEST_OTHER),
+        Expect::DeniedBy("isolation/transform-module"),
+    )
+    .await;
+    let held = with(
+        transform("held", DIGEST_OK),
+        "/metadata/finalizers",
+        json!(["tenant.example/hold"]),
+    );
+    env.allowed(&a, &held).await;
+    let api = dynamic_api(env.client(), &a, &held);
+    api.delete("held", &DeleteParams::default())
+        .await
+        .expect("delete (kept by the finalizer)");
+    let being_deleted = api.get("held").await.expect("still there");
+    assert!(being_deleted.metadata.deletion_timestamp.is_some());
+
+    // The finalizer trick: a new module on the object being deleted is refused.
+    let swap = json!({"spec": {
+        "sha256": format!("sha256:{DIGEST_OTHER}"),
+        "source": {"url": "https://evil.example/module.wasm"},
+    }});
+    let refused = api
+        .patch("held", &PatchParams::default(), &Patch::Merge(&swap))
+        .await
+        .expect_err("a changed spec on a deleted object is checked");
+    let message = refused.to_string();
+    assert!(
+        message.contains("[isolation/transform-module]") && message.contains("spec.sha256"),
+        "{message}"
+    );
+
+    // With the operator stopped (the webhook unreachable, failure policy Fail), objects can
+    // still be let go: a Stack with a finalizer is deleted once its finalizers are removed.
+    let stuck = with(
+        stack("stuck", json!({})),
+        "/metadata/finalizers",
+        // Not the operator's own finalizer, so only this test lets it go.
+        json!(["tenant.example/hold"]),
+    );
+    env.allowed(&a, &stuck).await;
+    let stacks = dynamic_api(env.client(), &a, &stuck);
+    stacks
+        .delete("stuck", &DeleteParams::default())
+        .await
+        .expect("delete the stack");
+    env.operator.stop();
+    // The webhook is really down: any other write of a Stack is refused.
+    wait_for("writes to fail without the webhook", WAIT, || async {
+        let probe = stack("probe-down", json!({}));
+        env.try_create(&a, &probe, true).await.err()
+    })
+    .await
+    .expect("the webhook is down");
+    stacks
+        .patch(
+            "stuck",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"finalizers": null}})),
+        )
+        .await
+        .expect("finalizers removed without the webhook");
+    api.patch(
+        "held",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"metadata": {"finalizers": null}})),
+    )
+    .await
+    .expect("the transform let go without the webhook");
+    for (api, name) in [(&stacks, "stuck"), (&api, "held")] {
+        wait_for(&format!("{name} to be gone"), WAIT, || async {
+            api.get_opt(name).await.ok()?.is_none().then_some(())
+        })
+        .await
+        .expect("gone");
+    }
     env.cleanup().await;
 }

@@ -405,6 +405,12 @@ async fn server_side_apply_gives_the_operator_least_privilege() {
         ("get", "coordination.k8s.io", "leases", own, lease),
         ("patch", "coordination.k8s.io", "leases", own, lease),
         ("update", "coordination.k8s.io", "leases", own, lease),
+        // The artifact URL keys: created once, read by every replica, rotated by the leader.
+        ("create", "", "secrets", own, None),
+        ("get", "", "secrets", own, Some("pko-rs-artifact-keys")),
+        ("patch", "", "secrets", own, Some("pko-rs-artifact-keys")),
+        // The file server's Service, for its ClusterIP in the URL rule.
+        ("get", "", "services", own, Some("pko-rs-fileserver")),
     ];
     for &(verb, group, resource, namespace, name) in needed {
         assert!(
@@ -434,6 +440,8 @@ async fn server_side_apply_gives_the_operator_least_privilege() {
             Some("someone-else"),
         ),
         ("delete", "coordination.k8s.io", "leases", own, lease),
+        // No other Secret of our namespace by name.
+        ("get", "", "secrets", own, Some("someone-elses")),
         // Users' objects are theirs to delete; RBAC is not ours to grant.
         ("delete", "pulumi.com", "programs", tenant, None),
         ("delete", "pulumi.com", "stacks", tenant, None),
@@ -591,4 +599,29 @@ fn dockerfile_builds_with_make_and_copies_only_make_outputs() {
     let _: u32 = gid.parse().expect("numeric gid");
     assert_ne!(uid, 0, "runs as root");
     assert!(!last_stage.contains("\nRUN "), "runtime stage runs nothing");
+}
+
+/// Both webhook configurations skip the webhook exactly for an object being deleted whose spec
+/// stays the same (the condition the test harness registers too, so the behaviour tests run
+/// it on the real apiserver).
+#[test]
+fn webhooks_let_go_of_deleted_objects_without_the_operator() {
+    for file in [
+        "deploy/webhook/validating.yaml",
+        "deploy/webhook/mutating.yaml",
+    ] {
+        let text = std::fs::read_to_string(repo_root().join(file)).expect("webhook manifest");
+        let config: Value = yaml_serde::from_str(&text).expect("yaml");
+        for webhook in config["webhooks"].as_array().expect("webhooks") {
+            let conditions = webhook["matchConditions"]
+                .as_array()
+                .expect("matchConditions");
+            assert_eq!(conditions.len(), 1, "{file}");
+            assert_eq!(
+                conditions[0]["expression"].as_str(),
+                Some(pko_admission::MATCH_CONDITION),
+                "{file}"
+            );
+        }
+    }
 }

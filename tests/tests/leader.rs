@@ -64,6 +64,17 @@ async fn artifact_written(api: &Api<Program>, name: &str) {
     .expect("artifact written");
 }
 
+/// The artifact URL in the Program's status.
+async fn artifact_url(api: &Api<Program>, name: &str) -> String {
+    let p = api.get(name).await.expect("program");
+    let status = serde_json::to_value(p.status).expect("status");
+    status
+        .pointer("/artifact/url")
+        .and_then(serde_json::Value::as_str)
+        .expect("artifact url")
+        .to_owned()
+}
+
 /// Polls `pko_leader` every 25 ms until it reads `want`; returns the time it took.
 async fn until_leader(op: &Operator, want: bool, timeout: Duration) -> Duration {
     let started = Instant::now();
@@ -133,6 +144,19 @@ impl Poller {
         }
     }
 
+    /// Requests answered with 200 so far.
+    fn ok(&self) -> u64 {
+        self.ok.load(Ordering::Relaxed)
+    }
+
+    /// Waits until more than `count` requests were answered with 200.
+    async fn until_ok_above(&self, count: u64) {
+        let what = format!("more than {count} file server answers");
+        wait_for(&what, WAIT, || async { (self.ok() > count).then_some(()) })
+            .await
+            .expect("the file server answers");
+    }
+
     async fn finish(self) -> (u64, u64, Vec<String>) {
         self.stop.store(true, Ordering::Release);
         let errors = self.task.await.expect("poller");
@@ -147,6 +171,7 @@ impl Poller {
 #[tokio::test]
 async fn killed_leader_is_replaced_within_the_lease_duration_while_the_survivor_serves() {
     const LEASE_DURATION: Duration = Duration::from_secs(4);
+    const RETRY_PERIOD: Duration = Duration::from_secs(1);
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("leader-kill").await.expect("namespace");
     let programs: Api<Program> = Api::namespaced(plane.client(), &ns);
@@ -163,15 +188,18 @@ async fn killed_leader_is_replaced_within_the_lease_duration_while_the_survivor_
     artifact_written(&programs, "before").await;
     let first_identity = holder(&leases).await.expect("a holder");
 
-    // Only the leader reconciles; the follower serves and reports.
+    // Only the leader reconciles; the follower serves and reports. A negative check: the sleep
+    // is a guess, but a slow machine only makes it pass more easily.
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(second.metric("pko_leader").await, Some(0.0));
     assert_eq!(second.metric(RECONCILES).await, None, "follower reconciled");
+    // Counted when a reconcile starts: certain once the artifact is written.
     assert!(first.metric(RECONCILES).await.unwrap_or(0.0) >= 1.0);
 
-    let url = second.fs_url(&format!("/programs/{ns}/before/1"));
+    let url = second.fs_url_of(&artifact_url(&programs, "before").await);
     let poller = Poller::start(url);
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The survivor's file server answers before the kill (waited for, not slept for).
+    poller.until_ok_above(0).await;
 
     let renewed = leases
         .get(LEASE)
@@ -181,15 +209,18 @@ async fn killed_leader_is_replaced_within_the_lease_duration_while_the_survivor_
         .map(|t| std::time::SystemTime::from(t.0));
     first.kill();
     let killed = std::time::SystemTime::now();
-    let takeover = until_leader(&second, true, Duration::from_secs(30)).await;
+    let takeover = until_leader(&second, true, WAIT).await;
+    let ok_at_takeover = poller.ok();
     let since_renewal = renewed.and_then(|r| killed.duration_since(r).ok());
 
     let new_identity = holder(&leases).await.expect("a holder");
     assert_ne!(new_identity, first_identity);
-    // The lease must expire first (up to the lease duration after its last renewal), then
-    // kube-lease-manager waits 0.1–1 s after clearing an expired lease before taking it; the
-    // rest is headroom for a loaded machine.
-    let bound = LEASE_DURATION + Duration::from_secs(3);
+    // The bound follows the configured durations, not the machine: the lease expires at most a
+    // lease duration after the kill, the follower looks at it every retry period, and
+    // kube-lease-manager waits 0.1–1 s after clearing an expired lease before taking it. Two
+    // more lease durations are headroom for a loaded machine; a follower that ignored the
+    // configured lease (PKO's default is 60 s) still fails.
+    let bound = LEASE_DURATION * 3 + RETRY_PERIOD + Duration::from_secs(1);
     assert!(
         takeover <= bound,
         "takeover took {takeover:?} (bound {bound:?}); survivor log:\n{}",
@@ -204,6 +235,9 @@ async fn killed_leader_is_replaced_within_the_lease_duration_while_the_survivor_
     artifact_written(&programs, "after").await;
     assert!(second.metric(RECONCILES).await.unwrap_or(0.0) >= 1.0);
 
+    // The survivor kept answering through the failover (no failure at any time) and still
+    // answers after it; how many requests fit in between depends on the machine.
+    poller.until_ok_above(ok_at_takeover).await;
     let (ok, failed, errors) = poller.finish().await;
     eprintln!(
         "failover: survivor leader {:.2}s after kill -9 (lease last renewed {:.2}s before the \
@@ -213,21 +247,23 @@ async fn killed_leader_is_replaced_within_the_lease_duration_while_the_survivor_
         LEASE_DURATION.as_secs(),
     );
     assert_eq!(failed, 0, "file server failed on the survivor: {errors:?}");
-    assert!(ok >= 20, "only {ok} requests");
 }
 
 #[tokio::test]
 async fn sigterm_drains_and_releases_the_lease_for_a_fast_handover() {
     // A lease long enough that only a released lease explains a quick takeover.
-    const LEASE_DURATION: Duration = Duration::from_secs(30);
+    const LEASE_DURATION: Duration = Duration::from_secs(60);
+    const RENEW_DEADLINE: Duration = Duration::from_secs(30);
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("leader-term").await.expect("namespace");
     let leases: Api<Lease> = Api::namespaced(plane.client(), &ns);
-    let args = election_args(&ns, "30s", "20s", "1s");
+    let args = election_args(&ns, "60s", "30s", "1s");
 
     let mut first = start(plane, args.clone()).await;
     until_leader(&first, true, WAIT).await;
     let second = start(plane, args).await;
+    // A negative check (a follower while the lease is held): the sleep is a guess, but a slow
+    // machine only makes it pass more easily.
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(second.metric("pko_leader").await, Some(0.0));
     let first_identity = holder(&leases).await.expect("a holder");
@@ -242,29 +278,33 @@ async fn sigterm_drains_and_releases_the_lease_for_a_fast_handover() {
         "SIGTERM exit: {status}; log:\n{}",
         first.log_text()
     );
-    // Graceful shutdown is bounded by --graceful-shutdown-timeout (30 s); idle, it is quick.
-    assert!(
-        stopped < Duration::from_secs(10),
-        "shutdown took {stopped:?}"
-    );
+    // Idle, the shutdown waits for nothing: no drain ran into a deadline (checked in the log,
+    // not by how long it took, which depends on the machine).
     let log = first.log_text();
+    for timed_out in ["did not stop", "shutdown timed out"] {
+        assert!(!log.contains(timed_out), "{log}");
+    }
     assert!(log.contains("leader lease released"), "{log}");
     assert_ne!(
         holder(&leases).await.as_deref(),
         Some(first_identity.as_str())
     );
 
-    let takeover = until_leader(&second, true, LEASE_DURATION).await;
+    let takeover = until_leader(&second, true, WAIT).await;
+    let handover = started.elapsed();
     eprintln!(
         "handover: SIGTERM'd leader exited in {:.2}s; follower leader {:.2}s later (lease duration {}s)",
         stopped.as_secs_f64(),
         takeover.as_secs_f64(),
         LEASE_DURATION.as_secs()
     );
-    // Followers look at the lease every retry period (1 s), so a released lease is taken at once.
+    // Ordering, not speed: the leader renews every renew deadline, so an unreleased lease would
+    // stay valid for at least LEASE_DURATION - RENEW_DEADLINE (30 s) after the SIGTERM. A
+    // follower leading sooner took the released lease (it looks every retry period, 1 s).
+    let bound = LEASE_DURATION - RENEW_DEADLINE;
     assert!(
-        takeover < Duration::from_secs(5),
-        "takeover took {takeover:?}; log:\n{}",
+        handover < bound,
+        "handover took {handover:?} (bound {bound:?}); log:\n{}",
         second.log_text()
     );
 }
@@ -299,7 +339,9 @@ async fn a_lost_lease_stops_the_controllers_until_it_is_won_back() {
     until_leader(&op, true, WAIT).await;
 
     // Someone else takes the lease (as a replica whose clock ran ahead might): the operator
-    // notices at its next renewal and stops its controllers, without restarting.
+    // notices at its next renewal and stops its controllers, without restarting. The thief's
+    // lease lasts until the test ends it, so it cannot run out during the checks below however
+    // slow the machine.
     leases
         .patch(
             LEASE,
@@ -309,16 +351,18 @@ async fn a_lost_lease_stops_the_controllers_until_it_is_won_back() {
                 "renewTime": k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime(
                     k8s_openapi::jiff::Timestamp::now()
                 ),
-                "leaseDurationSeconds": 4,
+                "leaseDurationSeconds": 3600,
             }})),
         )
         .await
         .expect("steal the lease");
-    until_leader(&op, false, Duration::from_secs(10)).await;
+    until_leader(&op, false, WAIT).await;
     programs
         .create(&PostParams::default(), &program("meanwhile"))
         .await
         .expect("create");
+    // A negative check: the sleep is a guess, but a slow machine only makes it pass more easily
+    // (the thief holds the lease throughout).
     tokio::time::sleep(Duration::from_millis(1000)).await;
     let status = programs.get("meanwhile").await.expect("get").status;
     assert!(
@@ -327,8 +371,17 @@ async fn a_lost_lease_stops_the_controllers_until_it_is_won_back() {
     );
 
     // The thief never renews: once its lease expires the operator takes it back and its
-    // restarted controllers catch up.
-    until_leader(&op, true, Duration::from_secs(20)).await;
+    // restarted controllers catch up. Shortened to one second, the lease has expired already
+    // (it was renewed before the sleep above).
+    leases
+        .patch(
+            LEASE,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(json!({"spec": {"leaseDurationSeconds": 1}})),
+        )
+        .await
+        .expect("let the thief's lease expire");
+    until_leader(&op, true, WAIT).await;
     artifact_written(&programs, "meanwhile").await;
     assert_ne!(holder(&leases).await.as_deref(), Some("thief"));
     let log = op.log_text();

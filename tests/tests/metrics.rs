@@ -141,9 +141,13 @@ async fn metrics_follow_programs_reconciles_and_fetches() {
     // A fetch shows in the file-server series and is a cache hit (artifacts are pre-built).
     let before = op.metrics_text().await.expect("/metrics");
     let hits_before = metric_value(&before, "pko_fileserver_cache_hits_total").unwrap_or(0.0);
-    let resp = reqwest::get(op.fs_url(&format!("/programs/{ns}/one/1")))
-        .await
-        .expect("fetch");
+    let url = wait_for("the artifact URL of one", WAIT, || async {
+        let status = serde_json::to_value(api.get("one").await.ok()?.status?).ok()?;
+        Some(status.pointer("/artifact/url")?.as_str()?.to_owned())
+    })
+    .await
+    .expect("artifact URL");
+    let resp = reqwest::get(op.fs_url_of(&url)).await.expect("fetch");
     assert_eq!(resp.status(), 200);
     let missing = reqwest::get(op.fs_url(&format!("/programs/{ns}/nope/1")))
         .await
@@ -303,6 +307,8 @@ async fn stack_gauges_follow_stacks_on_a_follower() {
         .await
         .expect("create program");
     until_metric(&op, "programs_active", Some(1.0)).await;
+    // A negative check: the sleep is a guess, but a slow machine only makes it pass more easily
+    // (the foreign lease keeps this replica a follower for the whole test).
     tokio::time::sleep(Duration::from_millis(500)).await;
     let text = op.metrics_text().await.expect("/metrics");
     assert_eq!(

@@ -85,6 +85,19 @@ fn untar(bytes: &[u8]) -> Vec<(String, String)> {
         .collect()
 }
 
+/// An artifact URL's address (before `?`), after checking that its query is the capability
+/// the file server asks for: the artifact's digest and a token.
+fn url_base(artifact: &Value) -> String {
+    let url = artifact["url"].as_str().expect("url");
+    let digest = artifact["digest"].as_str().expect("digest");
+    let (base, query) = url.split_once('?').expect("a capability query");
+    let token = query
+        .strip_prefix(&format!("digest={digest}&token="))
+        .unwrap_or_else(|| panic!("query {query:?}"));
+    assert!(token.starts_with('k') && token.contains('.'), "{token}");
+    base.to_owned()
+}
+
 fn sha256(bytes: &[u8]) -> String {
     format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
 }
@@ -105,7 +118,7 @@ async fn artifact_fields_for_generation_1_and_2() {
         format!("programs/{ns}/test-program/1.tar.gz")
     );
     assert_eq!(
-        artifact["url"],
+        url_base(&artifact),
         format!("http://fake-svc.fake-namespace/programs/{ns}/test-program/1")
     );
     assert_eq!(artifact["revision"], "1");
@@ -135,7 +148,7 @@ async fn artifact_fields_for_generation_1_and_2() {
         format!("programs/{ns}/test-program/2.tar.gz")
     );
     assert_eq!(
-        artifact2["url"],
+        url_base(&artifact2),
         format!("http://fake-svc.fake-namespace/programs/{ns}/test-program/2")
     );
     assert_eq!(artifact2["revision"], "2");
@@ -157,7 +170,7 @@ async fn advertised_https_is_kept_and_http_is_added() {
             .expect("create");
         let (_, artifact) = artifact_at(&api, "p", 1).await;
         assert_eq!(
-            artifact["url"],
+            url_base(&artifact),
             format!("{scheme_host}/programs/{ns}/p/1"),
             "advertised {advertised}"
         );
@@ -191,7 +204,10 @@ async fn served_artifact_matches_status_and_carries_the_spec() {
     let (_, artifact) = artifact_at(&api, "with-packages", 1).await;
     // The advertised address defaults to the bound loopback address, so the URL is fetchable.
     let url = artifact["url"].as_str().expect("url");
-    assert_eq!(url, op.fs_url(&format!("/programs/{ns}/with-packages/1")));
+    assert_eq!(
+        url_base(&artifact),
+        op.fs_url(&format!("/programs/{ns}/with-packages/1"))
+    );
 
     let resp = reqwest::get(url).await.expect("GET");
     assert_eq!(resp.status(), 200);
@@ -221,7 +237,7 @@ async fn served_artifact_matches_status_and_carries_the_spec() {
     assert_eq!(project["outputs"]["name"], "${test-resource.metadata.name}");
 
     // The .tar.gz form of the path serves the same bytes.
-    let same = reqwest::get(format!("{url}.tar.gz"))
+    let same = reqwest::get(url.replacen('?', ".tar.gz?", 1))
         .await
         .expect("GET .tar.gz")
         .bytes()
@@ -267,7 +283,7 @@ async fn file_server_rejects_bad_requests_clearly() {
     api.create(&PostParams::default(), &pod_program("p"))
         .await
         .expect("create");
-    artifact_at(&api, "p", 1).await;
+    let (_, first) = artifact_at(&api, "p", 1).await;
     api.patch(
         "p",
         &PatchParams::default(),
@@ -275,7 +291,13 @@ async fn file_server_rejects_bad_requests_clearly() {
     )
     .await
     .expect("patch");
-    artifact_at(&api, "p", 2).await;
+    let (_, second) = artifact_at(&api, "p", 2).await;
+    // The status URLs' paths and capability queries.
+    let path_of = |artifact: &Value| {
+        let url = artifact["url"].as_str().expect("url");
+        url[url.find("/programs/").expect("path")..].to_owned()
+    };
+    let (first, second) = (path_of(&first), path_of(&second));
 
     let client = reqwest::Client::new();
     let cases: Vec<(reqwest::Method, String, u16, &str)> = vec![
@@ -327,24 +349,27 @@ async fn file_server_rejects_bad_requests_clearly() {
             400,
             "invalid program name",
         ),
+        // Without the URL's token, an existing Program and generation is answered exactly
+        // like a missing one.
         (
             reqwest::Method::GET,
             format!("/programs/{ns}/missing/1"),
             404,
-            "not found",
+            "artifact not found",
         ),
         (
             reqwest::Method::GET,
-            format!("/programs/{ns}/p/3"),
+            format!("/programs/{ns}/p/2"),
             404,
-            "current generation is 2",
+            "artifact not found",
         ),
         (
             reqwest::Method::GET,
-            format!("/programs/{ns}/p/1"),
-            410,
-            "superseded",
+            second.replacen("/p/2?", "/p/3?", 1),
+            404,
+            "artifact not found",
         ),
+        (reqwest::Method::GET, first.clone(), 410, "superseded"),
         (reqwest::Method::GET, "/elsewhere".into(), 404, "not found"),
         (
             reqwest::Method::POST,
@@ -388,7 +413,7 @@ async fn file_server_rejects_bad_requests_clearly() {
     api.delete("p", &DeleteParams::default())
         .await
         .expect("delete");
-    let url = op.fs_url(&format!("/programs/{ns}/p/2"));
+    let url = op.fs_url(&second);
     wait_for("404 after delete", WAIT, || async {
         let resp = reqwest::get(&url).await.ok()?;
         (resp.status() == 404).then_some(())
@@ -414,10 +439,10 @@ async fn two_operators_serve_identical_bytes() {
         .expect("create");
     let (_, artifact) = artifact_at(&api, "shared", 1).await;
     let digest = artifact["digest"].as_str().expect("digest").to_owned();
-    let path = format!("/programs/{ns}/shared/1");
+    let status_url = artifact["url"].as_str().expect("url").to_owned();
     let mut bodies = Vec::new();
     for op in [&first, &second] {
-        let url = op.fs_url(&path);
+        let url = op.fs_url_of(&status_url);
         let body = wait_for("artifact served", WAIT, || async {
             let resp = reqwest::get(&url).await.ok()?;
             if resp.status() != 200 {
@@ -471,11 +496,14 @@ async fn status_survives_label_edits_and_restarts_without_rewrites() {
     op.stop();
     let restarted = operator_for(plane, &ns, advertised).await;
     let metrics_url = restarted.probe_url("/metrics");
+    // The duration is observed when a reconcile has returned, so after any write it made (the
+    // reconcile counter goes up when one starts, which would let the check below run early).
     wait_for("a reconcile by the restarted operator", WAIT, || async {
         let text = reqwest::get(&metrics_url).await.ok()?.text().await.ok()?;
         text.lines()
             .any(|l| {
-                l.starts_with("pko_reconciles_total{controller=\"program\"} ") && !l.ends_with(" 0")
+                l.starts_with("pko_reconcile_duration_seconds_count{controller=\"program\"} ")
+                    && !l.ends_with(" 0")
             })
             .then_some(())
     })
@@ -512,7 +540,7 @@ async fn program_near_the_etcd_size_limit_gets_an_artifact() {
     .await
     .expect("create a 1.2 MB Program");
     let (_, artifact) = artifact_at(&api, "big", 1).await;
-    let body = reqwest::get(op.fs_url(&format!("/programs/{ns}/big/1")))
+    let body = reqwest::get(op.fs_url_of(artifact["url"].as_str().expect("url")))
         .await
         .expect("GET")
         .bytes()
@@ -536,7 +564,7 @@ async fn burst_of_random_paths_leaves_the_server_healthy() {
     api.create(&PostParams::default(), &pod_program("p"))
         .await
         .expect("create");
-    artifact_at(&api, "p", 1).await;
+    let (_, artifact) = artifact_at(&api, "p", 1).await;
     let rss_before = op.rss_kib().expect("rss");
 
     let client = reqwest::Client::new();
@@ -570,7 +598,7 @@ async fn burst_of_random_paths_leaves_the_server_healthy() {
         .await
         .expect("healthz");
     assert_eq!(health.status(), 200);
-    let ok = reqwest::get(op.fs_url(&format!("/programs/{ns}/p/1")))
+    let ok = reqwest::get(op.fs_url_of(artifact["url"].as_str().expect("url")))
         .await
         .expect("GET");
     assert_eq!(ok.status(), 200);
@@ -593,4 +621,291 @@ fn random_path(i: u32, ns: &str) -> String {
         5 => format!("/programs/ns-{x}/name/1.tar.gz"),
         _ => format!("/programs/{ns}/p/1?x={x}"),
     }
+}
+
+/// Issue: a URL just written to `status.artifact` must be served at once, by the replica whose
+/// controller wrote it and by a standby replica that runs only the file server. Each of 300
+/// Programs is fetched once, the instant a watch sees its status, from both replicas: every
+/// answer is 200 with the digest of the status. No retries: one 404 fails the test.
+#[tokio::test]
+async fn published_artifacts_are_served_at_once_by_the_leader_and_a_standby() {
+    use futures::{StreamExt, TryStreamExt};
+    use kube::runtime::{WatchStreamExt, watcher};
+
+    const PROGRAMS: usize = 300;
+    let plane = ControlPlane::shared().await;
+    let ns = plane.namespace("prog-published").await.expect("namespace");
+    let args = vec![
+        format!("--watch-namespace={ns}"),
+        "--leader-elect".to_owned(),
+        format!("--leader-election-namespace={ns}"),
+        // The standby's watch may lag under load on a small machine: its wait is generous so
+        // the test shows the mechanism, not the machine's speed.
+        "--artifact-publish-wait=60s".to_owned(),
+    ];
+    let start = |args: Vec<String>| async move {
+        Operator::start(
+            plane,
+            OperatorOptions {
+                advertised: None,
+                args,
+            },
+        )
+        .await
+        .expect("operator starts")
+    };
+    let leader = start(args.clone()).await;
+    wait_for("the first replica to lead", WAIT, || async {
+        (leader.metric("pko_leader").await == Some(1.0)).then_some(())
+    })
+    .await
+    .expect("leader");
+    let standby = start(args).await;
+
+    let api: Api<Program> = Api::namespaced(plane.client(), &ns);
+    let http = reqwest::Client::new();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let watch = tokio::spawn({
+        let (api, http, standby_port) = (api.clone(), http.clone(), standby.fs_port);
+        async move {
+            let mut seen = std::collections::HashSet::new();
+            let events = watcher(api, watcher::Config::default()).applied_objects();
+            let mut events = std::pin::pin!(events);
+            while let Ok(Some(p)) = events.try_next().await {
+                let status = status_of(&p);
+                let (Some(url), Some(digest)) = (
+                    status.pointer("/artifact/url").and_then(Value::as_str),
+                    status.pointer("/artifact/digest").and_then(Value::as_str),
+                ) else {
+                    continue;
+                };
+                let name = p.metadata.name.clone().unwrap_or_default();
+                if !seen.insert(name.clone()) {
+                    continue;
+                }
+                let path = url
+                    .split_once("/programs/")
+                    .map(|(_, rest)| format!("/programs/{rest}"))
+                    .expect("artifact URL path");
+                let standby_url = format!("http://127.0.0.1:{standby_port}{path}");
+                for (replica, url) in [("leader", url.to_owned()), ("standby", standby_url)] {
+                    let (http, tx, name, digest) =
+                        (http.clone(), tx.clone(), name.clone(), digest.to_owned());
+                    tokio::spawn(async move {
+                        let answer = match http.get(&url).send().await {
+                            Ok(resp) => {
+                                let code = resp.status().as_u16();
+                                let body = resp.bytes().await.unwrap_or_default();
+                                if code == 200 && sha256(&body) != digest {
+                                    format!("200 with a digest other than {digest}")
+                                } else {
+                                    code.to_string()
+                                }
+                            }
+                            Err(e) => e.to_string(),
+                        };
+                        let _ = tx.send((replica, name, answer));
+                    });
+                }
+            }
+        }
+    });
+    futures::stream::iter(0..PROGRAMS)
+        .for_each_concurrent(16, |i| {
+            let api = api.clone();
+            async move {
+                api.create(&PostParams::default(), &pod_program(&format!("p{i:03}")))
+                    .await
+                    .expect("create");
+            }
+        })
+        .await;
+
+    let mut answers = Vec::new();
+    let collect = async {
+        while answers.len() < 2 * PROGRAMS {
+            match rx.recv().await {
+                Some(answer) => answers.push(answer),
+                None => break,
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(600), collect)
+        .await
+        .unwrap_or_else(|_| panic!("only {} of {} answers", answers.len(), 2 * PROGRAMS));
+    watch.abort();
+    let failures: Vec<_> = answers.iter().filter(|(_, _, a)| a != "200").collect();
+    assert!(
+        failures.is_empty(),
+        "{} of {} fetches were not 200: {:?}",
+        failures.len(),
+        answers.len(),
+        &failures[..failures.len().min(20)]
+    );
+    for replica in ["leader", "standby"] {
+        assert_eq!(
+            answers.iter().filter(|(r, _, _)| *r == replica).count(),
+            PROGRAMS,
+            "{replica}"
+        );
+    }
+    // The standby served everything without running a controller.
+    assert_eq!(standby.metric("pko_leader").await, Some(0.0));
+    assert_eq!(
+        standby
+            .metric("pko_reconciles_total{controller=\"program\"}")
+            .await
+            .unwrap_or(0.0),
+        0.0
+    );
+}
+
+/// `make run`'s own code path (`pko-dev check`): its own control plane, the CRDs, the operator,
+/// examples/program.yaml fetched and verified, and examples/stack.yaml deployed to Ready.
+#[tokio::test]
+async fn the_make_run_path_works_end_to_end() {
+    let output = tokio::task::spawn_blocking(|| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_pko-dev"))
+            .arg("check")
+            .stdin(std::process::Stdio::null())
+            .output()
+    })
+    .await
+    .expect("join")
+    .expect("pko-dev runs");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "pko-dev check failed ({}):\n{stdout}\n{stderr}",
+        output.status
+    );
+    for step in ["sha256 verified", "stack Ready", "check passed"] {
+        assert!(stdout.contains(step), "no {step:?} in:\n{stdout}");
+    }
+}
+
+/// Runs the real agent's `init` (a workspace pod's first step) on `url`: the fetch exactly as a
+/// tenant's workspace makes it. Returns (success, output).
+fn agent_init(url: &str, digest: &str) -> (bool, String) {
+    let target = tempfile::tempdir().expect("tempdir");
+    let out = std::process::Command::new(pko_tests::agent::agent_binary().expect("agent binary"))
+        .args([
+            "init",
+            "--flux-url",
+            url,
+            "--flux-digest",
+            digest,
+            "--target-dir",
+        ])
+        .arg(target.path().join("src"))
+        .output()
+        .expect("pko-agent init runs");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// Issue: any tenant could read any namespace's artifact, and the 404/410 answers told a
+/// stranger whether a Program existed and its generation. Now an artifact URL carries a token
+/// bound to its namespace, name, generation and digest, which only readers of the Program's
+/// status learn. Tenant B's workspace tries tenant A's artifact every way it can: each try gets
+/// exactly the answer of a Program that does not exist, and is counted; B's own URL works.
+#[tokio::test]
+async fn a_tenant_cannot_fetch_another_tenants_artifact_by_any_url() {
+    let plane = ControlPlane::shared().await;
+    let (a, b) = (
+        plane.namespace("tenant-a").await.expect("namespace a"),
+        plane.namespace("tenant-b").await.expect("namespace b"),
+    );
+    // One replica per tenant namespace, sharing the install's keys (as replicas do).
+    let op_a = operator_for(plane, &a, None).await;
+    let op_b = operator_for(plane, &b, None).await;
+    let (api_a, api_b): (Api<Program>, Api<Program>) = (
+        Api::namespaced(plane.client(), &a),
+        Api::namespaced(plane.client(), &b),
+    );
+    for api in [&api_a, &api_b] {
+        api.create(&PostParams::default(), &pod_program("app"))
+            .await
+            .expect("create");
+    }
+    let (_, art_a) = artifact_at(&api_a, "app", 1).await;
+    let (_, art_b) = artifact_at(&api_b, "app", 1).await;
+    let url_a = op_a.fs_url_of(art_a["url"].as_str().expect("url"));
+    let url_b = op_b.fs_url_of(art_b["url"].as_str().expect("url"));
+    let digest_a = art_a["digest"].as_str().expect("digest");
+    let digest_b = art_b["digest"].as_str().expect("digest");
+    // Same spec, same name: the same bytes, so a digest proves nothing on its own.
+    assert_eq!(digest_a, digest_b);
+    let query_b = url_b.split_once('?').expect("query").1;
+    let path_a = format!("/programs/{a}/app/1");
+
+    // What an unknown Program gets.
+    let unknown = reqwest::get(op_a.fs_url(&format!("/programs/{a}/nothing/1?{query_b}")))
+        .await
+        .expect("GET");
+    assert_eq!(unknown.status(), 404);
+    let unknown = unknown.text().await.expect("body");
+    let refused_before = op_a
+        .metric("pko_fileserver_refused_total{reason=\"bad_token\"}")
+        .await
+        .unwrap_or(0.0)
+        + op_a
+            .metric("pko_fileserver_refused_total{reason=\"no_token\"}")
+            .await
+            .unwrap_or(0.0);
+    let host_a = format!("127.0.0.1:{}", op_a.fs_port);
+    let tries = [
+        // No token at all, in the path's PKO spellings.
+        format!("http://{host_a}{path_a}"),
+        format!("http://{host_a}{path_a}.tar.gz"),
+        // B's token (and digest) on A's path.
+        format!("http://{host_a}{path_a}?{query_b}"),
+        format!("http://{host_a}{path_a}.tar.gz?{query_b}"),
+        // A guessed generation, with B's token.
+        format!("http://{host_a}/programs/{a}/app/2?{query_b}"),
+        // Other spellings of A's path that the fetcher resolves to it.
+        format!("http://{host_a}/programs/{b}/../{a}/app/1?{query_b}"),
+        format!(
+            "HTTP://{host_a}/programs/%{:02x}{}/app/1?{query_b}",
+            a.as_bytes()[0],
+            &a[1..]
+        ),
+        format!("http://user:pw@{host_a}/programs/{a}/app/1?{query_b}"),
+        // B's token with A's digest added.
+        format!("http://{host_a}{path_a}?{query_b}&digest={digest_a}"),
+    ];
+    for url in &tries {
+        let resp = reqwest::get(url).await.expect("GET");
+        let status = resp.status().as_u16();
+        let body = resp.text().await.expect("body");
+        assert_eq!((status, body.as_str()), (404, unknown.as_str()), "{url}");
+    }
+    // The workspace's own fetcher (the agent's init) refuses too, and gets no byte.
+    let (ok, out) = agent_init(&format!("http://{host_a}{path_a}?{query_b}"), digest_a);
+    assert!(!ok, "{out}");
+    assert!(out.contains("404"), "{out}");
+    let refused_after = op_a
+        .metric("pko_fileserver_refused_total{reason=\"bad_token\"}")
+        .await
+        .unwrap_or(0.0)
+        + op_a
+            .metric("pko_fileserver_refused_total{reason=\"no_token\"}")
+            .await
+            .unwrap_or(0.0);
+    assert_eq!(
+        refused_after - refused_before,
+        (tries.len() + 1) as f64,
+        "every refusal is counted"
+    );
+    // B's own workspace fetch works, by the URL in its status.
+    let (ok, out) = agent_init(&url_b, digest_b);
+    assert!(ok, "{out}");
+    // And so does A's, from either replica.
+    let (ok, out) = agent_init(&op_b.fs_url_of(&url_a), digest_a);
+    assert!(ok, "{out}");
 }

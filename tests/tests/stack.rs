@@ -1022,3 +1022,72 @@ async fn a_preview_stack_previews_and_is_deleted_without_a_destroy() {
         "only previews ran: {types:?}"
     );
 }
+
+/// Issue: branch tracking fetched `<repo>/info/refs` from any address a tenant named, and
+/// copied the start of a bad answer into the Stack's status (SSRF with the result shown
+/// back). Under the production egress rules a loopback repository is refused before any
+/// connection; where it is allowed, a bad answer is named by its class, never repeated.
+#[tokio::test]
+async fn branch_lookups_refuse_forbidden_addresses_and_never_echo_an_answer() {
+    const SECRET: &str = "METADATA-SECRET-4f1c";
+    let plane = ControlPlane::shared().await;
+    let server = pko_tests::agent::StaticServer::start(std::collections::HashMap::from([(
+        "/repo/info/refs?service=git-upload-pack".to_owned(),
+        format!("{SECRET} token=abc\n").into_bytes(),
+    )]))
+    .await
+    .expect("server");
+    let tmp = tempfile::tempdir().expect("tmp");
+    let stalled = |stacks: Api<Stack>, name: &'static str| async move {
+        wait_for(&format!("stack {name} to stall"), WAIT, || async {
+            let status = stacks.get(name).await.ok()?.status?;
+            status
+                .conditions
+                .iter()
+                .find(|c| {
+                    c.type_ == "Stalled" && c.status == "True" && c.reason == "SourceUnavailable"
+                })
+                .map(|c| c.message.clone())
+        })
+        .await
+        .expect("stalled")
+    };
+    for (prefix, egress, expected) in [
+        // Production rules: loopback is refused.
+        (
+            "stack-egress",
+            Some("--egress-deny-cidr=192.0.2.0/24"),
+            "its address is a loopback address",
+        ),
+        // Loopback allowed (the harness default): the answer is not a refs listing.
+        ("stack-echo", None, "not a git refs listing"),
+    ] {
+        let ns = plane.namespace(prefix).await.expect("namespace");
+        let mut args = vec![format!("--watch-namespace={ns}")];
+        args.extend(egress.map(str::to_owned));
+        let _op = Operator::start(
+            plane,
+            OperatorOptions {
+                advertised: None,
+                args,
+            },
+        )
+        .await
+        .expect("operator");
+        let stacks: Api<Stack> = Api::namespaced(plane.client(), &ns);
+        let spec = json!({"projectRepo": server.url("/repo"), "branch": "main"});
+        create_stack(&stacks, tmp.path(), "tracked", spec).await;
+        let message = stalled(stacks.clone(), "tracked").await;
+        assert!(message.contains(expected), "{prefix}: {message}");
+        assert!(!message.contains(SECRET), "{prefix}: {message}");
+        let events = plane
+            .kubectl()
+            .args(["get", "events", "-n", &ns, "-o", "json"])
+            .output()
+            .expect("kubectl");
+        assert!(
+            !String::from_utf8_lossy(&events.stdout).contains(SECRET),
+            "{prefix}: an Event repeats the answer"
+        );
+    }
+}

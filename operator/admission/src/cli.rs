@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use pko_api::tenancy::EnforcementAction;
 
+use crate::tenancy::FileServerNames;
 use crate::{
     CertSettings, CertSource, EngineLimits, FailurePolicy, TenancySettings, WebhookConfig,
 };
@@ -20,6 +21,10 @@ pub enum CliError {
         "the namespace of the webhook certificate Secret is unknown: pass --webhook-cert-namespace or set POD_NAMESPACE"
     )]
     NoNamespace,
+    #[error("--policy-file-server-host {0:?} is not a host[:port]")]
+    FileServerHost(String),
+    #[error("--policy-file-server-service {0:?} is not <name>.<namespace>")]
+    FileServerService(String),
 }
 
 /// Admission webhook flags. The webhook is off unless `--webhook-addr` is set.
@@ -58,6 +63,13 @@ pub struct WebhookArgs {
         value_delimiter = ','
     )]
     pub policy_file_server_hosts: Vec<String>,
+    /// The file server's Service (`<name>.<namespace>`): every DNS name of it, its ClusterIP
+    /// and its ports count as the file server in artifact URLs.
+    #[arg(long, env = "POLICY_FILE_SERVER_SERVICE")]
+    pub policy_file_server_service: Option<String>,
+    /// The cluster's DNS domain (for `<svc>.<ns>.svc.<domain>`).
+    #[arg(long, env = "CLUSTER_DOMAIN", default_value = "cluster.local")]
+    pub cluster_domain: String,
     /// Folder holding tls.crt and tls.key (e.g. a mounted cert-manager Secret). Unset: the
     /// operator manages a CA and a serving certificate in --webhook-cert-secret.
     #[arg(long, env = "WEBHOOK_CERT_DIR")]
@@ -108,9 +120,46 @@ pub struct WebhookArgs {
 }
 
 impl WebhookArgs {
+    /// The names and ports the file server answers to (`--policy-file-server-host`, else the
+    /// advertised `host[:port]`; every DNS name of `--policy-file-server-service`), and that
+    /// Service as (name, namespace) so its ClusterIP can be added once known. The webhook and
+    /// the Workspace controller judge flux URLs by the same names.
+    pub fn file_server_names(
+        &self,
+        advertised_host: Option<&str>,
+    ) -> Result<(FileServerNames, Option<(String, String)>), CliError> {
+        let mut names = FileServerNames::default();
+        let mut hosts = non_empty(&self.policy_file_server_hosts);
+        if hosts.is_empty()
+            && let Some(host) = advertised_host.filter(|h| !h.is_empty())
+        {
+            hosts.push(host.to_owned());
+        }
+        for entry in &hosts {
+            let (host, port) = crate::urls::host_and_port(entry)
+                .ok_or_else(|| CliError::FileServerHost(entry.clone()))?;
+            names.add(host, Some(port));
+        }
+        let service = match self.policy_file_server_service.as_deref() {
+            Some(service) if !service.trim().is_empty() => {
+                let (name, namespace) = service
+                    .trim()
+                    .split_once('.')
+                    .filter(|(n, ns)| !n.is_empty() && !ns.is_empty() && !ns.contains('.'))
+                    .ok_or_else(|| CliError::FileServerService(service.to_owned()))?;
+                names.add_service(name, namespace, &self.cluster_domain);
+                Some((name.to_owned(), namespace.to_owned()))
+            }
+            _ => None,
+        };
+        Ok((names, service))
+    }
+
     /// The webhook configuration, or `None` when `--webhook-addr` is empty.
     /// `advertised_host` is the file server's advertised `host[:port]`; `pod_namespace` is
     /// `$POD_NAMESPACE`.
+    ///
+    /// The names of the file server come from [`Self::file_server_names`].
     pub fn config(
         &self,
         advertised_host: Option<&str>,
@@ -124,12 +173,7 @@ impl WebhookArgs {
             .clone()
             .filter(|p| !p.as_os_str().is_empty())
             .ok_or(CliError::NoBundle)?;
-        let mut file_server_hosts = non_empty(&self.policy_file_server_hosts);
-        if file_server_hosts.is_empty()
-            && let Some(host) = advertised_host.filter(|h| !h.is_empty())
-        {
-            file_server_hosts.push(host.to_owned());
-        }
+        let (file_server, file_server_service) = self.file_server_names(advertised_host)?;
         let certs = match &self.webhook_cert_dir {
             Some(dir) => CertSource::Files(dir.clone()),
             None => {
@@ -166,8 +210,9 @@ impl WebhookArgs {
             failure_policy: self.policy_failure_policy,
             tenancy: TenancySettings {
                 default_action: self.policy_default_action,
-                file_server_hosts,
+                file_server,
             },
+            file_server_service,
             certs,
             drain: self.webhook_drain_timeout,
         }))
@@ -247,7 +292,8 @@ mod tests {
             .expect("on");
         assert_eq!(config.limits.timeout, Duration::from_millis(500));
         assert_eq!(config.tenancy.default_action, EnforcementAction::Warn);
-        assert_eq!(config.tenancy.file_server_hosts, vec!["fs.ns:80"]);
+        assert_eq!(config.tenancy.file_server.hosts, vec!["fs.ns"]);
+        assert_eq!(config.tenancy.file_server.ports, vec![80]);
         match config.certs {
             CertSource::Managed(settings) => {
                 assert_eq!(settings.namespace, "pko-rs-system");

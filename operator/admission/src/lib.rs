@@ -19,6 +19,7 @@ pub mod metrics;
 pub mod server;
 pub mod tenancy;
 pub mod tls;
+pub mod urls;
 pub mod webhook;
 
 use std::future::Future;
@@ -69,10 +70,19 @@ pub struct WebhookConfig {
     pub limits: EngineLimits,
     pub failure_policy: FailurePolicy,
     pub tenancy: TenancySettings,
+    /// The file server's Service (name, namespace): its ClusterIP and ports are added to
+    /// `tenancy.file_server` at start.
+    pub file_server_service: Option<(String, String)>,
     pub certs: CertSource,
     /// How long in-flight requests may finish after shutdown starts.
     pub drain: Duration,
 }
+
+/// The CEL `matchConditions` expression of every pko-rs webhook (deploy/webhook/*.yaml): an
+/// UPDATE of an object being deleted that leaves its spec alone (finalizers being removed)
+/// skips the webhook, so clean-up never depends on the operator running. The policies check
+/// everything else, a changed spec on a deleted object included.
+pub const MATCH_CONDITION: &str = "!(request.operation == 'UPDATE' && has(object.metadata.deletionTimestamp) && oldObject != null && has(object.spec) && has(oldObject.spec) && object.spec == oldObject.spec)";
 
 /// A task of the webhook, to be spawned by the caller.
 pub type Task = Pin<Box<dyn Future<Output = ()> + Send>>;
@@ -92,6 +102,45 @@ pub struct Started {
 /// Loads and compiles the policies, obtains the certificate (and injects its CA bundle),
 /// binds the listener, and returns the tasks to run. Fails early on anything that would make
 /// the webhook unusable: a missing or invalid bundle, a taken port, no certificate.
+/// The ClusterIPs and ports of the file server's Service: URLs may name it by address too.
+async fn add_service_addresses(
+    client: &Client,
+    name: &str,
+    namespace: &str,
+    names: &mut tenancy::FileServerNames,
+) {
+    let services: kube::Api<k8s_openapi::api::core::v1::Service> =
+        kube::Api::namespaced(client.clone(), namespace);
+    match services.get_opt(name).await {
+        Ok(Some(service)) => {
+            let spec = service.spec.unwrap_or_default();
+            let ips = spec
+                .cluster_ips
+                .unwrap_or_default()
+                .into_iter()
+                .chain(spec.cluster_ip);
+            for ip in ips.filter(|ip| !ip.is_empty() && ip != "None") {
+                if let Some((host, _)) =
+                    urls::host_and_port(&ip).or_else(|| urls::host_and_port(&format!("[{ip}]")))
+                {
+                    names.add(host, None);
+                }
+            }
+            for port in spec.ports.unwrap_or_default() {
+                if let Ok(port) = u16::try_from(port.port) {
+                    names.add_port(port);
+                }
+            }
+        }
+        Ok(None) => {
+            warn!(service = %format!("{namespace}/{name}"), "the file server's Service does not exist; its ClusterIP is not checked")
+        }
+        Err(e) => {
+            warn!(service = %format!("{namespace}/{name}"), error = %e, "cannot read the file server's Service; its ClusterIP is not checked")
+        }
+    }
+}
+
 pub async fn start(
     client: Client,
     config: WebhookConfig,
@@ -105,7 +154,12 @@ pub async fn start(
         digest = engine.digest(),
         "admission policies loaded"
     );
-    let (tenancy, tenancy_driver) = Tenancy::watch(client.clone(), config.tenancy.clone());
+    let mut settings = config.tenancy.clone();
+    if let Some((name, namespace)) = &config.file_server_service {
+        add_service_addresses(&client, name, namespace, &mut settings.file_server).await;
+    }
+    info!(hosts = ?settings.file_server.hosts, ports = ?settings.file_server.ports, "artifact URLs on these addresses are checked for cross-namespace Programs");
+    let (tenancy, tenancy_driver) = Tenancy::watch(client.clone(), settings);
     let tenancy_synced = tenancy.synced_flag();
     let admission = Arc::new(Admission::new(
         engine,

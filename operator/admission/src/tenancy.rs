@@ -35,16 +35,58 @@ pub enum TenancyError {
 pub struct TenancySettings {
     /// Action of violations in namespaces that no TenancyPolicy selects.
     pub default_action: EnforcementAction,
-    /// `host[:port]` of the operator's file server as it appears in artifact URLs; empty means
-    /// any host (the `/programs/<ns>/...` path shape alone identifies a Program URL).
-    pub file_server_hosts: Vec<String>,
+    /// Every name and port the operator's file server answers to.
+    pub file_server: FileServerNames,
 }
 
 impl Default for TenancySettings {
     fn default() -> Self {
         Self {
             default_action: EnforcementAction::Deny,
-            file_server_hosts: Vec::new(),
+            file_server: FileServerNames::default(),
+        }
+    }
+}
+
+/// The addresses of the operator's file server, as the policies compare parsed URLs with them
+/// (see [`crate::urls`]): no host means any host (the `/programs/<ns>/...` path alone then
+/// identifies a Program URL), no port any port.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FileServerNames {
+    pub hosts: Vec<String>,
+    pub ports: Vec<u16>,
+}
+
+impl FileServerNames {
+    /// Adds a host and a port once each.
+    pub fn add(&mut self, host: String, port: Option<u16>) {
+        if !self.hosts.contains(&host) {
+            self.hosts.push(host);
+        }
+        if let Some(port) = port {
+            self.add_port(port);
+        }
+    }
+
+    pub fn add_port(&mut self, port: u16) {
+        if !self.ports.contains(&port) {
+            self.ports.push(port);
+        }
+    }
+
+    /// Every DNS name of Service `name` in `namespace`: the short name (from its own
+    /// namespace), `<name>.<namespace>`, `.svc` and `.svc.<cluster domain>`.
+    pub fn add_service(&mut self, name: &str, namespace: &str, cluster_domain: &str) {
+        for host in [
+            name.to_owned(),
+            format!("{name}.{namespace}"),
+            format!("{name}.{namespace}.svc"),
+            format!(
+                "{name}.{namespace}.svc.{}",
+                cluster_domain.trim_matches('.')
+            ),
+        ] {
+            self.add(host.to_ascii_lowercase(), None);
         }
     }
 }
@@ -244,7 +286,7 @@ pub fn selects(
 }
 
 /// The data document of one request (documented in docs/policies.md): `base` with
-/// `tenancy = {defaultAction, fileServerHosts, policies: [...]}`, where each selecting policy
+/// `tenancy = {defaultAction, fileServer: {hosts, ports}, policies: [...]}`, where each selecting policy
 /// lists the request's namespace in `namespaces`.
 pub fn data_document(
     base: &Value,
@@ -284,7 +326,10 @@ pub fn data_document(
         "tenancy".into(),
         json!({
             "defaultAction": settings.default_action.as_str(),
-            "fileServerHosts": settings.file_server_hosts,
+            "fileServer": {
+                "hosts": settings.file_server.hosts,
+                "ports": settings.file_server.ports,
+            },
             "policies": policies,
         }),
     );
@@ -389,7 +434,10 @@ mod tests {
             BTreeMap::from([("team-a".to_owned(), labels(&[("team", "a")]))]),
             TenancySettings {
                 default_action: EnforcementAction::Dryrun,
-                file_server_hosts: vec!["fs:80".into()],
+                file_server: FileServerNames {
+                    hosts: vec!["fs".into()],
+                    ports: vec![80],
+                },
             },
         );
         let data = tenancy
@@ -402,7 +450,7 @@ mod tests {
                 "static": 1,
                 "tenancy": {
                     "defaultAction": "dryrun",
-                    "fileServerHosts": ["fs:80"],
+                    "fileServer": {"hosts": ["fs"], "ports": [80]},
                     "policies": [
                         {"name": "a-legacy", "action": "deny", "namespaces": ["team-a"], "exemptFromRestricted": true},
                         {"name": "z-images", "action": "warn", "namespaces": ["team-a"], "exemptFromRestricted": false, "allowedImagePrefixes": ["registry/"]},

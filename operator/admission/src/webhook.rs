@@ -418,7 +418,7 @@ fn truncate(s: &str) -> String {
 
 /// Parses a webhook body: the raw JSON (the policies' input) and the typed request.
 pub fn parse_review(body: &[u8]) -> Result<(Value, AdmissionRequest<DynamicObject>), WebhookError> {
-    let input: Value = serde_json::from_slice(body)
+    let mut input: Value = serde_json::from_slice(body)
         .map_err(|e| WebhookError::InvalidReview(format!("the body is not JSON: {e}")))?;
     let api_version = input.get("apiVersion").and_then(Value::as_str);
     let kind = input.get("kind").and_then(Value::as_str);
@@ -439,6 +439,8 @@ pub fn parse_review(body: &[u8]) -> Result<(Value, AdmissionRequest<DynamicObjec
             "the AdmissionReview request has no uid".into(),
         ));
     }
+    // The policies judge fetched URLs by what the fetcher will parse, never by their spelling.
+    crate::urls::annotate(&mut input);
     Ok((input, request))
 }
 

@@ -12,6 +12,7 @@ use crate::agents::Agents;
 use crate::controller::stack::{self, StackContext};
 use crate::controller::update::{self, UpdateContext};
 use crate::controller::workspace::{self, PodSettings, WorkspaceContext};
+use crate::egress::EgressPolicy;
 use crate::metrics::Metrics;
 
 /// Operator flags of the execution controllers (PKO's names where PKO has them).
@@ -33,6 +34,15 @@ pub struct ExecutionArgs {
     pub max_artifact_bytes: Option<String>,
 }
 
+/// What tenants' objects may make the execution controllers reach.
+#[derive(Clone, Debug)]
+pub struct TenantBounds {
+    /// Addresses the operator may connect to for a tenant's URL (git refs).
+    pub egress: Arc<EgressPolicy>,
+    /// The file server's names: a Workspace's flux URL on it must stay in its namespace.
+    pub file_server: pko_admission::tenancy::FileServerNames,
+}
+
 /// Runs the execution controllers until `stop` is canceled.
 pub async fn run(
     client: Client,
@@ -40,13 +50,19 @@ pub async fn run(
     args: ExecutionArgs,
     metrics: Metrics,
     concurrency: u16,
+    bounds: TenantBounds,
     stop: CancellationToken,
 ) {
+    let TenantBounds {
+        egress,
+        file_server,
+    } = bounds;
     let agents = Arc::new(Agents::new(
         client.clone(),
         args.workspace_localhost.clone(),
     ));
     let settings = PodSettings {
+        file_server,
         agent_image: args.agent_image.clone(),
         agent_image_pull_policy: args.agent_image_pull_policy.clone(),
         max_artifact_bytes: args.max_artifact_bytes.clone(),
@@ -74,7 +90,7 @@ pub async fn run(
         agents.clone(),
         metrics.clone(),
     ));
-    let stack_ctx = Arc::new(StackContext::new(client.clone(), metrics.clone()));
+    let stack_ctx = Arc::new(StackContext::new(client.clone(), metrics.clone(), egress));
     tokio::join!(
         stack::run(
             client.clone(),

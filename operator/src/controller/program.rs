@@ -20,14 +20,14 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::{self, Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-use kube::runtime::reflector::{self, ObjectRef};
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::reflector::ObjectRef;
 use kube::{Api, Client, Resource, ResourceExt};
 use pko_api::program::Program;
 use serde_json::{Value, json};
 use tokio::sync::broadcast;
 use tracing::{info, instrument, warn};
 
+use crate::capability::{ArtifactRef, KeyRing, unix_now};
 use crate::config::{AdvertisedAddress, artifact_path};
 use crate::fileserver::index::{BuildError, BuildResult, Built, ProgramIndex};
 use crate::metrics::{ErrorLabels, Metrics};
@@ -78,6 +78,8 @@ pub struct ProgramContext {
     pub advertised: AdvertisedAddress,
     pub index: Arc<ProgramIndex>,
     pub metrics: Metrics,
+    /// Signs the artifact URLs.
+    pub keys: KeyRing,
 }
 
 impl ProgramContext {
@@ -86,6 +88,7 @@ impl ProgramContext {
         advertised: AdvertisedAddress,
         index: Arc<ProgramIndex>,
         metrics: Metrics,
+        keys: KeyRing,
     ) -> Self {
         let recorder = Recorder::new(
             client.clone(),
@@ -100,6 +103,23 @@ impl ProgramContext {
             advertised,
             index,
             metrics,
+            keys,
+        }
+    }
+
+    /// The capability URL of one artifact (see [`crate::capability`]).
+    fn artifact_url(&self, namespace: &str, name: &str, generation: i64, digest: &str) -> String {
+        let url = self.advertised.program_url(namespace, name, generation);
+        let artifact = ArtifactRef {
+            namespace,
+            name,
+            generation,
+            digest,
+        };
+        match self.keys.get().sign(unix_now(), &artifact) {
+            Some(token) => format!("{url}?{}", artifact.query(&token)),
+            // No key (cannot happen once started): a URL nobody can fetch, rather than none.
+            None => url,
         }
     }
 }
@@ -120,23 +140,18 @@ struct Condition {
 }
 
 /// Run the controller until `shutdown` resolves.
+///
+/// The controller has no watch of its own: it is driven from the replica's one Program store
+/// (the file server's), so every generation it publishes is already in the store the file
+/// server answers from, and the replica holds one copy of every Program, not two.
 pub async fn run(
-    api: Api<Program>,
     ctx: Arc<ProgramContext>,
     concurrency: u16,
     shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
 ) {
     ctx.metrics.init_controller(CONTROLLER, ProgramError::KINDS);
-    // The controller's own cache of Programs, without managedFields (often the largest part of
-    // a small object, and never read here): with thousands of Programs this is most of the
-    // operator's memory.
-    let (reader, writer) = reflector::store::<Program>();
-    let programs = watcher(api, watcher::Config::default().any_semantic())
-        .default_backoff()
-        .modify(|program| program.managed_fields_mut().clear())
-        .reflect(writer)
-        .applied_objects();
-    let controller = Controller::for_stream(programs, reader);
+    let controller =
+        Controller::for_shared_stream(ctx.index.triggers(), ctx.index.programs().clone());
     // Programs whose transform chain changed are reconciled again; a receiver that fell behind
     // gets every Program instead.
     let controller = match ctx.index.transforms() {
@@ -223,11 +238,12 @@ async fn reconcile_inner(
 
     let now = Timestamp::now().to_string();
     let artifact = desired.artifact.clone().map(|mut artifact| {
-        // lastUpdateTime moves only when the artifact itself changes.
+        // lastUpdateTime moves only when the artifact itself changes (a URL re-signed with a
+        // new key is the same artifact).
         let unchanged = current
             .artifact
             .as_ref()
-            .is_some_and(|old| same_artifact(old, &artifact));
+            .is_some_and(|old| same_bytes(old, &artifact));
         let time = match (&current.artifact, unchanged) {
             (Some(old), true) => old
                 .get("lastUpdateTime")
@@ -303,6 +319,7 @@ fn events(
             let mut out = vec![event(
                 EventType::Normal,
                 "ArtifactReady",
+                // Events are readable more widely than status: the URL's token stays out.
                 format!(
                     "generation {generation} is served at {} ({})",
                     ctx.advertised.program_url(namespace, name, generation),
@@ -441,7 +458,7 @@ fn desired_status(
             let artifact = &built.artifact;
             let mut value = json!({
                 "path": artifact_path(namespace, name, generation),
-                "url": ctx.advertised.program_url(namespace, name, generation),
+                "url": ctx.artifact_url(namespace, name, generation, &artifact.digest),
                 "revision": generation.to_string(),
                 "digest": artifact.digest,
                 "size": artifact.size(),
@@ -546,7 +563,12 @@ fn chain_metadata(built: &Built) -> Option<Value> {
 
 /// Equal in every field except `lastUpdateTime`.
 fn same_artifact(old: &Value, new: &Value) -> bool {
-    ["path", "url", "revision", "digest", "size", "metadata"]
+    same_bytes(old, new) && old.get("url") == new.get("url")
+}
+
+/// The same artifact, whatever its URL's token.
+fn same_bytes(old: &Value, new: &Value) -> bool {
+    ["path", "revision", "digest", "size", "metadata"]
         .iter()
         .all(|k| old.get(*k) == new.get(*k))
 }

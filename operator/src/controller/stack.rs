@@ -37,6 +37,7 @@ use crate::controller::conditions;
 use crate::controller::stack_source;
 use crate::controller::update::SECRETS_ANNOTATION;
 use crate::controller::workspace::{APPLY_MANAGER, merge};
+use crate::egress::EgressPolicy;
 use crate::gitremote;
 use crate::metrics::{ErrorLabels, Metrics};
 
@@ -80,7 +81,7 @@ pub struct StackContext {
 }
 
 impl StackContext {
-    pub fn new(client: Client, metrics: Metrics) -> Self {
+    pub fn new(client: Client, metrics: Metrics, egress: Arc<EgressPolicy>) -> Self {
         let recorder = Recorder::new(
             client.clone(),
             Reporter {
@@ -92,7 +93,7 @@ impl StackContext {
             client,
             recorder,
             metrics,
-            git: gitremote::Resolver::new(git_http_client(), GIT_REFS_TTL),
+            git: gitremote::Resolver::new(git_http_client(&egress), egress.clone(), GIT_REFS_TTL),
         }
     }
 
@@ -114,10 +115,11 @@ impl StackContext {
 const GIT_REFS_TTL: Duration = Duration::from_secs(20);
 
 /// The HTTP client for refs listings: the system's trusted roots, no cookies, a bounded number
-/// of redirects (hosts redirect `/repo` to `/repo.git`).
-fn git_http_client() -> reqwest::Client {
-    reqwest::Client::builder()
-        .redirect(reqwest::redirect::Policy::limited(5))
+/// of redirects (hosts redirect `/repo` to `/repo.git`), and only addresses the egress rules
+/// allow (the URL is the tenant's).
+fn git_http_client(egress: &Arc<EgressPolicy>) -> reqwest::Client {
+    egress
+        .client_builder(5)
         .user_agent(concat!("pko-rs/", env!("CARGO_PKG_VERSION"), " git/2"))
         .build()
         .unwrap_or_default()

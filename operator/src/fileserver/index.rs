@@ -1,8 +1,11 @@
-//! The file server's view of Programs: a watch-fed reflector plus the artifact cache.
+//! The replica's one view of Programs: a watch-fed reflector plus the artifact cache.
 //!
-//! Every replica runs its own watch, so every replica can answer without asking the apiserver per
-//! request, and (artifacts being deterministic) every replica serves the bytes whose digest the
-//! leader wrote to the Program's status.
+//! Every replica runs one watch of Programs. Its store feeds both the file server and, on the
+//! leader, the Program controller ([`ProgramIndex::triggers`]), so a generation the controller
+//! has published is one the file server has seen: no second copy of every Program, and no window
+//! where a freshly published URL answers 404. A replica whose watch lags (a standby) waits a
+//! bounded time for it ([`ProgramIndex::lookup_published`]). Artifacts being deterministic, every
+//! replica serves the bytes whose digest the leader wrote to the Program's status.
 //!
 //! With transforms, an artifact is a pure function of the Program's spec and its transform chain
 //! (transform names, module digests, configurations, limits): the cache key carries the chain's
@@ -14,18 +17,18 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use futures::TryStreamExt;
+use futures::{Stream, StreamExt, TryStreamExt};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, ResourceExt};
 use pko_api::program::Program;
 use pko_plugins::chain::{self, Applied, Chain, Skipped, StepFailure};
-use tokio::sync::OnceCell;
+use tokio::sync::{OnceCell, Semaphore, broadcast, watch as notify};
 use tracing::{debug, warn};
 
 use super::cache::{ArtifactCache, CacheKey};
 use crate::artifact::{self, Artifact, ArtifactError};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, PublishWaitOutcome};
 use crate::transform::{TransformError, TransformRegistry};
 
 /// Artifacts pre-built at once after Program events.
@@ -34,6 +37,24 @@ const PREBUILDS: usize = 4;
 const TRANSIENT_FAILURE_TTL: Duration = Duration::from_secs(10);
 /// Failures remembered at most (they are small; the bound only guards against churn).
 const MAX_FAILURES: usize = 10_000;
+/// How long a request for a Program, or a generation, that this replica has not seen yet waits
+/// for the replica's watch before the answer is 404: longer than a watch event takes to arrive
+/// under load, short enough that a wrong URL fails fast.
+pub const PUBLISH_WAIT: Duration = Duration::from_secs(2);
+/// Requests waiting for the watch at once; more are answered at once, so strangers asking for
+/// Programs that do not exist cannot pile up waiting connections.
+const MAX_WAITERS: usize = 1024;
+/// Program changes queued for the controller; one that falls behind reconciles every Program.
+const TRIGGER_BUFFER: usize = 4096;
+
+/// What the replica's Program watch tells the controller.
+#[derive(Clone, Debug)]
+enum Change {
+    /// A Program was created or changed (the store already holds it).
+    Applied(ObjectRef<Program>),
+    /// The store was (re)filled from a full list: every Program may have changed.
+    Resynced,
+}
 
 /// An artifact and the transform chain that shaped it.
 #[derive(Debug, Clone, PartialEq)]
@@ -110,6 +131,13 @@ pub enum Lookup {
     Failed(Arc<BuildError>),
 }
 
+impl Lookup {
+    /// This replica may simply not have seen the Program, or this generation, yet.
+    fn not_seen_yet(&self) -> bool {
+        matches!(self, Self::ProgramNotFound | Self::UnknownGeneration { .. })
+    }
+}
+
 /// Programs known to this replica, and their artifacts.
 pub struct ProgramIndex {
     store: Store<Program>,
@@ -121,6 +149,13 @@ pub struct ProgramIndex {
     inflight: Mutex<HashMap<CacheKey, Arc<OnceCell<BuildResult>>>>,
     /// Recent failures, so a failing Program does not run its plugins on every request.
     failures: Mutex<HashMap<CacheKey, (Instant, Arc<BuildError>)>>,
+    /// Bumped after every change of the store: wakes requests waiting for a Program.
+    version: notify::Sender<u64>,
+    /// Changes for the controller (see [`Self::triggers`]).
+    changes: broadcast::Sender<Change>,
+    /// Bounds the requests waiting for the watch.
+    waiters: Semaphore,
+    publish_wait: Duration,
 }
 
 impl ProgramIndex {
@@ -133,7 +168,49 @@ impl ProgramIndex {
             transforms: None,
             inflight: Mutex::new(HashMap::new()),
             failures: Mutex::new(HashMap::new()),
+            version: notify::Sender::new(0),
+            changes: broadcast::Sender::new(TRIGGER_BUFFER),
+            waiters: Semaphore::new(MAX_WAITERS),
+            publish_wait: PUBLISH_WAIT,
         }
+    }
+
+    /// How long [`Self::lookup_published`] waits for a Program this replica has not seen.
+    pub fn with_publish_wait(mut self, wait: Duration) -> Self {
+        self.publish_wait = wait;
+        self
+    }
+
+    /// The Programs this replica knows (the one store of the replica).
+    pub fn programs(&self) -> &Store<Program> {
+        &self.store
+    }
+
+    /// The Programs to reconcile, for `Controller::for_shared_stream` over [`Self::programs`]:
+    /// every Program once the store is filled, then each one the watch applies, and every one
+    /// again after a re-list or when the controller falls behind. Each object comes from the
+    /// store the file server answers from, so whatever the controller publishes is served.
+    pub fn triggers(&self) -> impl Stream<Item = Arc<Program>> + Send + 'static {
+        // Subscribe before reading the store, so no change falls between the two.
+        let changes = self.changes.subscribe();
+        let store = self.store.clone();
+        let initial = {
+            let store = store.clone();
+            futures::stream::once(async move {
+                // Ends only if the watch is gone; then there is nothing to reconcile.
+                let _ = store.wait_until_ready().await;
+                store.state()
+            })
+        };
+        let updates = futures::stream::unfold((changes, store), |(mut rx, store)| async move {
+            let programs = match rx.recv().await {
+                Ok(Change::Applied(key)) => store.get(&key).into_iter().collect(),
+                Ok(Change::Resynced) | Err(broadcast::error::RecvError::Lagged(_)) => store.state(),
+                Err(broadcast::error::RecvError::Closed) => return None,
+            };
+            Some((programs, (rx, store)))
+        });
+        initial.chain(updates).flat_map(futures::stream::iter)
     }
 
     /// Runs each Program's transform chain before building its artifact.
@@ -155,6 +232,48 @@ impl ProgramIndex {
     /// The flag behind [`Self::is_synced`], for readiness checks.
     pub fn synced_flag(&self) -> Arc<AtomicBool> {
         self.synced.clone()
+    }
+
+    /// Like [`Self::lookup`], but a Program or generation this replica has not seen yet is
+    /// waited for (at most the publish wait) before it is answered as unknown: the controller
+    /// may have published it from a replica whose watch is ahead of this one.
+    pub async fn lookup_published(&self, namespace: &str, name: &str, generation: i64) -> Lookup {
+        // Subscribed before the first look, so a change in between still wakes us.
+        let mut version = self.version.subscribe();
+        let first = self.lookup(namespace, name, generation).await;
+        if !first.not_seen_yet() || self.publish_wait.is_zero() {
+            return first;
+        }
+        let Ok(_permit) = self.waiters.try_acquire() else {
+            self.record_wait(PublishWaitOutcome::Overflow, Duration::ZERO);
+            return first;
+        };
+        let started = Instant::now();
+        let deadline = tokio::time::Instant::now() + self.publish_wait;
+        loop {
+            let changed = tokio::time::timeout_at(deadline, version.changed()).await;
+            let found = self.lookup(namespace, name, generation).await;
+            if !found.not_seen_yet() {
+                self.record_wait(PublishWaitOutcome::Seen, started.elapsed());
+                return found;
+            }
+            if !matches!(changed, Ok(Ok(()))) {
+                self.record_wait(PublishWaitOutcome::NotSeen, started.elapsed());
+                return found;
+            }
+        }
+    }
+
+    fn record_wait(&self, outcome: PublishWaitOutcome, waited: Duration) {
+        self.metrics
+            .fileserver_publish_waits
+            .get_or_create(&outcome.labels())
+            .inc();
+        if outcome != PublishWaitOutcome::Overflow {
+            self.metrics
+                .fileserver_publish_wait_duration
+                .observe(waited.as_secs_f64());
+        }
     }
 
     /// Look up the artifact of `namespace/name` at `generation`, building it on a cache miss.
@@ -242,7 +361,31 @@ impl ProgramIndex {
         Some(err.clone())
     }
 
-    fn observe(&self, event: &watcher::Event<Program>) {
+    /// Has the controller reconcile every Program (e.g. their URLs need signing anew).
+    pub fn resync(&self) {
+        let _ = self.changes.send(Change::Resynced);
+    }
+
+    /// Requests waiting for the watch now.
+    pub fn waiting(&self) -> usize {
+        MAX_WAITERS - self.waiters.available_permits()
+    }
+
+    /// Takes note of a watch event the store has just applied.
+    pub(crate) fn observe(&self, event: &watcher::Event<Program>) {
+        // The store already holds this event (the reflector wrote it before us).
+        match event {
+            watcher::Event::Apply(program) => {
+                let _ = self
+                    .changes
+                    .send(Change::Applied(ObjectRef::from_obj(program)));
+            }
+            watcher::Event::InitDone => {
+                let _ = self.changes.send(Change::Resynced);
+            }
+            watcher::Event::Delete(_) | watcher::Event::InitApply(_) | watcher::Event::Init => {}
+        }
+        self.version.send_modify(|v| *v = v.wrapping_add(1));
         match event {
             watcher::Event::Delete(program) => {
                 if let Some(uid) = program.uid() {
@@ -328,12 +471,21 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+/// Settings of the replica's Program index.
+#[derive(Clone, Copy, Debug)]
+pub struct IndexOptions {
+    /// Bytes of built artifacts kept in memory.
+    pub cache_bytes: u64,
+    /// See [`ProgramIndex::lookup_published`].
+    pub publish_wait: Duration,
+}
+
 /// Start watching Programs cluster-wide. Returns the index and the future that drives the watch;
 /// the caller spawns it. Applied Programs are pre-built so requests are served from memory.
 /// With `transforms`, each Program's chain runs before its artifact is built.
 pub fn watch(
     api: Api<Program>,
-    cache_bytes: u64,
+    options: IndexOptions,
     metrics: Metrics,
     transforms: Option<Arc<TransformRegistry>>,
 ) -> (Arc<ProgramIndex>, impl std::future::Future<Output = ()>) {
@@ -341,8 +493,11 @@ pub fn watch(
     if let Some(transforms) = &transforms {
         transforms.attach_programs(store.clone());
     }
-    let index =
-        Arc::new(ProgramIndex::new(store, cache_bytes, metrics).with_transforms(transforms));
+    let index = Arc::new(
+        ProgramIndex::new(store, options.cache_bytes, metrics)
+            .with_publish_wait(options.publish_wait)
+            .with_transforms(transforms),
+    );
     // Pre-builds run beside the watch, a few at a time: a slow chain never holds up the
     // store (and so the file server's view of Programs).
     let prebuilds = Arc::new(tokio::sync::Semaphore::new(PREBUILDS));

@@ -2,7 +2,8 @@
 //!
 //! Runs on every replica. Answers from the watch-fed [`index::ProgramIndex`], never with an
 //! apiserver round trip per request, with explicit errors: 400 for a malformed path, 404 for an
-//! unknown Program or generation, 410 for a superseded generation, 405 for other methods.
+//! unknown Program or generation (after a bounded wait for this replica's watch, so a URL just
+//! published elsewhere is served), 410 for a superseded generation, 405 for other methods.
 
 pub mod cache;
 pub mod index;
@@ -13,13 +14,14 @@ use std::time::Instant;
 
 use axum::Router;
 use axum::body::Body;
-use axum::extract::{Path, Request, State};
+use axum::extract::{Path, RawQuery, Request, State};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::any;
 use http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 
-use crate::metrics::{Metrics, RequestLabels};
+use crate::capability::{ArtifactRef, KeyRing};
+use crate::metrics::{Metrics, RefusalReason, RequestLabels};
 use index::{Lookup, ProgramIndex};
 
 /// Suffix PKO advertises in `status.artifact.path`; accepted on URLs too.
@@ -30,6 +32,8 @@ const TAR_GZ: &str = ".tar.gz";
 pub struct FileServer {
     pub index: Arc<ProgramIndex>,
     pub metrics: Metrics,
+    /// Verifies the capability tokens of artifact URLs.
+    pub keys: KeyRing,
 }
 
 /// The file server's routes.
@@ -50,6 +54,7 @@ async fn programs(
     State(state): State<FileServer>,
     method: Method,
     Path(rest): Path<String>,
+    RawQuery(query): RawQuery,
     headers: HeaderMap,
 ) -> Response {
     if method != Method::GET && method != Method::HEAD {
@@ -58,9 +63,48 @@ async fn programs(
     let segments: Vec<&str> = rest.split('/').collect();
     match segments.as_slice() {
         [namespace, name, generation] => {
-            serve_program(&state, namespace, name, generation, &headers).await
+            let request = ProgramRequest {
+                namespace,
+                name,
+                generation,
+                query: query.as_deref().unwrap_or_default(),
+            };
+            serve_program(&state, request, &headers).await
         }
         _ => malformed(),
+    }
+}
+
+/// One request for an artifact, as it came.
+struct ProgramRequest<'a> {
+    namespace: &'a str,
+    name: &'a str,
+    generation: &'a str,
+    query: &'a str,
+}
+
+/// The capability of a request: `digest` and `token`, each exactly once.
+#[derive(Debug, PartialEq)]
+struct Capability {
+    digest: String,
+    token: String,
+}
+
+fn capability(query: &str) -> Result<Capability, RefusalReason> {
+    let (mut digest, mut token) = (None, None);
+    for (key, value) in url::form_urlencoded::parse(query.as_bytes()) {
+        let slot = match &*key {
+            "digest" => &mut digest,
+            "token" => &mut token,
+            _ => continue,
+        };
+        if slot.replace(value.into_owned()).is_some() {
+            return Err(RefusalReason::BadToken);
+        }
+    }
+    match (digest, token) {
+        (Some(digest), Some(token)) => Ok(Capability { digest, token }),
+        _ => Err(RefusalReason::NoToken),
     }
 }
 
@@ -73,11 +117,15 @@ async fn programs_root(method: Method) -> Response {
 
 async fn serve_program(
     state: &FileServer,
-    namespace: &str,
-    name: &str,
-    generation: &str,
+    request: ProgramRequest<'_>,
     headers: &HeaderMap,
 ) -> Response {
+    let ProgramRequest {
+        namespace,
+        name,
+        generation,
+        query,
+    } = request;
     if !is_dns1123_label(namespace) {
         return text(
             StatusCode::BAD_REQUEST,
@@ -98,7 +146,39 @@ async fn serve_program(
             ),
         );
     };
-    match state.index.lookup(namespace, name, gen_num).await {
+    // The token is checked before anything is looked up, and a request without a valid one is
+    // answered exactly like an unknown Program: no existence or generation oracle.
+    let authorised = capability(query).and_then(|cap| {
+        let artifact = ArtifactRef {
+            namespace,
+            name,
+            generation: gen_num,
+            digest: &cap.digest,
+        };
+        if state.keys.get().verify(&cap.token, &artifact) {
+            Ok(cap.digest)
+        } else {
+            Err(RefusalReason::BadToken)
+        }
+    });
+    let digest = match authorised {
+        Ok(digest) => digest,
+        Err(reason) => {
+            state
+                .metrics
+                .fileserver_refused
+                .get_or_create(&reason.labels())
+                .inc();
+            return artifact_not_found();
+        }
+    };
+    match state.index.lookup_published(namespace, name, gen_num).await {
+        Lookup::Found(built) if built.artifact.digest != digest => text(
+            StatusCode::GONE,
+            format!(
+                "generation {gen_num} of program {namespace}/{name} was rebuilt (a transform changed); the Program's status.artifact.url has the current URL"
+            ),
+        ),
         Lookup::Found(built) => {
             let artifact = &built.artifact;
             let etag = format!("\"{}\"", artifact.digest);
@@ -124,22 +204,15 @@ async fn serve_program(
                 .body(Body::from(artifact.bytes.clone()))
                 .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
         }
-        Lookup::ProgramNotFound => text(
-            StatusCode::NOT_FOUND,
-            format!("program {namespace}/{name} not found"),
-        ),
+        Lookup::ProgramNotFound => artifact_not_found(),
         Lookup::Superseded { current } => text(
             StatusCode::GONE,
             format!(
                 "generation {gen_num} of program {namespace}/{name} is superseded; the current generation is {current}"
             ),
         ),
-        Lookup::UnknownGeneration { current } => text(
-            StatusCode::NOT_FOUND,
-            format!(
-                "generation {gen_num} of program {namespace}/{name} not found; the current generation is {current}"
-            ),
-        ),
+        // A Program deleted and re-created may be at a lower generation than a valid token's.
+        Lookup::UnknownGeneration { .. } => artifact_not_found(),
         Lookup::Failed(err) if err.is_transient() => {
             // A timeout or a busy plugin host: the same request may succeed shortly.
             let mut response = text(
@@ -158,6 +231,14 @@ async fn serve_program(
     }
 }
 
+/// The one answer for an unknown artifact and for a request not entitled to it.
+fn artifact_not_found() -> Response {
+    text(
+        StatusCode::NOT_FOUND,
+        "artifact not found: use the URL in the Program's status.artifact.url".to_owned(),
+    )
+}
+
 fn malformed() -> Response {
     text(
         StatusCode::BAD_REQUEST,
@@ -166,11 +247,7 @@ fn malformed() -> Response {
 }
 
 async fn not_found() -> Response {
-    text(
-        StatusCode::NOT_FOUND,
-        "not found: artifacts are served under /programs/{namespace}/{name}/{generation}"
-            .to_owned(),
-    )
+    artifact_not_found()
 }
 
 fn method_not_allowed() -> Response {
@@ -187,14 +264,11 @@ fn method_not_allowed() -> Response {
 /// Counts and times every request, including rejected ones.
 async fn record(State(metrics): State<Metrics>, request: Request, next: Next) -> Response {
     let started = Instant::now();
-    let method = request.method().as_str().to_owned();
+    let method = request.method().clone();
     let response = next.run(request).await;
     metrics
         .fileserver_requests
-        .get_or_create(&RequestLabels {
-            method,
-            code: response.status().as_u16(),
-        })
+        .get_or_create(&RequestLabels::new(&method, response.status()))
         .inc();
     metrics
         .fileserver_duration
@@ -313,29 +387,76 @@ mod tests {
 /// real apiserver and operator binary in tests/tests/program.rs.
 #[cfg(test)]
 mod router_tests {
+    use std::collections::BTreeMap;
+    use std::time::Duration;
+
     use axum::body::to_bytes;
     use http::Request;
+    use k8s_openapi::ByteString;
     use kube::runtime::reflector;
     use kube::runtime::watcher::Event;
     use pko_api::program::{Program, ProgramSpec};
     use tower::ServiceExt;
 
     use super::*;
+    use crate::capability::KeySet;
 
-    fn state_with(programs: &[(&str, &str, i64)]) -> FileServer {
+    fn program(ns: &str, name: &str, generation: i64) -> Program {
+        let mut p = Program::new(name, ProgramSpec::default());
+        p.metadata.namespace = Some(ns.to_owned());
+        p.metadata.generation = Some(generation);
+        p.metadata.uid = Some(format!("uid-{ns}-{name}"));
+        p
+    }
+
+    fn index_with(
+        programs: &[(&str, &str, i64)],
+        publish_wait: Duration,
+    ) -> (FileServer, reflector::store::Writer<Program>) {
         let (store, mut writer) = reflector::store::<Program>();
         for (ns, name, generation) in programs {
-            let mut p = Program::new(name, ProgramSpec::default());
-            p.metadata.namespace = Some((*ns).to_owned());
-            p.metadata.generation = Some(*generation);
-            p.metadata.uid = Some(format!("uid-{ns}-{name}"));
-            writer.apply_watcher_event(&Event::Apply(p));
+            writer.apply_watcher_event(&Event::Apply(program(ns, name, *generation)));
         }
         let metrics = Metrics::new();
-        FileServer {
-            index: Arc::new(ProgramIndex::new(store, 1 << 20, metrics.clone())),
+        let index =
+            ProgramIndex::new(store, 1 << 20, metrics.clone()).with_publish_wait(publish_wait);
+        let state = FileServer {
+            index: Arc::new(index),
             metrics,
-        }
+            keys: KeyRing::new(keys()),
+        };
+        (state, writer)
+    }
+
+    fn keys() -> KeySet {
+        KeySet::from_data(&BTreeMap::from([(
+            "k1".to_owned(),
+            ByteString(vec![7; 32]),
+        )]))
+    }
+
+    /// The capability URL of `/programs/{ns}/{name}/{generation}` for the artifact a Program
+    /// with an empty spec has.
+    fn signed(ns: &str, name: &str, generation: &str) -> String {
+        let digest = crate::artifact::build(name, &serde_json::json!({}))
+            .expect("build")
+            .digest;
+        let artifact = ArtifactRef {
+            namespace: ns,
+            name,
+            generation: parse_generation(generation).expect("generation"),
+            digest: &digest,
+        };
+        let token = keys().sign(0, &artifact).expect("token");
+        format!(
+            "/programs/{ns}/{name}/{generation}?{}",
+            artifact.query(&token)
+        )
+    }
+
+    fn state_with(programs: &[(&str, &str, i64)]) -> FileServer {
+        // Unknown Programs are answered after a short wait here; the wait itself is tested below.
+        index_with(programs, Duration::from_millis(20)).0
     }
 
     async fn call(
@@ -362,7 +483,7 @@ mod router_tests {
     #[tokio::test]
     async fn serves_current_generation_with_identity_headers() {
         let app = router(state_with(&[("ns", "p", 2)]));
-        let (status, headers, body) = call(&app, "GET", "/programs/ns/p/2", None).await;
+        let (status, headers, body) = call(&app, "GET", &signed("ns", "p", "2"), None).await;
         assert_eq!(status, StatusCode::OK);
         assert_eq!(headers[header::CONTENT_TYPE], "application/gzip");
         assert_eq!(
@@ -375,7 +496,7 @@ mod router_tests {
         assert_eq!(headers[header::ETAG], etag.as_str());
 
         let (status, headers, body) =
-            call(&app, "GET", "/programs/ns/p/2.tar.gz", Some(&etag)).await;
+            call(&app, "GET", &signed("ns", "p", "2.tar.gz"), Some(&etag)).await;
         assert_eq!(status, StatusCode::NOT_MODIFIED);
         assert_eq!(headers[header::ETAG], etag.as_str());
         assert!(body.is_empty());
@@ -392,9 +513,9 @@ mod router_tests {
             ("GET", "/programs/ns//2", 400),
             ("GET", "/programs/ns/p/x", 400),
             ("GET", "/programs/NS/p/2", 400),
-            ("GET", "/programs/ns/q/1", 404),
-            ("GET", "/programs/ns/p/3", 404),
-            ("GET", "/programs/ns/p/1", 410),
+            ("GET", &signed("ns", "q", "1"), 404),
+            ("GET", &signed("ns", "p", "3"), 404),
+            ("GET", &signed("ns", "p", "1"), 410),
             ("GET", "/other", 404),
             ("POST", "/programs/ns/p/2", 405),
             ("PUT", "/programs", 405),
@@ -419,9 +540,9 @@ mod router_tests {
         let state = state_with(&[("ns", "p", 1)]);
         let metrics = state.metrics.clone();
         let app = router(state);
-        call(&app, "GET", "/programs/ns/p/1", None).await;
-        call(&app, "GET", "/programs/ns/p/1", None).await;
-        call(&app, "GET", "/programs/ns/p/9", None).await;
+        call(&app, "GET", &signed("ns", "p", "1"), None).await;
+        call(&app, "GET", &signed("ns", "p", "1"), None).await;
+        call(&app, "GET", &signed("ns", "p", "9"), None).await;
         let text = metrics.encode().expect("encode");
         assert!(
             text.contains("pko_fileserver_requests_total{method=\"GET\",code=\"200\"} 2"),
@@ -436,5 +557,118 @@ mod router_tests {
             text.contains("pko_fileserver_cache_misses_total 1"),
             "{text}"
         );
+    }
+
+    #[tokio::test]
+    async fn a_program_published_while_the_request_waits_is_served() {
+        // A wait far longer than any machine needs: only the watch event may end it.
+        let (state, mut writer) = index_with(&[("ns", "old", 1)], Duration::from_secs(3600));
+        let (index, metrics) = (state.index.clone(), state.metrics.clone());
+        let app = router(state);
+        for (uri, event) in [
+            // A Program this replica has not seen yet.
+            (signed("ns", "new", "1"), program("ns", "new", 1)),
+            // A generation this replica has not seen yet.
+            (signed("ns", "old", "2"), program("ns", "old", 2)),
+        ] {
+            let request = tokio::spawn({
+                let (app, uri) = (app.clone(), uri.clone());
+                async move { call(&app, "GET", &uri, None).await }
+            });
+            // The request is waiting for the watch before the watch delivers the Program.
+            while index.waiting() == 0 {
+                tokio::task::yield_now().await;
+            }
+            let event = Event::Apply(event);
+            writer.apply_watcher_event(&event);
+            index.observe(&event);
+            let (status, _, body) = request.await.expect("request task");
+            assert_eq!(
+                status,
+                StatusCode::OK,
+                "{uri}: {}",
+                String::from_utf8_lossy(&body)
+            );
+        }
+        let text = metrics.encode().expect("encode");
+        assert!(
+            text.contains("pko_fileserver_publish_waits_total{outcome=\"seen\"} 2"),
+            "{text}"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_unknown_program_is_404_once_the_wait_ends() {
+        let (state, _writer) = index_with(&[], Duration::from_millis(10));
+        let metrics = state.metrics.clone();
+        let app = router(state);
+        let (status, _, _) = call(&app, "GET", &signed("ns", "nothing", "1"), None).await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
+        let text = metrics.encode().expect("encode");
+        assert!(
+            text.contains("pko_fileserver_publish_waits_total{outcome=\"not_seen\"} 1"),
+            "{text}"
+        );
+    }
+
+    #[tokio::test]
+    async fn invented_methods_share_one_series() {
+        let state = state_with(&[("ns", "p", 1)]);
+        let metrics = state.metrics.clone();
+        let app = router(state);
+        for i in 0..50 {
+            call(&app, &format!("INVENTED{i}"), "/programs/ns/p/1", None).await;
+        }
+        let text = metrics.encode().expect("encode");
+        assert!(
+            text.contains("pko_fileserver_requests_total{method=\"OTHER\",code=\"405\"} 50"),
+            "{text}"
+        );
+        assert!(!text.contains("INVENTED"), "{text}");
+    }
+
+    #[tokio::test]
+    async fn without_a_valid_token_an_artifact_is_answered_like_an_unknown_program() {
+        let state = state_with(&[("ns", "p", 2)]);
+        let metrics = state.metrics.clone();
+        let app = router(state);
+        let (_, _, unknown) = call(&app, "GET", &signed("ns", "nothing", "1"), None).await;
+        let good = signed("ns", "p", "2");
+        let (query_digest, query_token) = good
+            .split_once('?')
+            .and_then(|(_, q)| q.split_once('&'))
+            .expect("query");
+        let refused = [
+            "/programs/ns/p/2".to_owned(),
+            "/programs/ns/p/2?digest=sha256:00".to_owned(),
+            format!("/programs/ns/p/2?{query_digest}"),
+            format!("/programs/ns/p/2?{query_token}"),
+            // The token of generation 2 for another generation, Program or namespace.
+            good.replace("/p/2?", "/p/3?"),
+            good.replace("/p/2?", "/q/2?"),
+            good.replace("/ns/p/", "/other/p/"),
+            // Another digest, a token given twice, a token cut short.
+            good.replace("digest=sha256:", "digest=sha256:0"),
+            format!("{good}&{query_token}"),
+            good[..good.len() - 3].to_owned(),
+        ];
+        for uri in &refused {
+            let (status, _, body) = call(&app, "GET", uri, None).await;
+            assert_eq!(status, StatusCode::NOT_FOUND, "{uri}");
+            assert_eq!(body, unknown, "{uri}: same answer as an unknown Program");
+        }
+        let (status, _, _) = call(&app, "GET", &good, None).await;
+        assert_eq!(status, StatusCode::OK);
+        let text = metrics.encode().expect("encode");
+        let refusals: f64 = ["no_token", "bad_token"]
+            .iter()
+            .filter_map(|r| {
+                let series = format!("pko_fileserver_refused_total{{reason=\"{r}\"}} ");
+                text.lines()
+                    .find_map(|l| l.strip_prefix(&series))
+                    .and_then(|v| v.parse::<f64>().ok())
+            })
+            .sum();
+        assert_eq!(refusals, refused.len() as f64, "{text}");
     }
 }

@@ -39,6 +39,8 @@ use tracing::{debug, info, warn};
 
 pub use source::ModuleFetcher;
 
+use crate::egress::EgressPolicy;
+
 /// How long a build waits for the transform watches' first list.
 const SYNC_WAIT: Duration = Duration::from_secs(30);
 /// How long a build waits for a module that is still loading.
@@ -290,6 +292,7 @@ impl TransformRegistry {
         args: &PluginArgs,
         client: Client,
         metrics: PluginMetrics,
+        egress: Arc<EgressPolicy>,
     ) -> Result<Arc<Self>, TransformError> {
         let host = PluginHost::new(args.host_config(), metrics).map_err(TransformError::Host)?;
         let fetcher = ModuleFetcher::new(
@@ -297,6 +300,7 @@ impl TransformRegistry {
             args.plugin_file_root.clone(),
             args.plugin_ca_file.as_deref(),
             args.plugin_max_module_bytes,
+            egress,
         )?;
         Ok(Self::new(host, fetcher))
     }
@@ -533,6 +537,12 @@ impl TransformRegistry {
     /// Adds or updates a transform; starts loading its module when what it loads changed.
     fn apply<K: TransformObject>(self: &Arc<Self>, obj: &K) {
         let key = obj.key();
+        // An object being deleted is gone for the chains: its finalizers may keep it around,
+        // and whoever holds one could otherwise change its module after admission let go of it.
+        if obj.meta().deletion_timestamp.is_some() {
+            self.remove(&key);
+            return;
+        }
         let view = obj.view();
         let uid = obj.meta().uid.clone().unwrap_or_default();
         let generation = obj.meta().generation.unwrap_or(0);

@@ -2,8 +2,10 @@
 //! `get`, no watch), an `https://` URL, or a `file:///` path under the plugin folder. Offline
 //! (the `render` command), ConfigMaps come from manifests and modules from a folder, by digest.
 
+use crate::egress::EgressPolicy;
 use std::collections::HashMap;
 use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::ConfigMap;
@@ -20,6 +22,7 @@ pub struct ModuleFetcher {
     client: Option<Client>,
     file_root: Option<PathBuf>,
     http: Option<reqwest::Client>,
+    egress: Arc<EgressPolicy>,
     max_bytes: u64,
     /// Offline: ConfigMaps by (namespace, name).
     config_maps: HashMap<(String, String), ConfigMap>,
@@ -52,11 +55,13 @@ impl ModuleFetcher {
         file_root: Option<PathBuf>,
         ca_file: Option<&Path>,
         max_bytes: u64,
+        egress: Arc<EgressPolicy>,
     ) -> Result<Self, FetcherError> {
-        let mut builder = reqwest::Client::builder()
+        // The URL is a tenant's (a ProgramTransform): only addresses the egress rules allow.
+        let mut builder = egress
+            .client_builder(5)
             .timeout(FETCH_TIMEOUT)
-            .https_only(true)
-            .redirect(reqwest::redirect::Policy::limited(5));
+            .https_only(true);
         if let Some(path) = ca_file {
             let pem = std::fs::read(path).map_err(|source| FetcherError::CaFile {
                 path: path.to_path_buf(),
@@ -76,6 +81,7 @@ impl ModuleFetcher {
             client,
             file_root: file_root.map(|root| root.canonicalize().unwrap_or(root)),
             http: Some(http),
+            egress,
             max_bytes,
             config_maps: HashMap::new(),
             modules: HashMap::new(),
@@ -94,6 +100,7 @@ impl ModuleFetcher {
             client: None,
             file_root,
             http: None,
+            egress: Arc::new(EgressPolicy::default()),
             max_bytes,
             config_maps: config_maps
                 .into_iter()
@@ -215,12 +222,17 @@ impl ModuleFetcher {
         let http = self.http.as_ref().ok_or_else(|| {
             PluginError::Source("https module URLs are not fetched offline".into())
         })?;
+        let parsed = reqwest::Url::parse(url)
+            .map_err(|e| PluginError::Source(format!("{url}: not a URL: {e}")))?;
+        if let Err(refused) = self.egress.check_url(&parsed) {
+            return Err(PluginError::Source(format!("{url}: refused: {refused}")));
+        }
         let response = http
-            .get(url)
+            .get(parsed)
             .send()
             .await
             .and_then(reqwest::Response::error_for_status)
-            .map_err(|e| PluginError::Source(format!("{url}: {e}")))?;
+            .map_err(|e| PluginError::Source(format!("{url}: {}", crate::egress::describe(&e))))?;
         if let Some(len) = response.content_length()
             && len > self.max_bytes
         {

@@ -333,7 +333,7 @@ async fn main() -> anyhow::Result<()> {
     let input = review("team-a");
     let data = json!({"tenancy": {
         "defaultAction": "deny",
-        "fileServerHosts": ["pko-rs-fileserver.pko-rs-system:80"],
+        "fileServer": {"hosts": ["pko-rs-fileserver.pko-rs-system"], "ports": [80]},
         "policies": [{
             "name": "team-a", "action": "deny", "namespaces": ["team-a"], "exemptFromRestricted": false,
             "allowedServiceAccounts": ["pulumi"], "allowedImagePrefixes": ["pulumi/pulumi:"],

@@ -118,8 +118,15 @@ async fn main() -> anyhow::Result<()> {
         );
         if count >= args.load_programs && load_section.is_empty() {
             let programs = args.load_programs;
-            let load =
-                load_run(fs_port, &ns, programs, args.connections, args.load_seconds).await?;
+            let load = load_run(
+                &plane,
+                fs_port,
+                &ns,
+                programs,
+                args.connections,
+                args.load_seconds,
+            )
+            .await?;
             writeln!(load_section, "## File server: GET of artifacts\n")?;
             writeln!(
                 load_section,
@@ -277,17 +284,28 @@ struct Load {
 }
 
 async fn load_run(
+    plane: &ControlPlane,
     port: u16,
     ns: &str,
     programs: usize,
     connections: usize,
     seconds: u64,
 ) -> anyhow::Result<Load> {
-    let paths: Arc<Vec<String>> = Arc::new(
-        (0..programs)
-            .map(|i| format!("http://127.0.0.1:{port}/programs/{ns}/p-{i:05}/1"))
-            .collect(),
-    );
+    // The capability URLs from the Programs' status, as workspaces fetch them.
+    let api: kube::Api<pko_api::program::Program> = kube::Api::namespaced(plane.client(), ns);
+    let mut paths = Vec::with_capacity(programs);
+    for i in 0..programs {
+        let status = serde_json::to_value(api.get(&format!("p-{i:05}")).await?.status)?;
+        let url = status
+            .pointer("/artifact/url")
+            .and_then(serde_json::Value::as_str)
+            .context("a Program without an artifact URL")?;
+        let path = &url[url
+            .find("/programs/")
+            .context("an artifact URL without a path")?..];
+        paths.push(format!("http://127.0.0.1:{port}{path}"));
+    }
+    let paths: Arc<Vec<String>> = Arc::new(paths);
     // Warm-up: one pass so every artifact is in the cache, as in steady state.
     let client = reqwest::Client::builder()
         .pool_max_idle_per_host(connections)

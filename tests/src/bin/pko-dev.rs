@@ -2,7 +2,9 @@
 //!
 //! Starts etcd + kube-apiserver on loopback, installs deploy/crds, starts `pko-operator`, applies
 //! examples/program.yaml with kubectl, waits for its artifact, fetches it with curl, checks its
-//! sha256 against the status, prints the Pulumi.yaml, then keeps running until Ctrl-C.
+//! sha256 against the status, prints the Pulumi.yaml, deploys examples/stack.yaml, then keeps
+//! running until Ctrl-C. `pko-dev check` does the same and exits: `make test` runs it, so the
+//! README's main command cannot break unseen.
 
 use std::io::Read;
 use std::net::TcpListener;
@@ -21,12 +23,22 @@ async fn main() -> anyhow::Result<()> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
-        None | Some("run") => run().await,
-        Some(other) => bail!("unknown command {other:?}; usage: pko-dev [run]"),
+        None | Some("run") => run(Mode::Serve).await,
+        Some("check") => run(Mode::Check).await,
+        Some(other) => bail!("unknown command {other:?}; usage: pko-dev [run|check]"),
     }
 }
 
-async fn run() -> anyhow::Result<()> {
+/// What happens once everything is up.
+#[derive(Clone, Copy, PartialEq)]
+enum Mode {
+    /// Keep running until Ctrl-C (`make run`).
+    Serve,
+    /// Stop and exit 0 (the test of `make run`).
+    Check,
+}
+
+async fn run(mode: Mode) -> anyhow::Result<()> {
     let root = repo_root();
     let state = tempfile::Builder::new()
         .prefix("pko-rs-run-")
@@ -55,7 +67,8 @@ async fn run() -> anyhow::Result<()> {
             "--health-probe-bind-address=127.0.0.1:{probe_port}"
         ))
         // Workspace agents run as local processes (see below) on loopback ports.
-        .arg("--workspace-localhost=127.0.0.1");
+        .arg("--workspace-localhost=127.0.0.1")
+        .arg("--artifact-keys-namespace=default");
     let log = state.path().join("operator.log");
     println!("==> starting the operator (log: {})", log.display());
     let _operator = spawn_guarded(cmd, "pko-operator", &log)?;
@@ -121,6 +134,10 @@ async fn run() -> anyhow::Result<()> {
     println!("    sha256 verified ({} bytes)", bytes.len());
     println!("==> Pulumi.yaml\n{}", pulumi_yaml(&bytes)?);
     let _kubelet = deploy_stack(&plane, state.path()).await?;
+    if mode == Mode::Check {
+        println!("==> check passed");
+        return Ok(());
+    }
     println!("kubeconfig: {}", plane.kubeconfig_path().display());
     let kubectl = plane.kubectl();
     println!(

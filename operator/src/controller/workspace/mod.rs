@@ -425,9 +425,12 @@ async fn reconcile_inner(ws: &Workspace, ctx: &WorkspaceContext) -> Result<Actio
         &credentials.fingerprint,
     ) {
         Ok(sts) => sts,
-        Err(pod::PodError::Restricted(reason)) => {
-            let message =
-                format!("the pod template breaks the restricted security profile: {reason}");
+        Err(
+            e @ (pod::PodError::Restricted(_)
+            | pod::PodError::CrossNamespaceProgram { .. }
+            | pod::PodError::InvalidFluxUrl(_)),
+        ) => {
+            let message = e.to_string();
             if !conditions::is_true(&status.conditions, STALLED) {
                 ctx.event(ws, EventType::Warning, "SpecInvalid", message.clone())
                     .await;

@@ -52,6 +52,9 @@ pub struct PodSettings {
     pub agent_image_pull_policy: String,
     /// `FLUX_MAX_UNTAR_SIZE_BYTES` passed to the fetch container, if set.
     pub max_artifact_bytes: Option<String>,
+    /// The names of the operator's file server: a flux URL on it must name a Program of the
+    /// Workspace's own namespace (the admission rule, applied again here).
+    pub file_server: pko_admission::tenancy::FileServerNames,
 }
 
 /// A pod template that the restricted profile forbids.
@@ -59,8 +62,34 @@ pub struct PodSettings {
 pub enum PodError {
     #[error("the pod template breaks the restricted security profile: {0}")]
     Restricted(String),
+    #[error(
+        "spec.flux.url points at a Program of namespace {target}; only Programs of namespace {own} may be used"
+    )]
+    CrossNamespaceProgram { target: String, own: String },
+    #[error("spec.flux.url is not a URL the workspace can fetch: {0}")]
+    InvalidFluxUrl(String),
     #[error("cannot encode the pod template: {0}")]
     Encode(#[from] serde_json::Error),
+}
+
+/// A flux URL on the operator's file server names a Program of the Workspace's namespace, read
+/// as the fetcher reads it (defence in depth: admission refuses the others first).
+fn check_flux_url(
+    url: Option<&str>,
+    namespace: &str,
+    settings: &PodSettings,
+) -> Result<(), PodError> {
+    let Some(url) = url.filter(|u| !u.is_empty()) else {
+        return Ok(());
+    };
+    let target = pko_admission::urls::parse_fetch_url(url).map_err(PodError::InvalidFluxUrl)?;
+    match target.program_namespace(&settings.file_server) {
+        Some(target) if target != namespace => Err(PodError::CrossNamespaceProgram {
+            target: target.to_owned(),
+            own: namespace.to_owned(),
+        }),
+        _ => Ok(()),
+    }
 }
 
 /// PKO's in-memory defaults (PKO applies them on every reconcile too).
@@ -209,6 +238,11 @@ pub fn desired_statefulset(
     credentials_fingerprint: &str,
 ) -> Result<Value, PodError> {
     let spec = &ws.spec;
+    check_flux_url(
+        spec.flux.as_ref().and_then(|f| f.url.as_deref()),
+        namespace,
+        settings,
+    )?;
     let profile = spec.security_profile.unwrap_or_default();
     let restricted = profile == SecurityProfile::Restricted;
     let image = spec
@@ -473,6 +507,7 @@ mod tests {
 
     fn settings() -> PodSettings {
         PodSettings {
+            file_server: pko_admission::tenancy::FileServerNames::default(),
             agent_image: "agent:1".into(),
             agent_image_pull_policy: "IfNotPresent".into(),
             max_artifact_bytes: None,
