@@ -339,6 +339,13 @@ impl ControlPlane {
         }
         drop(processes);
         let temp = lock(&self.temp).take();
+        // PKO_TESTS_KEEP_STATE=1 keeps the logs and state for a look after the run.
+        if std::env::var_os("PKO_TESTS_KEEP_STATE").is_some_and(|v| v == "1")
+            && let Some(temp) = temp
+        {
+            eprintln!("pko-tests: state kept in {}", temp.keep().display());
+            return;
+        }
         drop(temp);
     }
 }

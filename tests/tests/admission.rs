@@ -1260,7 +1260,7 @@ async fn deleted_objects_are_checked_until_let_go_and_let_go_without_the_operato
     // The finalizer trick: a new module on the object being deleted is refused.
     let swap = json!({"spec": {
         "sha256": format!("sha256:{DIGEST_OTHER}"),
-        "source": {"url": "https://evil.example/module.wasm"},
+        "source": {"url": "https://evil.example/module.wasm", "configMap": null},
     }});
     let refused = api
         .patch("held", &PatchParams::default(), &Patch::Merge(&swap))

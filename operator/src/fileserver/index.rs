@@ -195,10 +195,16 @@ impl ProgramIndex {
         let changes = self.changes.subscribe();
         let store = self.store.clone();
         let initial = {
-            let store = store.clone();
+            let (store, synced, mut version) =
+                (store.clone(), self.synced.clone(), self.version.subscribe());
             futures::stream::once(async move {
-                // Ends only if the watch is gone; then there is nothing to reconcile.
-                let _ = store.wait_until_ready().await;
+                // Not `Store::wait_until_ready`: its readiness wakes only one of the tasks
+                // waiting on it, and the controller itself waits on it too.
+                while !synced.load(Ordering::Acquire) {
+                    if version.changed().await.is_err() {
+                        break;
+                    }
+                }
                 store.state()
             })
         };
@@ -385,7 +391,6 @@ impl ProgramIndex {
             }
             watcher::Event::Delete(_) | watcher::Event::InitApply(_) | watcher::Event::Init => {}
         }
-        self.version.send_modify(|v| *v = v.wrapping_add(1));
         match event {
             watcher::Event::Delete(program) => {
                 if let Some(uid) = program.uid() {
@@ -414,6 +419,8 @@ impl ProgramIndex {
         self.metrics
             .fileserver_cache_bytes
             .set(i64::try_from(self.cache.bytes()).unwrap_or(i64::MAX));
+        // Last: whoever wakes on it sees the store and the synced flag of this event.
+        self.version.send_modify(|v| *v = v.wrapping_add(1));
     }
 }
 

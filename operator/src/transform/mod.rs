@@ -1092,6 +1092,33 @@ mod tests {
         assert_eq!(sent(&mut rx), ["b/web"]);
     }
 
+    #[tokio::test]
+    async fn an_object_being_deleted_is_never_loaded() {
+        let host = PluginHost::new(HostConfig::default(), PluginMetrics::new()).expect("host");
+        let registry = TransformRegistry::new(
+            host,
+            ModuleFetcher::offline(None, 1, Vec::new(), HashMap::new()),
+        );
+        let mut pt: ProgramTransform = serde_json::from_value(json!({
+            "apiVersion": "pko-rs.dev/v1alpha1",
+            "kind": "ProgramTransform",
+            "metadata": {"name": "t", "namespace": "a", "uid": "u1",
+                         "deletionTimestamp": "2026-01-01T00:00:00Z"},
+            "spec": {"source": {"configMap": {"name": "m", "key": "k"}},
+                     "sha256": format!("sha256:{}", "1".repeat(64))},
+        }))
+        .expect("transform");
+        let loaded = |registry: &TransformRegistry| lock(&registry.state).entries.len();
+        registry.apply(&pt);
+        assert_eq!(loaded(&registry), 0, "held by a finalizer, being deleted");
+        let deleting = pt.metadata.deletion_timestamp.take();
+        registry.apply(&pt);
+        assert_eq!(loaded(&registry), 1);
+        pt.metadata.deletion_timestamp = deleting;
+        registry.apply(&pt);
+        assert_eq!(loaded(&registry), 0, "dropped once it is being deleted");
+    }
+
     #[test]
     fn limits_come_from_the_object_within_the_ceiling() {
         let pt: ProgramTransform = serde_json::from_value(json!({
