@@ -785,6 +785,16 @@ async fn the_make_run_path_works_end_to_end() {
     }
 }
 
+/// Artifact requests the operator refused for want of a valid token, every reason.
+async fn refusals(op: &Operator) -> f64 {
+    let mut total = 0.0;
+    for reason in ["bad_token", "no_token"] {
+        let series = format!("pko_fileserver_refused_total{{reason=\"{reason}\"}}");
+        total += op.metric(&series).await.unwrap_or(0.0);
+    }
+    total
+}
+
 /// Runs the real agent's `init` (a workspace pod's first step) on `url`: the fetch exactly as a
 /// tenant's workspace makes it. Returns (success, output).
 fn agent_init(url: &str, digest: &str) -> (bool, String) {
@@ -850,14 +860,7 @@ async fn a_tenant_cannot_fetch_another_tenants_artifact_by_any_url() {
         .expect("GET");
     assert_eq!(unknown.status(), 404);
     let unknown = unknown.text().await.expect("body");
-    let refused_before = op_a
-        .metric("pko_fileserver_refused_total{reason=\"bad_token\"}")
-        .await
-        .unwrap_or(0.0)
-        + op_a
-            .metric("pko_fileserver_refused_total{reason=\"no_token\"}")
-            .await
-            .unwrap_or(0.0);
+    let refused_before = refusals(&op_a).await;
     let host_a = format!("127.0.0.1:{}", op_a.fs_port);
     let tries = [
         // No token at all, in the path's PKO spellings.
@@ -889,14 +892,7 @@ async fn a_tenant_cannot_fetch_another_tenants_artifact_by_any_url() {
     let (ok, out) = agent_init(&format!("http://{host_a}{path_a}?{query_b}"), digest_a);
     assert!(!ok, "{out}");
     assert!(out.contains("404"), "{out}");
-    let refused_after = op_a
-        .metric("pko_fileserver_refused_total{reason=\"bad_token\"}")
-        .await
-        .unwrap_or(0.0)
-        + op_a
-            .metric("pko_fileserver_refused_total{reason=\"no_token\"}")
-            .await
-            .unwrap_or(0.0);
+    let refused_after = refusals(&op_a).await;
     assert_eq!(
         refused_after - refused_before,
         (tries.len() + 1) as f64,

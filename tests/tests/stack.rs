@@ -100,6 +100,20 @@ fn stack_object(backend: &std::path::Path, name: &str, spec: Value) -> Stack {
     .expect("stack")
 }
 
+/// The message of the Stack's `Stalled=True`/`SourceUnavailable` condition, once it has one.
+async fn source_unavailable(stacks: &Api<Stack>, name: &str) -> String {
+    wait_for(&format!("stack {name} to stall"), WAIT, || async {
+        let status = stacks.get(name).await.ok()?.status?;
+        status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Stalled" && c.status == "True" && c.reason == "SourceUnavailable")
+            .map(|c| c.message.clone())
+    })
+    .await
+    .expect("stalled")
+}
+
 /// Creates [`stack_object`] through `stacks`.
 async fn create_stack(stacks: &Api<Stack>, backend: &std::path::Path, name: &str, spec: Value) {
     stacks
@@ -624,18 +638,7 @@ async fn a_git_branch_is_deployed_with_credentials_and_a_new_commit_redeploys() 
         ("no-branch", "no branch or tag \"does-not-exist\""),
         ("bad-creds", "answered 401"),
     ] {
-        let message = wait_for(&format!("stack {name} to stall"), WAIT, || async {
-            let status = stacks.get(name).await.ok()?.status?;
-            status
-                .conditions
-                .iter()
-                .find(|c| {
-                    c.type_ == "Stalled" && c.status == "True" && c.reason == "SourceUnavailable"
-                })
-                .map(|c| c.message.clone())
-        })
-        .await
-        .expect("stalled");
+        let message = source_unavailable(&stacks, name).await;
         assert!(message.contains(expected), "{name}: {message}");
     }
     assert!(
@@ -1038,20 +1041,6 @@ async fn branch_lookups_refuse_forbidden_addresses_and_never_echo_an_answer() {
     .await
     .expect("server");
     let tmp = tempfile::tempdir().expect("tmp");
-    let stalled = |stacks: Api<Stack>, name: &'static str| async move {
-        wait_for(&format!("stack {name} to stall"), WAIT, || async {
-            let status = stacks.get(name).await.ok()?.status?;
-            status
-                .conditions
-                .iter()
-                .find(|c| {
-                    c.type_ == "Stalled" && c.status == "True" && c.reason == "SourceUnavailable"
-                })
-                .map(|c| c.message.clone())
-        })
-        .await
-        .expect("stalled")
-    };
     for (prefix, egress, expected) in [
         // Production rules: loopback is refused.
         (
@@ -1077,7 +1066,7 @@ async fn branch_lookups_refuse_forbidden_addresses_and_never_echo_an_answer() {
         let stacks: Api<Stack> = Api::namespaced(plane.client(), &ns);
         let spec = json!({"projectRepo": server.url("/repo"), "branch": "main"});
         create_stack(&stacks, tmp.path(), "tracked", spec).await;
-        let message = stalled(stacks.clone(), "tracked").await;
+        let message = source_unavailable(&stacks, "tracked").await;
         assert!(message.contains(expected), "{prefix}: {message}");
         assert!(!message.contains(SECRET), "{prefix}: {message}");
         let events = plane

@@ -1153,6 +1153,15 @@ fn https_server(body: Vec<u8>) -> (u16, String) {
     (port, ca.pem())
 }
 
+/// The spec of a default-tags transform whose module comes from `https://<host><path>`.
+fn https_module(host: &str, path: &str, sha256: &str) -> Value {
+    json!({
+        "source": {"url": format!("https://{host}{path}")},
+        "sha256": sha256,
+        "config": {"tags": {"fetched": "https"}, "targets": [{"typePrefix": "aws:"}]},
+    })
+}
+
 #[tokio::test]
 async fn a_module_is_fetched_from_an_https_url_trusting_the_configured_ca() {
     let plane = ControlPlane::shared().await;
@@ -1180,13 +1189,7 @@ async fn a_module_is_fetched_from_an_https_url_trusting_the_configured_ca() {
         .create(&PostParams::default(), &program("web", &[], bucket_spec()))
         .await
         .expect("program");
-    let https = |path: &str| {
-        json!({
-            "source": {"url": format!("https://127.0.0.1:{port}{path}")},
-            "sha256": tags.sha256,
-            "config": {"tags": {"fetched": "https"}, "targets": [{"typePrefix": "aws:"}]},
-        })
-    };
+    let https = |path: &str| https_module(&format!("127.0.0.1:{port}"), path, &tags.sha256);
     transforms
         .create(
             &PostParams::default(),
@@ -1265,11 +1268,7 @@ async fn a_module_url_on_a_refused_address_is_not_fetched() {
     .expect("operator starts");
     let transforms: Api<ProgramTransform> = Api::namespaced(plane.client(), &ns);
     for (name, host) in [("loopback", "127.0.0.1"), ("loopback-v6", "[::1]")] {
-        let spec = json!({
-            "source": {"url": format!("https://{host}:{port}/tags.wasm")},
-            "sha256": tags.sha256,
-            "config": {"tags": {"fetched": "https"}, "targets": [{"typePrefix": "aws:"}]},
-        });
+        let spec = https_module(&format!("{host}:{port}"), "/tags.wasm", &tags.sha256);
         transforms
             .create(&PostParams::default(), &transform(name, spec))
             .await

@@ -839,9 +839,10 @@ async fn write_outputs(
     ctx: &UpdateContext,
     update: &Update,
     outputs: &HashMap<String, pb::OutputValue>,
-) -> Result<String, kube::Error> {
+) -> Result<String, String> {
     let namespace = update.namespace().unwrap_or_default();
     let name = format!("{}-stack-outputs", update.name_any());
+    let uid = update.metadata.uid.clone().unwrap_or_default();
     let mut secret_keys: Vec<String> = outputs
         .iter()
         .filter(|(_, v)| v.secret)
@@ -856,7 +857,7 @@ async fn write_outputs(
         "apiVersion": "auto.pulumi.com/v1alpha1",
         "kind": "Update",
         "name": update.name_any(),
-        "uid": update.metadata.uid.clone().unwrap_or_default(),
+        "uid": uid,
         "controller": true,
         "blockOwnerDeletion": true,
     });
@@ -884,13 +885,42 @@ async fn write_outputs(
     match api.create(&PostParams::default(), &secret).await {
         Ok(_) => Ok(name),
         Err(kube::Error::Api(e)) if e.code == 409 => {
-            // Left by a run interrupted after this step (a resumed Update): replace it.
-            api.delete(&name, &DeleteParams::default()).await?;
-            api.create(&PostParams::default(), &secret).await?;
+            // Left by a run interrupted after this step (a resumed Update): replaced, but only
+            // when it is this Update's own (a tenant's Secret of that name is left alone).
+            let existing = api.get(&name).await.map_err(|e| e.to_string())?;
+            if !owned_by(&existing, &uid) {
+                return Err(format!(
+                    "Secret {name} exists and is not this Update's (no controller reference to it); it was left as it is"
+                ));
+            }
+            let params = DeleteParams {
+                preconditions: Some(kube::api::Preconditions {
+                    uid: existing.metadata.uid.clone(),
+                    resource_version: None,
+                }),
+                ..DeleteParams::default()
+            };
+            api.delete(&name, &params)
+                .await
+                .map_err(|e| e.to_string())?;
+            api.create(&PostParams::default(), &secret)
+                .await
+                .map_err(|e| e.to_string())?;
             Ok(name)
         }
-        Err(e) => Err(e),
+        Err(e) => Err(e.to_string()),
     }
+}
+
+/// `object` is controlled by the object with this uid.
+fn owned_by(object: &Secret, uid: &str) -> bool {
+    !uid.is_empty()
+        && object
+            .metadata
+            .owner_references
+            .iter()
+            .flatten()
+            .any(|o| o.controller == Some(true) && o.uid == uid)
 }
 
 async fn write_status(
@@ -931,6 +961,25 @@ mod tests {
         assert_eq!(parse_go_duration("500ms"), Some(Duration::from_millis(500)));
         assert_eq!(parse_go_duration("x"), None);
         assert_eq!(parse_go_duration(""), None);
+    }
+
+    #[test]
+    fn only_a_secret_this_update_controls_is_replaced() {
+        let secret = |refs: serde_json::Value| -> Secret {
+            serde_json::from_value(json!({
+                "metadata": {"name": "u-stack-outputs", "ownerReferences": refs},
+            }))
+            .expect("secret")
+        };
+        let owner = |uid: &str, controller: bool| {
+            json!({"apiVersion": "auto.pulumi.com/v1alpha1", "kind": "Update", "name": "u",
+                   "uid": uid, "controller": controller})
+        };
+        assert!(owned_by(&secret(json!([owner("u1", true)])), "u1"));
+        assert!(!owned_by(&secret(json!([owner("u2", true)])), "u1"));
+        assert!(!owned_by(&secret(json!([owner("u1", false)])), "u1"));
+        assert!(!owned_by(&secret(json!([])), "u1"));
+        assert!(!owned_by(&secret(json!([owner("", true)])), ""));
     }
 
     #[test]
