@@ -303,19 +303,23 @@ impl KeySecret {
             return Ok(keys);
         }
         let (id, bytes) = new_key(now);
-        let secret: Secret = serde_json::from_value(json!({
-            "apiVersion": "v1",
-            "kind": "Secret",
-            "metadata": {
-                "name": self.name,
-                "labels": {"app.kubernetes.io/managed-by": "pko-rs"},
-                "annotations": {"pko-rs.dev/purpose": "signing keys of artifact URLs"},
+        let secret = Secret {
+            metadata: kube::api::ObjectMeta {
+                name: Some(self.name.clone()),
+                labels: Some(BTreeMap::from([(
+                    "app.kubernetes.io/managed-by".to_owned(),
+                    "pko-rs".to_owned(),
+                )])),
+                annotations: Some(BTreeMap::from([(
+                    "pko-rs.dev/purpose".to_owned(),
+                    "signing keys of artifact URLs".to_owned(),
+                )])),
+                ..Default::default()
             },
-            "type": "Opaque",
-        }))
-        .map_err(|e| CapabilityError::NoKey(format!("{}: {e}", self.display())))?;
-        let mut secret = secret;
-        secret.data = Some(BTreeMap::from([(id, ByteString(bytes))]));
+            type_: Some("Opaque".to_owned()),
+            data: Some(BTreeMap::from([(id, ByteString(bytes))])),
+            ..Default::default()
+        };
         match self.api.create(&PostParams::default(), &secret).await {
             Ok(_) => info!(secret = %self.display(), "created the artifact URL keys"),
             Err(kube::Error::Api(e)) if e.code == 409 => {}

@@ -381,17 +381,6 @@ impl ProgramIndex {
     pub(crate) fn observe(&self, event: &watcher::Event<Program>) {
         // The store already holds this event (the reflector wrote it before us).
         match event {
-            watcher::Event::Apply(program) => {
-                let _ = self
-                    .changes
-                    .send(Change::Applied(ObjectRef::from_obj(program)));
-            }
-            watcher::Event::InitDone => {
-                let _ = self.changes.send(Change::Resynced);
-            }
-            watcher::Event::Delete(_) | watcher::Event::InitApply(_) | watcher::Event::Init => {}
-        }
-        match event {
             watcher::Event::Delete(program) => {
                 if let Some(uid) = program.uid() {
                     self.cache.remove_uid(&uid);
@@ -407,9 +396,16 @@ impl ProgramIndex {
                     self.cache.retain_generation(&uid, generation);
                     lock(&self.failures).retain(|k, _| k.uid != uid || k.generation == generation);
                 }
+                // Objects of a (re)list reach the controller with `InitDone`, all at once.
+                if matches!(event, watcher::Event::Apply(_)) {
+                    let _ = self
+                        .changes
+                        .send(Change::Applied(ObjectRef::from_obj(program)));
+                }
             }
             watcher::Event::InitDone => {
                 self.synced.store(true, Ordering::Release);
+                let _ = self.changes.send(Change::Resynced);
             }
             watcher::Event::Init => {}
         }
