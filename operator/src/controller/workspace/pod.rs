@@ -514,6 +514,44 @@ mod tests {
         }
     }
 
+    #[test]
+    fn a_flux_url_on_the_file_server_must_name_the_workspaces_namespace() {
+        let settings = PodSettings {
+            file_server: pko_admission::tenancy::FileServerNames {
+                hosts: vec!["fs.sys".into()],
+                ports: vec![80],
+            },
+            ..settings()
+        };
+        let build = |url: &str| {
+            let spec = json!({"flux": {"url": url, "digest": "sha256:00"}});
+            desired_statefulset(&ws(spec), "w", "ns", &json!({}), &settings, "fp")
+        };
+        for url in [
+            "http://fs.sys/programs/other/p/1",
+            "HTTP://FS.SYS.:80/x/../programs/%6Fther/p/1",
+            "http://fs.sys//programs//other/p/1?ns=ns",
+        ] {
+            match build(url) {
+                Err(PodError::CrossNamespaceProgram { target, own }) => {
+                    assert_eq!((target.as_str(), own.as_str()), ("other", "ns"), "{url}");
+                }
+                other => panic!("{url}: {other:?}"),
+            }
+        }
+        assert!(matches!(
+            build("http://[::1/x"),
+            Err(PodError::InvalidFluxUrl(_))
+        ));
+        for url in [
+            "http://fs.sys/programs/ns/p/1?digest=sha256:00&token=k1.x",
+            "http://elsewhere/programs/other/p/1",
+            "http://fs.sys:8080/programs/other/p/1",
+        ] {
+            assert!(build(url).is_ok(), "{url}");
+        }
+    }
+
     fn sts(spec: Value) -> Value {
         desired_statefulset(&ws(spec), "w", "ns", &json!({}), &settings(), "fp").expect("sts")
     }
