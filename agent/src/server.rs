@@ -112,18 +112,21 @@ impl Agent {
         if name.trim().is_empty() {
             return Err(Status::invalid_argument("stack_name is required"));
         }
+        check_name("stack_name", name)?;
         let _guard = self.inner.lock.lock().await;
         let cli = &self.inner.cli;
-        match cli.run(&args(["stack", "select", name])).await {
+        // Names go after `--`: whatever they are, the CLI never reads them as flags.
+        match cli.run(&args(["stack", "select", "--", name])).await {
             Ok(_) => {}
             Err(e) if is_stack_missing(&e) => {
                 if !create {
                     return Err(Status::not_found("stack not found"));
                 }
-                let mut init = args(["stack", "init", name]);
+                let mut init = args(["stack", "init"]);
                 if let Some(provider) = secrets_provider.filter(|p| !p.is_empty()) {
                     init.push(format!("--secrets-provider={provider}"));
                 }
+                init.extend(args(["--", name]));
                 cli.run(&init)
                     .await
                     .map_err(|e| to_status("stack init", e))?;
@@ -436,6 +439,25 @@ fn pb_time(t: jiff::Timestamp) -> prost_types::Timestamp {
 
 fn timestamp(text: &str) -> Option<prost_types::Timestamp> {
     text.parse::<jiff::Timestamp>().ok().map(pb_time)
+}
+
+/// A stack or environment name as Pulumi writes them: `[org/][project/]name`, each part of
+/// letters, digits, `-`, `_` and `.`, none starting with `-` (which the CLI would read as a flag).
+fn check_name(what: &str, name: &str) -> Result<(), Status> {
+    let part_ok = |part: &str| {
+        !part.is_empty()
+            && !part.starts_with('-')
+            && part
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+    };
+    if name.len() <= 400 && name.split('/').count() <= 3 && name.split('/').all(part_ok) {
+        Ok(())
+    } else {
+        Err(Status::invalid_argument(format!(
+            "{what} {name:?} is not a valid name: [org/][project/]name of letters, digits, '-', '_' and '.', no part starting with '-'"
+        )))
+    }
 }
 
 fn args<const N: usize>(parts: [&str; N]) -> Vec<String> {
@@ -779,10 +801,13 @@ impl AutomationService for Agent {
         if envs.is_empty() {
             return Ok(self.respond(pb::AddEnvironmentsResult {}));
         }
-        let mut cli_args = args(["config", "env", "add"]);
-        cli_args.extend(envs);
-        cli_args.push("--yes".into());
+        for env in &envs {
+            check_name("environment", env)?;
+        }
+        let mut cli_args = args(["config", "env", "add", "--yes"]);
         cli_args.push(format!("--stack={stack}"));
+        cli_args.push("--".into());
+        cli_args.extend(envs);
         let _guard = self.inner.lock.lock().await;
         self.inner
             .cli
@@ -1029,6 +1054,27 @@ pub fn default_state_dir() -> PathBuf {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn names_that_could_be_flags_or_paths_are_refused() {
+        for good in ["dev", "org/proj/dev", "proj/my-stack_1.2", "a-b"] {
+            assert!(check_name("stack_name", good).is_ok(), "{good}");
+        }
+        for bad in [
+            "-h",
+            "--help",
+            "dev/-x",
+            "a//b",
+            "a/b/c/d",
+            "dev stack",
+            "dev;rm",
+            "",
+            "/dev",
+            "ü",
+        ] {
+            assert!(check_name("stack_name", bad).is_err(), "{bad:?}");
+        }
+    }
+
     use super::*;
 
     fn item(key: &str, path: bool, secret: bool, value: Value) -> Resolved {

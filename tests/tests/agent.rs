@@ -126,6 +126,19 @@ async fn up_preview_destroy_with_config_and_outputs_over_tls() {
     // No stack selected yet.
     let err = client.info(pb::InfoRequest {}).await.expect_err("no stack");
     assert_eq!(err.code(), Code::FailedPrecondition);
+    // A name the CLI could read as a flag never reaches it (`--help` would "select" nothing
+    // and succeed).
+    for name in ["--help", "-s", "dev/-x"] {
+        let err = client
+            .select_stack(pb::SelectStackRequest {
+                stack_name: name.into(),
+                create: Some(true),
+                secrets_provider: None,
+            })
+            .await
+            .expect_err("refused");
+        assert_eq!(err.code(), Code::InvalidArgument, "{name}");
+    }
     let err = client
         .select_stack(pb::SelectStackRequest {
             stack_name: "dev".into(),
