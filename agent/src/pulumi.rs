@@ -206,7 +206,7 @@ impl Cli {
 
     /// Runs a short command to completion; non-zero exit is [`PulumiError::Failed`].
     pub async fn run(&self, args: &[String]) -> Result<Output, PulumiError> {
-        let command = args.join(" ");
+        let command = redacted(args);
         debug!(%command, "pulumi");
         let out = self
             .command(args)
@@ -243,7 +243,7 @@ impl Cli {
         events: mpsc::Sender<Value>,
         cancel: CancellationToken,
     ) -> Result<Output, PulumiError> {
-        let command = args.join(" ");
+        let command = redacted(args);
         tokio::fs::create_dir_all(&self.state_dir)
             .await
             .map_err(|e| PulumiError::Io {
@@ -432,5 +432,62 @@ impl EventLog {
             }
         }
         events.is_closed()
+    }
+}
+
+/// A command line as it may be logged or reported: the value of every `--secret key=value`
+/// and every `--json=` document (which carries secret config) is replaced, so a secret never
+/// reaches a log line, an error or a status.
+pub fn redacted(args: &[String]) -> String {
+    let mut out = Vec::with_capacity(args.len());
+    let mut secret_next = false;
+    for arg in args {
+        let shown = if secret_next {
+            match arg.split_once('=') {
+                Some((key, _)) => format!("{key}=[secret]"),
+                None => "[secret]".to_owned(),
+            }
+        } else if arg.starts_with("--json=") {
+            "--json=[redacted]".to_owned()
+        } else if let Some(value) = arg.strip_prefix("--secret=") {
+            match value.split_once('=') {
+                Some((key, _)) => format!("--secret={key}=[secret]"),
+                None => "--secret=[secret]".to_owned(),
+            }
+        } else {
+            arg.clone()
+        };
+        secret_next = arg == "--secret";
+        out.push(shown);
+    }
+    out.join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secrets_never_reach_a_logged_command() {
+        let args: Vec<String> = [
+            "config",
+            "set-all",
+            "--path",
+            "--secret",
+            "app:[\"password\"]=hunter2",
+            "--plaintext",
+            "app:[\"greeting\"]=hello",
+            "--secret=k=v2",
+            "--json={\"a\":\"s3\"}",
+        ]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
+        let line = redacted(&args);
+        for secret in ["hunter2", "v2", "s3"] {
+            assert!(!line.contains(secret), "{line}");
+        }
+        assert!(line.contains("greeting\"]=hello"), "{line}");
+        assert!(line.contains("password\"]=[secret]"), "{line}");
     }
 }

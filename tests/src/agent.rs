@@ -192,7 +192,8 @@ impl AgentProcess {
                 &port.to_string(),
                 "--skip-install",
             ])
-            .arg("--log-level=info,pko_agent=debug")
+            // The most the agent logs: a secret must not show even here.
+            .arg("--log-level=info,pko_agent=trace,pulumi=trace")
             .args(["--cancel-grace-seconds", "20"])
             .envs(pulumi_env(&opts.state)?)
             .env(POD_MARKER, opts.state.display().to_string());

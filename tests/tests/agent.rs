@@ -230,6 +230,14 @@ async fn up_preview_destroy_with_config_and_outputs_over_tls() {
     assert_eq!(output("message"), (json!("hello-world"), false));
     assert_eq!(output("secretOut"), (json!("hunter2"), true));
     assert_eq!(output("count"), (json!(3), false));
+    // The secret went through `config set-all`, the program and the outputs: the agent's log,
+    // at its most verbose, never shows it.
+    let log = agent.log_text();
+    assert!(log.contains("config set-all"), "the commands are logged");
+    assert!(
+        !log.contains("hunter2"),
+        "a secret in the agent's log:\n{log}"
+    );
     assert!(up.stdout.contains("hello-world"), "{}", up.stdout);
 
     let info = client
