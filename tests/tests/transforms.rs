@@ -1153,6 +1153,35 @@ fn https_server(body: Vec<u8>) -> (u16, String) {
     (port, ca.pem())
 }
 
+/// An https server of `module` on loopback, and an operator for `ns` trusting its CA (plus
+/// `extra` flags). Returns the server's port and the operator.
+async fn https_module_server(
+    plane: &ControlPlane,
+    ns: &str,
+    module: &[u8],
+    extra: &[&str],
+) -> (u16, Operator) {
+    let (port, ca) = https_server(module.to_vec());
+    let ca_file = plane.dir().join(format!("plugin-ca-{ns}.pem"));
+    std::fs::write(&ca_file, ca).expect("write CA");
+    let mut args = vec![
+        format!("--watch-namespace={ns}"),
+        format!("--plugin-cache-dir={}", shared_cache_dir().display()),
+        format!("--plugin-ca-file={}", ca_file.display()),
+    ];
+    args.extend(extra.iter().map(|a| (*a).to_owned()));
+    let op = Operator::start(
+        plane,
+        OperatorOptions {
+            advertised: Some(ADVERTISED.into()),
+            args,
+        },
+    )
+    .await
+    .expect("operator starts");
+    (port, op)
+}
+
 /// The spec of a default-tags transform whose module comes from `https://<host><path>`.
 fn https_module(host: &str, path: &str, sha256: &str) -> Value {
     json!({
@@ -1167,22 +1196,7 @@ async fn a_module_is_fetched_from_an_https_url_trusting_the_configured_ca() {
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("tf-https").await.expect("namespace");
     let tags = module("default_tags").expect("module");
-    let (port, ca) = https_server(tags.bytes.clone());
-    let ca_file = plane.dir().join(format!("plugin-ca-{ns}.pem"));
-    std::fs::write(&ca_file, ca).expect("write CA");
-    let op = Operator::start(
-        plane,
-        OperatorOptions {
-            advertised: Some(ADVERTISED.into()),
-            args: vec![
-                format!("--watch-namespace={ns}"),
-                format!("--plugin-cache-dir={}", shared_cache_dir().display()),
-                format!("--plugin-ca-file={}", ca_file.display()),
-            ],
-        },
-    )
-    .await
-    .expect("operator starts");
+    let (port, op) = https_module_server(plane, &ns, &tags.bytes, &[]).await;
     let programs: Api<Program> = Api::namespaced(plane.client(), &ns);
     let transforms: Api<ProgramTransform> = Api::namespaced(plane.client(), &ns);
     programs
@@ -1248,24 +1262,14 @@ async fn a_module_url_on_a_refused_address_is_not_fetched() {
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("tf-egress").await.expect("namespace");
     let tags = module("default_tags").expect("module");
-    let (port, ca) = https_server(tags.bytes.clone());
-    let ca_file = plane.dir().join(format!("plugin-ca-{ns}.pem"));
-    std::fs::write(&ca_file, ca).expect("write CA");
-    let _op = Operator::start(
+    // Any egress flag: the harness then leaves loopback refused, as in production.
+    let (port, _op) = https_module_server(
         plane,
-        OperatorOptions {
-            advertised: Some(ADVERTISED.into()),
-            args: vec![
-                format!("--watch-namespace={ns}"),
-                format!("--plugin-cache-dir={}", shared_cache_dir().display()),
-                format!("--plugin-ca-file={}", ca_file.display()),
-                // Any egress flag: the harness then leaves loopback refused, as in production.
-                "--egress-deny-cidr=192.0.2.0/24".into(),
-            ],
-        },
+        &ns,
+        &tags.bytes,
+        &["--egress-deny-cidr=192.0.2.0/24"],
     )
-    .await
-    .expect("operator starts");
+    .await;
     let transforms: Api<ProgramTransform> = Api::namespaced(plane.client(), &ns);
     for (name, host) in [("loopback", "127.0.0.1"), ("loopback-v6", "[::1]")] {
         let spec = https_module(&format!("{host}:{port}"), "/tags.wasm", &tags.sha256);
