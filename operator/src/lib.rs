@@ -12,6 +12,7 @@ pub mod egress;
 pub mod fileserver;
 pub mod gitremote;
 pub mod leader;
+pub mod memory;
 pub mod metrics;
 pub mod probes;
 pub mod stack_metrics;

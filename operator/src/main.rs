@@ -89,9 +89,14 @@ struct RunArgs {
     /// Reconciles run at once per controller.
     #[arg(long, env = "MAX_CONCURRENT_RECONCILES", default_value_t = 25)]
     max_concurrent_reconciles: u16,
-    /// Bytes of built artifacts kept in memory for the file server.
-    #[arg(long, env = "ARTIFACT_CACHE_BYTES", default_value_t = 256 * 1024 * 1024)]
-    artifact_cache_bytes: u64,
+    /// Bytes of built artifacts kept in memory for the file server. Unset: 256 MiB, or a
+    /// quarter of the memory limit when that is less.
+    #[arg(long, env = "ARTIFACT_CACHE_BYTES")]
+    artifact_cache_bytes: Option<u64>,
+    /// The container's memory limit (`512Mi`, `1Gi`, bytes), when the cgroup does not say it;
+    /// plugin and admission budgets are derived from it (docs/operations.md).
+    #[arg(long, env = "MEMORY_LIMIT", value_parser = parse_memory_limit)]
+    memory_limit: Option<u64>,
     /// Secret (in --artifact-keys-namespace) holding the keys that sign artifact URLs; every
     /// replica reads it by name, the first one creates it.
     #[arg(
@@ -217,8 +222,39 @@ async fn main() -> anyhow::Result<()> {
     }
 }
 
+fn parse_memory_limit(text: &str) -> Result<u64, String> {
+    pko_operator::memory::parse_quantity(text).map_err(|e| e.to_string())
+}
+
+/// Shares the container's memory between the artifact cache, plugin calls and admission
+/// evaluations; refuses a configuration that cannot fit.
+fn memory_plan(args: &RunArgs) -> anyhow::Result<pko_operator::memory::Plan> {
+    use pko_operator::memory::{AdmissionDemand, Demands};
+    let limit = args
+        .memory_limit
+        .or_else(pko_operator::memory::cgroup_limit);
+    let demands = Demands {
+        artifact_cache_bytes: args.artifact_cache_bytes,
+        plugin_budget_bytes: if args.plugins.plugins_enabled {
+            args.plugins.plugin_memory_budget_mib.map(|m| m << 20)
+        } else {
+            Some(0)
+        },
+        plugin_default_bytes: args.plugins.default_memory_bytes(),
+        plugin_unlimited_bytes: args.plugins.unlimited_memory_budget_bytes(),
+        admission: args.webhook.enabled().then(|| AdmissionDemand {
+            per_slot_bytes: args.webhook.per_slot_bytes(),
+            fixed_bytes: args.webhook.review_limits().body_budget_bytes as u64,
+            slots: args.webhook.policy_concurrency,
+        }),
+    };
+    Ok(pko_operator::memory::plan(limit, &demands)?)
+}
+
 async fn run(args: RunArgs) -> anyhow::Result<()> {
     telemetry::init(args.log_format, &args.log_level)?;
+    let memory = memory_plan(&args)?;
+    info!("{}", memory.describe());
     // kube and rustls must agree on one crypto provider; ring is the only one linked.
     let _ = rustls::crypto::ring::default_provider().install_default();
 
@@ -247,6 +283,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             client.clone(),
             metrics.plugins.clone(),
             egress.clone(),
+            memory.plugin_budget_bytes,
         )?)
     } else {
         None
@@ -254,7 +291,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let (index, index_driver) = fileserver::index::watch(
         programs,
         fileserver::index::IndexOptions {
-            cache_bytes: args.artifact_cache_bytes,
+            cache_bytes: memory.artifact_cache_bytes,
             publish_wait: args.artifact_publish_wait,
         },
         metrics.clone(),
@@ -352,7 +389,9 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     // Admission webhook, on every replica: policies, tenancy data and its own certificate.
     let fs_host = advertised.as_str().split_once("://").map(|(_, host)| host);
     let pod_namespace = std::env::var("POD_NAMESPACE").ok();
-    let webhook_config = args.webhook.config(fs_host, pod_namespace.as_deref())?;
+    let webhook_config =
+        args.webhook
+            .config(fs_host, pod_namespace.as_deref(), memory.admission_slots)?;
     // The Workspace controller judges flux URLs by the same file-server names as the webhook.
     let (file_server, _) = args.webhook.file_server_names(fs_host)?;
     // TenancyPolicies matter only to the webhook; their status is reported where it runs.

@@ -194,7 +194,8 @@ fn build_bundle(dir: &Path, rego: &str, entrypoint: &str) -> Bundle {
     }
 }
 
-#[tokio::test]
+// One thread: if an evaluation ran on it, nothing else could run until it ended.
+#[tokio::test(flavor = "current_thread")]
 async fn runaway_evaluations_are_stopped_and_the_engine_keeps_working() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let bundle = build_bundle(tmp.path(), SLOW_POLICY, "slow/result");
@@ -207,14 +208,57 @@ async fn runaway_evaluations_are_stopped_and_the_engine_keeps_working() {
         ..EngineLimits::default()
     };
     let engine = PolicyEngine::new(&bundle, limits).await.expect("engine");
+    // A task on the same (only) runtime thread counts how often it runs while the runaway
+    // evaluation is in progress: the wasm runs on the blocking pool, so the thread stays free
+    // for probes and lease renewals.
+    let ticks = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let ticker = {
+        let ticks = ticks.clone();
+        tokio::spawn(async move {
+            loop {
+                ticks.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                tokio::task::yield_now().await;
+            }
+        })
+    };
     let started = Instant::now();
     let err = engine
         .evaluate("slow/result", &json!({}), &json!({}))
         .await
         .expect_err("runaway evaluation stopped");
+    let ran = ticks.load(std::sync::atomic::Ordering::SeqCst);
+    ticker.abort();
     assert!(matches!(err, EngineError::Timeout(_)), "{err}");
+    assert!(
+        ran > 0,
+        "the runtime thread was blocked during the evaluation"
+    );
     // Stopped by the deadline, not by running to the end (no upper bound: machine speed).
     assert!(started.elapsed() >= timeout, "{:?}", started.elapsed());
+
+    // Closing the engine stops a running evaluation at its next tick, whatever its deadline.
+    let patient = PolicyEngine::new(
+        &bundle,
+        EngineLimits {
+            timeout: Duration::from_secs(3600),
+            ..limits
+        },
+    )
+    .await
+    .expect("engine");
+    let running = {
+        let engine = patient.clone();
+        tokio::spawn(async move { engine.evaluate("slow/result", &json!({}), &json!({})).await })
+    };
+    while patient.running() == 0 {
+        tokio::task::yield_now().await;
+    }
+    patient.close();
+    let err = running
+        .await
+        .expect("task")
+        .expect_err("closed engine stops its evaluations");
+    assert!(matches!(err, EngineError::Closed), "{err}");
 
     // The production bundle under a memory cap too small for a large review fails with a
     // memory error, and the same engine then evaluates a normal review.

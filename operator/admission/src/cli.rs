@@ -6,6 +6,7 @@ use std::time::Duration;
 use pko_api::tenancy::EnforcementAction;
 
 use crate::tenancy::FileServerNames;
+use crate::webhook::ReviewLimits;
 use crate::{
     CertSettings, CertSource, EngineLimits, FailurePolicy, TenancySettings, WebhookConfig,
 };
@@ -52,9 +53,21 @@ pub struct WebhookArgs {
     /// Linear memory one policy evaluation may use, in MiB.
     #[arg(long, env = "POLICY_MEMORY_MIB", default_value_t = 128)]
     pub policy_memory_mib: usize,
-    /// Policy evaluations running at once.
-    #[arg(long, env = "POLICY_CONCURRENCY", default_value_t = 16)]
-    pub policy_concurrency: usize,
+    /// Policy evaluations running at once (each on a blocking thread). Unset: as many as fit in
+    /// the memory the container's limit leaves the webhook (see docs/operations.md), 1 to 16;
+    /// 4 when no limit is known.
+    #[arg(long, env = "POLICY_CONCURRENCY")]
+    pub policy_concurrency: Option<usize>,
+    /// Requests that may wait for an evaluation slot; more are answered 429 at once.
+    #[arg(long, env = "POLICY_MAX_WAITING", default_value_t = 64)]
+    pub policy_max_waiting: usize,
+    /// Connections the webhook keeps open at once; more are closed as soon as accepted.
+    #[arg(long, env = "WEBHOOK_MAX_CONNECTIONS", default_value_t = 128)]
+    pub webhook_max_connections: usize,
+    /// MiB of request bodies being read or parsed at once, across connections; a request that
+    /// would go over is answered 429. Each body is at most 6 MiB.
+    #[arg(long, env = "WEBHOOK_BODY_BUDGET_MIB", default_value_t = 24)]
+    pub webhook_body_budget_mib: usize,
     /// Hosts (`host[:port]`) of the operator's file server in artifact URLs; URLs on them are
     /// checked for cross-namespace Programs. Default: the host of --program-fs-adv-addr.
     #[arg(
@@ -155,7 +168,27 @@ impl WebhookArgs {
         Ok((names, service))
     }
 
-    /// The webhook configuration, or `None` when `--webhook-addr` is empty.
+    /// Whether the webhook runs.
+    pub fn enabled(&self) -> bool {
+        !(self.webhook_addr.trim().is_empty() || self.webhook_addr == "0")
+    }
+
+    /// Request-body limits.
+    pub fn review_limits(&self) -> ReviewLimits {
+        ReviewLimits {
+            body_budget_bytes: self.webhook_body_budget_mib.saturating_mul(1 << 20),
+            ..ReviewLimits::DEFAULT
+        }
+    }
+
+    /// Memory one evaluation slot holds: the policy instance's cap and a parsed review.
+    pub fn per_slot_bytes(&self) -> u64 {
+        let memory = self.policy_memory_mib.saturating_mul(1 << 20);
+        (memory.saturating_add(self.review_limits().parsed_bytes())) as u64
+    }
+
+    /// The webhook configuration, or `None` when `--webhook-addr` is empty. `slots` is the
+    /// concurrency the memory plan decided.
     /// `advertised_host` is the file server's advertised `host[:port]`; `pod_namespace` is
     /// `$POD_NAMESPACE`.
     ///
@@ -164,8 +197,9 @@ impl WebhookArgs {
         &self,
         advertised_host: Option<&str>,
         pod_namespace: Option<&str>,
+        slots: usize,
     ) -> Result<Option<WebhookConfig>, CliError> {
-        if self.webhook_addr.trim().is_empty() || self.webhook_addr == "0" {
+        if !self.enabled() {
             return Ok(None);
         }
         let bundle = self
@@ -205,8 +239,11 @@ impl WebhookArgs {
             limits: EngineLimits {
                 timeout: self.policy_timeout,
                 memory_bytes: self.policy_memory_mib.saturating_mul(1024 * 1024),
-                concurrency: self.policy_concurrency.max(1),
+                concurrency: slots.max(1),
+                max_waiting: self.policy_max_waiting,
             },
+            review: self.review_limits(),
+            max_connections: self.webhook_max_connections.max(1),
             failure_policy: self.policy_failure_policy,
             tenancy: TenancySettings {
                 default_action: self.policy_default_action,
@@ -271,7 +308,7 @@ mod tests {
     #[test]
     fn off_by_default() {
         let cli = Cli::parse_from(["x"]);
-        assert!(cli.webhook.config(None, None).expect("ok").is_none());
+        assert!(cli.webhook.config(None, None, 4).expect("ok").is_none());
     }
 
     #[test]
@@ -287,7 +324,7 @@ mod tests {
         ]);
         let config = cli
             .webhook
-            .config(Some("fs.ns:80"), Some("pko-rs-system"))
+            .config(Some("fs.ns:80"), Some("pko-rs-system"), 4)
             .expect("ok")
             .expect("on");
         assert_eq!(config.limits.timeout, Duration::from_millis(500));
@@ -316,12 +353,12 @@ mod tests {
         // PKO_POLICY_BUNDLE may be set in the test environment.
         args.policy_bundle = None;
         assert!(matches!(
-            args.config(None, Some("ns")),
+            args.config(None, Some("ns"), 4),
             Err(CliError::NoBundle)
         ));
         let cli = Cli::parse_from(["x", "--webhook-addr=:9443", "--policy-bundle=/b"]);
         assert!(matches!(
-            cli.webhook.config(None, None),
+            cli.webhook.config(None, None, 4),
             Err(CliError::NoNamespace)
         ));
     }

@@ -68,6 +68,9 @@ pub struct WebhookConfig {
     pub addr: String,
     pub bundle: PathBuf,
     pub limits: EngineLimits,
+    pub review: webhook::ReviewLimits,
+    /// Connections kept open at once.
+    pub max_connections: usize,
     pub failure_policy: FailurePolicy,
     pub tenancy: TenancySettings,
     /// The file server's Service (name, namespace): its ClusterIP and ports are added to
@@ -148,7 +151,7 @@ pub async fn start(
     shutdown: CancellationToken,
 ) -> Result<Started, StartError> {
     let bundle = Bundle::load(&config.bundle)?;
-    let engine = Arc::new(PolicyEngine::new(&bundle, config.limits).await?);
+    let engine = PolicyEngine::new(&bundle, config.limits).await?;
     info!(
         bundle = %config.bundle.display(),
         digest = engine.digest(),
@@ -161,11 +164,12 @@ pub async fn start(
     info!(hosts = ?settings.file_server.hosts, ports = ?settings.file_server.ports, "artifact URLs on these addresses are checked for cross-namespace Programs");
     let (tenancy, tenancy_driver) = Tenancy::watch(client.clone(), settings);
     let tenancy_synced = tenancy.synced_flag();
-    let admission = Arc::new(Admission::new(
-        engine,
+    let admission = Arc::new(Admission::with_limits(
+        engine.clone(),
         tenancy,
         metrics.clone(),
         config.failure_policy,
+        config.review,
     ));
     let listener = server::bind(&config.addr)?;
 
@@ -215,10 +219,19 @@ pub async fn start(
     {
         let serving = serving.clone();
         let app = webhook::router(admission);
-        let served = server::serve(listener, app, tls, config.drain, shutdown.cancelled_owned());
+        let served = server::serve(
+            listener,
+            app,
+            tls,
+            server::Bounds::new(config.drain, config.max_connections),
+            metrics.clone(),
+            shutdown.cancelled_owned(),
+        );
         tasks.push(Box::pin(async move {
             served.await;
             serving.store(false, Ordering::Release);
+            // Whatever still runs after the drain is stopped at its next tick.
+            engine.close();
         }));
     }
     Ok(Started {

@@ -13,8 +13,8 @@ pub struct DecisionLabels {
     /// `validate` or `mutate`.
     pub webhook: String,
     /// `allowed`, `denied`, `warned` (admitted with warnings), `patched`, `error_allowed`
-    /// (evaluation failed, admitted by failure policy Ignore), `error_denied` or `invalid`
-    /// (malformed AdmissionReview).
+    /// (evaluation failed, admitted by failure policy Ignore), `error_denied`, `invalid`
+    /// (malformed AdmissionReview) or `refused` (over a limit, answered 413/429/503).
     pub result: String,
 }
 
@@ -43,6 +43,14 @@ pub struct ErrorLabels {
     pub error: String,
 }
 
+/// Labels of a request refused over a limit.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RefusedLabels {
+    /// `body_too_large`, `too_many_values`, `body_budget`, `busy`, `no_slot`, `closed`,
+    /// `connections` (a fixed set).
+    pub reason: String,
+}
+
 /// Every admission metric.
 #[derive(Clone, Debug)]
 pub struct AdmissionMetrics {
@@ -53,6 +61,11 @@ pub struct AdmissionMetrics {
     /// Unix time at which the serving certificate expires.
     pub certificate_expiry: Gauge,
     pub certificate_rotations: Counter,
+    pub refused: Family<RefusedLabels, Counter>,
+    /// Open connections to the webhook listener.
+    pub connections: Gauge,
+    /// Bytes of request bodies reserved from the body budget (being read or parsed).
+    pub body_bytes_reserved: Gauge,
 }
 
 fn evaluation_histogram() -> Histogram {
@@ -75,6 +88,9 @@ impl AdmissionMetrics {
             evaluation_errors: Family::default(),
             certificate_expiry: Gauge::default(),
             certificate_rotations: Counter::default(),
+            refused: Family::default(),
+            connections: Gauge::default(),
+            body_bytes_reserved: Gauge::default(),
         }
     }
 
@@ -110,6 +126,29 @@ impl AdmissionMetrics {
             "Webhook serving certificates issued or loaded after a change",
             self.certificate_rotations.clone(),
         );
+        registry.register(
+            "pko_admission_refused",
+            "Webhook requests refused over a limit (413, 429, 503, closed connections), by reason",
+            self.refused.clone(),
+        );
+        registry.register(
+            "pko_admission_connections",
+            "Open connections to the webhook listener",
+            self.connections.clone(),
+        );
+        registry.register(
+            "pko_admission_body_bytes_reserved",
+            "Bytes of webhook request bodies being read or parsed (reserved from the body budget)",
+            self.body_bytes_reserved.clone(),
+        );
+    }
+
+    pub(crate) fn refused(&self, reason: &'static str) {
+        self.refused
+            .get_or_create(&RefusedLabels {
+                reason: reason.to_owned(),
+            })
+            .inc();
     }
 
     pub(crate) fn decision(&self, webhook: &str, result: &str) {

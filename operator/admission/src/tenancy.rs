@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Namespace;
@@ -22,6 +22,13 @@ use tracing::warn;
 
 /// A namespace GET on a watch miss must not eat the evaluation budget.
 const NAMESPACE_LOOKUP_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long a namespace the apiserver said does not exist is taken as absent. Absent means no
+/// labels, so no label selector picks it: the strictest rules apply meanwhile.
+const ABSENT_TTL: Duration = Duration::from_secs(10);
+/// Absent namespaces remembered at once (names come from unauthenticated requests).
+const MAX_ABSENT: usize = 4096;
+/// Namespace GETs in flight at once; more misses are answered as lookup failures.
+const MAX_LOOKUPS: usize = 4;
 
 /// Errors while building the tenancy data of a request.
 #[derive(Debug, thiserror::Error)]
@@ -103,6 +110,45 @@ enum Labels {
 struct WatchedLabels {
     store: Store<PartialObjectMeta<Namespace>>,
     api: Api<Namespace>,
+    absent: std::sync::Mutex<AbsentNamespaces>,
+    lookups: tokio::sync::Semaphore,
+}
+
+/// Namespaces the apiserver recently said do not exist, so that requests naming invented
+/// namespaces cost one GET per name per [`ABSENT_TTL`] at most, in bounded memory.
+#[derive(Debug, Default)]
+pub struct AbsentNamespaces {
+    since: std::collections::HashMap<String, Instant>,
+}
+
+impl AbsentNamespaces {
+    /// Whether `namespace` was found absent less than [`ABSENT_TTL`] before `now`.
+    pub fn is_absent(&self, namespace: &str, now: Instant) -> bool {
+        self.since
+            .get(namespace)
+            .is_some_and(|&at| now.saturating_duration_since(at) < ABSENT_TTL)
+    }
+
+    /// Remembers `namespace` as absent at `now`; when full, forgets expired entries first and
+    /// remembers nothing more if none has expired.
+    pub fn insert(&mut self, namespace: &str, now: Instant) {
+        if self.since.len() >= MAX_ABSENT && !self.since.contains_key(namespace) {
+            self.since
+                .retain(|_, &mut at| now.saturating_duration_since(at) < ABSENT_TTL);
+            if self.since.len() >= MAX_ABSENT {
+                return;
+            }
+        }
+        self.since.insert(namespace.to_owned(), now);
+    }
+
+    pub fn len(&self) -> usize {
+        self.since.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.since.is_empty()
+    }
 }
 
 /// The TenancyPolicies and namespace labels the policies are evaluated against.
@@ -135,6 +181,8 @@ impl Tenancy {
             labels: Labels::Watched(Arc::new(WatchedLabels {
                 store: ns_store.clone(),
                 api: Api::all(client.clone()),
+                absent: std::sync::Mutex::new(AbsentNamespaces::default()),
+                lookups: tokio::sync::Semaphore::new(MAX_LOOKUPS),
             })),
             settings: Arc::new(settings),
             synced: synced.clone(),
@@ -234,6 +282,17 @@ impl Tenancy {
                 if let Some(ns) = watched.store.get(&ObjectRef::new(namespace)) {
                     return Ok(ns.labels().clone());
                 }
+                if lock(&watched.absent).is_absent(namespace, Instant::now()) {
+                    return Ok(BTreeMap::new());
+                }
+                let Ok(_lookup) = watched.lookups.try_acquire() else {
+                    return Err(TenancyError::NamespaceLookup {
+                        namespace: namespace.to_owned(),
+                        reason: format!(
+                            "{MAX_LOOKUPS} lookups of namespaces the watch has not seen are in flight"
+                        ),
+                    });
+                };
                 let lookup = tokio::time::timeout(
                     NAMESPACE_LOOKUP_TIMEOUT,
                     watched.api.get_metadata_opt(namespace),
@@ -243,7 +302,10 @@ impl Tenancy {
                     Ok(Ok(Some(ns))) => Ok(ns.labels().clone()),
                     // A namespace that does not exist has no labels; the apiserver rejects the
                     // request for it anyway.
-                    Ok(Ok(None)) => Ok(BTreeMap::new()),
+                    Ok(Ok(None)) => {
+                        lock(&watched.absent).insert(namespace, Instant::now());
+                        Ok(BTreeMap::new())
+                    }
                     Ok(Err(e)) => Err(TenancyError::NamespaceLookup {
                         namespace: namespace.to_owned(),
                         reason: e.to_string(),
@@ -256,6 +318,10 @@ impl Tenancy {
             }
         }
     }
+}
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Whether a policy selects a namespace: by name, or by a label selector. An invalid selector
@@ -341,6 +407,24 @@ mod tests {
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement};
 
     use super::*;
+
+    #[test]
+    fn absent_namespaces_expire_and_stay_bounded() {
+        let mut absent = AbsentNamespaces::default();
+        let t0 = Instant::now();
+        absent.insert("ghost", t0);
+        assert!(absent.is_absent("ghost", t0 + Duration::from_secs(1)));
+        assert!(!absent.is_absent("ghost", t0 + ABSENT_TTL));
+        assert!(!absent.is_absent("other", t0));
+        for i in 0..MAX_ABSENT + 100 {
+            absent.insert(&format!("ns-{i}"), t0);
+        }
+        assert_eq!(absent.len(), MAX_ABSENT);
+        // Expired entries make room.
+        absent.insert("late", t0 + ABSENT_TTL);
+        assert_eq!(absent.len(), 1);
+        assert!(absent.is_absent("late", t0 + ABSENT_TTL));
+    }
 
     fn policy(name: &str, spec: TenancyPolicySpec) -> TenancyPolicy {
         TenancyPolicy::new(name, spec)

@@ -14,27 +14,27 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
+use tokio::sync::Semaphore;
+
 use axum::Router;
-use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use http::StatusCode;
-use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use kube::core::admission::AdmissionResponse;
 use kube::core::response::{StatusCause, StatusDetails};
-use kube::core::{DynamicObject, Status};
+use kube::core::{GroupVersionKind, Status};
 use pko_api::tenancy::EnforcementAction;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tracing::{error, info, warn};
 
 use crate::bundle::{DECISION_ENTRYPOINT, DEFAULTS_ENTRYPOINT};
-use crate::engine::{EngineError, PolicyEngine};
+use crate::engine::{EngineError, PolicyEngine, Slot};
 use crate::metrics::{AdmissionMetrics, EntrypointLabels, ErrorLabels, ViolationLabels};
 use crate::tenancy::{Tenancy, TenancyError};
 
-/// An AdmissionReview carries an object and its old version; etcd caps objects at 1.5 MiB.
-pub const MAX_REVIEW_BYTES: usize = 8 * 1024 * 1024;
 /// Warnings longer than this are cut by the apiserver; keep them readable.
 const MAX_WARNING_CHARS: usize = 250;
 
@@ -50,6 +50,9 @@ pub enum WebhookError {
     /// A request body that is not an AdmissionReview v1 (answered with HTTP 400).
     #[error("{0}")]
     InvalidReview(String),
+    /// A body with more JSON values than allowed (answered with HTTP 413).
+    #[error("the body holds more than {max} JSON values")]
+    TooManyValues { max: usize },
 }
 
 impl WebhookError {
@@ -58,7 +61,7 @@ impl WebhookError {
             WebhookError::Engine(e) => e.kind(),
             WebhookError::Tenancy(_) => "tenancy",
             WebhookError::Output { .. } => "output",
-            WebhookError::InvalidReview(_) => "invalid",
+            WebhookError::InvalidReview(_) | WebhookError::TooManyValues { .. } => "invalid",
         }
     }
 }
@@ -118,27 +121,90 @@ impl Violation {
     }
 }
 
+/// Bounds on request bodies, taken before anything is parsed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReviewLimits {
+    /// Largest body accepted (413 above).
+    pub max_body_bytes: usize,
+    /// Bytes of bodies being read or parsed at once, across connections (429 above).
+    pub body_budget_bytes: usize,
+    /// JSON values (objects, arrays, scalars, keys) a body may hold (413 above): bounds the
+    /// parsed tree, whatever the body's shape.
+    pub max_json_values: usize,
+}
+
+impl ReviewLimits {
+    /// The apiserver accepts request bodies of up to 3 MiB and etcd stores objects of up to
+    /// 1.5 MiB: a review carries the new object and the stored old one, plus a few KiB of
+    /// request metadata. 6 MiB leaves room for both with margin; nothing legitimate is larger.
+    pub const DEFAULT: ReviewLimits = ReviewLimits {
+        max_body_bytes: 6 << 20,
+        body_budget_bytes: 24 << 20,
+        max_json_values: 250_000,
+    };
+
+    /// Memory one parsed body may take: the bytes, the value tree (at most ~100 bytes per
+    /// value with its map entry), and the serialised copy handed to the wasm instance.
+    pub fn parsed_bytes(&self) -> usize {
+        self.max_body_bytes
+            .saturating_mul(2)
+            .saturating_add(self.max_json_values.saturating_mul(100))
+    }
+}
+
+impl Default for ReviewLimits {
+    fn default() -> Self {
+        Self::DEFAULT
+    }
+}
+
 /// Everything a webhook call needs.
 pub struct Admission {
-    engine: Arc<PolicyEngine>,
+    engine: PolicyEngine,
     tenancy: Tenancy,
     metrics: AdmissionMetrics,
     failure_policy: FailurePolicy,
+    limits: ReviewLimits,
+    /// Body bytes in flight, in KiB units.
+    body_budget: Arc<Semaphore>,
 }
 
 impl Admission {
     pub fn new(
-        engine: Arc<PolicyEngine>,
+        engine: PolicyEngine,
         tenancy: Tenancy,
         metrics: AdmissionMetrics,
         failure_policy: FailurePolicy,
     ) -> Self {
+        Self::with_limits(
+            engine,
+            tenancy,
+            metrics,
+            failure_policy,
+            ReviewLimits::DEFAULT,
+        )
+    }
+
+    pub fn with_limits(
+        engine: PolicyEngine,
+        tenancy: Tenancy,
+        metrics: AdmissionMetrics,
+        failure_policy: FailurePolicy,
+        limits: ReviewLimits,
+    ) -> Self {
+        let units = kib(limits.body_budget_bytes.max(limits.max_body_bytes));
         Self {
             engine,
             tenancy,
             metrics,
             failure_policy,
+            limits,
+            body_budget: Arc::new(Semaphore::new(units as usize)),
         }
+    }
+
+    pub fn engine(&self) -> &PolicyEngine {
+        &self.engine
     }
 
     /// The tenancy data `/validate` evaluates a request in `namespace` with.
@@ -148,18 +214,34 @@ impl Admission {
             .await
     }
 
-    /// The decision for a parsed review (`input` is the review exactly as received).
-    pub async fn decide(
+    async fn timed(
         &self,
-        input: &Value,
-        request: &AdmissionRequest<DynamicObject>,
-    ) -> Result<Decision, WebhookError> {
-        let namespace = request.namespace.as_deref().unwrap_or_default();
-        let data = self.data_for(namespace).await?;
-        let value = self
-            .timed(DECISION_ENTRYPOINT, input, &data)
+        slot: &Slot,
+        entrypoint: &'static str,
+        input: Arc<Value>,
+        data: Arc<Value>,
+    ) -> Result<Value, EngineError> {
+        let started = Instant::now();
+        let result = slot
+            .run(move |evaluator| evaluator.evaluate(entrypoint, &input, &data))
             .await
-            .map_err(WebhookError::Engine)?;
+            .and_then(|r| r);
+        self.metrics
+            .evaluation_duration
+            .get_or_create(&EntrypointLabels {
+                entrypoint: entrypoint.to_owned(),
+            })
+            .observe(started.elapsed().as_secs_f64());
+        result
+    }
+
+    /// The decision for a parsed review.
+    async fn decide(&self, slot: &Slot, review: &Review) -> Result<Decision, WebhookError> {
+        let namespace = review.request.namespace.as_deref().unwrap_or_default();
+        let data = Arc::new(self.data_for(namespace).await?);
+        let value = self
+            .timed(slot, DECISION_ENTRYPOINT, review.input.clone(), data)
+            .await?;
         serde_json::from_value(value).map_err(|e| WebhookError::Output {
             what: "decision",
             reason: e.to_string(),
@@ -167,9 +249,10 @@ impl Admission {
     }
 
     /// The JSON Patch of defaults for a parsed review.
-    pub async fn defaults(&self, input: &Value) -> Result<Value, WebhookError> {
+    async fn defaults(&self, slot: &Slot, review: &Review) -> Result<Value, WebhookError> {
+        let data = Arc::new(self.engine.bundle_data().clone());
         let value = self
-            .timed(DEFAULTS_ENTRYPOINT, input, self.engine.bundle_data())
+            .timed(slot, DEFAULTS_ENTRYPOINT, review.input.clone(), data)
             .await?;
         if value.is_array() {
             Ok(value)
@@ -181,46 +264,22 @@ impl Admission {
         }
     }
 
-    async fn timed(
-        &self,
-        entrypoint: &str,
-        input: &Value,
-        data: &Value,
-    ) -> Result<Value, EngineError> {
-        let started = Instant::now();
-        let result = self.engine.evaluate(entrypoint, input, data).await;
-        self.metrics
-            .evaluation_duration
-            .get_or_create(&EntrypointLabels {
-                entrypoint: entrypoint.to_owned(),
-            })
-            .observe(started.elapsed().as_secs_f64());
-        result
-    }
-
     /// The answer of `/validate`.
-    pub async fn validate(
-        &self,
-        input: &Value,
-        request: &AdmissionRequest<DynamicObject>,
-    ) -> AdmissionResponse {
-        match self.decide(input, request).await {
-            Ok(decision) => self.enforce(request, decision),
-            Err(err) => self.failed("validate", DECISION_ENTRYPOINT, request, &err),
+    async fn validate(&self, slot: &Slot, review: &Review) -> AdmissionResponse {
+        match self.decide(slot, review).await {
+            Ok(decision) => self.enforce(&review.request, decision),
+            Err(err) => self.failed("validate", DECISION_ENTRYPOINT, &review.request, &err),
         }
     }
 
     /// The answer of `/mutate`.
-    pub async fn mutate(
-        &self,
-        input: &Value,
-        request: &AdmissionRequest<DynamicObject>,
-    ) -> AdmissionResponse {
-        let patch = match self.defaults(input).await {
+    async fn mutate(&self, slot: &Slot, review: &Review) -> AdmissionResponse {
+        let request = &review.request;
+        let patch = match self.defaults(slot, review).await {
             Ok(patch) => patch,
             Err(err) => return self.failed("mutate", DEFAULTS_ENTRYPOINT, request, &err),
         };
-        let response = AdmissionResponse::from(request);
+        let response = request.response();
         if patch.as_array().is_some_and(|ops| ops.is_empty()) {
             self.metrics.decision("mutate", "allowed");
             return response;
@@ -248,12 +307,110 @@ impl Admission {
         }
     }
 
-    fn enforce(
-        &self,
-        request: &AdmissionRequest<DynamicObject>,
-        decision: Decision,
-    ) -> AdmissionResponse {
-        let mut response = AdmissionResponse::from(request);
+    /// One webhook call, from the raw HTTP request to the answer. The order bounds memory:
+    /// the declared size is checked, the body's bytes are reserved from a shared budget and
+    /// read with a cap, and only once an evaluation slot is taken is the body parsed (once,
+    /// on the blocking pool) and evaluated.
+    async fn handle(&self, webhook: &'static str, request: axum::extract::Request) -> Response {
+        let started = Instant::now();
+        let max = self.limits.max_body_bytes;
+        let declared = request
+            .headers()
+            .get(http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok());
+        if let Some(length) = declared
+            && length > max as u64
+        {
+            return self.refuse(
+                webhook,
+                Refusal::TooLarge {
+                    length: Some(length),
+                    max,
+                },
+            );
+        }
+        // Without a length, the most a body may be is reserved.
+        let reserve = declared.map_or(max, |l| l as usize);
+        let Ok(_reservation) = self
+            .body_budget
+            .clone()
+            .try_acquire_many_owned(kib(reserve))
+            .map(|permit| Reserved::new(permit, &self.metrics, reserve))
+        else {
+            return self.refuse(
+                webhook,
+                Refusal::BodyBudget {
+                    budget: self.limits.body_budget_bytes,
+                },
+            );
+        };
+        let body = match Limited::new(request.into_body(), max).collect().await {
+            Ok(collected) => collected.to_bytes(),
+            Err(e) if e.is::<LengthLimitError>() => {
+                return self.refuse(webhook, Refusal::TooLarge { length: None, max });
+            }
+            Err(e) => {
+                return invalid(
+                    &self.metrics,
+                    webhook,
+                    WebhookError::InvalidReview(format!("cannot read the body: {e}")),
+                );
+            }
+        };
+        let slot = match self.engine.slot(started).await {
+            Ok(slot) => slot,
+            Err(e) => return self.refuse(webhook, Refusal::Engine(e)),
+        };
+        let max_values = self.limits.max_json_values;
+        let parsed = slot
+            .run(move |_| parse_review_bounded(&body, max_values))
+            .await
+            .map_err(WebhookError::Engine)
+            .and_then(|r| r);
+        drop(_reservation);
+        let review = match parsed {
+            Ok(review) => review,
+            Err(WebhookError::TooManyValues { max }) => {
+                return self.refuse(webhook, Refusal::TooManyValues { max });
+            }
+            Err(e) => return invalid(&self.metrics, webhook, e),
+        };
+        let response = if webhook == "validate" {
+            self.validate(&slot, &review).await
+        } else {
+            self.mutate(&slot, &review).await
+        };
+        axum::Json(response.into_review()).into_response()
+    }
+
+    /// An answer over a limit: a status code and one line saying which limit.
+    fn refuse(&self, webhook: &str, refusal: Refusal) -> Response {
+        let (status, reason) = match &refusal {
+            Refusal::TooLarge { .. } | Refusal::TooManyValues { .. } => {
+                (StatusCode::PAYLOAD_TOO_LARGE, refusal.reason())
+            }
+            Refusal::BodyBudget { .. } => (StatusCode::TOO_MANY_REQUESTS, refusal.reason()),
+            Refusal::Engine(EngineError::Busy { .. }) => {
+                (StatusCode::TOO_MANY_REQUESTS, refusal.reason())
+            }
+            Refusal::Engine(_) => (StatusCode::SERVICE_UNAVAILABLE, refusal.reason()),
+        };
+        self.metrics.refused(reason);
+        self.metrics.decision(webhook, "refused");
+        warn!(webhook, status = status.as_u16(), "{refusal}");
+        let mut response = (status, format!("{refusal}\n")).into_response();
+        if status != StatusCode::PAYLOAD_TOO_LARGE {
+            response.headers_mut().insert(
+                http::header::RETRY_AFTER,
+                http::HeaderValue::from_static("1"),
+            );
+        }
+        response
+    }
+
+    fn enforce(&self, request: &RequestHead, decision: Decision) -> AdmissionResponse {
+        let mut response = request.response();
         let object = object_name(request);
         let mut denied = Vec::new();
         let mut warnings = Vec::new();
@@ -331,7 +488,7 @@ impl Admission {
         &self,
         webhook: &str,
         entrypoint: &str,
-        request: &AdmissionRequest<DynamicObject>,
+        request: &RequestHead,
         err: &WebhookError,
     ) -> AdmissionResponse {
         let object = object_name(request);
@@ -342,7 +499,7 @@ impl Admission {
                 error: err.kind().to_owned(),
             })
             .inc();
-        let response = AdmissionResponse::from(request);
+        let response = request.response();
         match self.failure_policy {
             FailurePolicy::Fail => {
                 error!(webhook, object = %object, error = %err, "policy evaluation failed; refusing (failure policy Fail)");
@@ -372,7 +529,7 @@ impl Admission {
 }
 
 /// `Kind namespace/name` for logs and messages.
-fn object_name(request: &AdmissionRequest<DynamicObject>) -> String {
+fn object_name(request: &RequestHead) -> String {
     let name = if request.name.is_empty() {
         request
             .object
@@ -416,8 +573,88 @@ fn truncate(s: &str) -> String {
     out
 }
 
-/// Parses a webhook body: the raw JSON (the policies' input) and the typed request.
-pub fn parse_review(body: &[u8]) -> Result<(Value, AdmissionRequest<DynamicObject>), WebhookError> {
+/// What the handlers read of a review's `request`; the rest stays in the policies' input.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RequestHead {
+    pub uid: String,
+    pub kind: GroupVersionKind,
+    #[serde(default)]
+    pub name: String,
+    #[serde(default)]
+    pub namespace: Option<String>,
+    #[serde(default)]
+    pub object: Option<ObjectHead>,
+}
+
+impl RequestHead {
+    /// An allowing answer to this request.
+    fn response(&self) -> AdmissionResponse {
+        // The struct is non-exhaustive: start from kube's blank answer (v1 types) and allow.
+        let mut response = AdmissionResponse::invalid("");
+        response.uid = self.uid.clone();
+        response.allowed = true;
+        response.result = Status::default();
+        response
+    }
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct ObjectHead {
+    #[serde(default)]
+    pub metadata: MetaHead,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MetaHead {
+    #[serde(default)]
+    pub generate_name: Option<String>,
+}
+
+/// A parsed review: the raw JSON (the policies' input, URLs annotated) and its request head.
+#[derive(Clone, Debug)]
+pub struct Review {
+    pub input: Arc<Value>,
+    pub request: RequestHead,
+}
+
+/// Why a request was refused before evaluation.
+#[derive(Debug, thiserror::Error)]
+enum Refusal {
+    #[error("{}the limit is {max} bytes", match length { Some(l) => format!("the body is {l} bytes; "), None => "the body is too large; ".to_owned() })]
+    TooLarge { length: Option<u64>, max: usize },
+    #[error("the body holds more than {max} JSON values")]
+    TooManyValues { max: usize },
+    #[error("too many review bytes are being read at once (budget {budget} bytes); try again")]
+    BodyBudget { budget: usize },
+    #[error("{0}")]
+    Engine(EngineError),
+}
+
+impl Refusal {
+    /// The `reason` label of the refused counter (a fixed set).
+    fn reason(&self) -> &'static str {
+        match self {
+            Refusal::TooLarge { .. } => "body_too_large",
+            Refusal::TooManyValues { .. } => "too_many_values",
+            Refusal::BodyBudget { .. } => "body_budget",
+            Refusal::Engine(e) => e.kind(),
+        }
+    }
+}
+
+/// Parses a webhook body: the raw JSON (the policies' input) and the request head.
+pub fn parse_review(body: &[u8]) -> Result<Review, WebhookError> {
+    parse_review_bounded(body, usize::MAX)
+}
+
+/// [`parse_review`], refusing bodies of more than `max_values` JSON values before building
+/// their tree.
+pub fn parse_review_bounded(body: &[u8], max_values: usize) -> Result<Review, WebhookError> {
+    if json_values_upper_bound(body) > max_values {
+        return Err(WebhookError::TooManyValues { max: max_values });
+    }
     let mut input: Value = serde_json::from_slice(body)
         .map_err(|e| WebhookError::InvalidReview(format!("the body is not JSON: {e}")))?;
     let api_version = input.get("apiVersion").and_then(Value::as_str);
@@ -429,11 +666,16 @@ pub fn parse_review(body: &[u8]) -> Result<(Value, AdmissionRequest<DynamicObjec
             kind.unwrap_or_default()
         )));
     }
-    let review: AdmissionReview<DynamicObject> = serde_json::from_value(input.clone())
-        .map_err(|e| WebhookError::InvalidReview(format!("malformed AdmissionReview: {e}")))?;
-    let request: AdmissionRequest<DynamicObject> = review
-        .try_into()
-        .map_err(|_| WebhookError::InvalidReview("the AdmissionReview has no request".into()))?;
+    let request = match input.get("request") {
+        None | Some(Value::Null) => {
+            return Err(WebhookError::InvalidReview(
+                "the AdmissionReview has no request".into(),
+            ));
+        }
+        // Read in place: the object is not copied.
+        Some(request) => RequestHead::deserialize(request)
+            .map_err(|e| WebhookError::InvalidReview(format!("malformed AdmissionReview: {e}")))?,
+    };
     if request.uid.is_empty() {
         return Err(WebhookError::InvalidReview(
             "the AdmissionReview request has no uid".into(),
@@ -441,40 +683,95 @@ pub fn parse_review(body: &[u8]) -> Result<(Value, AdmissionRequest<DynamicObjec
     }
     // The policies judge fetched URLs by what the fetcher will parse, never by their spelling.
     crate::urls::annotate(&mut input);
-    Ok((input, request))
+    Ok(Review {
+        input: Arc::new(input),
+        request,
+    })
 }
 
-/// `POST /validate` and `POST /mutate`.
+/// An upper bound on the JSON values (and keys) in `body`, from one pass over its bytes:
+/// every value but the first follows a `[`, a `,` or a `:` outside a string.
+pub fn json_values_upper_bound(body: &[u8]) -> usize {
+    let (mut count, mut in_string, mut escaped) = (1usize, false, false);
+    for &b in body {
+        if in_string {
+            match (escaped, b) {
+                (true, _) => escaped = false,
+                (false, b'\\') => escaped = true,
+                (false, b'"') => in_string = false,
+                _ => {}
+            }
+        } else {
+            match b {
+                b'"' => in_string = true,
+                b'[' | b',' | b':' => count += 1,
+                _ => {}
+            }
+        }
+    }
+    count
+}
+
+/// `POST /validate` and `POST /mutate`. Body limits are the handler's own (see
+/// [`ReviewLimits`]), so axum's default limit is off.
 pub fn router(admission: Arc<Admission>) -> Router {
     Router::new()
         .route("/validate", post(validate))
         .route("/mutate", post(mutate))
-        .layer(DefaultBodyLimit::max(MAX_REVIEW_BYTES))
+        .layer(DefaultBodyLimit::disable())
         .with_state(admission)
 }
 
-async fn validate(State(admission): State<Arc<Admission>>, body: Bytes) -> Response {
-    match parse_review(&body) {
-        Ok((input, request)) => {
-            let response = admission.validate(&input, &request).await;
-            axum::Json(response.into_review()).into_response()
-        }
-        Err(e) => invalid(&admission, "validate", e),
-    }
+async fn validate(
+    State(admission): State<Arc<Admission>>,
+    request: axum::extract::Request,
+) -> Response {
+    admission.handle("validate", request).await
 }
 
-async fn mutate(State(admission): State<Arc<Admission>>, body: Bytes) -> Response {
-    match parse_review(&body) {
-        Ok((input, request)) => {
-            let response = admission.mutate(&input, &request).await;
-            axum::Json(response.into_review()).into_response()
-        }
-        Err(e) => invalid(&admission, "mutate", e),
-    }
+async fn mutate(
+    State(admission): State<Arc<Admission>>,
+    request: axum::extract::Request,
+) -> Response {
+    admission.handle("mutate", request).await
 }
 
-fn invalid(admission: &Admission, webhook: &str, e: WebhookError) -> Response {
-    admission.metrics.decision(webhook, "invalid");
+fn invalid(metrics: &AdmissionMetrics, webhook: &str, e: WebhookError) -> Response {
+    metrics.decision(webhook, "invalid");
     warn!(webhook, error = %e, "malformed AdmissionReview");
     (StatusCode::BAD_REQUEST, format!("{e}\n")).into_response()
+}
+
+/// Body bytes reserved from the budget, shown on a gauge while held.
+struct Reserved {
+    _permit: tokio::sync::OwnedSemaphorePermit,
+    gauge: prometheus_client::metrics::gauge::Gauge,
+    bytes: i64,
+}
+
+impl Reserved {
+    fn new(
+        permit: tokio::sync::OwnedSemaphorePermit,
+        metrics: &AdmissionMetrics,
+        bytes: usize,
+    ) -> Self {
+        let bytes = i64::try_from(bytes).unwrap_or(i64::MAX);
+        metrics.body_bytes_reserved.inc_by(bytes);
+        Self {
+            _permit: permit,
+            gauge: metrics.body_bytes_reserved.clone(),
+            bytes,
+        }
+    }
+}
+
+impl Drop for Reserved {
+    fn drop(&mut self) {
+        self.gauge.dec_by(self.bytes);
+    }
+}
+
+/// Bytes in KiB permits (rounded up), as the budget semaphore counts them.
+fn kib(bytes: usize) -> u32 {
+    u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX)
 }

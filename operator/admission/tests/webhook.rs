@@ -11,7 +11,7 @@ use http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use pko_admission::metrics::AdmissionMetrics;
 use pko_admission::tenancy::{Tenancy, TenancySettings};
-use pko_admission::webhook::{self, Admission, FailurePolicy};
+use pko_admission::webhook::{self, Admission, FailurePolicy, ReviewLimits};
 use pko_admission::{Bundle, EngineLimits, PolicyEngine};
 use pko_api::tenancy::{EnforcementAction, TenancyPolicy, TenancyPolicySpec};
 use serde_json::{Value, json};
@@ -30,17 +30,34 @@ fn bundle_path() -> PathBuf {
 struct App {
     router: Router,
     metrics: AdmissionMetrics,
+    engine: PolicyEngine,
 }
 
 async fn app(policies: Vec<TenancyPolicy>, limits: EngineLimits, failure: FailurePolicy) -> App {
+    app_with(policies, limits, failure, ReviewLimits::DEFAULT).await
+}
+
+async fn app_with(
+    policies: Vec<TenancyPolicy>,
+    limits: EngineLimits,
+    failure: FailurePolicy,
+    review_limits: ReviewLimits,
+) -> App {
     let bundle = Bundle::load(&bundle_path()).expect("bundle loads");
-    let engine = Arc::new(PolicyEngine::new(&bundle, limits).await.expect("engine"));
+    let engine = PolicyEngine::new(&bundle, limits).await.expect("engine");
     let tenancy = Tenancy::fixed(policies, BTreeMap::new(), TenancySettings::default());
     let metrics = AdmissionMetrics::new();
-    let admission = Arc::new(Admission::new(engine, tenancy, metrics.clone(), failure));
+    let admission = Arc::new(Admission::with_limits(
+        engine.clone(),
+        tenancy,
+        metrics.clone(),
+        failure,
+        review_limits,
+    ));
     App {
         router: webhook::router(admission),
         metrics,
+        engine,
     }
 }
 
@@ -319,4 +336,200 @@ fn encode(metrics: &AdmissionMetrics) -> String {
     let mut out = String::new();
     prometheus_client::encoding::text::encode(&mut out, &registry).expect("encode");
     out
+}
+
+fn metric(metrics: &AdmissionMetrics, line_start: &str) -> Option<String> {
+    encode(metrics)
+        .lines()
+        .find(|l| l.starts_with(line_start))
+        .map(str::to_owned)
+}
+
+#[tokio::test]
+async fn bodies_over_the_limits_get_413_before_they_are_parsed() {
+    let app = app(vec![], EngineLimits::default(), FailurePolicy::Fail).await;
+    let max = ReviewLimits::DEFAULT.max_body_bytes;
+    // Declared too large: refused on the header alone.
+    let (status, answer) = post(&app.router, "/validate", vec![b' '; max + 1]).await;
+    let text = String::from_utf8_lossy(&answer);
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE, "{text}");
+    assert!(
+        text.contains(&format!("the limit is {max} bytes")),
+        "{text}"
+    );
+    // No declared length (a stream): cut at the limit while reading.
+    let chunks = (0..7).map(|_| Ok::<_, std::io::Error>(vec![b' '; 1 << 20]));
+    let stream = Body::from_stream(futures::stream::iter(chunks));
+    let (status, answer) = post(&app.router, "/mutate", stream).await;
+    assert_eq!(
+        status,
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "{}",
+        String::from_utf8_lossy(&answer)
+    );
+    // Small but with too many values: refused before the tree is built.
+    let many = format!(
+        "{{\"a\":[{}0]}}",
+        "0,".repeat(ReviewLimits::DEFAULT.max_json_values)
+    );
+    assert!(many.len() < max);
+    let (status, answer) = post(&app.router, "/validate", many).await;
+    let text = String::from_utf8_lossy(&answer);
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE, "{text}");
+    assert!(text.contains("JSON values"), "{text}");
+    assert_eq!(
+        metric(
+            &app.metrics,
+            "pko_admission_refused_total{reason=\"body_too_large\"}"
+        )
+        .as_deref(),
+        Some("pko_admission_refused_total{reason=\"body_too_large\"} 2")
+    );
+    assert!(
+        metric(
+            &app.metrics,
+            "pko_admission_refused_total{reason=\"too_many_values\"} 1"
+        )
+        .is_some()
+    );
+    // The webhook still answers.
+    let fine = review_response(&app.router, "/validate", &review("team-a", json!({}))).await;
+    assert_eq!(fine["allowed"], true);
+}
+
+#[test]
+fn the_value_bound_counts_every_value_and_ignores_strings() {
+    use pko_admission::webhook::json_values_upper_bound as bound;
+    assert_eq!(bound(b"1"), 1);
+    assert_eq!(bound(b"[1,2,3]"), 4);
+    assert_eq!(bound(br#"{"a":1,"b":[true]}"#), 5);
+    // Structural characters inside strings, escaped quotes included, are not values.
+    assert_eq!(bound(br#"{"a":"[,:\"[,:"}"#), 2);
+    let parsed: Value =
+        serde_json::from_str(r#"{"k":[{"x":[1,2]},[],{}],"s":"a,b"}"#).expect("json");
+    fn count(v: &Value) -> usize {
+        1 + match v {
+            Value::Array(items) => items.iter().map(count).sum(),
+            Value::Object(map) => map.values().map(|v| 1 + count(v)).sum(),
+            _ => 0,
+        }
+    }
+    let text = parsed.to_string();
+    assert!(bound(text.as_bytes()) >= count(&parsed) - 1);
+}
+
+#[tokio::test]
+async fn a_spent_body_budget_gets_429_and_frees_up() {
+    let limits = ReviewLimits {
+        body_budget_bytes: ReviewLimits::DEFAULT.max_body_bytes,
+        ..ReviewLimits::DEFAULT
+    };
+    let app = app_with(vec![], EngineLimits::default(), FailurePolicy::Fail, limits).await;
+    // A client that declares the largest body and sends it slowly holds the whole budget.
+    let (sender, receiver) = tokio::sync::mpsc::channel::<Result<Vec<u8>, std::io::Error>>(1);
+    let slow = {
+        let router = app.router.clone();
+        let body = Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(receiver));
+        tokio::spawn(async move {
+            router
+                .oneshot(
+                    Request::post("/validate")
+                        .header("content-length", limits.max_body_bytes.to_string())
+                        .body(body)
+                        .expect("request"),
+                )
+                .await
+                .expect("response")
+                .status()
+        })
+    };
+    sender.send(Ok(b"{".to_vec())).await.expect("send");
+    // Once the slow request holds its reservation, a small one finds no room.
+    while app.metrics.body_bytes_reserved.get() == 0 {
+        tokio::task::yield_now().await;
+    }
+    let small = review("team-a", json!({})).to_string();
+    let (status, answer) = post(&app.router, "/validate", small).await;
+    let refused = String::from_utf8_lossy(&answer).into_owned();
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{refused}");
+    assert!(refused.contains("review bytes"), "{refused}");
+    // The slow client goes away: its reservation is returned.
+    drop(sender);
+    assert_eq!(slow.await.expect("task"), StatusCode::BAD_REQUEST);
+    let fine = review_response(&app.router, "/validate", &review("team-a", json!({}))).await;
+    assert_eq!(fine["allowed"], true);
+}
+
+#[tokio::test]
+async fn busy_slots_answer_429_then_503_and_never_parse_the_body() {
+    let limits = EngineLimits {
+        concurrency: 1,
+        max_waiting: 1,
+        timeout: std::time::Duration::from_millis(300),
+        ..EngineLimits::default()
+    };
+    let app = app(vec![], limits, FailurePolicy::Fail).await;
+    // The only slot is taken (as by a long evaluation).
+    let held = app
+        .engine
+        .slot(std::time::Instant::now())
+        .await
+        .expect("slot");
+    // One request may wait: it waits its whole budget, then gets 503.
+    let waiting = {
+        let router = app.router.clone();
+        let body = review("team-a", json!({})).to_string();
+        tokio::spawn(async move { post(&router, "/validate", body).await })
+    };
+    while app.engine.waiting() == 0 {
+        tokio::task::yield_now().await;
+    }
+    // A second one finds the queue full: 429 at once.
+    let (status, answer) = post(&app.router, "/mutate", "not even json").await;
+    let busy = String::from_utf8_lossy(&answer).into_owned();
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{busy}");
+    assert!(
+        busy.contains("running") && busy.contains("waiting"),
+        "{busy}"
+    );
+    let (status, answer) = waiting.await.expect("task");
+    let text = String::from_utf8_lossy(&answer);
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{text}");
+    assert!(text.contains("no policy evaluation slot"), "{text}");
+    // Nothing was parsed: no request was counted as malformed.
+    assert!(
+        metric(
+            &app.metrics,
+            "pko_admission_decisions_total{webhook=\"mutate\",result=\"invalid\"}"
+        )
+        .is_none()
+    );
+    drop(held);
+    let fine = review_response(&app.router, "/validate", &review("team-a", json!({}))).await;
+    assert_eq!(fine["allowed"], true);
+}
+
+// One runtime thread: work run in a slot must leave it free.
+#[tokio::test(flavor = "current_thread")]
+async fn slot_work_runs_on_the_blocking_pool() {
+    let app = app(vec![], EngineLimits::default(), FailurePolicy::Fail).await;
+    let slot = app
+        .engine
+        .slot(std::time::Instant::now())
+        .await
+        .expect("slot");
+    let (release, wait) = std::sync::mpsc::channel::<()>();
+    let (started_tx, started) = tokio::sync::oneshot::channel::<()>();
+    let work = tokio::spawn(async move {
+        slot.run(move |_| {
+            let _ = started_tx.send(());
+            // Blocks its thread until the async side answers.
+            wait.recv().is_ok()
+        })
+        .await
+    });
+    started.await.expect("work started");
+    // This runs on the runtime thread while the work still blocks its own thread.
+    release.send(()).expect("release");
+    assert!(work.await.expect("task").expect("ran"));
 }

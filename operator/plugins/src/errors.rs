@@ -36,6 +36,11 @@ pub enum PluginError {
     FuelExhausted(u64),
     #[error("memory limit of {0} bytes exceeded")]
     MemoryLimit(u64),
+    /// The plugin's memory cap is more than every plugin call together may use.
+    #[error(
+        "asks for {asked} bytes of memory, more than the operator's plugin memory budget of {budget} bytes (--plugin-memory-budget-mib)"
+    )]
+    OverMemoryBudget { asked: u64, budget: u64 },
     /// The guest trapped (a panic, `unreachable`, an out-of-bounds access, a stack overflow).
     #[error("trap: {0}")]
     Trap(String),
@@ -168,7 +173,7 @@ impl PluginError {
             Self::Internal(_) => ErrorKind::Internal,
             Self::Timeout(_) => ErrorKind::Timeout,
             Self::FuelExhausted(_) => ErrorKind::FuelExhausted,
-            Self::MemoryLimit(_) => ErrorKind::MemoryLimit,
+            Self::MemoryLimit(_) | Self::OverMemoryBudget { .. } => ErrorKind::MemoryLimit,
             Self::Trap(_) => ErrorKind::Trap,
             Self::InvalidOutput(_) => ErrorKind::InvalidOutput,
             Self::OutputTooLarge { .. } => ErrorKind::OutputTooLarge,

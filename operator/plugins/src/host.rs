@@ -104,6 +104,10 @@ pub struct HostConfig {
     pub cache_max_bytes: u64,
     /// Largest module accepted, in bytes.
     pub max_module_bytes: u64,
+    /// Memory every call running at once may use together: a call reserves its memory cap
+    /// from it before it starts, so calls with big caps run fewer at a time, and a cap larger
+    /// than the whole budget is refused.
+    pub memory_budget_bytes: u64,
 }
 
 impl Default for HostConfig {
@@ -115,6 +119,7 @@ impl Default for HostConfig {
             cache_dir: None,
             cache_max_bytes: 128 << 20,
             max_module_bytes: 32 << 20,
+            memory_budget_bytes: 4 * Limits::CEILING.memory_bytes,
         }
     }
 }
@@ -235,6 +240,8 @@ struct Inner {
     engine: Engine,
     linker: Linker<CallState>,
     slots: Arc<Semaphore>,
+    /// The memory budget, one permit per MiB.
+    memory: Arc<Semaphore>,
     config: HostConfig,
     metrics: PluginMetrics,
     /// Loaded modules by digest; weak so that modules no transform uses are freed.
@@ -277,11 +284,13 @@ impl PluginHost {
                 .map_err(|e| PluginError::Host(format!("cannot start the epoch ticker: {e}")))?;
         }
         let slots = Arc::new(Semaphore::new(config.max_concurrent_calls.max(1) as usize));
+        let memory = Arc::new(Semaphore::new(budget_permits(config.memory_budget_bytes)));
         Ok(Self {
             inner: Arc::new(Inner {
                 engine,
                 linker,
                 slots,
+                memory,
                 config,
                 metrics,
                 modules: Mutex::new(HashMap::new()),
@@ -566,6 +575,21 @@ impl PluginHost {
             .await
             .map_err(|_| PluginError::Busy(limits.timeout))?
             .map_err(|_| PluginError::Host("the plugin host is shutting down".into()))?;
+        // Then its memory cap, from the budget every running call shares.
+        let asked = mib_permits(limits.memory_bytes);
+        if asked as usize > budget_permits(self.inner.config.memory_budget_bytes) {
+            return Err(PluginError::OverMemoryBudget {
+                asked: limits.memory_bytes,
+                budget: self.inner.config.memory_budget_bytes,
+            });
+        }
+        let reserved = tokio::time::timeout_at(
+            deadline,
+            self.inner.memory.clone().acquire_many_owned(asked),
+        )
+        .await
+        .map_err(|_| PluginError::Busy(limits.timeout))?
+        .map_err(|_| PluginError::Host("the plugin host is shutting down".into()))?;
         let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
         let inner = self.inner.clone();
         let transform: Arc<str> = Arc::from(site.transform.as_str());
@@ -573,6 +597,7 @@ impl PluginHost {
         let task = tokio::task::spawn_blocking(move || {
             // The slot is held until the guest has really stopped, also after a timeout.
             let _permit = permit;
+            let _reserved = reserved;
             let _entered = span.enter();
             run_blocking(&inner, &module, limits, remaining, transform, function, f)
         });
@@ -646,37 +671,67 @@ impl GuestLog {
     }
 }
 
-/// Caps linear memory and remembers whether the cap was hit: a refused growth with
+/// Caps the memory of one instance, every linear memory and table of it together (a
+/// component may have several), and remembers whether the cap was hit: a refused growth with
 /// `Err` traps, and the flag tells that trap apart from others without parsing messages.
 struct MemoryLimiter {
     max_bytes: usize,
+    /// Bytes of every memory and table of the instance so far.
+    used: usize,
     hit: bool,
+}
+
+/// What one table element costs (a reference).
+const TABLE_ELEMENT_BYTES: usize = std::mem::size_of::<usize>();
+
+impl MemoryLimiter {
+    fn new(max_bytes: usize) -> Self {
+        Self {
+            max_bytes,
+            used: 0,
+            hit: false,
+        }
+    }
+
+    /// Accounts for growing one memory or table by `delta` bytes.
+    fn grow(&mut self, delta: usize) -> wasmtime::Result<bool> {
+        let total = self.used.saturating_add(delta);
+        if total > self.max_bytes {
+            self.hit = true;
+            return Err(wasmtime::Error::msg(format!(
+                "memory limit of {} bytes exceeded (the instance would use {total})",
+                self.max_bytes
+            )));
+        }
+        self.used = total;
+        Ok(true)
+    }
 }
 
 impl ResourceLimiter for MemoryLimiter {
     fn memory_growing(
         &mut self,
-        _current: usize,
+        current: usize,
         desired: usize,
         _maximum: Option<usize>,
     ) -> wasmtime::Result<bool> {
-        if desired > self.max_bytes {
-            self.hit = true;
-            return Err(wasmtime::Error::msg(format!(
-                "memory limit of {} bytes exceeded (asked for {desired})",
-                self.max_bytes
-            )));
-        }
-        Ok(true)
+        self.grow(desired.saturating_sub(current))
     }
 
     fn table_growing(
         &mut self,
-        _current: usize,
+        current: usize,
         desired: usize,
         _maximum: Option<usize>,
     ) -> wasmtime::Result<bool> {
-        Ok(desired <= MAX_TABLE_ELEMENTS)
+        if desired > MAX_TABLE_ELEMENTS {
+            return Ok(false);
+        }
+        self.grow(
+            desired
+                .saturating_sub(current)
+                .saturating_mul(TABLE_ELEMENT_BYTES),
+        )
     }
 
     fn instances(&self) -> usize {
@@ -690,6 +745,18 @@ impl ResourceLimiter for MemoryLimiter {
     fn memories(&self) -> usize {
         MAX_MEMORIES as usize
     }
+}
+
+/// MiB permits covering `bytes` (rounded up).
+fn mib_permits(bytes: u64) -> u32 {
+    u32::try_from(bytes.div_ceil(1 << 20)).unwrap_or(u32::MAX)
+}
+
+/// Permits of a budget of `bytes` (whole MiB), within what a semaphore can hold.
+fn budget_permits(bytes: u64) -> usize {
+    usize::try_from(bytes >> 20)
+        .unwrap_or(usize::MAX)
+        .min(Semaphore::MAX_PERMITS)
 }
 
 /// The wall clock every plugin sees: the Unix epoch, forever.
@@ -780,10 +847,7 @@ where
         CallState {
             wasi,
             table: ResourceTable::new(),
-            limiter: MemoryLimiter {
-                max_bytes: memory_bytes,
-                hit: false,
-            },
+            limiter: MemoryLimiter::new(memory_bytes),
             log: GuestLog {
                 transform,
                 budget: LOG_BYTES_PER_CALL,
@@ -1145,6 +1209,45 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_memory_cap_covers_every_memory_and_table_of_an_instance() {
+        let mut limiter = MemoryLimiter::new(100 << 20);
+        // Two memories of 60 MiB: each alone is under the cap, together they are not.
+        assert!(matches!(
+            limiter.memory_growing(0, 60 << 20, None),
+            Ok(true)
+        ));
+        assert!(limiter.memory_growing(0, 60 << 20, None).is_err());
+        assert!(limiter.hit);
+        // Growth counts only what is added; tables count too.
+        let mut limiter = MemoryLimiter::new(100 << 20);
+        assert!(matches!(
+            limiter.memory_growing(0, 50 << 20, None),
+            Ok(true)
+        ));
+        assert!(matches!(
+            limiter.memory_growing(50 << 20, 90 << 20, None),
+            Ok(true)
+        ));
+        assert!(matches!(limiter.table_growing(0, 1000, None), Ok(true)));
+        assert_eq!(limiter.used, (90 << 20) + 1000 * TABLE_ELEMENT_BYTES);
+        assert!(matches!(
+            limiter.table_growing(0, MAX_TABLE_ELEMENTS + 1, None),
+            Ok(false)
+        ));
+        assert!(limiter.memory_growing(90 << 20, 100 << 20, None).is_err());
+        assert!(!limiter.hit || limiter.used <= 100 << 20);
+    }
+
+    #[test]
+    fn budget_permits_round_caps_up_and_budgets_down() {
+        assert_eq!(mib_permits(1), 1);
+        assert_eq!(mib_permits(64 << 20), 64);
+        assert_eq!(mib_permits((64 << 20) + 1), 65);
+        assert_eq!(budget_permits((100 << 20) + 5), 100);
+        assert_eq!(budget_permits(u64::MAX), Semaphore::MAX_PERMITS);
+    }
 
     #[test]
     fn grants_what_a_rust_guest_needs_and_nothing_else() {

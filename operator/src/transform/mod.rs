@@ -94,13 +94,30 @@ pub struct PluginArgs {
     /// Largest module accepted, in bytes.
     #[arg(long, env = "PLUGIN_MAX_MODULE_BYTES", default_value_t = 32 << 20)]
     pub plugin_max_module_bytes: u64,
+    /// Memory, in MiB, every plugin call running at once may use together; each call reserves
+    /// its memory cap from it. Unset: half of what the container's memory limit leaves (see
+    /// docs/operations.md), or every slot at the ceiling when no limit is known.
+    #[arg(long, env = "PLUGIN_MEMORY_BUDGET_MIB")]
+    pub plugin_memory_budget_mib: Option<u64>,
 }
 
 impl PluginArgs {
-    /// The host settings these flags describe (defaults are capped by the host's ceilings).
-    pub fn host_config(&self) -> HostConfig {
+    /// The memory cap of a plugin that sets none, as the host will apply it.
+    pub fn default_memory_bytes(&self) -> u64 {
+        (self.plugin_default_memory_mib << 20).min(Limits::CEILING.memory_bytes)
+    }
+
+    /// The budget when nothing limits memory: every slot at the ceiling.
+    pub fn unlimited_memory_budget_bytes(&self) -> u64 {
+        u64::from(self.plugin_max_concurrent_calls.max(1)) * Limits::CEILING.memory_bytes
+    }
+
+    /// The host settings these flags describe (defaults are capped by the host's ceilings),
+    /// with the memory budget the start-up plan decided.
+    pub fn host_config(&self, memory_budget_bytes: u64) -> HostConfig {
         let ceiling = Limits::CEILING;
         HostConfig {
+            memory_budget_bytes,
             max_concurrent_calls: self.plugin_max_concurrent_calls.max(1),
             default_limits: Limits {
                 fuel: self.plugin_default_fuel,
@@ -293,8 +310,10 @@ impl TransformRegistry {
         client: Client,
         metrics: PluginMetrics,
         egress: Arc<EgressPolicy>,
+        memory_budget_bytes: u64,
     ) -> Result<Arc<Self>, TransformError> {
-        let host = PluginHost::new(args.host_config(), metrics).map_err(TransformError::Host)?;
+        let host = PluginHost::new(args.host_config(memory_budget_bytes), metrics)
+            .map_err(TransformError::Host)?;
         let fetcher = ModuleFetcher::new(
             Some(client),
             args.plugin_file_root.clone(),

@@ -1,0 +1,141 @@
+//! The webhook listener on a real TLS socket: the connection cap.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::routing::get;
+use axum_server::tls_rustls::RustlsConfig;
+use pko_admission::CertSettings;
+use pko_admission::metrics::AdmissionMetrics;
+use pko_admission::server::{self, Bounds};
+use pko_admission::tls::{self, Assessment};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio_util::sync::CancellationToken;
+
+fn refused(metrics: &AdmissionMetrics) -> u64 {
+    metrics
+        .refused
+        .get_or_create(&pko_admission::metrics::RefusedLabels {
+            reason: "connections".into(),
+        })
+        .get()
+}
+
+async fn until(what: &str, mut condition: impl FnMut() -> bool) {
+    // A condition, not a time: the loop ends when the server has done it.
+    for _ in 0..100_000 {
+        if condition() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("never: {what}");
+}
+
+#[tokio::test]
+async fn connections_over_the_cap_are_closed_at_once_and_counted() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let settings = CertSettings::new("ns".into(), "s".into(), vec!["127.0.0.1".into()]);
+    let now = time::OffsetDateTime::now_utc().unix_timestamp();
+    let bundle =
+        tls::issue(None, &Assessment::RenewCa("test".into()), &settings, now).expect("issue");
+    let tls = RustlsConfig::from_config(bundle.server_config().expect("server config"));
+    let listener = server::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let metrics = AdmissionMetrics::new();
+    let app = Router::new().route("/ping", get(|| async { "pong" }));
+    let stop = CancellationToken::new();
+    tokio::spawn(server::serve(
+        listener,
+        app,
+        tls,
+        // Idle clients hold their place until the cap is checked, however slow the machine.
+        Bounds {
+            handshake_timeout: Duration::from_secs(3600),
+            ..Bounds::new(Duration::from_secs(1), 2)
+        },
+        metrics.clone(),
+        stop.clone().cancelled_owned(),
+    ));
+
+    // Two idle clients (no handshake) fill the cap.
+    let first = TcpStream::connect(addr).await.expect("connect");
+    let _second = TcpStream::connect(addr).await.expect("connect");
+    until("two connections open", || metrics.connections.get() == 2).await;
+    // A third is closed without a byte.
+    let mut third = TcpStream::connect(addr).await.expect("connect");
+    let mut byte = [0u8; 1];
+    let read = third.read(&mut byte).await;
+    assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+    assert_eq!(refused(&metrics), 1);
+    assert_eq!(metrics.connections.get(), 2);
+
+    // One leaves: a real client gets through and is answered.
+    drop(first);
+    until("one connection left", || metrics.connections.get() == 1).await;
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls_pemfile_certs(&bundle.ca_pem) {
+        roots.add(cert).expect("root");
+    }
+    let config = rustls::ClientConfig::builder()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let tcp = TcpStream::connect(addr).await.expect("connect");
+    let name = rustls::pki_types::ServerName::try_from("127.0.0.1").expect("name");
+    let mut stream = connector.connect(name, tcp).await.expect("handshake");
+    stream
+        .write_all(b"GET /ping HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .expect("write");
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).await.ok();
+    assert!(
+        answer.starts_with("HTTP/1.1 200") && answer.ends_with("pong"),
+        "{answer}"
+    );
+    assert_eq!(refused(&metrics), 1);
+    stop.cancel();
+}
+
+#[tokio::test]
+async fn a_client_that_never_finishes_its_handshake_is_dropped() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let settings = CertSettings::new("ns".into(), "s".into(), vec!["127.0.0.1".into()]);
+    let now = time::OffsetDateTime::now_utc().unix_timestamp();
+    let bundle =
+        tls::issue(None, &Assessment::RenewCa("test".into()), &settings, now).expect("issue");
+    let tls = RustlsConfig::from_config(bundle.server_config().expect("server config"));
+    let listener = server::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let metrics = AdmissionMetrics::new();
+    let stop = CancellationToken::new();
+    tokio::spawn(server::serve(
+        listener,
+        Router::new(),
+        tls,
+        Bounds {
+            handshake_timeout: Duration::from_millis(100),
+            ..Bounds::new(Duration::from_secs(1), 2)
+        },
+        metrics.clone(),
+        stop.clone().cancelled_owned(),
+    ));
+    // A slow client sends nothing: the server closes the connection by itself (no upper bound
+    // on when; the read ends because the server closed it).
+    let mut idle = TcpStream::connect(addr).await.expect("connect");
+    let mut byte = [0u8; 1];
+    let read = idle.read(&mut byte).await;
+    assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+    until("the slot is free again", || metrics.connections.get() == 0).await;
+    stop.cancel();
+}
+
+fn rustls_pemfile_certs(pem: &str) -> Vec<rustls::pki_types::CertificateDer<'static>> {
+    use rustls::pki_types::pem::PemObject;
+    rustls::pki_types::CertificateDer::pem_slice_iter(pem.as_bytes())
+        .collect::<Result<Vec<_>, _>>()
+        .expect("pem")
+}
