@@ -32,6 +32,15 @@ pub struct ExecutionArgs {
     /// Largest artifact a workspace accepts (bytes; passed to the fetch container).
     #[arg(long, env = "FLUX_MAX_UNTAR_SIZE_BYTES")]
     pub max_artifact_bytes: Option<String>,
+    /// Update operations (preview, up, refresh, destroy) running at once; more Updates wait,
+    /// with the reason `Queued`, until one ends.
+    #[arg(
+        long,
+        env = "MAX_OPERATIONS_IN_FLIGHT",
+        default_value_t = update::DEFAULT_MAX_OPERATIONS_IN_FLIGHT,
+        value_parser = clap::value_parser!(u32).range(1..),
+    )]
+    pub max_operations_in_flight: u32,
 }
 
 /// What tenants' objects may make the execution controllers reach.
@@ -89,6 +98,7 @@ pub async fn run(
         client.clone(),
         agents.clone(),
         metrics.clone(),
+        usize::try_from(args.max_operations_in_flight).unwrap_or(usize::MAX),
     ));
     let stack_ctx = Arc::new(StackContext::new(client.clone(), metrics.clone(), egress));
     tokio::join!(
