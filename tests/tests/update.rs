@@ -672,3 +672,102 @@ async fn updates_beyond_the_in_flight_bound_wait_queued_then_run() {
     }
     drop(feeder);
 }
+
+/// An `<update>-stack-outputs` Secret already there: a tenant's own (no controller reference to
+/// the Update) is left as it is and the Update fails with OutputsUnavailable saying why; one
+/// controlled by the Update (left by an interrupted run) is replaced.
+#[tokio::test]
+async fn an_outputs_secret_is_replaced_only_when_it_is_the_updates_own() {
+    let env = env("upd-owned").await;
+    let (url, digest) = env.program().await;
+    let pipe = env.tmp.path().join("pipe");
+    fifo::make(&pipe).expect("mkfifo");
+    env.workspace(&url, &digest, &pipe).await;
+    let secrets: Api<Secret> = Api::namespaced(env.client(), &env.ns);
+    let secret = |name: &str, owner: Option<Value>| -> Secret {
+        let mut metadata = json!({"name": name});
+        if let Some(owner) = owner {
+            metadata["ownerReferences"] = json!([owner]);
+        }
+        serde_json::from_value(json!({
+            "apiVersion": "v1", "kind": "Secret", "metadata": metadata,
+            "stringData": {"content": "\"stale\""},
+        }))
+        .expect("secret")
+    };
+
+    let foreign = secrets
+        .create(
+            &PostParams::default(),
+            &secret("up-foreign-stack-outputs", None),
+        )
+        .await
+        .expect("a tenant's secret");
+    let feeder = fifo::Feeder::start(pipe.clone(), "fed\n", WAIT);
+    let api = env.update("up-foreign", "up").await;
+    let up = env.completed(&api, "up-foreign").await;
+    drop(feeder);
+    let (failed, reason, message) = condition(&up, "Failed");
+    assert_eq!(
+        (failed.as_str(), reason.as_str()),
+        ("True", "OutputsUnavailable"),
+        "{message}"
+    );
+    assert!(
+        message.contains("up-foreign-stack-outputs") && message.contains("is not this Update's"),
+        "{message}"
+    );
+    let after = secrets
+        .get("up-foreign-stack-outputs")
+        .await
+        .expect("still there");
+    assert_eq!(after.metadata.uid, foreign.metadata.uid, "not replaced");
+    assert_eq!(
+        after.metadata.resource_version, foreign.metadata.resource_version,
+        "not changed"
+    );
+
+    // The next Update blocks on the pipe until a Secret controlled by it is in place.
+    let api = env.update("up-ours", "up").await;
+    let uid = wait_for("the update to be Progressing", WAIT, || async {
+        let u = api.get("up-ours").await.ok()?;
+        let progressing = u
+            .status
+            .as_ref()?
+            .conditions
+            .iter()
+            .any(|c| c.type_ == "Progressing" && c.status == "True");
+        progressing.then(|| u.metadata.uid.clone()).flatten()
+    })
+    .await
+    .expect("progressing");
+    let ours = secrets
+        .create(
+            &PostParams::default(),
+            &secret(
+                "up-ours-stack-outputs",
+                Some(json!({
+                    "apiVersion": "auto.pulumi.com/v1alpha1", "kind": "Update",
+                    "name": "up-ours", "uid": uid, "controller": true,
+                })),
+            ),
+        )
+        .await
+        .expect("a secret of the update");
+    let feeder = fifo::Feeder::start(pipe, "fed\n", WAIT);
+    let up = env.completed(&api, "up-ours").await;
+    drop(feeder);
+    let (failed, reason, message) = condition(&up, "Failed");
+    assert_eq!(
+        (failed.as_str(), reason.as_str()),
+        ("False", "UpdateSucceeded"),
+        "{message}"
+    );
+    let replaced = secrets.get("up-ours-stack-outputs").await.expect("outputs");
+    assert_ne!(replaced.metadata.uid, ours.metadata.uid, "replaced");
+    let data = replaced.data.unwrap_or_default();
+    assert_eq!(
+        serde_json::from_slice::<Value>(&data["content"].0).expect("json"),
+        json!("fed\n")
+    );
+}
