@@ -145,7 +145,8 @@ struct InitArgs {
     #[arg(long, requires = "flux_url")]
     flux_digest: Option<String>,
     /// Git repository URL, checked out with the image's `git` CLI (credentials from the
-    /// `GIT_USERNAME`/`GIT_PASSWORD`/`GIT_TOKEN`/`GIT_SSH_PRIVATE_KEY` env).
+    /// `GIT_USERNAME`/`GIT_PASSWORD`/`GIT_TOKEN`/`GIT_SSH_PRIVATE_KEY`/`GIT_SSH_KNOWN_HOSTS`
+    /// env).
     #[arg(long, requires = "git_revision", conflicts_with = "project_name")]
     git_url: Option<String>,
     /// Commit SHA, branch or tag to check out.
@@ -154,6 +155,10 @@ struct InitArgs {
     /// Fetch only the one commit when the server allows it.
     #[arg(long, env = "GIT_SHALLOW")]
     git_shallow: bool,
+    /// Trust an SSH host key seen for the first time (ssh's `accept-new`) when no known_hosts
+    /// is given (`GIT_SSH_KNOWN_HOSTS`); without it an unknown host is refused.
+    #[arg(long, env = "GIT_SSH_ACCEPT_NEW_HOST_KEYS")]
+    git_ssh_accept_new_host_keys: bool,
     /// The git executable.
     #[arg(long, env = "GIT_CLI", default_value = "git")]
     git: PathBuf,
@@ -239,7 +244,10 @@ async fn run_init(a: InitArgs) -> anyhow::Result<()> {
             url: url.clone(),
             revision: revision.clone(),
             shallow: a.git_shallow,
-            auth: git::GitAuth::from_env(),
+            auth: git::GitAuth {
+                ssh_accept_new_host_keys: a.git_ssh_accept_new_host_keys,
+                ..git::GitAuth::from_env()
+            },
             program: a.git.clone(),
         };
         let commit = git::clone(&fetch, &target_dir)

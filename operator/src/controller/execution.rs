@@ -41,6 +41,10 @@ pub struct ExecutionArgs {
         value_parser = clap::value_parser!(u32).range(1..),
     )]
     pub max_operations_in_flight: u32,
+    /// Git over SSH: trust a server's host key seen for the first time when the Secret with
+    /// the SSH key has no `knownHosts` key. Off: such a server is refused.
+    #[arg(long, env = "GIT_SSH_ACCEPT_NEW_HOST_KEYS")]
+    pub git_ssh_accept_new_host_keys: bool,
 }
 
 /// What tenants' objects may make the execution controllers reach.
@@ -75,6 +79,7 @@ pub async fn run(
         agent_image: args.agent_image.clone(),
         agent_image_pull_policy: args.agent_image_pull_policy.clone(),
         max_artifact_bytes: args.max_artifact_bytes.clone(),
+        git_ssh_accept_new_host_keys: args.git_ssh_accept_new_host_keys,
     };
     let (workspaces, statefulsets): (Api<Workspace>, Api<StatefulSet>) = match namespace.as_deref()
     {
