@@ -95,9 +95,12 @@ pub async fn connect(target: &Target) -> Result<AgentClient, ConnectError> {
         ),
         None => None,
     };
+    // One bound both ways: an answer over it fails its call (OutOfRange) instead of costing
+    // the caller its memory.
     Ok(
         AutomationServiceClient::with_interceptor(channel, BearerToken(token))
-            .max_decoding_message_size(400 * 1024 * 1024),
+            .max_decoding_message_size(crate::limits::MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(crate::limits::MAX_MESSAGE_BYTES),
     )
 }
 

@@ -34,6 +34,14 @@ pub enum GitError {
         status: String,
         stderr: String,
     },
+    #[error(
+        "git {step}: the git server's SSH host key is not trusted ({stderr}); put the server's known_hosts lines in the `knownHosts` key of the Secret holding the SSH key, or start the operator with --git-ssh-accept-new-host-keys to trust a key on first use"
+    )]
+    UntrustedHostKey { step: String, stderr: String },
+    #[error("invalid known_hosts (the Secret's `knownHosts` key), line {line}: {detail}")]
+    BadKnownHosts { line: usize, detail: String },
+    #[error("the known_hosts given (the Secret's `knownHosts` key) lists no host key")]
+    EmptyKnownHosts,
     #[error("git {step} did not finish within {secs} s", secs = GIT_TIMEOUT.as_secs())]
     Timeout { step: String },
     #[error("{what}: {source}")]
@@ -56,12 +64,18 @@ pub struct GitAuth {
     pub password: Option<String>,
     pub token: Option<String>,
     pub ssh_private_key: Option<String>,
+    /// OpenSSH `known_hosts` lines the server's host key must match.
+    pub ssh_known_hosts: Option<String>,
+    /// With no `ssh_known_hosts`: trust the host key seen first (ssh's `accept-new`) instead of
+    /// refusing a host the image does not know.
+    pub ssh_accept_new_host_keys: bool,
     pub github_app: bool,
 }
 
 impl GitAuth {
-    /// Reads `GIT_USERNAME`, `GIT_PASSWORD`, `GIT_TOKEN`, `GIT_SSH_PRIVATE_KEY` and the GitHub
-    /// App variables; empty values count as unset.
+    /// Reads `GIT_USERNAME`, `GIT_PASSWORD`, `GIT_TOKEN`, `GIT_SSH_PRIVATE_KEY`,
+    /// `GIT_SSH_KNOWN_HOSTS` and the GitHub App variables; empty values count as unset.
+    /// `ssh_accept_new_host_keys` is left false (a flag of `init` sets it).
     pub fn from_env() -> Self {
         let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
         Self {
@@ -69,6 +83,8 @@ impl GitAuth {
             password: var("GIT_PASSWORD"),
             token: var("GIT_TOKEN"),
             ssh_private_key: var("GIT_SSH_PRIVATE_KEY"),
+            ssh_known_hosts: var("GIT_SSH_KNOWN_HOSTS"),
+            ssh_accept_new_host_keys: false,
             github_app: var("GIT_GITHUB_APP_ID").is_some(),
         }
     }
@@ -125,10 +141,79 @@ fn check_revision(revision: &str) -> Result<(), GitError> {
     }
 }
 
+/// How ssh checks the git server's host key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum HostKeys {
+    /// Only the keys of this known_hosts file (from the Secret).
+    Known(PathBuf),
+    /// The key seen first is trusted (and recorded in this file, new for each fetch).
+    AcceptNew(PathBuf),
+    /// Only the keys the image's own known_hosts files list.
+    Image,
+}
+
+/// The `ssh` command git runs: the key, and the host key rule. An unknown host is refused
+/// unless accepting new keys was asked for.
+fn ssh_command(key: Option<&Path>, host_keys: &HostKeys) -> String {
+    let mut cmd = String::from("ssh");
+    if let Some(key) = key {
+        cmd.push_str(&format!(" -i '{}' -o IdentitiesOnly=yes", key.display()));
+    }
+    match host_keys {
+        HostKeys::Known(file) => cmd.push_str(&format!(
+            " -o StrictHostKeyChecking=yes -o UserKnownHostsFile='{}'",
+            file.display()
+        )),
+        HostKeys::AcceptNew(file) => cmd.push_str(&format!(
+            " -o StrictHostKeyChecking=accept-new -o UserKnownHostsFile='{}'",
+            file.display()
+        )),
+        HostKeys::Image => cmd.push_str(" -o StrictHostKeyChecking=yes"),
+    }
+    cmd
+}
+
+/// Checks known_hosts text line by line: `[@marker] hosts keytype key [comment]`.
+fn check_known_hosts(text: &str) -> Result<(), GitError> {
+    let mut entries = 0;
+    for (i, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let fields = match fields.first() {
+            Some(m) if m.starts_with('@') => &fields[1..],
+            _ => &fields[..],
+        };
+        if fields.len() < 3 {
+            return Err(GitError::BadKnownHosts {
+                line: i + 1,
+                detail: "expected `hosts keytype base64-key`".into(),
+            });
+        }
+        if base64::engine::general_purpose::STANDARD
+            .decode(fields[2])
+            .is_err()
+        {
+            return Err(GitError::BadKnownHosts {
+                line: i + 1,
+                detail: "the key is not base64".into(),
+            });
+        }
+        entries += 1;
+    }
+    if entries == 0 {
+        return Err(GitError::EmptyKnownHosts);
+    }
+    Ok(())
+}
+
 struct Runner<'a> {
     fetch: &'a GitFetch,
     dir: &'a Path,
     ssh_key: Option<PathBuf>,
+    host_keys: HostKeys,
 }
 
 impl Runner<'_> {
@@ -159,15 +244,10 @@ impl Runner<'_> {
                 .env("GIT_CONFIG_KEY_0", "http.extraHeader")
                 .env("GIT_CONFIG_VALUE_0", header);
         }
-        if let Some(key) = &self.ssh_key {
-            cmd.env(
-                "GIT_SSH_COMMAND",
-                format!(
-                    "ssh -i '{}' -o IdentitiesOnly=yes -o StrictHostKeyChecking=accept-new",
-                    key.display()
-                ),
-            );
-        }
+        cmd.env(
+            "GIT_SSH_COMMAND",
+            ssh_command(self.ssh_key.as_deref(), &self.host_keys),
+        );
         cmd
     }
 
@@ -182,11 +262,27 @@ impl Runner<'_> {
         if out.status.success() {
             Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
         } else {
-            Err(GitError::Failed {
-                step: step.into(),
-                status: out.status.to_string(),
-                stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
-            })
+            Err(failure(
+                step,
+                out.status.to_string(),
+                String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+            ))
+        }
+    }
+}
+
+/// A failed git command: an untrusted host key is told apart, since its fix is not in git.
+fn failure(step: &str, status: String, stderr: String) -> GitError {
+    if stderr.contains("Host key verification failed") {
+        GitError::UntrustedHostKey {
+            step: step.into(),
+            stderr,
+        }
+    } else {
+        GitError::Failed {
+            step: step.into(),
+            status,
+            stderr,
         }
     }
 }
@@ -207,13 +303,24 @@ pub async fn clone(fetch: &GitFetch, target: &Path) -> Result<String, GitError> 
     let work = staging.path().join("source");
     std::fs::create_dir_all(&work).map_err(io("creating the checkout folder"))?;
     let ssh_key = match &fetch.auth.ssh_private_key {
-        Some(key) => Some(write_key(staging.path(), key)?),
+        Some(key) => Some(write_key(staging.path(), "ssh-key", key)?),
         None => None,
+    };
+    let host_keys = match &fetch.auth.ssh_known_hosts {
+        Some(text) => {
+            check_known_hosts(text)?;
+            HostKeys::Known(write_key(staging.path(), "known_hosts", text)?)
+        }
+        None if fetch.auth.ssh_accept_new_host_keys => {
+            HostKeys::AcceptNew(staging.path().join("known_hosts"))
+        }
+        None => HostKeys::Image,
     };
     let git = Runner {
         fetch,
         dir: &work,
         ssh_key,
+        host_keys,
     };
     git.run("init", &["init", "-q"]).await?;
     git.run("remote add", &["remote", "add", "origin", &fetch.url])
@@ -279,23 +386,24 @@ pub async fn clone(fetch: &GitFetch, target: &Path) -> Result<String, GitError> 
     Ok(commit)
 }
 
-/// Writes an SSH key where only we can read it (ssh refuses group/world-readable keys).
-fn write_key(dir: &Path, key: &str) -> Result<PathBuf, GitError> {
+/// Writes an SSH file (a key, known_hosts) where only we can read it (ssh refuses
+/// group/world-readable keys).
+fn write_key(dir: &Path, name: &str, key: &str) -> Result<PathBuf, GitError> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
-    let path = dir.join("ssh-key");
+    let path = dir.join(name);
     let mut file = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
         .mode(0o600)
         .open(&path)
-        .map_err(io("writing the SSH key"))?;
+        .map_err(io(format!("writing {name}")))?;
     let mut text = key.to_owned();
     if !text.ends_with('\n') {
         text.push('\n');
     }
     file.write_all(text.as_bytes())
-        .map_err(io("writing the SSH key"))?;
+        .map_err(io(format!("writing {name}")))?;
     Ok(path)
 }
 
@@ -319,6 +427,63 @@ mod tests {
         for good in ["main", "release/1.2", "v1.0.0", &"a".repeat(40)] {
             assert!(check_revision(good).is_ok(), "{good}");
         }
+    }
+
+    #[test]
+    fn unknown_hosts_are_refused_unless_keys_are_given_or_new_ones_accepted() {
+        let key = Path::new("/s/ssh-key");
+        assert_eq!(
+            ssh_command(Some(key), &HostKeys::Known("/s/known_hosts".into())),
+            "ssh -i '/s/ssh-key' -o IdentitiesOnly=yes -o StrictHostKeyChecking=yes -o UserKnownHostsFile='/s/known_hosts'"
+        );
+        assert_eq!(
+            ssh_command(None, &HostKeys::AcceptNew("/s/known_hosts".into())),
+            "ssh -o StrictHostKeyChecking=accept-new -o UserKnownHostsFile='/s/known_hosts'"
+        );
+        assert_eq!(
+            ssh_command(Some(key), &HostKeys::Image),
+            "ssh -i '/s/ssh-key' -o IdentitiesOnly=yes -o StrictHostKeyChecking=yes"
+        );
+    }
+
+    #[test]
+    fn known_hosts_lines_are_checked() {
+        let good = "# comment\ngithub.com ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl\n@cert-authority *.example.com ssh-rsa AAAA\n";
+        assert!(check_known_hosts(good).is_ok());
+        for (bad, line) in [
+            ("github.com ssh-ed25519\n", 1),
+            ("a ssh-rsa AAAA\nb ssh-rsa not*base64\n", 2),
+        ] {
+            match check_known_hosts(bad) {
+                Err(GitError::BadKnownHosts { line: l, .. }) => assert_eq!(l, line, "{bad:?}"),
+                other => panic!("{bad:?}: {other:?}"),
+            }
+        }
+        for empty in ["# only a comment\n", ""] {
+            assert!(matches!(
+                check_known_hosts(empty),
+                Err(GitError::EmptyKnownHosts)
+            ));
+        }
+    }
+
+    #[test]
+    fn a_host_key_refusal_says_how_to_fix_it() {
+        let e = failure(
+            "fetch",
+            "exit status: 128".into(),
+            "Host key verification failed.\nfatal: Could not read from remote repository.".into(),
+        );
+        assert!(matches!(e, GitError::UntrustedHostKey { .. }), "{e:?}");
+        let text = e.to_string();
+        assert!(
+            text.contains("knownHosts") && text.contains("--git-ssh-accept-new-host-keys"),
+            "{text}"
+        );
+        assert!(matches!(
+            failure("fetch", "1".into(), "fatal: not found".into()),
+            GitError::Failed { .. }
+        ));
     }
 
     #[test]

@@ -13,6 +13,7 @@ pub mod client;
 pub mod git;
 pub mod inflight;
 pub mod init;
+pub mod limits;
 pub mod pulumi;
 pub mod server;
 pub mod values;

@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use pko_agent::auth::TokenAuth;
 use pko_agent::git;
 use pko_agent::init::{self, FluxFetch};
+use pko_agent::limits::{self, Limits};
 use pko_agent::proto::automation_service_server::AutomationServiceServer;
 use pko_agent::pulumi::Cli;
 use pko_agent::server::{self, Agent};
@@ -90,6 +91,43 @@ struct ServeArgs {
     /// Seconds an interrupted operation may take to stop before it is killed.
     #[arg(long, default_value_t = 60)]
     cancel_grace_seconds: u64,
+    /// Bytes of one log line sent or kept: a line of the CLI's output, or one string of an
+    /// engine event (a message the program printed, a property value); longer ones are cut and
+    /// end with `… [truncated N bytes]`.
+    #[arg(
+        long,
+        env = "AGENT_MAX_LOG_LINE_BYTES",
+        default_value_t = limits::DEFAULT_MAX_LOG_LINE_BYTES as u64,
+        value_parser = bound_bytes,
+    )]
+    max_log_line_bytes: u64,
+    /// Bytes of one stack output value (its JSON encoding); a longer value is sent as a string
+    /// of its first bytes ending with `… [truncated N bytes]`.
+    #[arg(
+        long,
+        env = "AGENT_MAX_OUTPUT_VALUE_BYTES",
+        default_value_t = limits::DEFAULT_MAX_OUTPUT_VALUE_BYTES as u64,
+        value_parser = bound_bytes,
+    )]
+    max_output_value_bytes: u64,
+}
+
+/// A size bound: at least room for some text and the marker, at most one gRPC message.
+fn bound_bytes(text: &str) -> Result<u64, String> {
+    let n: u64 = text
+        .parse()
+        .map_err(|_| format!("{text:?} is not a number of bytes"))?;
+    let (min, max) = (
+        limits::MIN_BOUND_BYTES as u64,
+        limits::MAX_MESSAGE_BYTES as u64,
+    );
+    if (min..=max).contains(&n) {
+        Ok(n)
+    } else {
+        Err(format!(
+            "{n} is out of range: between {min} and {max} bytes"
+        ))
+    }
 }
 
 #[derive(clap::Args, Debug)]
@@ -107,7 +145,8 @@ struct InitArgs {
     #[arg(long, requires = "flux_url")]
     flux_digest: Option<String>,
     /// Git repository URL, checked out with the image's `git` CLI (credentials from the
-    /// `GIT_USERNAME`/`GIT_PASSWORD`/`GIT_TOKEN`/`GIT_SSH_PRIVATE_KEY` env).
+    /// `GIT_USERNAME`/`GIT_PASSWORD`/`GIT_TOKEN`/`GIT_SSH_PRIVATE_KEY`/`GIT_SSH_KNOWN_HOSTS`
+    /// env).
     #[arg(long, requires = "git_revision", conflicts_with = "project_name")]
     git_url: Option<String>,
     /// Commit SHA, branch or tag to check out.
@@ -116,6 +155,10 @@ struct InitArgs {
     /// Fetch only the one commit when the server allows it.
     #[arg(long, env = "GIT_SHALLOW")]
     git_shallow: bool,
+    /// Trust an SSH host key seen for the first time (ssh's `accept-new`) when no known_hosts
+    /// is given (`GIT_SSH_KNOWN_HOSTS`); without it an unknown host is refused.
+    #[arg(long, env = "GIT_SSH_ACCEPT_NEW_HOST_KEYS")]
+    git_ssh_accept_new_host_keys: bool,
     /// The git executable.
     #[arg(long, env = "GIT_CLI", default_value = "git")]
     git: PathBuf,
@@ -201,7 +244,10 @@ async fn run_init(a: InitArgs) -> anyhow::Result<()> {
             url: url.clone(),
             revision: revision.clone(),
             shallow: a.git_shallow,
-            auth: git::GitAuth::from_env(),
+            auth: git::GitAuth {
+                ssh_accept_new_host_keys: a.git_ssh_accept_new_host_keys,
+                ..git::GitAuth::from_env()
+            },
             program: a.git.clone(),
         };
         let commit = git::clone(&fetch, &target_dir)
@@ -267,6 +313,12 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         Some(path) => read_env_file(path)?,
         None => Vec::new(),
     };
+    let limits = Limits {
+        max_log_line_bytes: usize::try_from(a.max_log_line_bytes)
+            .context("--max-log-line-bytes")?,
+        max_output_value_bytes: usize::try_from(a.max_output_value_bytes)
+            .context("--max-output-value-bytes")?,
+    };
     let cli = Cli::new(
         a.pulumi.clone(),
         workdir.clone(),
@@ -274,12 +326,13 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     )
     .with_env(env)
     .with_log_level(a.pulumi_log_level)
-    .with_cancel_grace(Duration::from_secs(a.cancel_grace_seconds));
+    .with_cancel_grace(Duration::from_secs(a.cancel_grace_seconds))
+    .with_max_line_bytes(limits.max_log_line_bytes);
     let project = server::project_info(&workdir)?;
     info!(project = %project.name, runtime = %project.runtime, workspace = %workdir.display(), "workspace");
 
     let shutdown = CancellationToken::new();
-    let agent = Agent::new(cli.clone(), shutdown.clone());
+    let agent = Agent::new(cli.clone(), shutdown.clone(), limits);
     if !a.skip_install {
         cli.run(&["install".to_owned()])
             .await
@@ -317,8 +370,8 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     info!(address = %local, instance = agent.instance(), "serving");
     let service = tonic::service::interceptor::InterceptedService::new(
         AutomationServiceServer::new(agent)
-            .max_decoding_message_size(64 * 1024 * 1024)
-            .max_encoding_message_size(400 * 1024 * 1024),
+            .max_decoding_message_size(limits::MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(limits::MAX_MESSAGE_BYTES),
         TokenAuth::new(token),
     );
 

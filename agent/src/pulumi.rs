@@ -13,6 +13,8 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
+use crate::limits::{self, BoundedLine};
+
 /// How much of a command's stdout/stderr is kept (the end of it).
 const OUTPUT_LIMIT: usize = 1024 * 1024;
 /// How often the event log is read while an operation runs.
@@ -79,6 +81,8 @@ pub struct Cli {
     log_level: u32,
     state_dir: PathBuf,
     cancel_grace: Duration,
+    /// Bound of one line of the CLI's output and of one string of an engine event.
+    max_line_bytes: usize,
     /// Variables pushed by the operator (`SetEnvironmentVariables`); shared by clones.
     pushed: Arc<Mutex<BTreeMap<String, String>>>,
 }
@@ -94,6 +98,7 @@ impl Cli {
             log_level: 0,
             state_dir,
             cancel_grace: Duration::from_secs(60),
+            max_line_bytes: limits::DEFAULT_MAX_LOG_LINE_BYTES,
             pushed: Arc::default(),
         }
     }
@@ -146,6 +151,13 @@ impl Cli {
     /// How long a canceled operation may take to stop after SIGINT before it is killed.
     pub fn with_cancel_grace(mut self, grace: Duration) -> Self {
         self.cancel_grace = grace;
+        self
+    }
+
+    /// Lines of the CLI's output, and strings of engine events, longer than this are cut (see
+    /// [`crate::limits`]).
+    pub fn with_max_line_bytes(mut self, max: usize) -> Self {
+        self.max_line_bytes = max;
         self
     }
 
@@ -273,10 +285,11 @@ impl Cli {
             .spawn()
             .map_err(|e| self.spawn_error(e))?;
         let pid = child.id();
-        let stdout = tokio::spawn(capture(child.stdout.take(), "stdout"));
-        let stderr = tokio::spawn(capture(child.stderr.take(), "stderr"));
+        let max_line = self.max_line_bytes;
+        let stdout = tokio::spawn(capture(child.stdout.take(), "stdout", max_line));
+        let stderr = tokio::spawn(capture(child.stderr.take(), "stderr", max_line));
 
-        let mut log = EventLog::new(log_file);
+        let mut log = EventLog::new(log_file, max_line);
         let mut tick = tokio::time::interval(EVENT_POLL);
         let mut interrupted = false;
         let mut kill_at: Option<tokio::time::Instant> = None;
@@ -367,23 +380,52 @@ fn kill_group(pid: Option<u32>) {
     }
 }
 
-/// Reads a pipe to the end, logging each line and keeping the last [`OUTPUT_LIMIT`] bytes.
-async fn capture(pipe: Option<impl AsyncRead + Unpin>, stream: &'static str) -> String {
+/// Reads a pipe to the end, logging each line and keeping the last [`OUTPUT_LIMIT`] bytes. A
+/// line longer than `max_line` bytes is cut as it is read, so a huge line is never held whole.
+async fn capture(
+    pipe: Option<impl AsyncRead + Unpin>,
+    stream: &'static str,
+    max_line: usize,
+) -> String {
     let Some(pipe) = pipe else {
         return String::new();
     };
-    let mut lines = BufReader::new(pipe).lines();
+    let mut reader = BufReader::new(pipe);
+    let mut line = BoundedLine::new(max_line);
     let mut kept: VecDeque<String> = VecDeque::new();
     let mut size = 0usize;
-    while let Ok(Some(line)) = lines.next_line().await {
-        debug!(target: "pulumi", stream, "{line}");
-        size += line.len() + 1;
-        kept.push_back(line);
+    let mut keep = |text: String| {
+        debug!(target: "pulumi", stream, "{text}");
+        size += text.len() + 1;
+        kept.push_back(text);
         while size > OUTPUT_LIMIT {
             match kept.pop_front() {
                 Some(old) => size -= old.len() + 1,
                 None => break,
             }
+        }
+    };
+    while let Ok(chunk) = reader.fill_buf().await {
+        if chunk.is_empty() {
+            if !line.is_empty() {
+                keep(line.take());
+            }
+            break;
+        }
+        let (consumed, ended) = match chunk.iter().position(|b| *b == b'\n') {
+            Some(at) => {
+                let piece = &chunk[..at];
+                line.push(piece.strip_suffix(b"\r").unwrap_or(piece));
+                (at + 1, true)
+            }
+            None => {
+                line.push(chunk);
+                (chunk.len(), false)
+            }
+        };
+        reader.consume(consumed);
+        if ended {
+            keep(line.take());
         }
     }
     let mut text = kept.into_iter().collect::<Vec<_>>().join("\n");
@@ -397,13 +439,15 @@ async fn capture(pipe: Option<impl AsyncRead + Unpin>, stream: &'static str) -> 
 struct EventLog {
     file: tokio::fs::File,
     partial: Vec<u8>,
+    max_string: usize,
 }
 
 impl EventLog {
-    fn new(file: tokio::fs::File) -> Self {
+    fn new(file: tokio::fs::File, max_string: usize) -> Self {
         Self {
             file,
             partial: Vec::new(),
+            max_string,
         }
     }
 
@@ -423,7 +467,10 @@ impl EventLog {
                 continue;
             }
             match serde_json::from_str::<Value>(line) {
-                Ok(event) => {
+                Ok(mut event) => {
+                    // A diagnostic is a line the program printed; property values can be any
+                    // size: each is bounded before it travels.
+                    limits::truncate_strings(&mut event, self.max_string);
                     if events.send(event).await.is_err() {
                         return true;
                     }
@@ -466,6 +513,22 @@ pub fn redacted(args: &[String]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn captured_lines_are_cut_at_the_bound() {
+        let long = format!("{}\r\n", "ä".repeat(50));
+        let text = format!("short\n{long}tail without newline");
+        let got = capture(Some(text.as_bytes()), "stdout", 11).await;
+        let lines: Vec<&str> = got.lines().collect();
+        assert_eq!(
+            lines,
+            vec![
+                "short",
+                &format!("äääää{}", limits::marker(90)),
+                &format!("tail withou{}", limits::marker(9)),
+            ]
+        );
+    }
 
     #[test]
     fn secrets_never_reach_a_logged_command() {

@@ -20,6 +20,7 @@ use tracing::{info, warn};
 
 use crate::INSTANCE_HEADER;
 use crate::inflight::{self, Inflight};
+use crate::limits::{self, Limits, MAX_MESSAGE_BYTES};
 use crate::proto::automation_service_server::AutomationService;
 use crate::proto::{self as pb, config_item, config_value_from};
 use crate::pulumi::{Cli, Output, PulumiError, tail};
@@ -49,13 +50,15 @@ struct Inner {
     lock: tokio::sync::Mutex<()>,
     shutdown: CancellationToken,
     instance: String,
+    limits: Limits,
     /// When this process started: stack locks taken before it may be a dead predecessor's.
     started: jiff::Timestamp,
 }
 
 impl Agent {
-    /// `shutdown` interrupts running operations (agent termination).
-    pub fn new(cli: Cli, shutdown: CancellationToken) -> Self {
+    /// `shutdown` interrupts running operations (agent termination); `limits` bound what is
+    /// sent (the CLI's own lines are bounded by the [`Cli`]).
+    pub fn new(cli: Cli, shutdown: CancellationToken, limits: Limits) -> Self {
         Self {
             inner: Arc::new(Inner {
                 cli,
@@ -63,6 +66,7 @@ impl Agent {
                 lock: tokio::sync::Mutex::new(()),
                 shutdown,
                 instance: format!("{:016x}", rand::random::<u64>()),
+                limits,
                 started: jiff::Timestamp::now(),
             }),
         }
@@ -193,7 +197,7 @@ impl Agent {
         finish: F,
     ) -> Result<Response<RpcStream<T>>, Status>
     where
-        T: Send + 'static,
+        T: prost::Message + Send + 'static,
         F: FnOnce(Agent, String, Output, OpTimes) -> Fut + Send + 'static,
         Fut: std::future::Future<Output = Result<T, Status>> + Send,
     {
@@ -215,11 +219,20 @@ impl Agent {
                     };
                     let Some(event) = event else { break };
                     let Value::Object(map) = event else { continue };
-                    if forward_tx
-                        .send(Ok(wrap_event(values::to_struct(&map))))
-                        .await
-                        .is_err()
-                    {
+                    let message = wrap_event(values::to_struct(&map));
+                    // Its strings are bounded already; only an event of very many of them
+                    // gets here, and sending it would end the whole stream.
+                    let size = message.encoded_len();
+                    if size > MAX_MESSAGE_BYTES {
+                        warn!(
+                            operation = kind,
+                            size,
+                            limit = MAX_MESSAGE_BYTES,
+                            "engine event dropped: over the message limit"
+                        );
+                        continue;
+                    }
+                    if forward_tx.send(Ok(message)).await.is_err() {
                         break;
                     }
                 }
@@ -263,7 +276,9 @@ impl Agent {
                 end: jiff::Timestamp::now(),
             };
             let message = match result {
-                Ok(output) => finish(agent.clone(), stack, output, times).await,
+                Ok(output) => finish(agent.clone(), stack, output, times)
+                    .await
+                    .and_then(|m| within_message_limit(kind, m)),
                 Err(e) => Err(to_status(kind, e)),
             };
             if let Err(status) = &message {
@@ -357,7 +372,15 @@ impl Agent {
                 // The Automation API's rule: a secret shows as "[secret]" without --show-secrets.
                 let secret =
                     masked.get(&key) == Some(&json!("[secret]")) && value != json!("[secret]");
-                let bytes = serde_json::to_vec(&value).unwrap_or_default();
+                let (bytes, cut) =
+                    limits::output_value(&value, self.inner.limits.max_output_value_bytes);
+                if cut {
+                    warn!(
+                        output = %key,
+                        limit = self.inner.limits.max_output_value_bytes,
+                        "stack output value truncated"
+                    );
+                }
                 outputs.insert(
                     key,
                     pb::OutputValue {
@@ -413,6 +436,26 @@ impl Agent {
             None => local_summary(times, ""),
         }
     }
+}
+
+/// Reason of the `PulumiErrorInfo` of an answer over the message limit.
+pub const RESPONSE_TOO_LARGE: &str = "ResponseTooLarge";
+
+/// `message` when it fits in one gRPC message; else a status that says so (the transport would
+/// fail the stream with a bare "encoded message length too large").
+fn within_message_limit<T: prost::Message>(kind: &str, message: T) -> Result<T, Status> {
+    let size = message.encoded_len();
+    if size <= MAX_MESSAGE_BYTES {
+        return Ok(message);
+    }
+    Err(with_error_info(
+        Code::OutOfRange,
+        format!(
+            "the result of {kind} is {size} bytes, over the {MAX_MESSAGE_BYTES}-byte message limit (its outputs or CLI output are too large together; each output value is cut at --max-output-value-bytes)"
+        ),
+        413,
+        RESPONSE_TOO_LARGE,
+    ))
 }
 
 /// Wall-clock bounds of one operation, measured by the agent.

@@ -180,6 +180,14 @@ pub const TEST_SERVER_NAME: &str = "agent.pko-tests.invalid";
 
 impl AgentProcess {
     pub async fn start(opts: AgentOptions) -> Result<Self, HarnessError> {
+        Self::start_with_args(opts, &[]).await
+    }
+
+    /// [`AgentProcess::start`] with more `serve` arguments (limits, for instance).
+    pub async fn start_with_args(
+        opts: AgentOptions,
+        extra: &[String],
+    ) -> Result<Self, HarnessError> {
         let port = free_port()?;
         let mut cmd = Command::new(agent_binary()?);
         cmd.arg("serve")
@@ -195,6 +203,7 @@ impl AgentProcess {
             // The most the agent logs: a secret must not show even here.
             .arg("--log-level=info,pko_agent=trace,pulumi=trace")
             .args(["--cancel-grace-seconds", "20"])
+            .args(extra)
             .envs(pulumi_env(&opts.state)?)
             .env(POD_MARKER, opts.state.display().to_string());
         let mut cert_pem = None;

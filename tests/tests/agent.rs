@@ -676,3 +676,158 @@ async fn structured_config_reaches_the_program_typed() {
     assert_eq!(output("replicas"), json!(3));
     assert_eq!(output("tags"), json!(["a", "b"]));
 }
+
+/// `text`, when cut by the agent at `max` bytes: (the kept text, the bytes cut); `None` when it
+/// carries no marker.
+fn cut_at(text: &str, max: usize) -> Option<(&str, usize)> {
+    let at = text.rfind("… [truncated ")?;
+    let (kept, marker) = text.split_at(at);
+    let cut: usize = marker
+        .strip_prefix("… [truncated ")?
+        .strip_suffix(" bytes]")?
+        .parse()
+        .ok()?;
+    assert!(kept.len() <= max, "{} bytes kept, over {max}", kept.len());
+    assert!(!kept.contains('\u{FFFD}'), "a character was split");
+    Some((kept, cut))
+}
+
+/// Every string of a JSON value.
+fn strings(value: &Value, out: &mut Vec<String>) {
+    match value {
+        Value::String(s) => out.push(s.clone()),
+        Value::Array(items) => items.iter().for_each(|v| strings(v, out)),
+        Value::Object(map) => map.values().for_each(|v| strings(v, out)),
+        _ => {}
+    }
+}
+
+/// A program's huge output and huge printed message reach the client cut at the agent's bounds,
+/// with the marker, on a character boundary ("x" then 2-byte characters: every even bound falls
+/// inside one): the output value, the engine events' strings, the CLI's output lines.
+#[tokio::test]
+async fn huge_outputs_and_lines_reach_the_client_cut_with_a_marker() {
+    const LINE: usize = 4096;
+    const VALUE: usize = 8192;
+    let tmp = tempfile::tempdir().expect("tmp");
+    let ws = tmp.path().join("workspace");
+    let big = tmp.path().join("big.txt");
+    let content = format!("x{}", "é".repeat(150_000));
+    std::fs::write(&big, &content).expect("big file");
+    let program = |output: &str| {
+        format!(
+            "name: big\nruntime: yaml\nvariables:\n  huge:\n    fn::readFile: {}\noutputs:\n  small: ok\n  big: {output}\n",
+            big.display()
+        )
+    };
+    project(&ws, &program("${huge}"));
+    let agent = AgentProcess::start_with_args(
+        AgentOptions {
+            workspace: ws.clone(),
+            state: tmp.path().to_path_buf(),
+            tls: false,
+            token: Some("tok".into()),
+        },
+        &[
+            format!("--max-log-line-bytes={LINE}"),
+            format!("--max-output-value-bytes={VALUE}"),
+        ],
+    )
+    .await
+    .expect("agent");
+    let mut client = agent.client().await.expect("client");
+    client
+        .select_stack(pb::SelectStackRequest {
+            stack_name: "dev".into(),
+            create: Some(true),
+            secrets_provider: None,
+        })
+        .await
+        .expect("select");
+
+    let up = client
+        .up(pb::UpRequest::default())
+        .await
+        .expect("up")
+        .into_inner();
+    let (events, result) = drain(up, |m: &pb::UpStream| match &m.response {
+        Some(pb::up_stream::Response::Event(e)) => {
+            Some(Value::Object(pko_agent::values::from_struct(e)))
+        }
+        _ => None,
+    })
+    .await
+    .unwrap_or_else(|e| panic!("up stream: {e:?}\n{}", agent.log_text()));
+    let Some(pb::up_stream::Response::Result(up)) = result.response else {
+        panic!("up result")
+    };
+    let output = |k: &str| serde_json::from_slice::<Value>(&up.outputs[k].value).expect("json");
+    assert_eq!(output("small"), json!("ok"));
+    let big_out = output("big");
+    let big_out = big_out.as_str().expect("a string");
+    let (kept, cut) = cut_at(big_out, VALUE).expect("the output value carries the marker");
+    assert!(content.starts_with(kept), "the value's beginning is kept");
+    assert_eq!(
+        kept.len() + cut,
+        content.len(),
+        "the marker counts what was cut"
+    );
+    assert!(kept.len() > VALUE - 2, "as much as fits is kept");
+
+    // The value travels in the engine's events too (the stack's outputs): cut at the line bound.
+    let mut texts = Vec::new();
+    events.iter().for_each(|e| strings(e, &mut texts));
+    let cut_strings: Vec<&String> = texts.iter().filter(|t| t.contains("[truncated ")).collect();
+    assert!(!cut_strings.is_empty(), "some event string was cut");
+    for text in &texts {
+        assert!(
+            text.len() <= LINE || cut_at(text, LINE).is_some(),
+            "an event string of {} bytes",
+            text.len()
+        );
+    }
+    // No line of the CLI's output passes the bound either.
+    for line in up.stdout.lines() {
+        assert!(
+            line.len() <= LINE || cut_at(line, LINE).is_some(),
+            "a stdout line of {} bytes",
+            line.len()
+        );
+    }
+
+    // A message the program prints: the language host's error quotes the whole file.
+    project(&ws, &program("{\"fn::fromBase64\": \"${huge}\"}"));
+    let preview = client
+        .preview(pb::PreviewRequest::default())
+        .await
+        .expect("preview")
+        .into_inner();
+    let mut stream = preview;
+    let mut diagnostics = Vec::new();
+    let end = loop {
+        match stream.message().await {
+            Ok(Some(pb::PreviewStream {
+                response: Some(pb::preview_stream::Response::Event(e)),
+            })) => {
+                let event = Value::Object(pko_agent::values::from_struct(&e));
+                if let Some(m) = event
+                    .pointer("/diagnosticEvent/message")
+                    .and_then(Value::as_str)
+                {
+                    diagnostics.push(m.to_owned());
+                }
+            }
+            Ok(Some(_)) => {}
+            Ok(None) => break None,
+            Err(status) => break Some(status),
+        }
+    };
+    let status = end.expect("the preview fails: the file is no base64");
+    assert!(status.message().len() < 4000, "{}", status.message().len());
+    let quoted = diagnostics
+        .iter()
+        .find(|m| m.starts_with("fn::fromBase64 unable to decode"))
+        .unwrap_or_else(|| panic!("no diagnostic quoting the file: {diagnostics:?}"));
+    let (kept, _) = cut_at(quoted, LINE).expect("the printed message carries the marker");
+    assert!(kept.len() > LINE - 2, "{}", kept.len());
+}

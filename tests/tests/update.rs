@@ -26,6 +26,11 @@ struct Env {
 }
 
 async fn env(prefix: &str) -> Env {
+    env_with(prefix, &[]).await
+}
+
+/// [`env`] with more operator arguments.
+async fn env_with(prefix: &str, operator_args: &[&str]) -> Env {
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace(prefix).await.expect("namespace");
     let tmp = tempfile::tempdir().expect("tmp");
@@ -35,10 +40,13 @@ async fn env(prefix: &str) -> Env {
         plane,
         OperatorOptions {
             advertised: None,
-            args: vec![
+            args: [
                 format!("--watch-namespace={ns}"),
                 "--workspace-localhost=127.0.0.1".into(),
-            ],
+            ]
+            .into_iter()
+            .chain(operator_args.iter().map(|a| (*a).to_owned()))
+            .collect(),
         },
     )
     .await
@@ -99,10 +107,30 @@ impl Env {
     }
 
     async fn workspace(&self, url: &str, digest: &str, file: &Path) {
+        self.workspace_with_agent_env(url, digest, file, &[]).await;
+    }
+
+    /// [`Env::workspace`] with variables in the agent container's own env (its limits), set
+    /// through the pod template.
+    async fn workspace_with_agent_env(
+        &self,
+        url: &str,
+        digest: &str,
+        file: &Path,
+        agent_env: &[(&str, &str)],
+    ) {
         let api: Api<Workspace> = Api::namespaced(self.client(), &self.ns);
+        let mut spec = self.workspace_spec(url, digest, file);
+        if !agent_env.is_empty() {
+            let env: Vec<Value> = agent_env
+                .iter()
+                .map(|(name, value)| json!({"name": name, "value": value}))
+                .collect();
+            spec["podTemplate"] = json!({"spec": {"containers": [{"name": "pulumi", "env": env}]}});
+        }
         let ws: Workspace = serde_json::from_value(json!({
             "apiVersion": "auto.pulumi.com/v1alpha1", "kind": "Workspace",
-            "metadata": {"name": "reader"}, "spec": self.workspace_spec(url, digest, file),
+            "metadata": {"name": "reader"}, "spec": spec,
         }))
         .expect("workspace");
         api.create(&PostParams::default(), &ws)
@@ -494,4 +522,252 @@ async fn a_completed_update_is_deleted_after_its_ttl() {
     })
     .await
     .expect("deleted after its ttl");
+}
+
+/// `text` ends with the agent's marker after at most `max` bytes: the bytes it says were cut.
+fn cut_at(text: &str, max: usize) -> Option<usize> {
+    let at = text.rfind("… [truncated ")?;
+    let (kept, marker) = text.split_at(at);
+    assert!(kept.len() <= max, "{} bytes kept, over {max}", kept.len());
+    marker
+        .strip_prefix("… [truncated ")?
+        .strip_suffix(" bytes]")?
+        .parse()
+        .ok()
+}
+
+/// A 3 MiB output (over the agent's default 512 KiB per value, and over what one Secret can
+/// hold) is stored cut, with the marker, and the Update succeeds.
+#[tokio::test]
+async fn an_output_over_the_agent_bound_is_stored_cut_with_a_marker() {
+    let env = env("upd-bigout").await;
+    let (url, digest) = env.program().await;
+    let big = env.tmp.path().join("big.txt");
+    let content = "y".repeat(3 * 1024 * 1024);
+    std::fs::write(&big, &content).expect("big file");
+    env.workspace(&url, &digest, &big).await;
+
+    let api = env.update("up-big", "up").await;
+    let up = env.completed(&api, "up-big").await;
+    let (failed, reason, message) = condition(&up, "Failed");
+    assert_eq!(
+        (failed.as_str(), reason.as_str()),
+        ("False", "UpdateSucceeded"),
+        "{message}"
+    );
+    let secrets: Api<Secret> = Api::namespaced(env.client(), &env.ns);
+    let data = secrets
+        .get("up-big-stack-outputs")
+        .await
+        .expect("outputs secret")
+        .data
+        .unwrap_or_default();
+    let stored: Value = serde_json::from_slice(&data["content"].0).expect("json");
+    let stored = stored.as_str().expect("a string");
+    let cut = cut_at(stored, 512 * 1024).expect("the stored value carries the marker");
+    let kept = stored.rfind("… [truncated ").expect("marker");
+    assert_eq!(kept + cut, content.len(), "the marker counts what was cut");
+    assert!(stored.starts_with(&content[..512 * 1024]));
+    // The other outputs are whole.
+    assert_eq!(
+        serde_json::from_slice::<Value>(&data["count"].0).expect("json"),
+        json!(3)
+    );
+}
+
+/// One output allowed up to 16 MiB by the agent's env (pod template), and a 17 MiB file: the answer cannot
+/// travel. The Update fails once, with ResponseTooLarge and the sizes; the operator stays up and
+/// does not run the operation again.
+#[tokio::test]
+async fn an_answer_over_the_message_limit_fails_the_update_cleanly() {
+    let env = env("upd-toolarge").await;
+    let (url, digest) = env.program().await;
+    let big = env.tmp.path().join("big.txt");
+    std::fs::write(&big, "z".repeat(17 * 1024 * 1024)).expect("big file");
+    env.workspace_with_agent_env(
+        &url,
+        &digest,
+        &big,
+        &[("AGENT_MAX_OUTPUT_VALUE_BYTES", "16777216")],
+    )
+    .await;
+
+    let api = env.update("up-huge", "up").await;
+    let up = env.completed(&api, "up-huge").await;
+    let (failed, reason, message) = condition(&up, "Failed");
+    assert_eq!(
+        (failed.as_str(), reason.as_str()),
+        ("True", "ResponseTooLarge"),
+        "{message}\n{}",
+        env.kubelet.logs("reader")
+    );
+    assert!(message.contains("16777216-byte message limit"), "{message}");
+    assert_eq!(condition(&up, "Complete").0, "True");
+    assert!(
+        up.status
+            .as_ref()
+            .and_then(|s| s.outputs.as_ref())
+            .is_none(),
+        "no outputs Secret is named"
+    );
+    let ready = reqwest::get(env.operator.probe_url("/readyz"))
+        .await
+        .expect("the operator answers");
+    assert!(ready.status().is_success(), "{}", env.operator.log_text());
+    let logs = env.kubelet.logs("reader");
+    assert_eq!(
+        logs.matches("operation started").count(),
+        1,
+        "the operation ran once:\n{logs}"
+    );
+}
+
+/// With `--max-operations-in-flight=1`, a second Update waits (Progressing False, reason
+/// Queued) while the first runs, then runs when it ends; neither fails.
+#[tokio::test]
+async fn updates_beyond_the_in_flight_bound_wait_queued_then_run() {
+    let env = env_with("upd-queue", &["--max-operations-in-flight=1"]).await;
+    let (url, digest) = env.program().await;
+    let pipe = env.tmp.path().join("pipe");
+    fifo::make(&pipe).expect("mkfifo");
+    env.workspace(&url, &digest, &pipe).await;
+
+    let api = env.update("up-first", "up").await;
+    let progressing = |u: &Update| {
+        u.status
+            .as_ref()?
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Progressing")
+            .map(|c| (c.status.clone(), c.reason.clone(), c.message.clone()))
+    };
+    wait_for("the first update to be Progressing", WAIT, || async {
+        let u = api.get("up-first").await.ok()?;
+        (progressing(&u)?.0 == "True").then_some(())
+    })
+    .await
+    .expect("progressing");
+    env.update("up-second", "up").await;
+    let queued = wait_for("the second update to be queued", WAIT, || async {
+        let u = api.get("up-second").await.ok()?;
+        let (status, reason, message) = progressing(&u)?;
+        (status == "False" && reason == "Queued").then_some(message)
+    })
+    .await
+    .expect("queued");
+    assert!(queued.contains("--max-operations-in-flight"), "{queued}");
+    // Still queued while the first one is blocked on the pipe.
+    let first = api.get("up-first").await.expect("first");
+    assert_eq!(condition(&first, "Progressing").0, "True");
+
+    let feeder = fifo::Feeder::start(pipe, "fed\n", WAIT);
+    for name in ["up-first", "up-second"] {
+        let u = env.completed(&api, name).await;
+        let (failed, reason, message) = condition(&u, "Failed");
+        assert_eq!(
+            (failed.as_str(), reason.as_str()),
+            ("False", "UpdateSucceeded"),
+            "{name}: {message}"
+        );
+    }
+    drop(feeder);
+}
+
+/// An `<update>-stack-outputs` Secret already there: a tenant's own (no controller reference to
+/// the Update) is left as it is and the Update fails with OutputsUnavailable saying why; one
+/// controlled by the Update (left by an interrupted run) is replaced.
+#[tokio::test]
+async fn an_outputs_secret_is_replaced_only_when_it_is_the_updates_own() {
+    let env = env("upd-owned").await;
+    let (url, digest) = env.program().await;
+    let pipe = env.tmp.path().join("pipe");
+    fifo::make(&pipe).expect("mkfifo");
+    env.workspace(&url, &digest, &pipe).await;
+    let secrets: Api<Secret> = Api::namespaced(env.client(), &env.ns);
+    let secret = |name: &str, owner: Option<Value>| -> Secret {
+        let mut metadata = json!({"name": name});
+        if let Some(owner) = owner {
+            metadata["ownerReferences"] = json!([owner]);
+        }
+        serde_json::from_value(json!({
+            "apiVersion": "v1", "kind": "Secret", "metadata": metadata,
+            "stringData": {"content": "\"stale\""},
+        }))
+        .expect("secret")
+    };
+
+    let foreign = secrets
+        .create(
+            &PostParams::default(),
+            &secret("up-foreign-stack-outputs", None),
+        )
+        .await
+        .expect("a tenant's secret");
+    let feeder = fifo::Feeder::start(pipe.clone(), "fed\n", WAIT);
+    let api = env.update("up-foreign", "up").await;
+    let up = env.completed(&api, "up-foreign").await;
+    drop(feeder);
+    let (failed, reason, message) = condition(&up, "Failed");
+    assert_eq!(
+        (failed.as_str(), reason.as_str()),
+        ("True", "OutputsUnavailable"),
+        "{message}"
+    );
+    assert!(
+        message.contains("up-foreign-stack-outputs") && message.contains("is not this Update's"),
+        "{message}"
+    );
+    let after = secrets
+        .get("up-foreign-stack-outputs")
+        .await
+        .expect("still there");
+    assert_eq!(after.metadata.uid, foreign.metadata.uid, "not replaced");
+    assert_eq!(
+        after.metadata.resource_version, foreign.metadata.resource_version,
+        "not changed"
+    );
+
+    // The next Update blocks on the pipe until a Secret controlled by it is in place.
+    let api = env.update("up-ours", "up").await;
+    let uid = wait_for("the update to be Progressing", WAIT, || async {
+        let u = api.get("up-ours").await.ok()?;
+        let progressing = u
+            .status
+            .as_ref()?
+            .conditions
+            .iter()
+            .any(|c| c.type_ == "Progressing" && c.status == "True");
+        progressing.then(|| u.metadata.uid.clone()).flatten()
+    })
+    .await
+    .expect("progressing");
+    let ours = secrets
+        .create(
+            &PostParams::default(),
+            &secret(
+                "up-ours-stack-outputs",
+                Some(json!({
+                    "apiVersion": "auto.pulumi.com/v1alpha1", "kind": "Update",
+                    "name": "up-ours", "uid": uid, "controller": true,
+                })),
+            ),
+        )
+        .await
+        .expect("a secret of the update");
+    let feeder = fifo::Feeder::start(pipe, "fed\n", WAIT);
+    let up = env.completed(&api, "up-ours").await;
+    drop(feeder);
+    let (failed, reason, message) = condition(&up, "Failed");
+    assert_eq!(
+        (failed.as_str(), reason.as_str()),
+        ("False", "UpdateSucceeded"),
+        "{message}"
+    );
+    let replaced = secrets.get("up-ours-stack-outputs").await.expect("outputs");
+    assert_ne!(replaced.metadata.uid, ours.metadata.uid, "replaced");
+    let data = replaced.data.unwrap_or_default();
+    assert_eq!(
+        serde_json::from_slice::<Value>(&data["content"].0).expect("json"),
+        json!("fed\n")
+    );
 }

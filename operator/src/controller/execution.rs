@@ -32,6 +32,19 @@ pub struct ExecutionArgs {
     /// Largest artifact a workspace accepts (bytes; passed to the fetch container).
     #[arg(long, env = "FLUX_MAX_UNTAR_SIZE_BYTES")]
     pub max_artifact_bytes: Option<String>,
+    /// Update operations (preview, up, refresh, destroy) running at once; more Updates wait,
+    /// with the reason `Queued`, until one ends.
+    #[arg(
+        long,
+        env = "MAX_OPERATIONS_IN_FLIGHT",
+        default_value_t = update::DEFAULT_MAX_OPERATIONS_IN_FLIGHT,
+        value_parser = clap::value_parser!(u32).range(1..),
+    )]
+    pub max_operations_in_flight: u32,
+    /// Git over SSH: trust a server's host key seen for the first time when the Secret with
+    /// the SSH key has no `knownHosts` key. Off: such a server is refused.
+    #[arg(long, env = "GIT_SSH_ACCEPT_NEW_HOST_KEYS")]
+    pub git_ssh_accept_new_host_keys: bool,
 }
 
 /// What tenants' objects may make the execution controllers reach.
@@ -66,6 +79,7 @@ pub async fn run(
         agent_image: args.agent_image.clone(),
         agent_image_pull_policy: args.agent_image_pull_policy.clone(),
         max_artifact_bytes: args.max_artifact_bytes.clone(),
+        git_ssh_accept_new_host_keys: args.git_ssh_accept_new_host_keys,
     };
     let (workspaces, statefulsets): (Api<Workspace>, Api<StatefulSet>) = match namespace.as_deref()
     {
@@ -89,6 +103,7 @@ pub async fn run(
         client.clone(),
         agents.clone(),
         metrics.clone(),
+        usize::try_from(args.max_operations_in_flight).unwrap_or(usize::MAX),
     ));
     let stack_ctx = Arc::new(StackContext::new(client.clone(), metrics.clone(), egress));
     tokio::join!(

@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use futures::StreamExt;
+use futures::channel::mpsc::{UnboundedReceiver, UnboundedSender, unbounded};
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
@@ -43,6 +44,15 @@ const COMPLETE: &str = "Complete";
 /// Annotation of the outputs Secret listing its secret keys (PKO's).
 pub const SECRETS_ANNOTATION: &str = "pulumi.com/secrets";
 pub const UPDATE_NAME_LABEL: &str = "auto.pulumi.com/update-name";
+/// Default of `--max-operations-in-flight`.
+pub const DEFAULT_MAX_OPERATIONS_IN_FLIGHT: u32 = 64;
+/// Reason of an Update waiting for an operation slot.
+pub const QUEUED: &str = "Queued";
+/// Reason of an Update failed because an answer of the agent was over the message limit.
+pub const RESPONSE_TOO_LARGE: &str = pko_agent::server::RESPONSE_TOO_LARGE;
+/// A queued Update is looked at again after this long even when no slot frees (it is woken as
+/// soon as one does).
+const QUEUED_RECHECK: Duration = Duration::from_secs(30);
 /// Resource-change Events published per Update at most.
 const MAX_RESOURCE_EVENTS: usize = 25;
 const MESSAGE_LIMIT: usize = 2000;
@@ -75,10 +85,37 @@ pub struct UpdateContext {
     pub metrics: Metrics,
     /// Updates whose operation runs in this process: uid → cancel token.
     running: Mutex<HashMap<String, CancellationToken>>,
+    /// Operations that may run at once (`--max-operations-in-flight`).
+    max_in_flight: usize,
+    /// Updates waiting for an operation slot: uid → reference, woken when a slot frees.
+    queued: Mutex<HashMap<String, ObjectRef<Update>>>,
+    wake: UnboundedSender<ObjectRef<Update>>,
+    /// Taken by [`run`], which reconciles what is sent on `wake`.
+    woken: Mutex<Option<UnboundedReceiver<ObjectRef<Update>>>>,
+}
+
+/// One of the `--max-operations-in-flight` slots, held by one Update's operation; freed (and
+/// the waiting Updates woken) on drop, however the operation ends.
+struct Slot {
+    ctx: Arc<UpdateContext>,
+    uid: String,
+    token: CancellationToken,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.ctx.release(&self.uid);
+    }
 }
 
 impl UpdateContext {
-    pub fn new(client: Client, agents: Arc<Agents>, metrics: Metrics) -> Self {
+    /// `max_in_flight`: operations that may run at once (at least one is always allowed).
+    pub fn new(
+        client: Client,
+        agents: Arc<Agents>,
+        metrics: Metrics,
+        max_in_flight: usize,
+    ) -> Self {
         let recorder = Recorder::new(
             client.clone(),
             Reporter {
@@ -86,17 +123,58 @@ impl UpdateContext {
                 instance: std::env::var("POD_NAME").ok(),
             },
         );
+        let (wake, woken) = unbounded();
         Self {
             client,
             recorder,
             agents,
             metrics,
             running: Mutex::new(HashMap::new()),
+            max_in_flight: max_in_flight.max(1),
+            queued: Mutex::new(HashMap::new()),
+            wake,
+            woken: Mutex::new(Some(woken)),
         }
     }
 
     fn running(&self) -> std::sync::MutexGuard<'_, HashMap<String, CancellationToken>> {
         self.running.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn queued(&self) -> std::sync::MutexGuard<'_, HashMap<String, ObjectRef<Update>>> {
+        self.queued.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// An operation slot for `update`; `None` (and `update` queued for a wake-up) when all are
+    /// taken.
+    fn acquire(self: &Arc<Self>, uid: &str, update: &Update) -> Option<Slot> {
+        let mut running = self.running();
+        if running.len() >= self.max_in_flight {
+            // Queued while `running` is held: a release, which takes `running` first, cannot
+            // miss it.
+            self.queued()
+                .insert(uid.to_owned(), ObjectRef::from_obj(update));
+            return None;
+        }
+        let token = CancellationToken::new();
+        running.insert(uid.to_owned(), token.clone());
+        drop(running);
+        self.queued().remove(uid);
+        Some(Slot {
+            ctx: self.clone(),
+            uid: uid.to_owned(),
+            token,
+        })
+    }
+
+    fn release(&self, uid: &str) {
+        self.running().remove(uid);
+        // Every waiting Update is looked at again: the first to reconcile takes the slot, the
+        // others queue again (an Update deleted meanwhile drops out here).
+        let waiting: Vec<ObjectRef<Update>> = self.queued().drain().map(|(_, r)| r).collect();
+        for update in waiting {
+            let _ = self.wake.unbounded_send(update);
+        }
     }
 
     async fn event(&self, update: &Update, type_: EventType, reason: &str, note: String) {
@@ -123,6 +201,15 @@ pub async fn run(
 ) {
     let controller = Controller::new(api, watcher::Config::default().any_semantic());
     let store = controller.store();
+    let woken = ctx
+        .woken
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .take();
+    let controller = match woken {
+        Some(woken) => controller.reconcile_on(woken),
+        None => controller,
+    };
     controller
         // A Workspace becoming ready starts the Updates waiting for it.
         .watches(
@@ -287,6 +374,17 @@ async fn reconcile(update: Arc<Update>, ctx: Arc<UpdateContext>) -> Result<Actio
         write_status(&ctx.client, &namespace, &name, &before, &s).await?;
         return Ok(Action::await_change());
     };
+    let Some(slot) = ctx.acquire(&uid, &update) else {
+        let s = waiting(
+            QUEUED,
+            format!(
+                "queued: {} operations are in flight, the most allowed (--max-operations-in-flight); it starts when one ends",
+                ctx.max_in_flight
+            ),
+        );
+        write_status(&ctx.client, &namespace, &name, &before, &s).await?;
+        return Ok(Action::requeue(QUEUED_RECHECK));
+    };
     let client = match connect(&ctx, &ws, &ws_name, &namespace, &address).await {
         Ok(c) => c,
         Err(e) => {
@@ -339,8 +437,7 @@ async fn reconcile(update: Arc<Update>, ctx: Arc<UpdateContext>) -> Result<Actio
         )
         .await;
     }
-    let token = CancellationToken::new();
-    ctx.running().insert(uid.clone(), token.clone());
+    let token = slot.token.clone();
     let task_ctx = ctx.clone();
     let task_update = update.clone();
     tokio::spawn(async move {
@@ -368,7 +465,7 @@ async fn reconcile(update: Arc<Update>, ctx: Arc<UpdateContext>) -> Result<Actio
                 }
             }
         }
-        task_ctx.running().remove(&uid);
+        drop(slot);
         task_ctx
             .metrics
             .reconcile_duration
@@ -676,6 +773,9 @@ fn status_outcome(ctx: &UpdateContext, update: &Update, s: &tonic::Status) -> Ou
     if let Some(info) = pko_agent::server::error_info(s) {
         return Outcome::failed(&info.reason, s.message().to_owned());
     }
+    if let Some(outcome) = too_large(s) {
+        return outcome;
+    }
     let text = s.message().to_ascii_lowercase();
     let lost = matches!(s.code(), tonic::Code::Unavailable | tonic::Code::Cancelled)
         || [
@@ -709,6 +809,23 @@ fn status_outcome(ctx: &UpdateContext, update: &Update, s: &tonic::Status) -> Ou
         s.message().to_owned()
     };
     Outcome::failed("Unknown", message)
+}
+
+/// An answer the transport refused for its size (over 16 MiB, either end): the operation may
+/// have run, but its result cannot be had, so running it again would not help.
+fn too_large(s: &tonic::Status) -> Option<Outcome> {
+    let refused =
+        s.code() == tonic::Code::OutOfRange || s.message().contains("message length too large");
+    refused.then(|| {
+        Outcome::failed(
+            RESPONSE_TOO_LARGE,
+            format!(
+                "an answer of the workspace agent is over the {} MiB message limit: {}",
+                pko_agent::limits::MAX_MESSAGE_BYTES / (1024 * 1024),
+                s.message()
+            ),
+        )
+    })
 }
 
 fn finish(
@@ -980,6 +1097,27 @@ mod tests {
         assert!(!owned_by(&secret(json!([owner("u1", false)])), "u1"));
         assert!(!owned_by(&secret(json!([])), "u1"));
         assert!(!owned_by(&secret(json!([owner("", true)])), ""));
+    }
+
+    #[test]
+    fn an_answer_over_the_message_limit_is_response_too_large() {
+        for status in [
+            tonic::Status::out_of_range(
+                "Error, decoded message length too large: found 17000000 bytes, the limit is: 16777216 bytes",
+            ),
+            tonic::Status::internal("Error, encoded message length too large: found 1 bytes"),
+        ] {
+            let outcome = too_large(&status).expect("too large");
+            assert!(!outcome.succeeded);
+            assert_eq!(outcome.reason, "ResponseTooLarge");
+            assert!(
+                outcome.message.contains("16 MiB") && outcome.message.contains(status.message()),
+                "{}",
+                outcome.message
+            );
+        }
+        assert!(too_large(&tonic::Status::unavailable("connection reset")).is_none());
+        assert!(too_large(&tonic::Status::unknown("up failed")).is_none());
     }
 
     #[test]

@@ -52,6 +52,8 @@ pub struct PodSettings {
     pub agent_image_pull_policy: String,
     /// `FLUX_MAX_UNTAR_SIZE_BYTES` passed to the fetch container, if set.
     pub max_artifact_bytes: Option<String>,
+    /// Let git fetches trust an SSH host key seen first when the Secret has no `knownHosts`.
+    pub git_ssh_accept_new_host_keys: bool,
     /// The names of the operator's file server: a flux URL on it must name a Program of the
     /// Workspace's own namespace (the admission rule, applied again here).
     pub file_server: pko_admission::tenancy::FileServerNames,
@@ -132,6 +134,9 @@ pub fn desired_service(ws: &Workspace, name: &str, namespace: &str, owner: &Valu
     })
 }
 
+/// Key, in the Secret holding a Workspace's SSH key, of the git server's known_hosts lines.
+pub const KNOWN_HOSTS_KEY: &str = "knownHosts";
+
 fn env(name: &str, value: &str) -> Value {
     json!({"name": name, "value": value})
 }
@@ -154,6 +159,9 @@ fn fetch_step(ws: &Workspace, settings: &PodSettings) -> Option<(Vec<Value>, Vec
         if git.shallow == Some(true) {
             e.push(env("GIT_SHALLOW", "true"));
         }
+        if settings.git_ssh_accept_new_host_keys {
+            e.push(env("GIT_SSH_ACCEPT_NEW_HOST_KEYS", "true"));
+        }
         if let Some(auth) = &git.auth {
             let refs = [
                 ("GIT_SSH_PRIVATE_KEY", &auth.ssh_private_key),
@@ -165,6 +173,14 @@ fn fetch_step(ws: &Workspace, settings: &PodSettings) -> Option<(Vec<Value>, Vec
                 if let Some(sel) = sel {
                     e.push(secret_env(name, sel));
                 }
+            }
+            // The server's host keys travel with the key that logs in to it: an optional
+            // `knownHosts` key of the same Secret.
+            if let Some(key) = &auth.ssh_private_key {
+                e.push(secret_env(
+                    "GIT_SSH_KNOWN_HOSTS",
+                    &json!({"name": key.name, "key": KNOWN_HOSTS_KEY, "optional": true}),
+                ));
             }
             if let Some(app) = &auth.github_app {
                 e.push(secret_env("GIT_GITHUB_APP_ID", &app.app_id));
@@ -511,6 +527,7 @@ mod tests {
             agent_image: "agent:1".into(),
             agent_image_pull_policy: "IfNotPresent".into(),
             max_artifact_bytes: None,
+            git_ssh_accept_new_host_keys: false,
         }
     }
 
@@ -670,6 +687,49 @@ mod tests {
         let command = fetch["command"].to_string();
         assert!(command.contains("--project-name") && command.contains("--project-runtime"));
         assert_eq!(env_of(fetch, "PROJECT_NAME").as_deref(), Some("myproject"));
+    }
+
+    #[test]
+    fn an_ssh_key_brings_the_known_hosts_of_its_secret() {
+        let spec = json!({"git": {"url": "git@g:r.git", "ref": "abc",
+            "auth": {"sshPrivateKey": {"name": "deploy-key", "key": "id"}}}});
+        let p = pod(spec.clone());
+        let fetch = container(&p, "initContainers", "fetch");
+        let var = |name: &str| {
+            fetch["env"]
+                .as_array()
+                .and_then(|e| e.iter().find(|v| v["name"] == name))
+                .cloned()
+                .unwrap_or(Value::Null)
+        };
+        assert_eq!(
+            var("GIT_SSH_KNOWN_HOSTS")["valueFrom"]["secretKeyRef"],
+            json!({"name": "deploy-key", "key": "knownHosts", "optional": true})
+        );
+        assert_eq!(var("GIT_SSH_ACCEPT_NEW_HOST_KEYS"), Value::Null);
+        let settings = PodSettings {
+            git_ssh_accept_new_host_keys: true,
+            ..settings()
+        };
+        let sts = desired_statefulset(&ws(spec), "w", "ns", &json!({}), &settings, "fp")
+            .expect("statefulset");
+        let p = &sts["spec"]["template"]["spec"];
+        assert_eq!(
+            env_of(
+                container(p, "initContainers", "fetch"),
+                "GIT_SSH_ACCEPT_NEW_HOST_KEYS"
+            )
+            .as_deref(),
+            Some("true")
+        );
+        let p = pod(json!({"git": {"url": "https://g/r.git", "ref": "abc"}}));
+        assert_eq!(
+            env_of(
+                container(&p, "initContainers", "fetch"),
+                "GIT_SSH_KNOWN_HOSTS"
+            ),
+            None
+        );
     }
 
     #[test]
