@@ -80,6 +80,18 @@ lint: toolchain ## rustfmt and clippy, warnings are errors
 test: tools policies plugins build lint ## every test: unit + integration on a real etcd + kube-apiserver
 	$(CARGO) test --workspace --all-targets --no-fail-fast
 
+# Property tests (proptest) of every parser of outside input run in `make test` with a bounded
+# case count each (PKO_PROPTEST_CASES overrides them all); this target runs the same properties
+# with FUZZ_CASES cases each. Failures are not persisted: proptest prints the shrunk input.
+FUZZ_CASES ?= 100000
+
+.PHONY: fuzz-long
+fuzz-long: toolchain policies ## property tests with FUZZ_CASES (100000) cases each: durations, tar, YAML, file-server paths, reviews, URLs (hours)
+	PKO_PROPTEST_CASES=$(FUZZ_CASES) $(CARGO) test -p pko-api --lib -- duration::tests::properties
+	PKO_PROPTEST_CASES=$(FUZZ_CASES) $(CARGO) test -p pko-agent --test prop_init
+	PKO_PROPTEST_CASES=$(FUZZ_CASES) $(CARGO) test -p pko-operator --test prop_parsers
+	PKO_PROPTEST_CASES=$(FUZZ_CASES) $(CARGO) test -p pko-admission --test prop_review
+
 .PHONY: run
 run: tools build ## local control plane + CRDs + operator + examples/program.yaml, artifact fetched
 	$(CARGO_TARGET_DIR)/debug/pko-dev run

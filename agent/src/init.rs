@@ -17,8 +17,14 @@ use tracing::{info, warn};
 pub const DEFAULT_MAX_BYTES: u64 = 100 * 1024 * 1024;
 /// Entries an artifact may hold.
 const MAX_ENTRIES: usize = 100_000;
-/// Symlinks followed when checking where a link points.
-const MAX_LINK_DEPTH: usize = 40;
+/// Symlinks followed in all when checking where one link points: Linux's MAXSYMLINKS, past
+/// which the kernel itself refuses the path (ELOOP). A count, not a depth: links whose targets
+/// name other links several times would otherwise cost exponential time.
+const MAX_LINK_FOLLOWS: usize = 40;
+/// Bytes of tar stream allowed per entry besides its data: its header and padding, and any
+/// PAX or GNU long-name records before it (names are at most 4 KiB on Linux). The tar reader
+/// holds such records in memory, so a compressed bomb in one must stop here.
+pub const ENTRY_OVERHEAD_BYTES: u64 = 64 * 1024;
 const ATTEMPTS: u32 = 3;
 
 /// Failures of `init`.
@@ -40,6 +46,10 @@ pub enum InitError {
     TooLarge { limit: u64 },
     #[error("artifact has more than {0} entries")]
     TooManyEntries(usize),
+    #[error(
+        "artifact holds more than its entries account for: over {ENTRY_OVERHEAD_BYTES} bytes of headers or metadata records for one entry, or data in an entry that has none"
+    )]
+    UnaccountedBytes,
     #[error("unsafe path in artifact: {path:?} ({reason})")]
     UnsafePath { path: String, reason: String },
     #[error("unsupported entry {path:?} in artifact ({kind})")]
@@ -239,18 +249,76 @@ fn safe_relative(path: &Path) -> Result<PathBuf, String> {
     Ok(out)
 }
 
+/// The decompressed tar stream, readable only as far as the entries seen so far account for:
+/// each entry's data plus [`ENTRY_OVERHEAD_BYTES`]. Bounds the memory the tar reader spends on
+/// metadata records and the time it spends skipping data of entries that have none.
+struct Budgeted<R> {
+    inner: R,
+    budget: std::rc::Rc<std::cell::Cell<Budget>>,
+}
+
+#[derive(Clone, Copy, Default)]
+struct Budget {
+    left: u64,
+    exceeded: bool,
+}
+
+impl<R: Read> Read for Budgeted<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let mut budget = self.budget.get();
+        if budget.left == 0 && !buf.is_empty() {
+            budget.exceeded = true;
+            self.budget.set(budget);
+            return Err(std::io::Error::other("artifact exceeds its byte budget"));
+        }
+        let want = buf
+            .len()
+            .min(usize::try_from(budget.left).unwrap_or(usize::MAX));
+        let read = self.inner.read(&mut buf[..want])?;
+        budget.left -= read as u64;
+        self.budget.set(budget);
+        Ok(read)
+    }
+}
+
 fn unpack(targz: &[u8], root: &Path, limit: Option<u64>) -> Result<(), InitError> {
-    let mut archive = tar::Archive::new(flate2::read::GzDecoder::new(targz));
-    let entries = archive
-        .entries()
-        .map_err(|e| InitError::Archive(e.to_string()))?;
+    let budget = std::rc::Rc::new(std::cell::Cell::new(Budget {
+        left: ENTRY_OVERHEAD_BYTES,
+        exceeded: false,
+    }));
+    let stream = Budgeted {
+        inner: flate2::read::GzDecoder::new(targz),
+        budget: budget.clone(),
+    };
+    let over_budget = |e: std::io::Error| {
+        if budget.get().exceeded {
+            InitError::UnaccountedBytes
+        } else {
+            InitError::Archive(e.to_string())
+        }
+    };
+    let mut archive = tar::Archive::new(stream);
+    let entries = archive.entries().map_err(over_budget)?;
     let mut total: u64 = 0;
     let mut links: Vec<(PathBuf, PathBuf)> = Vec::new();
     for (index, entry) in entries.enumerate() {
         if index >= MAX_ENTRIES {
             return Err(InitError::TooManyEntries(MAX_ENTRIES));
         }
-        let mut entry = entry.map_err(|e| InitError::Archive(e.to_string()))?;
+        let mut entry = entry.map_err(over_budget)?;
+        // This entry may read its own data (regular files only; the size limit is checked
+        // below before any is read), then the next entry its header and records.
+        let data = match entry.header().entry_type() {
+            tar::EntryType::Regular | tar::EntryType::Continuous => entry.size(),
+            _ => 0,
+        };
+        budget.set(Budget {
+            left: data
+                .div_ceil(512)
+                .saturating_mul(512)
+                .saturating_add(ENTRY_OVERHEAD_BYTES),
+            exceeded: false,
+        });
         let raw = entry
             .path()
             .map_err(|e| InitError::Archive(e.to_string()))?
@@ -270,7 +338,8 @@ fn unpack(targz: &[u8], root: &Path, limit: Option<u64>) -> Result<(), InitError
                 ensure_real_dirs(root, &rel, true)?;
             }
             tar::EntryType::Regular | tar::EntryType::Continuous => {
-                total = total.saturating_add(entry.header().size().unwrap_or(0));
+                // The size the reader goes by (a PAX record may override the header's).
+                total = total.saturating_add(data);
                 if limit.is_some_and(|l| total > l) {
                     return Err(InitError::TooLarge {
                         limit: limit.unwrap_or_default(),
@@ -284,14 +353,13 @@ fn unpack(targz: &[u8], root: &Path, limit: Option<u64>) -> Result<(), InitError
                     });
                 }
                 let mode = entry.header().mode().unwrap_or(0o644);
-                let size = entry.header().size().unwrap_or(0);
-                let mut data = Vec::new();
-                // The header size is checked above; read no more than it says.
+                let mut bytes = Vec::new();
+                // The size is checked above; read no more than it says.
                 (&mut entry)
-                    .take(size)
-                    .read_to_end(&mut data)
-                    .map_err(|e| InitError::Archive(e.to_string()))?;
-                std::fs::write(&dest, &data).map_err(io(format!("writing {}", dest.display())))?;
+                    .take(data)
+                    .read_to_end(&mut bytes)
+                    .map_err(over_budget)?;
+                std::fs::write(&dest, &bytes).map_err(io(format!("writing {}", dest.display())))?;
                 use std::os::unix::fs::PermissionsExt;
                 // Keep the execute bits; drop setuid/setgid/sticky and write for others.
                 let perms =
@@ -418,11 +486,8 @@ fn resolve_inside(root: &Path, rel: &Path) -> Result<(), String> {
         root: &Path,
         stack: &mut Vec<std::ffi::OsString>,
         path: &Path,
-        depth: usize,
+        follows: &mut usize,
     ) -> Result<(), String> {
-        if depth > MAX_LINK_DEPTH {
-            return Err("goes through too many links".into());
-        }
         for c in path.components() {
             match c {
                 Component::CurDir => {}
@@ -440,9 +505,13 @@ fn resolve_inside(root: &Path, rel: &Path) -> Result<(), String> {
                     if let Ok(meta) = here.symlink_metadata()
                         && meta.file_type().is_symlink()
                     {
+                        *follows += 1;
+                        if *follows > MAX_LINK_FOLLOWS {
+                            return Err("goes through too many links".into());
+                        }
                         let target = std::fs::read_link(&here).map_err(|e| e.to_string())?;
                         stack.pop();
-                        walk(root, stack, &target, depth + 1)?;
+                        walk(root, stack, &target, follows)?;
                     }
                 }
             }
@@ -450,7 +519,7 @@ fn resolve_inside(root: &Path, rel: &Path) -> Result<(), String> {
         Ok(())
     }
     let mut stack = Vec::new();
-    walk(root, &mut stack, rel, 0)
+    walk(root, &mut stack, rel, &mut 0)
 }
 
 /// Points `link` at `source/dir` (PKO does this with `ln -s` in a shell; no shell is needed).
@@ -565,6 +634,77 @@ mod tests {
             E::Symlink("x/z", ".."),
         ]);
         assert!(chained.contains("outside"), "{chained}");
+    }
+
+    /// Links naming other links several times: each alone is shallow, but resolving the last
+    /// takes 121 follows. Counting depth accepted it (exponential work as the chain grows);
+    /// the kernel refuses the same tree (ELOOP), and so does unpacking now.
+    #[test]
+    fn link_fan_out_is_bounded_like_the_kernel() {
+        let fan = |n: usize| format!("L{n}/../L{n}/../L{n}");
+        let (l1, l2, l3) = (fan(0), fan(1), fan(2));
+        let l4 = fan(3);
+        let entries = [
+            E::Dir("d/x"),
+            E::Symlink("d/L0", "x"),
+            E::Symlink("d/L1", &l1),
+            E::Symlink("d/L2", &l2),
+            E::Symlink("d/L3", &l3),
+            E::Symlink("d/L4", &l4),
+        ];
+        let err = unpack_err(&entries);
+        assert!(
+            err.contains("d/L4") && err.contains("too many links"),
+            "{err}"
+        );
+        // Four levels (40 follows) are fine.
+        let dir = tempfile::tempdir().expect("tmp");
+        let target = dir.path().join("source");
+        unpack_into(&targz(&entries[..5]), &target, None).expect("40 follows");
+        assert!(
+            target.join("d/L3").is_dir(),
+            "the kernel resolves 40 follows"
+        );
+        std::os::unix::fs::symlink(&l4, target.join("d/L4")).expect("link");
+        let loop_error = std::fs::metadata(target.join("d/L4")).expect_err("ELOOP");
+        assert_eq!(loop_error.raw_os_error(), Some(libc::ELOOP));
+    }
+
+    /// A compressed run of zeros as a GNU long name or as a folder's data: the tar reader would
+    /// hold the name in memory, or inflate the data to skip it, however large.
+    #[test]
+    fn bytes_no_entry_accounts_for_are_refused() {
+        let bomb = |kind: tar::EntryType, size: usize| {
+            let mut h = tar::Header::new_gnu();
+            h.set_entry_type(kind);
+            h.set_size(size as u64);
+            h.as_old_mut().name[..3].copy_from_slice(b"big");
+            h.set_cksum();
+            let mut tar = h.as_bytes().to_vec();
+            tar.resize(512 + size.div_ceil(512) * 512, b'a');
+            let mut file = tar::Header::new_gnu();
+            file.set_entry_type(tar::EntryType::Regular);
+            file.set_size(0);
+            file.as_old_mut().name[..1].copy_from_slice(b"f");
+            file.set_cksum();
+            tar.extend_from_slice(file.as_bytes());
+            tar.resize(tar.len() + 1024, 0);
+            let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+            std::io::Write::write_all(&mut gz, &tar).expect("gzip");
+            gz.finish().expect("gzip")
+        };
+        let dir = tempfile::tempdir().expect("tmp");
+        for kind in [tar::EntryType::GNULongName, tar::EntryType::Directory] {
+            let target = dir.path().join(format!("{kind:?}"));
+            let err = unpack_into(&bomb(kind, 8 << 20), &target, None).expect_err("refused");
+            assert!(
+                matches!(err, InitError::UnaccountedBytes),
+                "{kind:?}: {err}"
+            );
+            assert!(!target.exists());
+            // Within the allowance, both are ordinary archives.
+            unpack_into(&bomb(kind, 100), &target, None).expect("small records");
+        }
     }
 
     #[test]

@@ -60,49 +60,6 @@ fn derive_from_bind(bind_addr: &str, hostname: Option<&str>) -> String {
     }
 }
 
-/// A duration flag that is not a Go duration (`1m30s`, `500ms`) nor a number of seconds.
-#[derive(Debug, thiserror::Error)]
-#[error("invalid duration {0:?}: use a Go duration such as 15s, 1m30s or 500ms, or plain seconds")]
-pub struct DurationError(String);
-
-/// Parse a duration as PKO's flags take them (Go's `time.ParseDuration` units `ms`, `s`, `m`,
-/// `h`, combinable), or a bare number of seconds.
-pub fn parse_duration(text: &str) -> Result<std::time::Duration, DurationError> {
-    let invalid = || DurationError(text.to_owned());
-    let text = text.trim();
-    if let Ok(seconds) = text.parse::<u64>() {
-        return Ok(std::time::Duration::from_secs(seconds));
-    }
-    let mut rest = text;
-    let mut total = std::time::Duration::ZERO;
-    if rest.is_empty() {
-        return Err(invalid());
-    }
-    while !rest.is_empty() {
-        let digits = rest
-            .find(|c: char| !c.is_ascii_digit())
-            .ok_or_else(invalid)?;
-        let value: u64 = rest[..digits].parse().map_err(|_| invalid())?;
-        rest = &rest[digits..];
-        let unit_len = rest
-            .find(|c: char| c.is_ascii_digit())
-            .unwrap_or(rest.len());
-        let millis = match &rest[..unit_len] {
-            "ms" => 1,
-            "s" => 1_000,
-            "m" => 60_000,
-            "h" => 3_600_000,
-            _ => return Err(invalid()),
-        };
-        let part = value.checked_mul(millis).ok_or_else(invalid)?;
-        total = total
-            .checked_add(std::time::Duration::from_millis(part))
-            .ok_or_else(invalid)?;
-        rest = &rest[unit_len..];
-    }
-    Ok(total)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -121,19 +78,6 @@ mod tests {
             "http://fake.default.svc.cluster.local:9090"
         );
         assert_eq!(r(":9090", Some("")), "http://localhost:9090");
-    }
-
-    #[test]
-    fn parses_go_durations() {
-        let d = |s| parse_duration(s).map(|d| d.as_millis()).ok();
-        assert_eq!(d("60s"), Some(60_000));
-        assert_eq!(d("1m30s"), Some(90_000));
-        assert_eq!(d("500ms"), Some(500));
-        assert_eq!(d("2h"), Some(7_200_000));
-        assert_eq!(d("15"), Some(15_000));
-        for bad in ["", "s", "1x", "1.5s", "-1s", "10 s"] {
-            assert_eq!(d(bad), None, "{bad:?}");
-        }
     }
 
     #[test]

@@ -10,10 +10,11 @@ use kube::api::DynamicObject;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::discovery::ApiResource;
 use kube::{Api, Client};
+use pko_api::duration::parse_go_duration;
 use pko_api::program::Program;
 use pko_api::stack::Stack;
 use pko_operator::capability::{self, KeyRing, KeySecret, KeySet, RotationPolicy};
-use pko_operator::config::{AdvertisedAddress, parse_duration};
+use pko_operator::config::AdvertisedAddress;
 use pko_operator::controller::program::{self, ProgramContext};
 use pko_operator::fileserver::{self, FileServer, server};
 use pko_operator::leader::{self, ElectionConfig, Leadership};
@@ -110,15 +111,15 @@ struct RunArgs {
     #[arg(long, env = "ARTIFACT_KEYS_NAMESPACE")]
     artifact_keys_namespace: Option<String>,
     /// The leader adds a new artifact URL key when the newest one is this old.
-    #[arg(long, env = "ARTIFACT_KEY_MAX_AGE", default_value = "720h", value_parser = parse_duration)]
+    #[arg(long, env = "ARTIFACT_KEY_MAX_AGE", default_value = "720h", value_parser = parse_go_duration)]
     artifact_key_max_age: Duration,
     /// An old key keeps verifying this long after a newer key started signing, so URLs signed
     /// with it (re-signed at once) stay valid for workspaces already fetching them.
-    #[arg(long, env = "ARTIFACT_KEY_OVERLAP", default_value = "24h", value_parser = parse_duration)]
+    #[arg(long, env = "ARTIFACT_KEY_OVERLAP", default_value = "24h", value_parser = parse_go_duration)]
     artifact_key_overlap: Duration,
     /// How long the file server waits for this replica's watch before it answers 404 for a
     /// Program, or a generation, that it has not seen yet (a URL just published by the leader).
-    #[arg(long, env = "ARTIFACT_PUBLISH_WAIT", default_value = "2s", value_parser = parse_duration)]
+    #[arg(long, env = "ARTIFACT_PUBLISH_WAIT", default_value = "2s", value_parser = parse_go_duration)]
     artifact_publish_wait: Duration,
     /// Log format (`console` is accepted for PKO's zap encoder name).
     #[arg(
@@ -158,17 +159,17 @@ struct RunArgs {
     /// service account's namespace.
     #[arg(long, env = "LEADER_ELECTION_NAMESPACE")]
     leader_election_namespace: Option<String>,
-    /// How long a lease stays valid after its last renewal (Go duration or seconds).
-    #[arg(long, env = "LEADER_ELECTION_LEASE_DURATION", default_value = "60s", value_parser = parse_duration)]
+    /// How long a lease stays valid after its last renewal (a Go duration).
+    #[arg(long, env = "LEADER_ELECTION_LEASE_DURATION", default_value = "60s", value_parser = parse_go_duration)]
     leader_election_lease_duration: Duration,
     /// The leader renews its lease this long after the last renewal.
-    #[arg(long, env = "LEADER_ELECTION_RENEW_DEADLINE", default_value = "45s", value_parser = parse_duration)]
+    #[arg(long, env = "LEADER_ELECTION_RENEW_DEADLINE", default_value = "45s", value_parser = parse_go_duration)]
     leader_election_renew_deadline: Duration,
     /// Pause after a failed lease request; also the timeout of each lease request.
-    #[arg(long, env = "LEADER_ELECTION_RETRY_PERIOD", default_value = "10s", value_parser = parse_duration)]
+    #[arg(long, env = "LEADER_ELECTION_RETRY_PERIOD", default_value = "10s", value_parser = parse_go_duration)]
     leader_election_retry_period: Duration,
     /// After SIGTERM: how long in-flight reconciles and requests get to finish.
-    #[arg(long, env = "GRACEFUL_SHUTDOWN_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    #[arg(long, env = "GRACEFUL_SHUTDOWN_TIMEOUT", default_value = "30s", value_parser = parse_go_duration)]
     graceful_shutdown_timeout: Duration,
     #[command(flatten)]
     webhook: pko_admission::cli::WebhookArgs,

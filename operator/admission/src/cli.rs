@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use pko_api::duration::parse_go_duration;
 use pko_api::tenancy::EnforcementAction;
 
 use crate::tenancy::FileServerNames;
@@ -46,9 +47,9 @@ pub struct WebhookArgs {
     /// warn or dryrun.
     #[arg(long, env = "POLICY_DEFAULT_ACTION", default_value = "deny", value_parser = parse_action)]
     pub policy_default_action: EnforcementAction,
-    /// Time budget of one policy evaluation (Go duration or seconds). Keep it below the
+    /// Time budget of one policy evaluation (a Go duration). Keep it below the
     /// webhook configurations' timeoutSeconds.
-    #[arg(long, env = "POLICY_TIMEOUT", default_value = "2s", value_parser = parse_duration)]
+    #[arg(long, env = "POLICY_TIMEOUT", default_value = "2s", value_parser = parse_go_duration)]
     pub policy_timeout: Duration,
     /// Linear memory one policy evaluation may use, in MiB.
     #[arg(long, env = "POLICY_MEMORY_MIB", default_value_t = 128)]
@@ -125,10 +126,10 @@ pub struct WebhookArgs {
     )]
     pub webhook_mutating_configuration: Vec<String>,
     /// How often the certificate is checked (and renewed) and the CA bundles re-injected.
-    #[arg(long, env = "WEBHOOK_CERT_CHECK_INTERVAL", default_value = "60s", value_parser = parse_duration)]
+    #[arg(long, env = "WEBHOOK_CERT_CHECK_INTERVAL", default_value = "60s", value_parser = parse_go_duration)]
     pub webhook_cert_check_interval: Duration,
     /// How long in-flight webhook requests may finish after shutdown starts.
-    #[arg(long, env = "WEBHOOK_DRAIN_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    #[arg(long, env = "WEBHOOK_DRAIN_TIMEOUT", default_value = "10s", value_parser = parse_go_duration)]
     pub webhook_drain_timeout: Duration,
 }
 
@@ -273,26 +274,6 @@ fn parse_action(s: &str) -> Result<EnforcementAction, String> {
     }
 }
 
-/// `500ms`, `2s`, `1m`, `1h` or a plain number of seconds.
-fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let (number, unit) = match s.find(|c: char| !c.is_ascii_digit() && c != '.') {
-        Some(i) => s.split_at(i),
-        None => (s, "s"),
-    };
-    let value: f64 = number
-        .parse()
-        .map_err(|_| format!("invalid duration {s:?}"))?;
-    let seconds = match unit {
-        "ms" => value / 1000.0,
-        "s" => value,
-        "m" => value * 60.0,
-        "h" => value * 3600.0,
-        _ => return Err(format!("invalid duration unit in {s:?} (ms, s, m or h)")),
-    };
-    Duration::try_from_secs_f64(seconds).map_err(|e| format!("invalid duration {s:?}: {e}"))
-}
-
 #[cfg(test)]
 mod tests {
     use clap::Parser;
@@ -363,12 +344,20 @@ mod tests {
         ));
     }
 
+    /// The flags take Go durations, with the parser's reason when refused.
     #[test]
     fn durations() {
-        assert_eq!(parse_duration("2s"), Ok(Duration::from_secs(2)));
-        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
-        assert_eq!(parse_duration("3"), Ok(Duration::from_secs(3)));
-        assert_eq!(parse_duration("1m"), Ok(Duration::from_secs(60)));
-        assert!(parse_duration("2 days").is_err());
+        let timeout = |value: &str| {
+            Cli::try_parse_from(["x", &format!("--policy-timeout={value}")])
+                .map(|cli| cli.webhook.policy_timeout)
+                .map_err(|e| e.to_string())
+        };
+        assert_eq!(timeout("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(timeout("1m30s"), Ok(Duration::from_secs(90)));
+        assert_eq!(timeout("1.5s"), Ok(Duration::from_millis(1500)));
+        let missing = timeout("3").expect_err("no unit");
+        assert!(missing.contains("missing unit"), "{missing}");
+        let unknown = timeout("2 days").expect_err("unknown unit");
+        assert!(unknown.contains("unknown unit"), "{unknown}");
     }
 }

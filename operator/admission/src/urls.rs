@@ -63,9 +63,14 @@ pub fn parse_fetch_url(raw: &str) -> Result<FetchTarget, String> {
                 .collect()
         })
         .unwrap_or_default();
+    let host = host_name(&host);
+    // `http:.` or `http://../`: a host of dots only names no server (and gave policies "").
+    if host.is_empty() {
+        return Err("the URL has no host".into());
+    }
     Ok(FetchTarget {
         scheme: url.scheme().to_owned(),
-        host: host_name(&host),
+        host,
         port: url.port_or_known_default(),
         segments,
     })
@@ -167,6 +172,13 @@ mod tests {
             "::ffff:7f00:1"
         );
         assert_eq!(fetch_target("http://[::1/x")["valid"], false);
+        for dots in ["http:.", "http://../programs/b/p/1", "https://.:443/"] {
+            assert_eq!(
+                fetch_target(dots),
+                json!({"valid": false, "error": "the URL has no host"}),
+                "{dots:?}"
+            );
+        }
     }
 
     #[test]

@@ -13,6 +13,7 @@
 
 pub mod common;
 pub mod crdgen;
+pub mod duration;
 pub mod program;
 pub mod schema;
 pub mod stack;

@@ -1088,11 +1088,22 @@ async fn prerequisites_satisfied(
         if last.state.as_deref() != Some("succeeded") {
             return Ok(Err(format!("prerequisite {} failed", prerequisite.name)));
         }
-        let within = prerequisite
+        let within = match prerequisite
             .requirement
             .as_ref()
             .and_then(|r| r.succeeded_within_duration.as_deref())
-            .and_then(crate::controller::update::parse_go_duration);
+        {
+            Some(text) => match pko_api::duration::parse_go_duration(text) {
+                Ok(within) => Some(within),
+                Err(e) => {
+                    return Ok(Err(format!(
+                        "prerequisite {}: invalid succeededWithinDuration: {e}",
+                        prerequisite.name
+                    )));
+                }
+            },
+            None => None,
+        };
         if let Some(within) = within
             && since(last.last_resync_time.as_ref()) > within
         {

@@ -26,6 +26,7 @@ use kube::{Client, Resource, ResourceExt};
 use pko_agent::client::AgentClient;
 use pko_agent::proto as pb;
 use pko_api::common::ProjectInfo;
+use pko_api::duration::{DurationError, parse_go_duration};
 use pko_api::update::{Update, UpdateStatus, UpdateType};
 use pko_api::workspace::Workspace;
 use serde_json::{Value, json};
@@ -68,8 +69,8 @@ pub enum UpdateError {
         #[source]
         source: kube::Error,
     },
-    #[error("invalid ttlAfterCompleted {0:?}")]
-    BadTtl(String),
+    #[error("invalid ttlAfterCompleted: {0}")]
+    BadTtl(#[source] DurationError),
 }
 
 fn kube_err(what: impl Into<String>) -> impl FnOnce(kube::Error) -> UpdateError {
@@ -254,36 +255,6 @@ fn error_policy(update: Arc<Update>, err: &UpdateError, ctx: Arc<UpdateContext>)
         })
         .inc();
     Action::requeue(Duration::from_secs(5))
-}
-
-/// A Go duration (`24h`, `1h30m`, `90s`, `500ms`).
-pub fn parse_go_duration(s: &str) -> Option<Duration> {
-    let mut total = Duration::ZERO;
-    let mut rest = s.trim();
-    if rest.is_empty() {
-        return None;
-    }
-    while !rest.is_empty() {
-        let digits = rest.find(|c: char| !c.is_ascii_digit() && c != '.')?;
-        let (num, tail) = rest.split_at(digits);
-        let num: f64 = num.parse().ok()?;
-        let unit_len = tail
-            .find(|c: char| c.is_ascii_digit())
-            .unwrap_or(tail.len());
-        let (unit, tail) = tail.split_at(unit_len);
-        let secs = match unit {
-            "ns" => num / 1e9,
-            "us" | "µs" => num / 1e6,
-            "ms" => num / 1e3,
-            "s" => num,
-            "m" => num * 60.0,
-            "h" => num * 3600.0,
-            _ => return None,
-        };
-        total += Duration::from_secs_f64(secs);
-        rest = tail;
-    }
-    Some(total)
 }
 
 fn stack_name(update: &Update) -> String {
@@ -510,7 +481,7 @@ async fn expire(
     if update.meta().deletion_timestamp.is_some() {
         return Ok(Action::await_change());
     }
-    let ttl = parse_go_duration(ttl).ok_or_else(|| UpdateError::BadTtl(ttl.to_owned()))?;
+    let ttl = parse_go_duration(ttl).map_err(UpdateError::BadTtl)?;
     let completed = conditions::get(&status.conditions, COMPLETE)
         .map(|c| c.last_transition_time.0)
         .unwrap_or_else(Timestamp::now);
@@ -1069,16 +1040,6 @@ async fn write_status(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn go_durations() {
-        assert_eq!(parse_go_duration("24h"), Some(Duration::from_secs(86400)));
-        assert_eq!(parse_go_duration("1h30m"), Some(Duration::from_secs(5400)));
-        assert_eq!(parse_go_duration("1.5s"), Some(Duration::from_millis(1500)));
-        assert_eq!(parse_go_duration("500ms"), Some(Duration::from_millis(500)));
-        assert_eq!(parse_go_duration("x"), None);
-        assert_eq!(parse_go_duration(""), None);
-    }
 
     #[test]
     fn only_a_secret_this_update_controls_is_replaced() {
