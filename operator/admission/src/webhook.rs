@@ -235,6 +235,12 @@ impl Admission {
         result
     }
 
+    /// The decision for a parsed review, in a slot of its own.
+    pub async fn decision(&self, review: &Review) -> Result<Decision, WebhookError> {
+        let slot = self.engine.slot(Instant::now()).await?;
+        self.decide(&slot, review).await
+    }
+
     /// The decision for a parsed review.
     async fn decide(&self, slot: &Slot, review: &Review) -> Result<Decision, WebhookError> {
         let namespace = review.request.namespace.as_deref().unwrap_or_default();

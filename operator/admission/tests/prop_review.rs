@@ -7,7 +7,6 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
-use std::sync::Arc;
 
 use pko_admission::metrics::AdmissionMetrics;
 use pko_admission::tenancy::{FileServerNames, Tenancy, TenancySettings};
@@ -126,7 +125,8 @@ proptest! {
         match webhook::parse_review(body.to_string().as_bytes()) {
             Err(WebhookError::InvalidReview(reason)) => prop_assert!(!reason.is_empty()),
             Err(other) => prop_assert!(false, "{other}"),
-            Ok((input, request)) => {
+            Ok(review) => {
+                let (input, request) = (&review.input, &review.request);
                 prop_assert_eq!(Value::from(request.uid.clone()), body["request"]["uid"].clone());
                 prop_assert!(!request.uid.is_empty());
                 for pointer in urls::FETCHED_URLS {
@@ -283,9 +283,9 @@ fn violations(
     admission: &Admission,
     body: &Value,
 ) -> BTreeSet<(String, String)> {
-    let (input, request) = webhook::parse_review(body.to_string().as_bytes()).expect("review");
+    let review = webhook::parse_review(body.to_string().as_bytes()).expect("review");
     let decision = runtime
-        .block_on(admission.decide(&input, &request))
+        .block_on(admission.decision(&review))
         .expect("decision");
     decision
         .violations
@@ -308,7 +308,7 @@ fn spellings_of_a_program_url_get_one_verdict() {
         };
         let tenancy = Tenancy::fixed(vec![], BTreeMap::new(), settings);
         Admission::new(
-            Arc::new(engine),
+            engine,
             tenancy,
             AdmissionMetrics::new(),
             FailurePolicy::Fail,
