@@ -1288,3 +1288,75 @@ async fn a_module_url_on_a_refused_address_is_not_fetched() {
         assert!(message.contains("refused: a loopback address"), "{message}");
     }
 }
+
+#[tokio::test]
+async fn a_plugin_asking_more_memory_than_the_budget_fails_alone_and_nothing_restarts() {
+    let plane = ControlPlane::shared().await;
+    let ns = plane.namespace("tf-budget").await.expect("namespace");
+    // 128 MiB for every plugin call together: a plugin asking 512 MiB can never run; before
+    // the budget, its start-up validation call ran and could take the container down.
+    let op = Operator::start(
+        plane,
+        OperatorOptions {
+            advertised: Some(ADVERTISED.into()),
+            args: vec![
+                format!("--watch-namespace={ns}"),
+                format!("--plugin-cache-dir={}", shared_cache_dir().display()),
+                "--plugin-memory-budget-mib=128".into(),
+            ],
+        },
+    )
+    .await
+    .expect("operator starts");
+    let pid = op.pid();
+    let programs: Api<Program> = Api::namespaced(plane.client(), &ns);
+    let transforms: Api<ProgramTransform> = Api::namespaced(plane.client(), &ns);
+    let tags = module("default_tags").expect("module");
+    config_map(plane, &ns, "plugins", &[("tags", &tags)]).await;
+    for (name, memory) in [("greedy", 512), ("modest", 32)] {
+        transforms
+            .create(
+                &PostParams::default(),
+                &transform(
+                    name,
+                    from_config_map(
+                        "plugins",
+                        "tags",
+                        &tags,
+                        json!({
+                            "config": {"tags": {"team": name}, "targets": [{"typePrefix": "aws:"}]},
+                            "limits": {"memoryMiB": memory, "timeoutMillis": 30_000},
+                            "programSelector": {"matchLabels": {"app": name}},
+                        }),
+                    ),
+                ),
+            )
+            .await
+            .expect("transform");
+        programs
+            .create(
+                &PostParams::default(),
+                &program(name, &[("app", name)], bucket_spec()),
+            )
+            .await
+            .expect("program");
+    }
+    let status = transform_status(
+        || async { transforms.get("greedy").await.ok()?.status },
+        "greedy not ready",
+        |s| ready_condition(s).is_some_and(|(st, _, _)| st == "False"),
+    )
+    .await;
+    let (_, reason, message) = ready_condition(&status).expect("ready");
+    assert_eq!(reason, "MemoryLimit");
+    assert!(
+        message.contains("plugin memory budget of 134217728 bytes"),
+        "{message}"
+    );
+    let (_, message) = ready_reason(&op, &programs, "greedy", "TransformMemoryLimit").await;
+    assert!(message.contains("memory budget"), "{message}");
+    // The other transform and its Program are unaffected, and the operator never restarted.
+    ready_reason(&op, &programs, "modest", "ArtifactReady").await;
+    assert_eq!(op.pid(), pid);
+    assert!(op.metrics_text().await.is_some(), "the operator answers");
+}
