@@ -102,12 +102,15 @@ pub struct Failure {
     pub delay: Duration,
     /// Whether the object is to be reported stalled.
     pub stall: bool,
+    /// Whether this failure is the first of its run to stall (for reports made once).
+    pub first_stall: bool,
 }
 
 #[derive(Debug)]
 struct Entry {
     generation: Option<i64>,
     attempts: u32,
+    stalled: bool,
     delay: Duration,
     at: Instant,
 }
@@ -169,16 +172,18 @@ impl Backoff {
         inner
             .entries
             .retain(|_, e| now.saturating_duration_since(e.at) <= horizon);
-        let attempts = match inner.entries.get(key) {
-            Some(e) if e.generation == generation => e.attempts.saturating_add(1),
-            _ => 1,
+        let (attempts, was_stalled) = match inner.entries.get(key) {
+            Some(e) if e.generation == generation => (e.attempts.saturating_add(1), e.stalled),
+            _ => (1, false),
         };
         let delay = policy.delay(attempts, &mut inner.rng);
+        let stall = verdict == Verdict::Permanent || attempts >= policy.stall_after;
         inner.entries.insert(
             key.to_owned(),
             Entry {
                 generation,
                 attempts,
+                stalled: stall || was_stalled,
                 delay,
                 at: now,
             },
@@ -186,7 +191,8 @@ impl Backoff {
         Failure {
             attempts,
             delay,
-            stall: verdict == Verdict::Permanent || attempts >= policy.stall_after,
+            stall,
+            first_stall: stall && !was_stalled,
         }
     }
 
@@ -291,13 +297,19 @@ mod tests {
     #[test]
     fn permanent_failures_stall_at_once_and_transient_ones_after_the_limit() {
         let b = Backoff::seeded(Policy::default(), 5);
-        assert!(b.failure("p", Some(1), Verdict::Permanent).stall);
+        let first = b.failure("p", Some(1), Verdict::Permanent);
+        assert!(first.stall && first.first_stall);
+        let again = b.failure("p", Some(1), Verdict::Permanent);
+        assert!(again.stall && !again.first_stall);
         let stalls: Vec<bool> = (0..STALL_AFTER + 1)
             .map(|_| b.failure("t", Some(1), Verdict::Transient).stall)
             .collect();
         let first = stalls.iter().position(|s| *s);
         assert_eq!(first, Some(STALL_AFTER as usize - 1));
         assert!(stalls[STALL_AFTER as usize - 1..].iter().all(|s| *s));
+        b.success("t");
+        let fresh = b.failure("t", Some(1), Verdict::Permanent);
+        assert!(fresh.first_stall, "a success ends the run");
     }
 
     #[test]
