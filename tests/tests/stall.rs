@@ -108,24 +108,23 @@ async fn workspace_names_that_would_make_invalid_objects_are_refused() {
     }
 }
 
-/// The Workspace's `Stalled` condition as (status, reason, message), and its `Ready` one.
-fn stalled_and_ready(
-    ws: &Workspace,
-) -> (Option<(String, String, String)>, Option<(String, String)>) {
+/// A condition as (status, reason, message).
+type Found = Option<(String, String, String)>;
+
+/// The Workspace's `Stalled` and `Ready` conditions.
+fn stalled_and_ready(ws: &Workspace) -> (Found, Found) {
     let conditions = ws
         .status
         .as_ref()
         .map(|s| s.conditions.clone())
         .unwrap_or_default();
-    let stalled = conditions
-        .iter()
-        .find(|c| c.type_ == "Stalled")
-        .map(|c| (c.status.clone(), c.reason.clone(), c.message.clone()));
-    let ready = conditions
-        .iter()
-        .find(|c| c.type_ == "Ready")
-        .map(|c| (c.status.clone(), c.reason.clone()));
-    (stalled, ready)
+    let find = |type_: &str| {
+        conditions
+            .iter()
+            .find(|c| c.type_ == type_)
+            .map(|c| (c.status.clone(), c.reason.clone(), c.message.clone()))
+    };
+    (find("Stalled"), find("Ready"))
 }
 
 #[tokio::test]
@@ -148,7 +147,9 @@ async fn a_statefulset_the_apiserver_refuses_stalls_the_workspace_and_is_retried
     let message = wait_for("the Workspace to stall", WAIT, || async {
         let ws = api.get("refused").await.ok()?;
         match stalled_and_ready(&ws) {
-            (Some((status, reason, message)), Some((ready, ready_reason))) if status == "True" => {
+            (Some((status, reason, message)), Some((ready, ready_reason, _)))
+                if status == "True" =>
+            {
                 assert_eq!(reason, "ReconcileError");
                 assert_eq!(
                     (ready.as_str(), ready_reason.as_str()),

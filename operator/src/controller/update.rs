@@ -323,8 +323,6 @@ async fn reconcile_inner(
 
     let mut status = before.clone();
     status.observed_generation = generation;
-    // Reported again, unchanged, if this attempt fails the same way.
-    conditions::remove(&mut status.conditions, STALLED);
     let Some(ws_name) = update.spec.workspace_name.clone() else {
         finish(
             &mut status,
@@ -353,11 +351,18 @@ async fn reconcile_inner(
         );
         s
     };
+    // A stall reported after failed attempts holds until an attempt gets further: a failing
+    // one keeps it, so it writes nothing new (and triggers no reconcile of its own).
+    let progressed = |mut s: UpdateStatus| {
+        conditions::remove(&mut s.conditions, STALLED);
+        s
+    };
     let Some(ws) = ws else {
         let s = waiting(
             "WorkspaceNotFound",
             format!("workspace {ws_name} not found"),
         );
+        let s = progressed(s);
         write_status(&ctx.client, &namespace, &name, &before, &s).await?;
         return Ok(Action::await_change());
     };
@@ -370,6 +375,7 @@ async fn reconcile_inner(
             "WorkspaceNotReady",
             format!("waiting for workspace {ws_name} to be ready"),
         );
+        let s = progressed(s);
         write_status(&ctx.client, &namespace, &name, &before, &s).await?;
         return Ok(Action::await_change());
     };
@@ -415,6 +421,7 @@ async fn reconcile_inner(
         "",
         generation,
     );
+    conditions::remove(&mut status.conditions, STALLED);
     status.start_time = Some(Time(Timestamp::now()));
     status.end_time = None;
     write_status(&ctx.client, &namespace, &name, &before, &status).await?;

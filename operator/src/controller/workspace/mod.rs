@@ -63,9 +63,9 @@ pub enum WorkspaceError {
     Pod(#[from] pod::PodError),
     #[error("cannot encode: {0}")]
     Encode(#[from] serde_json::Error),
-    /// The agent did not answer as it should; already reported in the Ready condition.
-    #[error("{0}")]
-    AgentUnavailable(String),
+    /// The agent did not answer as it should: `Ready=False` with `reason` until it stalls.
+    #[error("{message}")]
+    AgentUnavailable { reason: String, message: String },
 }
 
 impl WorkspaceError {
@@ -76,7 +76,7 @@ impl WorkspaceError {
             Self::Agent(_) => "agent",
             Self::Pod(_) => "pod",
             Self::Encode(_) => "encode",
-            Self::AgentUnavailable(_) => "agent_unavailable",
+            Self::AgentUnavailable { .. } => "agent_unavailable",
         }
     }
 
@@ -87,7 +87,7 @@ impl WorkspaceError {
                 backoff::classify(source)
             }
             Self::NoNamespace | Self::Pod(_) | Self::Encode(_) => Verdict::Permanent,
-            Self::Agent(_) | Self::AgentUnavailable(_) => Verdict::Transient,
+            Self::Agent(_) | Self::AgentUnavailable { .. } => Verdict::Transient,
         }
     }
 
@@ -418,9 +418,7 @@ async fn reconcile(
             let failure = ctx
                 .backoff
                 .failure(&key, ws.metadata.generation, err.verdict());
-            if failure.stall {
-                report_stalled(&ws, &ctx, err).await;
-            }
+            report_failure(&ws, &ctx, err, failure.stall).await;
         }
     }
     ctx.metrics
@@ -430,9 +428,12 @@ async fn reconcile(
     result
 }
 
-/// `Stalled=True`/`Ready=False` ([`backoff::REASON`]) with the error's message, and a Warning
-/// Event when that is news; written only when it changes the status.
-async fn report_stalled(ws: &Workspace, ctx: &WorkspaceContext, err: &WorkspaceError) {
+/// Reports a failed reconcile: `stall` makes it `Stalled=True`/`Ready=False`
+/// ([`backoff::REASON`]) with the error's message and a Warning Event when that is news; an
+/// agent that does not answer is `Ready=False` with its own reason before that. The status is
+/// derived from the error alone, so the same failure again writes nothing (and triggers no
+/// reconcile of its own).
+async fn report_failure(ws: &Workspace, ctx: &WorkspaceContext, err: &WorkspaceError, stall: bool) {
     let Some(namespace) = ws.namespace() else {
         return;
     };
@@ -441,13 +442,24 @@ async fn report_stalled(ws: &Workspace, ctx: &WorkspaceContext, err: &WorkspaceE
     let mut status = before.clone();
     status.observed_generation = generation;
     let message = conditions::truncate(&err.message(), conditions::MESSAGE_LIMIT);
-    let known = conditions::get(&before.conditions, STALLED)
-        .is_some_and(|c| c.status == "True" && c.reason == backoff::REASON && c.message == message);
-    if !known {
-        ctx.event(ws, EventType::Warning, backoff::REASON, message.clone())
-            .await;
+    if let WorkspaceError::AgentUnavailable { reason, .. } = err {
+        status.address = None;
+        if !stall {
+            mark_not_ready(&mut status, false, reason, &message, generation);
+        }
+    } else if !stall {
+        return;
     }
-    mark_not_ready(&mut status, true, backoff::REASON, &message, generation);
+    if stall {
+        let known = conditions::get(&before.conditions, STALLED).is_some_and(|c| {
+            c.status == "True" && c.reason == backoff::REASON && c.message == message
+        });
+        if !known {
+            ctx.event(ws, EventType::Warning, backoff::REASON, message.clone())
+                .await;
+        }
+        mark_not_ready(&mut status, true, backoff::REASON, &message, generation);
+    }
     if let Err(e) = write_status(ctx, &namespace, &ws.name_any(), &before, &status).await {
         warn!(error = %e, "cannot report the stalled workspace");
     }
@@ -461,13 +473,17 @@ async fn reconcile_inner(ws: &Workspace, ctx: &WorkspaceContext) -> Result<Actio
     let before = ws.status.clone().unwrap_or_default();
     let mut status = before.clone();
     status.observed_generation = generation;
-    // A stall reported after failed attempts holds until an attempt gets further (a failing
-    // one reports it again, unchanged, so nothing is written).
-    if conditions::get(&status.conditions, STALLED).is_some_and(|c| c.reason == backoff::REASON) {
-        conditions::remove(&mut status.conditions, STALLED);
-    }
+    // A stall reported after failed attempts holds until an attempt gets further: the paths
+    // below that write a status of their own clear it.
+    let clear_failure_stall = |status: &mut WorkspaceStatus| {
+        if conditions::get(&status.conditions, STALLED).is_some_and(|c| c.reason == backoff::REASON)
+        {
+            conditions::remove(&mut status.conditions, STALLED);
+        }
+    };
 
     if ws.meta().deletion_timestamp.is_some() {
+        clear_failure_stall(&mut status);
         status.address = None;
         conditions::set(
             &mut status.conditions,
@@ -569,36 +585,20 @@ async fn reconcile_inner(ws: &Workspace, ctx: &WorkspaceContext) -> Result<Actio
             let message = format!("cannot connect to the workspace agent at {address}: {e}");
             ctx.event(ws, EventType::Warning, "ConnectionFailure", message.clone())
                 .await;
-            status.address = None;
-            conditions::set(
-                &mut status.conditions,
-                READY,
-                false,
-                "ConnectionFailed",
-                &message,
-                generation,
-            );
-            write_status(ctx, &namespace, &name, &before, &status).await?;
-            return Err(WorkspaceError::AgentUnavailable(message));
+            return Err(WorkspaceError::AgentUnavailable {
+                reason: "ConnectionFailed".into(),
+                message,
+            });
         }
     };
     let version = match client.pulumi_version(pb::PulumiVersionRequest {}).await {
         Ok(v) => v,
         Err(s) => {
             ctx.agents.forget(&name, &namespace);
-            let reason = format!("{:?}", s.code());
-            let message = format!("PulumiVersion failed: {}", s.message());
-            status.address = None;
-            conditions::set(
-                &mut status.conditions,
-                READY,
-                false,
-                &reason,
-                &message,
-                generation,
-            );
-            write_status(ctx, &namespace, &name, &before, &status).await?;
-            return Err(WorkspaceError::AgentUnavailable(message));
+            return Err(WorkspaceError::AgentUnavailable {
+                reason: format!("{:?}", s.code()),
+                message: format!("PulumiVersion failed: {}", s.message()),
+            });
         }
     };
     let instance = version
@@ -649,6 +649,7 @@ async fn reconcile_inner(ws: &Workspace, ctx: &WorkspaceContext) -> Result<Actio
         Ok(e) => e,
         Err(message) => {
             // Like a pod whose Secret is missing: not ready until it appears.
+            clear_failure_stall(&mut status);
             mark_not_ready(
                 &mut status,
                 false,
@@ -677,16 +678,10 @@ async fn reconcile_inner(ws: &Workspace, ctx: &WorkspaceContext) -> Result<Actio
             .await
         {
             ctx.agents.forget(&name, &namespace);
-            let message = format!("Failed to set the environment: {}", s.message());
-            mark_not_ready(
-                &mut status,
-                false,
-                "InitializationFailed",
-                &message,
-                generation,
-            );
-            write_status(ctx, &namespace, &name, &before, &status).await?;
-            return Err(WorkspaceError::AgentUnavailable(message));
+            return Err(WorkspaceError::AgentUnavailable {
+                reason: "InitializationFailed".into(),
+                message: format!("Failed to set the environment: {}", s.message()),
+            });
         }
         if fresh_agent && let Err(s) = client.install(pb::InstallRequest {}).await {
             let message = format!("Installation failed: {}", s.message());
