@@ -490,6 +490,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
                 Arc::new(pko_operator::controller::tenancy::TenancyContext {
                     client: status_client.clone(),
                     metrics: status_metrics.clone(),
+                    backoff: Default::default(),
                 }),
                 stop.clone().cancelled_owned(),
             )

@@ -210,7 +210,16 @@ pub fn try_workspace_crd() -> Result<CustomResourceDefinition, Error> {
         description: "Workspace is the Schema for the workspaces API\nA Workspace is an execution context containing a single Pulumi project, a program, and multiple stacks.",
         spec_key: "spec",
         spec_required: true,
-        validations: vec![],
+        validations: vec![
+            json!({
+                "rule": workspace::NAME_LENGTH_RULE,
+                "message": workspace::NAME_LENGTH_MESSAGE,
+            }),
+            json!({
+                "rule": workspace::NAME_FORMAT_RULE,
+                "message": workspace::NAME_FORMAT_MESSAGE,
+            }),
+        ],
     })?;
     let version = version(
         "v1alpha1",

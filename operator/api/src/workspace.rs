@@ -28,6 +28,38 @@ custom_resource! {
     }
 }
 
+/// Longest Workspace name: its StatefulSet `<name>-workspace` puts
+/// `controller-revision-hash: <name>-workspace-<10-char hash>` on its pod, a label value of at
+/// most 63 characters (the limit of the Stack name in PKO, for the same reason).
+pub const NAME_MAX_LENGTH: usize = 42;
+/// CEL rule on the root: the name fits [`NAME_MAX_LENGTH`].
+pub const NAME_LENGTH_RULE: &str = "size(self.metadata.name) <= 42";
+/// Message of [`NAME_LENGTH_RULE`].
+pub const NAME_LENGTH_MESSAGE: &str = "Workspace name must be no more than 42 characters in length: its StatefulSet <name>-workspace and the pod's controller-revision-hash label must fit in 63 characters.";
+/// CEL rule on the root: the name is a DNS-1035 label, as the Service `<name>-workspace` must
+/// be, and as the `auto.pulumi.com/workspace-name` label value must end.
+pub const NAME_FORMAT_RULE: &str = "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')";
+/// Message of [`NAME_FORMAT_RULE`].
+pub const NAME_FORMAT_MESSAGE: &str = "Workspace name must consist of lowercase letters, digits and '-', start with a letter and end with a letter or digit (its Service <name>-workspace must be a DNS-1035 label).";
+
+/// Why `name` cannot name a Workspace ([`NAME_LENGTH_RULE`], [`NAME_FORMAT_RULE`]), if it cannot.
+pub fn name_problem(name: &str) -> Option<&'static str> {
+    let b = name.as_bytes();
+    let inner_ok = b
+        .iter()
+        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-');
+    let ends_ok = b.first().is_some_and(u8::is_ascii_lowercase)
+        && b.last()
+            .is_some_and(|c| c.is_ascii_lowercase() || c.is_ascii_digit());
+    if !(inner_ok && ends_ok) {
+        Some(NAME_FORMAT_MESSAGE)
+    } else if name.len() > NAME_MAX_LENGTH {
+        Some(NAME_LENGTH_MESSAGE)
+    } else {
+        None
+    }
+}
+
 /// Default `serviceAccountName` of a Workspace, as in PKO.
 pub const DEFAULT_SERVICE_ACCOUNT_NAME: &str = "default";
 
@@ -505,4 +537,28 @@ pub struct WorkspaceStatusApply {
     /// Conditions.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<ConditionApply>,
+}
+
+#[cfg(test)]
+mod name_tests {
+    use super::*;
+
+    #[test]
+    fn workspace_names_must_make_valid_object_names() {
+        for ok in ["a", "my-stack", "s3", "a-b-c", &"a".repeat(NAME_MAX_LENGTH)] {
+            assert_eq!(name_problem(ok), None, "{ok}");
+        }
+        for format in ["a.b", "db.creds", "1abc", "-a", "a-", "A", "my_stack", ""] {
+            assert_eq!(name_problem(format), Some(NAME_FORMAT_MESSAGE), "{format}");
+        }
+        assert_eq!(
+            name_problem(&"a".repeat(NAME_MAX_LENGTH + 1)),
+            Some(NAME_LENGTH_MESSAGE)
+        );
+        // The longest name keeps the revision-hash label within 63 characters.
+        assert_eq!(
+            format!("{}-workspace-{}", "a".repeat(NAME_MAX_LENGTH), "0123456789").len(),
+            63
+        );
+    }
 }

@@ -5,6 +5,9 @@
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 
+/// Longest condition message written from an error (the apiserver's can be long).
+pub const MESSAGE_LIMIT: usize = 1000;
+
 /// Sets (or adds) condition `type_`.
 pub fn set(
     list: &mut Vec<Condition>,

@@ -1,5 +1,6 @@
 //! Controllers: reconcile + error_policy per kind.
 
+pub mod backoff;
 pub mod conditions;
 pub mod execution;
 pub mod program;

@@ -29,6 +29,7 @@ use tracing::{info, instrument, warn};
 
 use crate::capability::{ArtifactRef, KeyRing, unix_now};
 use crate::config::{AdvertisedAddress, artifact_path};
+use crate::controller::backoff::{self, Backoff, Verdict};
 use crate::fileserver::index::{BuildError, BuildResult, Built, ProgramIndex};
 use crate::metrics::{ErrorLabels, Metrics};
 
@@ -69,6 +70,24 @@ impl ProgramError {
             Self::Encode(_) => "encode",
         }
     }
+
+    /// Whether retrying may help (see [`backoff`]).
+    fn verdict(&self) -> Verdict {
+        match self {
+            Self::Status(source) => backoff::classify(source),
+            Self::NoNamespace | Self::Encode(_) => Verdict::Permanent,
+        }
+    }
+
+    /// What the Event says: the apiserver's own message for its refusals.
+    fn message(&self) -> String {
+        match self {
+            Self::Status(source) => {
+                format!("cannot write program status: {}", backoff::describe(source))
+            }
+            other => other.to_string(),
+        }
+    }
 }
 
 /// What every reconcile needs.
@@ -80,6 +99,8 @@ pub struct ProgramContext {
     pub metrics: Metrics,
     /// Signs the artifact URLs.
     pub keys: KeyRing,
+    /// Failed reconciles per Program.
+    pub backoff: Backoff,
 }
 
 impl ProgramContext {
@@ -104,6 +125,7 @@ impl ProgramContext {
             index,
             metrics,
             keys,
+            backoff: Backoff::default(),
         }
     }
 
@@ -199,6 +221,28 @@ async fn reconcile(
     let labels = ctx.metrics.controller(CONTROLLER);
     ctx.metrics.reconciles.get_or_create(&labels).inc();
     let result = reconcile_inner(&program, &ctx).await;
+    let key = backoff::key(&program.metadata);
+    match &result {
+        Ok(_) => ctx.backoff.success(&key),
+        Err(err) => {
+            let failure = ctx
+                .backoff
+                .failure(&key, program.metadata.generation, err.verdict());
+            // What fails is the status write itself, so the stall is told by an Event, once.
+            if failure.first_stall {
+                let event = Event {
+                    type_: EventType::Warning,
+                    reason: backoff::REASON.into(),
+                    note: Some(truncate(&err.message(), 1000)),
+                    action: "Reconcile".into(),
+                    secondary: None,
+                };
+                if let Err(e) = ctx.recorder.publish(&event, &program.object_ref(&())).await {
+                    warn!(error = %e, "cannot publish event");
+                }
+            }
+        }
+    }
     ctx.metrics
         .reconcile_duration
         .get_or_create(&labels)
@@ -375,7 +419,7 @@ fn error_policy(program: Arc<Program>, err: &ProgramError, ctx: Arc<ProgramConte
             error: err.kind().into(),
         })
         .inc();
-    Action::requeue(Duration::from_secs(5))
+    Action::requeue(ctx.backoff.delay(&backoff::key(&program.metadata)))
 }
 
 /// The status fields as they are now.

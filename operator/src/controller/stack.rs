@@ -33,10 +33,11 @@ use pko_api::workspace::Workspace;
 use serde_json::{Value, json};
 use tracing::{info, warn};
 
+use crate::controller::backoff::{self, Backoff, Verdict};
 use crate::controller::conditions;
 use crate::controller::stack_source;
 use crate::controller::update::SECRETS_ANNOTATION;
-use crate::controller::workspace::{APPLY_MANAGER, merge};
+use crate::controller::workspace::{APPLY_MANAGER, merge, pod};
 use crate::egress::EgressPolicy;
 use crate::gitremote;
 use crate::metrics::{ErrorLabels, Metrics};
@@ -66,6 +67,24 @@ pub enum StackError {
     Encode(#[from] serde_json::Error),
 }
 
+impl StackError {
+    /// Whether retrying may help (see [`backoff`]).
+    fn verdict(&self) -> Verdict {
+        match self {
+            Self::Kube { source, .. } => backoff::classify(source),
+            Self::NoNamespace | Self::Encode(_) => Verdict::Permanent,
+        }
+    }
+
+    /// What the status and the Event say: the apiserver's own message for its refusals.
+    fn message(&self) -> String {
+        match self {
+            Self::Kube { what, source } => format!("{what}: {}", backoff::describe(source)),
+            other => other.to_string(),
+        }
+    }
+}
+
 fn kube_err(what: impl Into<String>) -> impl FnOnce(kube::Error) -> StackError {
     let what = what.into();
     move |source| StackError::Kube { what, source }
@@ -78,6 +97,8 @@ pub struct StackContext {
     pub metrics: Metrics,
     /// Branch → commit lookups, shared by every stack.
     pub git: gitremote::Resolver,
+    /// Failed reconciles per Stack.
+    pub backoff: Backoff,
 }
 
 impl StackContext {
@@ -94,6 +115,7 @@ impl StackContext {
             recorder,
             metrics,
             git: gitremote::Resolver::new(git_http_client(&egress), egress.clone(), GIT_REFS_TTL),
+            backoff: Backoff::default(),
         }
     }
 
@@ -222,7 +244,7 @@ fn error_policy(stack: Arc<Stack>, err: &StackError, ctx: Arc<StackContext>) -> 
             error: "reconcile".into(),
         })
         .inc();
-    Action::requeue(Duration::from_secs(5))
+    Action::requeue(ctx.backoff.delay(&backoff::key(&stack.metadata)))
 }
 
 // The ready protocol (kstatus), as PKO's helpers.
@@ -454,14 +476,10 @@ fn workspace_spec(stack: &Stack, namespace: &str, source: Value) -> Result<Value
             "/var/run/configmaps/stacks.pulumi.com/configmaps/{}",
             r.name
         );
-        if !volumes
-            .iter()
-            .any(|v: &Value| v["name"] == format!("configmap-{}", r.name))
-        {
-            volumes.push(
-                json!({"name": format!("configmap-{}", r.name), "configMap": {"name": r.name}}),
-            );
-            mounts.push(json!({"name": format!("configmap-{}", r.name), "mountPath": dir}));
+        let volume = pod::volume_name("configmap", &r.name);
+        if !volumes.iter().any(|v: &Value| v["name"] == volume) {
+            volumes.push(json!({"name": volume, "configMap": {"name": r.name}}));
+            mounts.push(json!({"name": volume, "mountPath": dir}));
         }
         config.push(
             json!({"key": key, "valueFrom": {"path": format!("{dir}/{}", r.key), "json": r.json}}),
@@ -478,14 +496,10 @@ fn workspace_spec(stack: &Stack, namespace: &str, source: Value) -> Result<Value
             v => {
                 let name = v["secret"]["name"].as_str().unwrap_or_default().to_owned();
                 let dir = format!("/var/run/secrets/stacks.pulumi.com/secrets/{name}");
-                if !volumes
-                    .iter()
-                    .any(|vol: &Value| vol["name"] == format!("secret-{name}"))
-                {
-                    volumes.push(
-                        json!({"name": format!("secret-{name}"), "secret": {"secretName": name}}),
-                    );
-                    mounts.push(json!({"name": format!("secret-{name}"), "mountPath": dir}));
+                let volume = pod::volume_name("secret", &name);
+                if !volumes.iter().any(|vol: &Value| vol["name"] == volume) {
+                    volumes.push(json!({"name": volume, "secret": {"secretName": name}}));
+                    mounts.push(json!({"name": volume, "mountPath": dir}));
                 }
                 config.push(json!({"key": key, "valueFrom": {"path": format!("{dir}/{}", v["secret"]["key"].as_str().unwrap_or_default())}, "secret": true}));
             }
@@ -550,6 +564,45 @@ fn strip_nulls(v: &mut Value) {
 }
 
 async fn reconcile(stack: Arc<Stack>, ctx: Arc<StackContext>) -> Result<Action, StackError> {
+    let result = reconcile_inner(stack.clone(), ctx.clone()).await;
+    let key = backoff::key(&stack.metadata);
+    match &result {
+        Ok(_) => ctx.backoff.success(&key),
+        Err(err) => {
+            let failure = ctx
+                .backoff
+                .failure(&key, stack.metadata.generation, err.verdict());
+            if failure.stall {
+                report_stalled(&stack, &ctx, err).await;
+            }
+        }
+    }
+    result
+}
+
+/// `Stalled=True` ([`backoff::REASON`]) with the error's message, and a Warning Event when that
+/// is news; written only when it changes the status.
+async fn report_stalled(stack: &Stack, ctx: &StackContext, err: &StackError) {
+    let Some(namespace) = stack.namespace() else {
+        return;
+    };
+    let generation = stack.metadata.generation;
+    let before = stack.status.clone().unwrap_or_default();
+    let mut status = before.clone();
+    let message = conditions::truncate(&err.message(), conditions::MESSAGE_LIMIT);
+    let known = conditions::get(&before.conditions, "Stalled")
+        .is_some_and(|c| c.status == "True" && c.reason == backoff::REASON && c.message == message);
+    if !known {
+        ctx.event(stack, EventType::Warning, backoff::REASON, message.clone())
+            .await;
+    }
+    stalled(&mut status, generation, backoff::REASON, &message);
+    if let Err(e) = write_status(ctx, &namespace, &stack.name_any(), &before, &status).await {
+        warn!(error = %e, "cannot report the stalled stack");
+    }
+}
+
+async fn reconcile_inner(stack: Arc<Stack>, ctx: Arc<StackContext>) -> Result<Action, StackError> {
     let labels = ctx.metrics.controller(CONTROLLER);
     ctx.metrics.reconciles.get_or_create(&labels).inc();
     let namespace = stack.namespace().ok_or(StackError::NoNamespace)?;
@@ -799,6 +852,23 @@ async fn run_update(
     why: String,
 ) -> Result<Action, StackError> {
     let generation = stack.metadata.generation;
+    // The Workspace is named after the stack: a name it cannot have stalls here, with a message
+    // that says so, instead of an apiserver refusal on every attempt.
+    if let Some(problem) = pko_api::workspace::name_problem(name) {
+        let message = format!("the stack's Workspace would be named {name}: {problem}");
+        if !conditions::is_true(&status.conditions, "Stalled") {
+            ctx.event(
+                stack,
+                EventType::Warning,
+                "StackConfigInvalid",
+                message.clone(),
+            )
+            .await;
+        }
+        stalled(&mut status, generation, "SpecInvalid", &message);
+        write_status(ctx, namespace, name, &before, &status).await?;
+        return Ok(Action::await_change());
+    }
     let ws_spec = match workspace_spec(stack, namespace, workspace_source) {
         Ok(s) => s,
         Err(message) => {

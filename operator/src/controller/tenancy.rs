@@ -21,6 +21,7 @@ use pko_api::tenancy::{TenancyPolicy, TenancyPolicyStatus};
 use serde_json::json;
 use tracing::warn;
 
+use crate::controller::backoff::{self, Backoff};
 use crate::controller::conditions;
 use crate::metrics::{ErrorLabels, Metrics};
 
@@ -39,9 +40,21 @@ pub enum TenancyStatusError {
     },
 }
 
+impl TenancyStatusError {
+    fn verdict(&self) -> backoff::Verdict {
+        match self {
+            Self::Kube { source, .. } => backoff::classify(source),
+            Self::NamespacesNotListed => backoff::Verdict::Transient,
+        }
+    }
+}
+
 pub struct TenancyContext {
     pub client: Client,
     pub metrics: Metrics,
+    /// Failed reconciles per policy. Every failure is a failed status write (or the namespace
+    /// watch not ready), so there is no status to report it in: it is logged and retried.
+    pub backoff: Backoff,
 }
 
 /// What a reconcile reads: the context, and the namespaces (names and labels) as the
@@ -110,7 +123,12 @@ fn error_policy(
             error: "kube".into(),
         })
         .inc();
-    Action::requeue(Duration::from_secs(30))
+    let key = backoff::key(&policy.metadata);
+    let failure = shared
+        .ctx
+        .backoff
+        .failure(&key, policy.metadata.generation, err.verdict());
+    Action::requeue(failure.delay)
 }
 
 /// The status a policy should have, given every namespace's name and labels.
@@ -191,6 +209,7 @@ async fn reconcile(
                 source,
             })?;
     }
+    ctx.backoff.success(&backoff::key(&policy.metadata));
     Ok(Action::await_change())
 }
 

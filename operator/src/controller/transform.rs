@@ -6,7 +6,6 @@
 //! when it differs from what the object already says, with an Event on each Ready transition.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams};
@@ -19,14 +18,13 @@ use serde_json::json;
 use tokio::sync::broadcast;
 use tracing::{debug, warn};
 
+use crate::controller::backoff::{self, Backoff};
 use crate::metrics::{ErrorLabels, Metrics};
 use crate::transform::{LoadState, Snapshot, TransformKey, TransformKind, TransformRegistry};
 
 /// Field manager of transform status.
 pub const STATUS_MANAGER: &str = "pko-rs/transform-status";
 const CONTROLLER: &str = "transform";
-/// Delay before writing a status again after a failed write.
-const RETRY: Duration = Duration::from_secs(5);
 
 /// Failures of one status write.
 #[derive(Debug, thiserror::Error)]
@@ -65,6 +63,8 @@ pub async fn run(
             instance: std::env::var("POD_NAME").ok(),
         },
     );
+    // Failed writes per transform; the write is what failed, so it is only logged and retried.
+    let retries = Backoff::default();
     let mut triggers = registry.subscribe_status();
     // Everything once at start: the previous leader may have left a status behind.
     let mut pending: Vec<TransformKey> = registry.keys();
@@ -73,8 +73,11 @@ pub async fn run(
         for key in std::mem::take(&mut pending) {
             let labels = metrics.controller(CONTROLLER);
             metrics.reconciles.get_or_create(&labels).inc();
+            let key_text = key.to_string();
             if let Err(err) = write(&registry, &client, &recorder, &key).await {
-                warn!(transform = %key, error = %err, "cannot write transform status");
+                let TransformStatusError::Write { source, .. } = &err;
+                let failure = retries.failure(&key_text, None, backoff::classify(source));
+                warn!(transform = %key, error = %err, attempts = failure.attempts, "cannot write transform status");
                 metrics
                     .reconcile_errors
                     .get_or_create(&ErrorLabels {
@@ -84,9 +87,11 @@ pub async fn run(
                     .inc();
                 let registry = registry.clone();
                 tokio::spawn(async move {
-                    tokio::time::sleep(RETRY).await;
+                    tokio::time::sleep(failure.delay).await;
                     registry.retrigger_status(key);
                 });
+            } else {
+                retries.success(&key_text);
             }
         }
         tokio::select! {

@@ -34,6 +34,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::agents::{AgentError, Agents};
+use crate::controller::backoff::{self, Backoff, Verdict};
 use crate::controller::conditions;
 use crate::metrics::{ErrorLabels, Metrics};
 
@@ -42,6 +43,8 @@ const CONTROLLER: &str = "update";
 const PROGRESSING: &str = "Progressing";
 const FAILED: &str = "Failed";
 const COMPLETE: &str = "Complete";
+/// Set only by [`report_stalled`]: the controller itself keeps failing on this Update.
+const STALLED: &str = "Stalled";
 /// Annotation of the outputs Secret listing its secret keys (PKO's).
 pub const SECRETS_ANNOTATION: &str = "pulumi.com/secrets";
 pub const UPDATE_NAME_LABEL: &str = "auto.pulumi.com/update-name";
@@ -71,6 +74,28 @@ pub enum UpdateError {
     },
     #[error("invalid ttlAfterCompleted: {0}")]
     BadTtl(#[source] DurationError),
+    /// The workspace agent cannot be reached; already reported in the Progressing condition.
+    #[error("{0}")]
+    AgentUnavailable(String),
+}
+
+impl UpdateError {
+    /// Whether retrying may help (see [`backoff`]).
+    fn verdict(&self) -> Verdict {
+        match self {
+            Self::Kube { source, .. } => backoff::classify(source),
+            Self::NoNamespace | Self::BadTtl(_) => Verdict::Permanent,
+            Self::AgentUnavailable(_) => Verdict::Transient,
+        }
+    }
+
+    /// What the status and the Event say: the apiserver's own message for its refusals.
+    fn message(&self) -> String {
+        match self {
+            Self::Kube { what, source } => format!("{what}: {}", backoff::describe(source)),
+            other => other.to_string(),
+        }
+    }
 }
 
 fn kube_err(what: impl Into<String>) -> impl FnOnce(kube::Error) -> UpdateError {
@@ -84,6 +109,8 @@ pub struct UpdateContext {
     pub recorder: Recorder,
     pub agents: Arc<Agents>,
     pub metrics: Metrics,
+    /// Failed reconciles per Update.
+    pub backoff: Backoff,
     /// Updates whose operation runs in this process: uid → cancel token.
     running: Mutex<HashMap<String, CancellationToken>>,
     /// Operations that may run at once (`--max-operations-in-flight`).
@@ -130,6 +157,7 @@ impl UpdateContext {
             recorder,
             agents,
             metrics,
+            backoff: Backoff::default(),
             running: Mutex::new(HashMap::new()),
             max_in_flight: max_in_flight.max(1),
             queued: Mutex::new(HashMap::new()),
@@ -254,7 +282,7 @@ fn error_policy(update: Arc<Update>, err: &UpdateError, ctx: Arc<UpdateContext>)
             error: "reconcile".into(),
         })
         .inc();
-    Action::requeue(Duration::from_secs(5))
+    Action::requeue(ctx.backoff.delay(&backoff::key(&update.metadata)))
 }
 
 fn stack_name(update: &Update) -> String {
@@ -262,6 +290,62 @@ fn stack_name(update: &Update) -> String {
 }
 
 async fn reconcile(update: Arc<Update>, ctx: Arc<UpdateContext>) -> Result<Action, UpdateError> {
+    let result = reconcile_inner(update.clone(), ctx.clone()).await;
+    let key = backoff::key(&update.metadata);
+    match &result {
+        Ok(_) => ctx.backoff.success(&key),
+        Err(err) => {
+            let failure = ctx
+                .backoff
+                .failure(&key, update.metadata.generation, err.verdict());
+            if failure.stall {
+                report_stalled(&update, &ctx, err).await;
+            }
+        }
+    }
+    result
+}
+
+/// `Stalled=True` ([`backoff::REASON`]) with the error's message, and a Warning Event when that
+/// is news; written only when it changes the status.
+async fn report_stalled(update: &Update, ctx: &UpdateContext, err: &UpdateError) {
+    let Some(namespace) = update.namespace() else {
+        return;
+    };
+    let before = update.status.clone().unwrap_or_default();
+    let mut status = before.clone();
+    let message = conditions::truncate(&err.message(), conditions::MESSAGE_LIMIT);
+    let known = conditions::get(&before.conditions, STALLED)
+        .is_some_and(|c| c.status == "True" && c.reason == backoff::REASON && c.message == message);
+    if !known {
+        ctx.event(update, EventType::Warning, backoff::REASON, message.clone())
+            .await;
+    }
+    conditions::set(
+        &mut status.conditions,
+        STALLED,
+        true,
+        backoff::REASON,
+        &message,
+        update.metadata.generation,
+    );
+    if let Err(e) = write_status(
+        &ctx.client,
+        &namespace,
+        &update.name_any(),
+        &before,
+        &status,
+    )
+    .await
+    {
+        warn!(error = %e, "cannot report the stalled update");
+    }
+}
+
+async fn reconcile_inner(
+    update: Arc<Update>,
+    ctx: Arc<UpdateContext>,
+) -> Result<Action, UpdateError> {
     let labels = ctx.metrics.controller(CONTROLLER);
     ctx.metrics.reconciles.get_or_create(&labels).inc();
     let namespace = update.namespace().ok_or(UpdateError::NoNamespace)?;
@@ -325,11 +409,18 @@ async fn reconcile(update: Arc<Update>, ctx: Arc<UpdateContext>) -> Result<Actio
         );
         s
     };
+    // A stall reported after failed attempts holds until an attempt gets further: a failing
+    // one keeps it, so it writes nothing new (and triggers no reconcile of its own).
+    let progressed = |mut s: UpdateStatus| {
+        conditions::remove(&mut s.conditions, STALLED);
+        s
+    };
     let Some(ws) = ws else {
         let s = waiting(
             "WorkspaceNotFound",
             format!("workspace {ws_name} not found"),
         );
+        let s = progressed(s);
         write_status(&ctx.client, &namespace, &name, &before, &s).await?;
         return Ok(Action::await_change());
     };
@@ -342,6 +433,7 @@ async fn reconcile(update: Arc<Update>, ctx: Arc<UpdateContext>) -> Result<Actio
             "WorkspaceNotReady",
             format!("waiting for workspace {ws_name} to be ready"),
         );
+        let s = progressed(s);
         write_status(&ctx.client, &namespace, &name, &before, &s).await?;
         return Ok(Action::await_change());
     };
@@ -364,7 +456,9 @@ async fn reconcile(update: Arc<Update>, ctx: Arc<UpdateContext>) -> Result<Actio
                 format!("cannot reach the workspace agent: {e}"),
             );
             write_status(&ctx.client, &namespace, &name, &before, &s).await?;
-            return Ok(Action::requeue(Duration::from_secs(5)));
+            return Err(UpdateError::AgentUnavailable(format!(
+                "cannot reach the workspace agent: {e}"
+            )));
         }
     };
 
@@ -396,6 +490,7 @@ async fn reconcile(update: Arc<Update>, ctx: Arc<UpdateContext>) -> Result<Actio
         "",
         generation,
     );
+    conditions::remove(&mut status.conditions, STALLED);
     status.start_time = Some(Time(Timestamp::now()));
     status.end_time = None;
     write_status(&ctx.client, &namespace, &name, &before, &status).await?;
@@ -806,6 +901,7 @@ fn finish(
     reason: &str,
     message: &str,
 ) {
+    conditions::remove(&mut status.conditions, STALLED);
     conditions::set(
         &mut status.conditions,
         PROGRESSING,

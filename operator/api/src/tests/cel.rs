@@ -91,6 +91,25 @@ fn stack_v1_name_length_rule_is_pkos() {
     assert!(rules_at("pulumi.com_stacks.yaml", "v1alpha1", "").is_empty());
 }
 
+#[test]
+fn workspace_names_are_checked_at_the_root() {
+    use crate::workspace as ws;
+    assert_eq!(
+        rules_at("auto.pulumi.com_workspaces.yaml", "v1alpha1", ""),
+        [
+            (
+                ws::NAME_LENGTH_RULE.to_owned(),
+                ws::NAME_LENGTH_MESSAGE.to_owned()
+            ),
+            (
+                ws::NAME_FORMAT_RULE.to_owned(),
+                ws::NAME_FORMAT_MESSAGE.to_owned()
+            ),
+        ]
+    );
+    assert!(ws::NAME_LENGTH_RULE.ends_with(&ws::NAME_MAX_LENGTH.to_string()));
+}
+
 /// Whether the apiserver exposes a field with this schema to CEL (mirrors `SchemaDeclType` of
 /// k8s.io/apiserver: untyped schemas, and lists/maps of them, are hidden).
 fn cel_visible(schema: &Value) -> bool {
@@ -172,6 +191,7 @@ fn every_rule_refers_to_existing_fields_and_does_not_iterate() {
             }
         }
     }
-    // Stack: source exclusivity and git revision in v1 and v1alpha1, name length in v1.
-    assert_eq!(count, 5, "expected 5 CEL rules in total");
+    // Stack: source exclusivity and git revision in v1 and v1alpha1, name length in v1;
+    // Workspace: name length and format.
+    assert_eq!(count, 7, "expected 7 CEL rules in total");
 }

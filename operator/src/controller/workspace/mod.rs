@@ -30,6 +30,7 @@ use serde_json::{Value, json};
 use tracing::{info, instrument, warn};
 
 use crate::agents::{AgentError, Agents};
+use crate::controller::backoff::{self, Backoff, Verdict};
 use crate::controller::conditions;
 use crate::metrics::{ErrorLabels, Metrics};
 
@@ -62,6 +63,9 @@ pub enum WorkspaceError {
     Pod(#[from] pod::PodError),
     #[error("cannot encode: {0}")]
     Encode(#[from] serde_json::Error),
+    /// The agent did not answer as it should: `Ready=False` with `reason` until it stalls.
+    #[error("{message}")]
+    AgentUnavailable { reason: String, message: String },
 }
 
 impl WorkspaceError {
@@ -72,6 +76,30 @@ impl WorkspaceError {
             Self::Agent(_) => "agent",
             Self::Pod(_) => "pod",
             Self::Encode(_) => "encode",
+            Self::AgentUnavailable { .. } => "agent_unavailable",
+        }
+    }
+
+    /// Whether retrying may help (see [`backoff`]).
+    fn verdict(&self) -> Verdict {
+        match self {
+            Self::Kube { source, .. } | Self::Agent(AgentError::Credentials { source, .. }) => {
+                backoff::classify(source)
+            }
+            Self::NoNamespace | Self::Pod(_) | Self::Encode(_) => Verdict::Permanent,
+            Self::Agent(_) | Self::AgentUnavailable { .. } => Verdict::Transient,
+        }
+    }
+
+    /// What the status and the Event say: the apiserver's own message for its refusals.
+    fn message(&self) -> String {
+        match self {
+            Self::Kube { what, source } => format!("{what}: {}", backoff::describe(source)),
+            Self::Agent(AgentError::Credentials { name, source }) => format!(
+                "cannot read or create the agent credentials {name}: {}",
+                backoff::describe(source)
+            ),
+            other => other.to_string(),
         }
     }
 }
@@ -88,6 +116,8 @@ pub struct WorkspaceContext {
     pub agents: Arc<Agents>,
     pub settings: PodSettings,
     pub metrics: Metrics,
+    /// Failed reconciles per Workspace.
+    pub backoff: Backoff,
     /// Workspace uid → what its agent was last initialized with.
     initialized: Mutex<HashMap<String, Initialized>>,
 }
@@ -112,6 +142,7 @@ impl WorkspaceContext {
             agents,
             settings,
             metrics,
+            backoff: Backoff::default(),
             initialized: Mutex::new(HashMap::new()),
         }
     }
@@ -180,7 +211,7 @@ fn error_policy(ws: Arc<Workspace>, err: &WorkspaceError, ctx: Arc<WorkspaceCont
             error: err.kind().into(),
         })
         .inc();
-    Action::requeue(Duration::from_secs(5))
+    Action::requeue(ctx.backoff.delay(&backoff::key(&ws.metadata)))
 }
 
 /// The controller owner reference to put on every object made for `ws`.
@@ -380,11 +411,58 @@ async fn reconcile(
     let labels = ctx.metrics.controller(CONTROLLER);
     ctx.metrics.reconciles.get_or_create(&labels).inc();
     let result = reconcile_inner(&ws, &ctx).await;
+    let key = backoff::key(&ws.metadata);
+    match &result {
+        Ok(_) => ctx.backoff.success(&key),
+        Err(err) => {
+            let failure = ctx
+                .backoff
+                .failure(&key, ws.metadata.generation, err.verdict());
+            report_failure(&ws, &ctx, err, failure.stall).await;
+        }
+    }
     ctx.metrics
         .reconcile_duration
         .get_or_create(&labels)
         .observe(started.elapsed().as_secs_f64());
     result
+}
+
+/// Reports a failed reconcile: `stall` makes it `Stalled=True`/`Ready=False`
+/// ([`backoff::REASON`]) with the error's message and a Warning Event when that is news; an
+/// agent that does not answer is `Ready=False` with its own reason before that. The status is
+/// derived from the error alone, so the same failure again writes nothing (and triggers no
+/// reconcile of its own).
+async fn report_failure(ws: &Workspace, ctx: &WorkspaceContext, err: &WorkspaceError, stall: bool) {
+    let Some(namespace) = ws.namespace() else {
+        return;
+    };
+    let generation = ws.metadata.generation;
+    let before = ws.status.clone().unwrap_or_default();
+    let mut status = before.clone();
+    status.observed_generation = generation;
+    let message = conditions::truncate(&err.message(), conditions::MESSAGE_LIMIT);
+    if let WorkspaceError::AgentUnavailable { reason, .. } = err {
+        status.address = None;
+        if !stall {
+            mark_not_ready(&mut status, false, reason, &message, generation);
+        }
+    } else if !stall {
+        return;
+    }
+    if stall {
+        let known = conditions::get(&before.conditions, STALLED).is_some_and(|c| {
+            c.status == "True" && c.reason == backoff::REASON && c.message == message
+        });
+        if !known {
+            ctx.event(ws, EventType::Warning, backoff::REASON, message.clone())
+                .await;
+        }
+        mark_not_ready(&mut status, true, backoff::REASON, &message, generation);
+    }
+    if let Err(e) = write_status(ctx, &namespace, &ws.name_any(), &before, &status).await {
+        warn!(error = %e, "cannot report the stalled workspace");
+    }
 }
 
 async fn reconcile_inner(ws: &Workspace, ctx: &WorkspaceContext) -> Result<Action, WorkspaceError> {
@@ -395,8 +473,17 @@ async fn reconcile_inner(ws: &Workspace, ctx: &WorkspaceContext) -> Result<Actio
     let before = ws.status.clone().unwrap_or_default();
     let mut status = before.clone();
     status.observed_generation = generation;
+    // A stall reported after failed attempts holds until an attempt gets further: the paths
+    // below that write a status of their own clear it.
+    let clear_failure_stall = |status: &mut WorkspaceStatus| {
+        if conditions::get(&status.conditions, STALLED).is_some_and(|c| c.reason == backoff::REASON)
+        {
+            conditions::remove(&mut status.conditions, STALLED);
+        }
+    };
 
     if ws.meta().deletion_timestamp.is_some() {
+        clear_failure_stall(&mut status);
         status.address = None;
         conditions::set(
             &mut status.conditions,
@@ -498,36 +585,20 @@ async fn reconcile_inner(ws: &Workspace, ctx: &WorkspaceContext) -> Result<Actio
             let message = format!("cannot connect to the workspace agent at {address}: {e}");
             ctx.event(ws, EventType::Warning, "ConnectionFailure", message.clone())
                 .await;
-            status.address = None;
-            conditions::set(
-                &mut status.conditions,
-                READY,
-                false,
-                "ConnectionFailed",
-                &message,
-                generation,
-            );
-            write_status(ctx, &namespace, &name, &before, &status).await?;
-            return Ok(Action::requeue(Duration::from_secs(5)));
+            return Err(WorkspaceError::AgentUnavailable {
+                reason: "ConnectionFailed".into(),
+                message,
+            });
         }
     };
     let version = match client.pulumi_version(pb::PulumiVersionRequest {}).await {
         Ok(v) => v,
         Err(s) => {
             ctx.agents.forget(&name, &namespace);
-            let reason = format!("{:?}", s.code());
-            let message = format!("PulumiVersion failed: {}", s.message());
-            status.address = None;
-            conditions::set(
-                &mut status.conditions,
-                READY,
-                false,
-                &reason,
-                &message,
-                generation,
-            );
-            write_status(ctx, &namespace, &name, &before, &status).await?;
-            return Ok(Action::requeue(Duration::from_secs(5)));
+            return Err(WorkspaceError::AgentUnavailable {
+                reason: format!("{:?}", s.code()),
+                message: format!("PulumiVersion failed: {}", s.message()),
+            });
         }
     };
     let instance = version
@@ -578,6 +649,7 @@ async fn reconcile_inner(ws: &Workspace, ctx: &WorkspaceContext) -> Result<Actio
         Ok(e) => e,
         Err(message) => {
             // Like a pod whose Secret is missing: not ready until it appears.
+            clear_failure_stall(&mut status);
             mark_not_ready(
                 &mut status,
                 false,
@@ -606,16 +678,10 @@ async fn reconcile_inner(ws: &Workspace, ctx: &WorkspaceContext) -> Result<Actio
             .await
         {
             ctx.agents.forget(&name, &namespace);
-            let message = format!("Failed to set the environment: {}", s.message());
-            mark_not_ready(
-                &mut status,
-                false,
-                "InitializationFailed",
-                &message,
-                generation,
-            );
-            write_status(ctx, &namespace, &name, &before, &status).await?;
-            return Ok(Action::requeue(Duration::from_secs(5)));
+            return Err(WorkspaceError::AgentUnavailable {
+                reason: "InitializationFailed".into(),
+                message: format!("Failed to set the environment: {}", s.message()),
+            });
         }
         if fresh_agent && let Err(s) = client.install(pb::InstallRequest {}).await {
             let message = format!("Installation failed: {}", s.message());

@@ -36,6 +36,45 @@ pub fn server_name(workspace: &str, namespace: &str) -> String {
     format!("{}.{namespace}", workload_name(workspace))
 }
 
+/// Longest volume name (a DNS-1123 label).
+const VOLUME_NAME_MAX: usize = 63;
+
+fn is_dns1123_label(s: &str) -> bool {
+    let b = s.as_bytes();
+    !b.is_empty()
+        && b.len() <= VOLUME_NAME_MAX
+        && b.iter()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+        && b[0] != b'-'
+        && b[b.len() - 1] != b'-'
+}
+
+/// The name of a volume made for object `name` (a Secret, a ConfigMap): `<prefix>-<name>` as
+/// PKO names it when that is a valid volume name (a DNS-1123 label). Otherwise (a dot, too long)
+/// every other character becomes `-`, the result is cut to fit, and the first 8 hex digits of
+/// the SHA-256 of `name` are appended, so two names that read alike stay apart.
+pub fn volume_name(prefix: &str, name: &str) -> String {
+    let plain = format!("{prefix}-{name}");
+    if is_dns1123_label(&plain) {
+        return plain;
+    }
+    let hash = &hex::encode(Sha256::digest(name.as_bytes()))[..8];
+    let sanitized: String = plain
+        .chars()
+        .map(|c| match c.to_ascii_lowercase() {
+            c @ ('a'..='z' | '0'..='9') => c,
+            _ => '-',
+        })
+        .take(VOLUME_NAME_MAX - hash.len() - 1)
+        .collect();
+    let sanitized = sanitized.trim_matches('-');
+    if sanitized.is_empty() {
+        format!("v-{hash}")
+    } else {
+        format!("{sanitized}-{hash}")
+    }
+}
+
 /// Labels of every object of one workspace (also the Service's selector).
 pub fn labels(workspace: &str) -> BTreeMap<String, String> {
     BTreeMap::from([
@@ -801,6 +840,39 @@ mod tests {
         assert_eq!(svc["metadata"]["labels"]["team"], "a");
         assert_eq!(svc["metadata"]["annotations"]["x"], "y");
         assert_eq!(svc["spec"]["selector"], json!(labels("w")));
+    }
+
+    #[test]
+    fn volume_names_are_dns_labels_that_keep_names_apart() {
+        // What PKO names them, when valid.
+        assert_eq!(volume_name("secret", "db-creds"), "secret-db-creds");
+        assert_eq!(volume_name("configmap", "cfg"), "configmap-cfg");
+        let dotted = volume_name("secret", "db.creds");
+        assert!(dotted.starts_with("secret-db-creds-"), "{dotted}");
+        assert!(is_dns1123_label(&dotted));
+        // Names that sanitise alike get different hashes.
+        assert_ne!(dotted, volume_name("secret", "db-creds"));
+        assert_ne!(dotted, volume_name("secret", "db.creds."));
+        assert_ne!(
+            volume_name("secret", "a.b-c"),
+            volume_name("secret", "a-b.c")
+        );
+        // Long names (a Secret name may have 253 characters) are cut, still apart.
+        let long_a = format!("{}a", "x".repeat(252));
+        let long_b = format!("{}b", "x".repeat(252));
+        for n in [&long_a, &long_b] {
+            let v = volume_name("secret", n);
+            assert!(is_dns1123_label(&v), "{v}");
+            assert_eq!(v.len(), 63);
+        }
+        assert_ne!(
+            volume_name("secret", &long_a),
+            volume_name("secret", &long_b)
+        );
+        // Stable: the pod template (and its hash) does not change between reconciles.
+        assert_eq!(dotted, volume_name("secret", "db.creds"));
+        assert!(is_dns1123_label(&volume_name("x", "...")));
+        assert!(!is_dns1123_label("-a") && !is_dns1123_label("a-") && !is_dns1123_label(""));
     }
 
     #[test]
