@@ -14,11 +14,11 @@ use std::time::Instant;
 
 use axum::Router;
 use axum::body::Body;
-use axum::extract::{Path, RawQuery, Request, State};
+use axum::extract::{RawQuery, Request, State};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::any;
-use http::{HeaderMap, HeaderValue, Method, StatusCode, header};
+use http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
 
 use crate::capability::{ArtifactRef, KeyRing};
 use crate::metrics::{Metrics, RefusalReason, RequestLabels};
@@ -53,14 +53,21 @@ pub fn router(state: FileServer) -> Router {
 async fn programs(
     State(state): State<FileServer>,
     method: Method,
-    Path(rest): Path<String>,
+    uri: Uri,
     RawQuery(query): RawQuery,
     headers: HeaderMap,
 ) -> Response {
     if method != Method::GET && method != Method::HEAD {
         return method_not_allowed();
     }
-    let segments: Vec<&str> = rest.split('/').collect();
+    let Some(segments) = uri
+        .path()
+        .strip_prefix("/programs/")
+        .and_then(path_segments)
+    else {
+        return malformed();
+    };
+    let segments: Vec<&str> = segments.iter().map(String::as_str).collect();
     match segments.as_slice() {
         [namespace, name, generation] => {
             let request = ProgramRequest {
@@ -73,6 +80,20 @@ async fn programs(
         }
         _ => malformed(),
     }
+}
+
+/// The segments of a path, split on `/` first and percent-decoded one by one, as an HTTP client
+/// and the admission policies read them: an encoded `/` (`%2F`) never splits a segment, and a
+/// segment that decodes to something holding `/` or to invalid UTF-8 makes the path malformed.
+fn path_segments(raw: &str) -> Option<Vec<String>> {
+    raw.split('/')
+        .map(|segment| {
+            let decoded = percent_encoding::percent_decode_str(segment)
+                .decode_utf8()
+                .ok()?;
+            (!decoded.contains('/')).then(|| decoded.into_owned())
+        })
+        .collect()
 }
 
 /// One request for an artifact, as it came.
@@ -500,6 +521,11 @@ mod router_tests {
         assert_eq!(status, StatusCode::NOT_MODIFIED);
         assert_eq!(headers[header::ETAG], etag.as_str());
         assert!(body.is_empty());
+
+        // Other encodings of the same segments are the same request.
+        let encoded = signed("ns", "p", "2").replacen("/ns/p/", "/%6Es/%70/", 1);
+        let (status, _, _) = call(&app, "GET", &encoded, None).await;
+        assert_eq!(status, StatusCode::OK);
     }
 
     #[tokio::test]
@@ -513,6 +539,10 @@ mod router_tests {
             ("GET", "/programs/ns//2", 400),
             ("GET", "/programs/ns/p/x", 400),
             ("GET", "/programs/NS/p/2", 400),
+            // An encoded `/` never splits a segment: this names no Program.
+            ("GET", "/programs/ns%2Fp%2F2", 400),
+            ("GET", "/programs/ns/p%2F2/2", 400),
+            ("GET", "/programs/ns/%FF/2", 400),
             ("GET", &signed("ns", "q", "1"), 404),
             ("GET", &signed("ns", "p", "3"), 404),
             ("GET", &signed("ns", "p", "1"), 410),
