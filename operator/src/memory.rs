@@ -125,14 +125,9 @@ pub fn plan(limit: Option<u64>, demands: &Demands) -> Result<Plan, MemoryError> 
                     let slots = available.saturating_sub(plugins) / per_slot;
                     (derived_slots(slots), plugins)
                 }
+                // Half each (plugins off say `Some(0)` and take the arm above).
                 (None, None) => {
-                    // Plugins off: admission takes it all; else half each.
-                    let share = if demands.plugin_budget_bytes == Some(0) {
-                        available
-                    } else {
-                        available / 2
-                    };
-                    let slots = derived_slots(share / per_slot);
+                    let slots = derived_slots(available / 2 / per_slot);
                     (slots, available.saturating_sub(per_slot * slots as u64))
                 }
             }

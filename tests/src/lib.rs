@@ -10,6 +10,7 @@
 
 pub mod agent;
 mod control_plane;
+pub mod execution;
 pub mod fifo;
 pub mod gitrepo;
 pub mod kubelet;

@@ -8,6 +8,7 @@ use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use pko_api::program::Program;
 use pko_api::stack::Stack;
 use pko_api::update::Update;
+use pko_tests::execution::Execution;
 use pko_tests::gitrepo::GitRepo;
 use pko_tests::kubelet::Kubelet;
 use pko_tests::operator::{Operator, OperatorOptions};
@@ -35,31 +36,14 @@ struct Env {
 }
 
 async fn env(prefix: &str) -> Env {
-    let plane = ControlPlane::shared().await;
-    let ns = plane.namespace(prefix).await.expect("namespace");
-    let tmp = tempfile::tempdir().expect("tmp");
-    let backend = tmp.path().join("backend");
-    std::fs::create_dir_all(&backend).expect("backend");
-    let kubelet = Kubelet::start(plane.client(), &ns, &tmp.path().join("pods")).expect("kubelet");
-    let operator = Operator::start(
-        plane,
-        OperatorOptions {
-            advertised: None,
-            args: vec![
-                format!("--watch-namespace={ns}"),
-                "--workspace-localhost=127.0.0.1".into(),
-            ],
-        },
-    )
-    .await
-    .expect("operator");
+    let e = Execution::start(prefix, &[]).await;
     Env {
-        plane,
-        ns,
-        tmp,
-        backend,
-        kubelet,
-        _operator: operator,
+        plane: e.plane,
+        backend: e.tmp.path().join("backend"),
+        ns: e.ns,
+        tmp: e.tmp,
+        kubelet: e.kubelet,
+        _operator: e.operator,
     }
 }
 

@@ -14,8 +14,9 @@ use kube::api::{Patch, PatchParams, PostParams};
 use pko_api::program::Program;
 use pko_api::stack::Stack;
 use pko_api::workspace::{self as ws_api, Workspace};
+use pko_tests::execution::Execution;
 use pko_tests::kubelet::Kubelet;
-use pko_tests::operator::{Operator, OperatorOptions};
+use pko_tests::operator::Operator;
 use pko_tests::{ControlPlane, wait_for};
 use serde_json::{Value, json};
 
@@ -30,29 +31,13 @@ struct Env {
 }
 
 async fn env(prefix: &str) -> Env {
-    let plane = ControlPlane::shared().await;
-    let ns = plane.namespace(prefix).await.expect("namespace");
-    let tmp = tempfile::tempdir().expect("tmp");
-    std::fs::create_dir_all(tmp.path().join("backend")).expect("backend");
-    let kubelet = Kubelet::start(plane.client(), &ns, &tmp.path().join("pods")).expect("kubelet");
-    let operator = Operator::start(
-        plane,
-        OperatorOptions {
-            advertised: None,
-            args: vec![
-                format!("--watch-namespace={ns}"),
-                "--workspace-localhost=127.0.0.1".into(),
-            ],
-        },
-    )
-    .await
-    .expect("operator");
+    let e = Execution::start(prefix, &[]).await;
     Env {
-        plane,
-        ns,
-        tmp,
-        _kubelet: kubelet,
-        operator,
+        plane: e.plane,
+        ns: e.ns,
+        tmp: e.tmp,
+        _kubelet: e.kubelet,
+        operator: e.operator,
     }
 }
 

@@ -10,6 +10,7 @@ use kube::api::PostParams;
 use pko_api::program::Program;
 use pko_api::update::Update;
 use pko_api::workspace::Workspace;
+use pko_tests::execution::Execution;
 use pko_tests::kubelet::Kubelet;
 use pko_tests::operator::{Operator, OperatorOptions};
 use pko_tests::{ControlPlane, fifo, wait_for};
@@ -31,32 +32,13 @@ async fn env(prefix: &str) -> Env {
 
 /// [`env`] with more operator arguments.
 async fn env_with(prefix: &str, operator_args: &[&str]) -> Env {
-    let plane = ControlPlane::shared().await;
-    let ns = plane.namespace(prefix).await.expect("namespace");
-    let tmp = tempfile::tempdir().expect("tmp");
-    std::fs::create_dir_all(tmp.path().join("backend")).expect("backend");
-    let kubelet = Kubelet::start(plane.client(), &ns, &tmp.path().join("pods")).expect("kubelet");
-    let operator = Operator::start(
-        plane,
-        OperatorOptions {
-            advertised: None,
-            args: [
-                format!("--watch-namespace={ns}"),
-                "--workspace-localhost=127.0.0.1".into(),
-            ]
-            .into_iter()
-            .chain(operator_args.iter().map(|a| (*a).to_owned()))
-            .collect(),
-        },
-    )
-    .await
-    .expect("operator");
+    let e = Execution::start(prefix, operator_args).await;
     Env {
-        ns,
-        client: plane.client(),
-        operator,
-        kubelet,
-        tmp,
+        ns: e.ns,
+        client: e.plane.client(),
+        operator: e.operator,
+        kubelet: e.kubelet,
+        tmp: e.tmp,
     }
 }
 

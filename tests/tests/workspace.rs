@@ -10,8 +10,9 @@ use kube::Api;
 use kube::api::{Patch, PatchParams, PostParams};
 use pko_api::program::Program;
 use pko_api::workspace::Workspace;
+use pko_tests::execution::Execution;
 use pko_tests::kubelet::Kubelet;
-use pko_tests::operator::{Operator, OperatorOptions};
+use pko_tests::operator::Operator;
 use pko_tests::{ControlPlane, wait_for};
 use serde_json::{Value, json};
 
@@ -25,28 +26,12 @@ struct Env {
 }
 
 async fn env(prefix: &str) -> Env {
-    let plane = ControlPlane::shared().await;
-    let ns = plane.namespace(prefix).await.expect("namespace");
-    let tmp = tempfile::tempdir().expect("tmp");
-    let kubelet = Kubelet::start(plane.client(), &ns, &tmp.path().join("pods")).expect("kubelet");
-    let operator = Operator::start(
-        plane,
-        OperatorOptions {
-            advertised: None,
-            args: vec![
-                format!("--watch-namespace={ns}"),
-                "--workspace-localhost=127.0.0.1".into(),
-            ],
-        },
-    )
-    .await
-    .expect("operator");
-    std::fs::create_dir_all(tmp.path().join("backend")).expect("backend");
+    let e = Execution::start(prefix, &[]).await;
     Env {
-        ns,
-        _operator: operator,
-        kubelet,
-        tmp,
+        ns: e.ns,
+        _operator: e.operator,
+        kubelet: e.kubelet,
+        tmp: e.tmp,
     }
 }
 

@@ -146,7 +146,7 @@ impl Drop for EpochTicker {
 struct Inner {
     engine: Engine,
     module: Module,
-    bundle_data: Value,
+    bundle_data: Arc<Value>,
     entrypoints: Vec<String>,
     digest: String,
     limits: EngineLimits,
@@ -190,7 +190,7 @@ impl PolicyEngine {
                 _ticker: EpochTicker::start(&engine),
                 engine,
                 module,
-                bundle_data: bundle.data.clone(),
+                bundle_data: Arc::new(bundle.data.clone()),
                 entrypoints: bundle.entrypoints.clone(),
                 digest: bundle.digest.clone(),
                 limits,
@@ -225,6 +225,11 @@ impl PolicyEngine {
     /// The bundle's own data document.
     pub fn bundle_data(&self) -> &Value {
         &self.inner.bundle_data
+    }
+
+    /// The same, shared (handed to evaluations without a copy).
+    pub fn shared_bundle_data(&self) -> Arc<Value> {
+        self.inner.bundle_data.clone()
     }
 
     pub fn limits(&self) -> EngineLimits {

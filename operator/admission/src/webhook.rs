@@ -256,7 +256,7 @@ impl Admission {
 
     /// The JSON Patch of defaults for a parsed review.
     async fn defaults(&self, slot: &Slot, review: &Review) -> Result<Value, WebhookError> {
-        let data = Arc::new(self.engine.bundle_data().clone());
+        let data = self.engine.shared_bundle_data();
         let value = self
             .timed(slot, DEFAULTS_ENTRYPOINT, review.input.clone(), data)
             .await?;

@@ -34,8 +34,15 @@ async fn until(what: &str, mut condition: impl FnMut() -> bool) {
     panic!("never: {what}");
 }
 
-#[tokio::test]
-async fn connections_over_the_cap_are_closed_at_once_and_counted() {
+/// The listener serving `app` over TLS on a loopback port, with `bounds`.
+struct Listening {
+    addr: std::net::SocketAddr,
+    ca_pem: String,
+    metrics: AdmissionMetrics,
+    stop: CancellationToken,
+}
+
+fn listen(app: Router, bounds: Bounds) -> Listening {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let settings = CertSettings::new("ns".into(), "s".into(), vec!["127.0.0.1".into()]);
     let now = time::OffsetDateTime::now_utc().unix_timestamp();
@@ -45,20 +52,38 @@ async fn connections_over_the_cap_are_closed_at_once_and_counted() {
     let listener = server::bind("127.0.0.1:0").expect("bind");
     let addr = listener.local_addr().expect("addr");
     let metrics = AdmissionMetrics::new();
-    let app = Router::new().route("/ping", get(|| async { "pong" }));
     let stop = CancellationToken::new();
     tokio::spawn(server::serve(
         listener,
         app,
         tls,
+        bounds,
+        metrics.clone(),
+        stop.clone().cancelled_owned(),
+    ));
+    Listening {
+        addr,
+        ca_pem: bundle.ca_pem,
+        metrics,
+        stop,
+    }
+}
+
+#[tokio::test]
+async fn connections_over_the_cap_are_closed_at_once_and_counted() {
+    let Listening {
+        addr,
+        ca_pem,
+        metrics,
+        stop,
+    } = listen(
+        Router::new().route("/ping", get(|| async { "pong" })),
         // Idle clients hold their place until the cap is checked, however slow the machine.
         Bounds {
             handshake_timeout: Duration::from_secs(3600),
             ..Bounds::new(Duration::from_secs(1), 2)
         },
-        metrics.clone(),
-        stop.clone().cancelled_owned(),
-    ));
+    );
 
     // Two idle clients (no handshake) fill the cap.
     let first = TcpStream::connect(addr).await.expect("connect");
@@ -76,7 +101,7 @@ async fn connections_over_the_cap_are_closed_at_once_and_counted() {
     drop(first);
     until("one connection left", || metrics.connections.get() == 1).await;
     let mut roots = rustls::RootCertStore::empty();
-    for cert in rustls_pemfile_certs(&bundle.ca_pem) {
+    for cert in rustls_pemfile_certs(&ca_pem) {
         roots.add(cert).expect("root");
     }
     let config = rustls::ClientConfig::builder()
@@ -102,27 +127,18 @@ async fn connections_over_the_cap_are_closed_at_once_and_counted() {
 
 #[tokio::test]
 async fn a_client_that_never_finishes_its_handshake_is_dropped() {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let settings = CertSettings::new("ns".into(), "s".into(), vec!["127.0.0.1".into()]);
-    let now = time::OffsetDateTime::now_utc().unix_timestamp();
-    let bundle =
-        tls::issue(None, &Assessment::RenewCa("test".into()), &settings, now).expect("issue");
-    let tls = RustlsConfig::from_config(bundle.server_config().expect("server config"));
-    let listener = server::bind("127.0.0.1:0").expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let metrics = AdmissionMetrics::new();
-    let stop = CancellationToken::new();
-    tokio::spawn(server::serve(
-        listener,
+    let Listening {
+        addr,
+        metrics,
+        stop,
+        ..
+    } = listen(
         Router::new(),
-        tls,
         Bounds {
             handshake_timeout: Duration::from_millis(100),
             ..Bounds::new(Duration::from_secs(1), 2)
         },
-        metrics.clone(),
-        stop.clone().cancelled_owned(),
-    ));
+    );
     // A slow client sends nothing: the server closes the connection by itself (no upper bound
     // on when; the read ends because the server closed it).
     let mut idle = TcpStream::connect(addr).await.expect("connect");

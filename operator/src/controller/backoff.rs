@@ -204,6 +204,24 @@ impl Backoff {
             .map_or(self.policy.base, |e| e.delay)
     }
 
+    /// Records how a reconcile of the object with `meta` ended: a success forgets its failures,
+    /// an error counts as one (judged by `verdict`), which is returned.
+    pub fn record<T, E>(
+        &self,
+        meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+        result: &Result<T, E>,
+        verdict: impl FnOnce(&E) -> Verdict,
+    ) -> Option<Failure> {
+        let key = key(meta);
+        match result {
+            Ok(_) => {
+                self.success(&key);
+                None
+            }
+            Err(err) => Some(self.failure(&key, meta.generation, verdict(err))),
+        }
+    }
+
     /// A successful reconcile: the next failure of `key` is a first one again.
     pub fn success(&self, key: &str) {
         self.lock().entries.remove(key);

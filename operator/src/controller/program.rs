@@ -221,26 +221,22 @@ async fn reconcile(
     let labels = ctx.metrics.controller(CONTROLLER);
     ctx.metrics.reconciles.get_or_create(&labels).inc();
     let result = reconcile_inner(&program, &ctx).await;
-    let key = backoff::key(&program.metadata);
-    match &result {
-        Ok(_) => ctx.backoff.success(&key),
-        Err(err) => {
-            let failure = ctx
-                .backoff
-                .failure(&key, program.metadata.generation, err.verdict());
-            // What fails is the status write itself, so the stall is told by an Event, once.
-            if failure.first_stall {
-                let event = Event {
-                    type_: EventType::Warning,
-                    reason: backoff::REASON.into(),
-                    note: Some(truncate(&err.message(), 1000)),
-                    action: "Reconcile".into(),
-                    secondary: None,
-                };
-                if let Err(e) = ctx.recorder.publish(&event, &program.object_ref(&())).await {
-                    warn!(error = %e, "cannot publish event");
-                }
-            }
+    let failure = ctx
+        .backoff
+        .record(&program.metadata, &result, ProgramError::verdict);
+    // What fails is the status write itself, so the stall is told by an Event, once.
+    if let (Some(failure), Err(err)) = (failure, &result)
+        && failure.first_stall
+    {
+        let event = Event {
+            type_: EventType::Warning,
+            reason: backoff::REASON.into(),
+            note: Some(truncate(&err.message(), 1000)),
+            action: "Reconcile".into(),
+            secondary: None,
+        };
+        if let Err(e) = ctx.recorder.publish(&event, &program.object_ref(&())).await {
+            warn!(error = %e, "cannot publish event");
         }
     }
     ctx.metrics

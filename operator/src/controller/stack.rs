@@ -565,17 +565,13 @@ fn strip_nulls(v: &mut Value) {
 
 async fn reconcile(stack: Arc<Stack>, ctx: Arc<StackContext>) -> Result<Action, StackError> {
     let result = reconcile_inner(stack.clone(), ctx.clone()).await;
-    let key = backoff::key(&stack.metadata);
-    match &result {
-        Ok(_) => ctx.backoff.success(&key),
-        Err(err) => {
-            let failure = ctx
-                .backoff
-                .failure(&key, stack.metadata.generation, err.verdict());
-            if failure.stall {
-                report_stalled(&stack, &ctx, err).await;
-            }
-        }
+    let failure = ctx
+        .backoff
+        .record(&stack.metadata, &result, StackError::verdict);
+    if let (Some(failure), Err(err)) = (failure, &result)
+        && failure.stall
+    {
+        report_stalled(&stack, &ctx, err).await;
     }
     result
 }

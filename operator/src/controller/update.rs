@@ -291,17 +291,13 @@ fn stack_name(update: &Update) -> String {
 
 async fn reconcile(update: Arc<Update>, ctx: Arc<UpdateContext>) -> Result<Action, UpdateError> {
     let result = reconcile_inner(update.clone(), ctx.clone()).await;
-    let key = backoff::key(&update.metadata);
-    match &result {
-        Ok(_) => ctx.backoff.success(&key),
-        Err(err) => {
-            let failure = ctx
-                .backoff
-                .failure(&key, update.metadata.generation, err.verdict());
-            if failure.stall {
-                report_stalled(&update, &ctx, err).await;
-            }
-        }
+    let failure = ctx
+        .backoff
+        .record(&update.metadata, &result, UpdateError::verdict);
+    if let (Some(failure), Err(err)) = (failure, &result)
+        && failure.stall
+    {
+        report_stalled(&update, &ctx, err).await;
     }
     result
 }

@@ -411,15 +411,11 @@ async fn reconcile(
     let labels = ctx.metrics.controller(CONTROLLER);
     ctx.metrics.reconciles.get_or_create(&labels).inc();
     let result = reconcile_inner(&ws, &ctx).await;
-    let key = backoff::key(&ws.metadata);
-    match &result {
-        Ok(_) => ctx.backoff.success(&key),
-        Err(err) => {
-            let failure = ctx
-                .backoff
-                .failure(&key, ws.metadata.generation, err.verdict());
-            report_failure(&ws, &ctx, err, failure.stall).await;
-        }
+    let failure = ctx
+        .backoff
+        .record(&ws.metadata, &result, WorkspaceError::verdict);
+    if let (Some(failure), Err(err)) = (failure, &result) {
+        report_failure(&ws, &ctx, err, failure.stall).await;
     }
     ctx.metrics
         .reconcile_duration

@@ -1,0 +1,51 @@
+//! What the execution tests (Workspaces, Updates, Stacks) start from: a namespace of their
+//! own, the harness's kubelet running agents there, and an operator watching it.
+
+use crate::ControlPlane;
+use crate::kubelet::Kubelet;
+use crate::operator::{Operator, OperatorOptions};
+
+/// A started execution environment.
+pub struct Execution {
+    pub plane: &'static ControlPlane,
+    pub ns: String,
+    /// Holds `backend/` (a `file://` state backend, created empty) and `pods/` (the kubelet's).
+    pub tmp: tempfile::TempDir,
+    pub kubelet: Kubelet,
+    pub operator: Operator,
+}
+
+impl Execution {
+    /// A namespace named after `prefix`, its kubelet, and an operator watching it (workspace
+    /// agents reached on loopback) with `operator_args` added.
+    pub async fn start(prefix: &str, operator_args: &[&str]) -> Self {
+        let plane = ControlPlane::shared().await;
+        let ns = plane.namespace(prefix).await.expect("namespace");
+        let tmp = tempfile::tempdir().expect("tmp");
+        std::fs::create_dir_all(tmp.path().join("backend")).expect("backend");
+        let kubelet =
+            Kubelet::start(plane.client(), &ns, &tmp.path().join("pods")).expect("kubelet");
+        let operator = Operator::start(
+            plane,
+            OperatorOptions {
+                advertised: None,
+                args: [
+                    format!("--watch-namespace={ns}"),
+                    "--workspace-localhost=127.0.0.1".into(),
+                ]
+                .into_iter()
+                .chain(operator_args.iter().map(|a| (*a).to_owned()))
+                .collect(),
+            },
+        )
+        .await
+        .expect("operator");
+        Self {
+            plane,
+            ns,
+            tmp,
+            kubelet,
+            operator,
+        }
+    }
+}
