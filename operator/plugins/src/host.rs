@@ -26,7 +26,7 @@ use wasmtime_wasi::{Deterministic, HostWallClock, WasiCtx, WasiCtxBuilder, WasiC
 use crate::errors::PluginError;
 use crate::json;
 use crate::limits::Limits;
-use crate::metrics::{CallLabels, ErrorLabels, LoadLabels, PluginLabels, PluginMetrics};
+use crate::metrics::{LoadLabels, PluginMetrics};
 
 mod bindings {
     wasmtime::component::bindgen!({
@@ -300,6 +300,11 @@ impl PluginHost {
         })
     }
 
+    /// Drops the metric series of `transform` (see [`PluginMetrics::forget`]).
+    pub fn forget_transform(&self, transform: &str) {
+        self.inner.metrics.forget(transform);
+    }
+
     pub fn config(&self) -> &HostConfig {
         &self.inner.config
     }
@@ -505,50 +510,21 @@ impl PluginHost {
             .call_inner(module.clone(), limits, site, function, f)
             .instrument(span.clone())
             .await;
-        let plugin = if module.info.name.is_empty() {
-            "unknown".to_owned()
-        } else {
-            module.info.name.clone()
-        };
-        let labels = PluginLabels {
-            transform: site.transform.clone(),
-            plugin: plugin.clone(),
-        };
-        let metrics = &self.inner.metrics;
-        metrics
-            .duration
-            .get_or_create(&labels)
-            .observe(started.elapsed().as_secs_f64());
-        let outcome = match &result {
+        let recorded = match &result {
             Ok((_, fuel)) => {
                 span.record("fuel", fuel);
-                metrics.fuel.get_or_create(&labels).observe(*fuel as f64);
-                metrics.fuel_total.get_or_create(&labels).inc_by(*fuel);
-                "ok"
+                Ok(*fuel)
             }
-            Err(err) => {
-                let kind = err.kind().as_str();
-                metrics
-                    .errors
-                    .get_or_create(&ErrorLabels {
-                        transform: site.transform.clone(),
-                        plugin: plugin.clone(),
-                        kind: kind.to_owned(),
-                    })
-                    .inc();
-                kind
-            }
+            Err(err) => Err(err.kind().as_str()),
         };
-        span.record("outcome", outcome);
-        metrics
-            .calls
-            .get_or_create(&CallLabels {
-                transform: site.transform.clone(),
-                plugin,
-                function: function.to_owned(),
-                outcome: outcome.to_owned(),
-            })
-            .inc();
+        span.record("outcome", recorded.err().unwrap_or("ok"));
+        self.inner.metrics.record_call(
+            &site.transform,
+            &module.info.name,
+            function,
+            started.elapsed(),
+            recorded,
+        );
         result
     }
 

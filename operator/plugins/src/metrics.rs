@@ -38,9 +38,14 @@ pub struct LoadLabels {
     pub source: String,
 }
 
+/// The label values one transform's calls used: (plugin, function, outcome).
+type Seen = std::collections::HashMap<String, std::collections::HashSet<(String, String, String)>>;
+
 /// Every plugin metric. Clones share the series.
 #[derive(Clone)]
 pub struct PluginMetrics {
+    /// What each transform recorded, so its series go when it does.
+    seen: std::sync::Arc<std::sync::Mutex<Seen>>,
     pub calls: Family<CallLabels, Counter>,
     pub errors: Family<ErrorLabels, Counter>,
     pub duration: Family<PluginLabels, Histogram>,
@@ -60,6 +65,7 @@ impl PluginMetrics {
     /// Unregistered metrics (see [`Self::register`]).
     pub fn new() -> Self {
         Self {
+            seen: std::sync::Arc::default(),
             calls: Family::default(),
             errors: Family::default(),
             // 10 µs … ~40 s: a warm call is tens of microseconds, the timeout ceiling 30 s.
@@ -76,6 +82,87 @@ impl PluginMetrics {
             load_duration: Family::new_with_constructor(|| {
                 Histogram::new(exponential_buckets(0.000_1, 2.0, 16))
             }),
+        }
+    }
+
+    /// Records one call of `transform`'s `plugin`: its latency, and its fuel or its error kind.
+    pub fn record_call(
+        &self,
+        transform: &str,
+        plugin: &str,
+        function: &str,
+        elapsed: std::time::Duration,
+        result: Result<u64, &str>,
+    ) {
+        let plugin = label_value(plugin);
+        let labels = PluginLabels {
+            transform: transform.to_owned(),
+            plugin: plugin.clone(),
+        };
+        self.duration
+            .get_or_create(&labels)
+            .observe(elapsed.as_secs_f64());
+        let outcome = match result {
+            Ok(fuel) => {
+                self.fuel.get_or_create(&labels).observe(fuel as f64);
+                self.fuel_total.get_or_create(&labels).inc_by(fuel);
+                "ok"
+            }
+            Err(kind) => {
+                self.errors
+                    .get_or_create(&ErrorLabels {
+                        transform: transform.to_owned(),
+                        plugin: plugin.clone(),
+                        kind: kind.to_owned(),
+                    })
+                    .inc();
+                kind
+            }
+        };
+        self.calls
+            .get_or_create(&CallLabels {
+                transform: transform.to_owned(),
+                plugin: plugin.clone(),
+                function: function.to_owned(),
+                outcome: outcome.to_owned(),
+            })
+            .inc();
+        self.seen
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .entry(transform.to_owned())
+            .or_default()
+            .insert((plugin, function.to_owned(), outcome.to_owned()));
+    }
+
+    /// Removes every series of `transform` (deleted, or now running another module), so
+    /// transforms that come and go leave no series behind.
+    pub fn forget(&self, transform: &str) {
+        let seen = self
+            .seen
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(transform)
+            .unwrap_or_default();
+        for (plugin, function, outcome) in seen {
+            let labels = PluginLabels {
+                transform: transform.to_owned(),
+                plugin: plugin.clone(),
+            };
+            self.duration.remove(&labels);
+            self.fuel.remove(&labels);
+            self.fuel_total.remove(&labels);
+            self.errors.remove(&ErrorLabels {
+                transform: transform.to_owned(),
+                plugin: plugin.clone(),
+                kind: outcome.clone(),
+            });
+            self.calls.remove(&CallLabels {
+                transform: transform.to_owned(),
+                plugin,
+                function,
+                outcome,
+            });
         }
     }
 
@@ -116,5 +203,79 @@ impl PluginMetrics {
             "Time to compile or deserialize a plugin module, by source",
             self.load_duration.clone(),
         );
+    }
+}
+
+/// A plugin's own name as a label value: the guest chooses it, so it is cut to 63 characters
+/// of `[A-Za-z0-9._-]` (others become `_`), and an empty one is `unknown`.
+fn label_value(name: &str) -> String {
+    if name.is_empty() {
+        return "unknown".into();
+    }
+    name.chars()
+        .take(63)
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn encode(metrics: &PluginMetrics) -> String {
+        let mut registry = Registry::default();
+        metrics.register(&mut registry);
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &registry).expect("encode");
+        out
+    }
+
+    #[test]
+    fn a_forgotten_transform_leaves_no_series_and_names_are_bounded() {
+        let metrics = PluginMetrics::new();
+        let elapsed = std::time::Duration::from_millis(1);
+        metrics.record_call("ProgramTransform/a/t", "tags", "transform", elapsed, Ok(10));
+        metrics.record_call(
+            "ProgramTransform/a/t",
+            "tags",
+            "transform",
+            elapsed,
+            Err("trap"),
+        );
+        metrics.record_call(
+            "ProgramTransform/b/u",
+            "tags",
+            "validate-config",
+            elapsed,
+            Ok(5),
+        );
+        let hostile = format!("{}\"}} evil", "x".repeat(500));
+        metrics.record_call(
+            "ProgramTransform/a/t",
+            &hostile,
+            "transform",
+            elapsed,
+            Ok(1),
+        );
+        let text = encode(&metrics);
+        assert!(
+            text.contains(&format!("plugin=\"{}\"", "x".repeat(63))),
+            "{text}"
+        );
+        assert!(!text.contains(&"x".repeat(64)), "{text}");
+        assert!(!text.contains("evil"), "{text}");
+
+        metrics.forget("ProgramTransform/a/t");
+        let text = encode(&metrics);
+        assert!(!text.contains("ProgramTransform/a/t"), "{text}");
+        assert!(text.contains("ProgramTransform/b/u"), "{text}");
+        assert_eq!(label_value(""), "unknown");
+        assert_eq!(label_value("naming-policy_1.0"), "naming-policy_1.0");
     }
 }

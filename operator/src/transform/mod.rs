@@ -603,6 +603,10 @@ impl TransformRegistry {
             entry.status = status;
             relevant
         } else {
+            // Another module (or a new object of the name): its old series go.
+            if state.entries.contains_key(&key) {
+                self.host.forget_transform(&key.to_string());
+            }
             let (tx, _) = watch::channel(LoadState::Loading);
             let task = self.spawn_load(key.clone(), load.clone(), tx.clone());
             debug!(transform = %key, generation, "loading transform");
@@ -635,6 +639,7 @@ impl TransformRegistry {
     fn remove(&self, key: &TransformKey) {
         let removed = lock(&self.state).entries.remove(key).is_some();
         if removed {
+            self.host.forget_transform(&key.to_string());
             debug!(transform = %key, "transform removed");
             self.recompute(key.namespace.as_deref());
         }
