@@ -417,6 +417,16 @@ async fn a_transform_changes_the_artifact_every_replica_serves_until_it_is_delet
             .get("tags")
             .is_none()
     );
+    // The deleted transform's series are gone too, on every replica (the restored artifact
+    // above means both have dropped it).
+    let gone = format!("transform=\"ProgramTransform/{ns}/tags\"");
+    for op in [&first, &second] {
+        let metrics = op.metrics_text().await.expect("metrics");
+        assert!(
+            !metrics.contains(&gone),
+            "{gone} still exported:\n{metrics}"
+        );
+    }
 }
 
 #[tokio::test]
