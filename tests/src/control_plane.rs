@@ -63,6 +63,8 @@ pub struct ControlPlane {
     startup_time: Duration,
     /// etcd first, then kube-apiserver: stopped in reverse order.
     processes: Mutex<Vec<ChildGuard>>,
+    /// How kube-apiserver was started, to start it again on the same port.
+    apiserver_cmd: StoredCommand,
     /// `Some` when the state lives in a temporary folder, removed on stop.
     temp: Mutex<Option<TempDir>>,
 }
@@ -189,6 +191,7 @@ impl ControlPlane {
             kubectl_path: bins.kubectl,
             startup_time: Duration::ZERO,
             processes: Mutex::new(launched.processes),
+            apiserver_cmd: launched.apiserver_cmd,
             temp: Mutex::new(temp),
         };
         let crds_dir = opts
@@ -329,6 +332,28 @@ impl ControlPlane {
         Ok(())
     }
 
+    /// `kill -9` of kube-apiserver, then a new one with the same flags on the same port (etcd
+    /// and its data stay): a control-plane crash as clients see it. Returns how long the
+    /// apiserver was away. Not for the shared plane: other tests would see the outage.
+    pub async fn restart_apiserver(&self) -> Result<Duration, HarnessError> {
+        let taken = std::mem::take(&mut *lock(&self.processes));
+        let [etcd, apiserver]: [ChildGuard; 2] =
+            taken.try_into().map_err(|_| HarnessError::Missing {
+                what: "a running etcd and kube-apiserver to restart".into(),
+            })?;
+        let mut etcd = etcd;
+        let mut old = apiserver;
+        let down = Instant::now();
+        old.kill();
+        let log = old.log_path().to_path_buf();
+        drop(old);
+        let mut apiserver = spawn_guarded(self.apiserver_cmd.command(), "kube-apiserver", &log)?;
+        write_pid_file(&self.dir, &apiserver)?;
+        wait_apiserver(&mut apiserver, &mut etcd, &self.config, &self.server_url).await?;
+        lock(&self.processes).extend([etcd, apiserver]);
+        Ok(down.elapsed())
+    }
+
     /// Kills kube-apiserver, then etcd, and removes a temporary state folder. Idempotent;
     /// also run at exit for the shared plane and on drop.
     fn stop(&self) {
@@ -406,8 +431,31 @@ impl KubeBinaries {
     }
 }
 
+/// A command's program and arguments (a `Command` cannot be cloned or run twice).
+#[derive(Debug, Clone)]
+struct StoredCommand {
+    program: PathBuf,
+    args: Vec<std::ffi::OsString>,
+}
+
+impl StoredCommand {
+    fn of(cmd: &Command) -> Self {
+        Self {
+            program: PathBuf::from(cmd.get_program()),
+            args: cmd.get_args().map(ToOwned::to_owned).collect(),
+        }
+    }
+
+    fn command(&self) -> Command {
+        let mut cmd = Command::new(&self.program);
+        cmd.args(&self.args);
+        cmd
+    }
+}
+
 struct Launched {
     processes: Vec<ChildGuard>,
+    apiserver_cmd: StoredCommand,
     config: kube::Config,
     kubeconfig_path: PathBuf,
     server_url: String,
@@ -479,6 +527,7 @@ async fn launch(bins: &KubeBinaries, dir: &Path, token: &str) -> Result<Launched
         .arg("--allow-privileged=true")
         .arg("--enable-priority-and-fairness=false")
         .arg("--profiling=false");
+    let apiserver_cmd = StoredCommand::of(&api_cmd);
     let mut apiserver = spawn_guarded(api_cmd, "kube-apiserver", &logs.join("kube-apiserver.log"))?;
     write_pid_file(dir, &apiserver)?;
 
@@ -498,6 +547,7 @@ async fn launch(bins: &KubeBinaries, dir: &Path, token: &str) -> Result<Launched
     wait_apiserver(&mut apiserver, &mut etcd, &config, &server_url).await?;
     Ok(Launched {
         processes: vec![etcd, apiserver],
+        apiserver_cmd,
         config,
         kubeconfig_path,
         server_url,

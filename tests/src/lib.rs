@@ -9,11 +9,13 @@
 //! Processes started here never outlive the test process (see [`spawn_guarded`]).
 
 pub mod agent;
+pub mod chaos;
 mod control_plane;
 pub mod execution;
 pub mod fifo;
 pub mod gitrepo;
 pub mod kubelet;
+pub mod measure;
 pub mod operator;
 mod pki;
 pub mod plugin_bench;

@@ -125,15 +125,18 @@ impl Operator {
 
     /// Resident memory of the process, in KiB (VmRSS).
     pub fn rss_kib(&self) -> Option<u64> {
-        let pid = self.guard.as_ref()?.pid();
-        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-        status
-            .lines()
-            .find(|l| l.starts_with("VmRSS:"))?
-            .split_whitespace()
-            .nth(1)?
-            .parse()
-            .ok()
+        crate::measure::proc_status_kib(self.pid()?, "VmRSS")
+    }
+
+    /// Peak resident memory of the process so far, in KiB (VmHWM).
+    pub fn peak_rss_kib(&self) -> Option<u64> {
+        crate::measure::peak_rss_kib(self.pid()?)
+    }
+
+    /// The exit status if the process has ended on its own (crash, panic, OOM), `None` while
+    /// it runs.
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.guard.as_mut()?.try_wait().ok().flatten()
     }
 
     /// Stop the process now.

@@ -380,6 +380,9 @@ impl Admission {
             Err(WebhookError::TooManyValues { max }) => {
                 return self.refuse(webhook, Refusal::TooManyValues { max });
             }
+            // The parse ran out of the slot's time (a loaded machine, a slow body): the
+            // caller's review may be fine, so it is a refusal to retry, not a malformed body.
+            Err(WebhookError::Engine(e)) => return self.refuse(webhook, Refusal::Engine(e)),
             Err(e) => return invalid(&self.metrics, webhook, e),
         };
         let response = if webhook == "validate" {

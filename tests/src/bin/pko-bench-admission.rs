@@ -19,6 +19,7 @@ use pko_admission::bundle::{Bundle, DECISION_ENTRYPOINT, DEFAULTS_ENTRYPOINT};
 use pko_admission::engine::{EngineLimits, PolicyEngine};
 use pko_tests::operator::{Operator, OperatorOptions};
 use pko_tests::webhook::{Registration, WebhookOptions, free_port, policy_bundle};
+use pko_tests::measure::{load_average, percentile};
 use pko_tests::{ControlPlane, StartOptions, wait_for};
 use serde_json::{Value, json};
 
@@ -246,14 +247,6 @@ async fn load(
     out
 }
 
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    let index = ((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len()) - 1;
-    sorted[index]
-}
-
 fn ms(d: Duration) -> String {
     format!("{:.2} ms", d.as_secs_f64() * 1000.0)
 }
@@ -265,14 +258,6 @@ fn us(d: Duration) -> String {
 fn signed_ms(a: Duration, b: Duration) -> String {
     let delta = a.as_secs_f64() - b.as_secs_f64();
     format!("{:+.2} ms", delta * 1000.0)
-}
-
-/// The 1-minute load average, as text.
-fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .ok()
-        .and_then(|s| s.split_whitespace().next().map(str::to_owned))
-        .unwrap_or_else(|| "?".into())
 }
 
 /// Times `n` in-process evaluations of `entrypoint` (fresh instance each).

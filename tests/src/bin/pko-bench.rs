@@ -21,7 +21,7 @@ use kube::Api;
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use pko_api::program::Program;
-use pko_tests::{ControlPlane, StartOptions, spawn_guarded, wait_for};
+use pko_tests::{ControlPlane, StartOptions, measure, spawn_guarded, wait_for};
 use serde_json::json;
 
 const IN_FLIGHT: usize = 32;
@@ -76,14 +76,10 @@ async fn main() -> anyhow::Result<()> {
     writeln!(report, "# Benchmarks\n")?;
     writeln!(
         report,
-        "Measured by `make bench` (release build) on {} — {}, {} cores, {}. \
+        "Measured by `make bench` (release build) on {} — {}. \
          Control plane: kube-apiserver + etcd built by `tools/` on loopback.\n",
         jiff::Timestamp::now().strftime("%Y-%m-%d %H:%M UTC"),
-        cpu_model(),
-        std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(0),
-        mem_total(),
+        measure::machine(),
     )?;
 
     writeln!(
@@ -102,7 +98,7 @@ async fn main() -> anyhow::Result<()> {
         let ns = plane.namespace(&format!("bench-{count}")).await?;
         let (operator, fs_port, pid) = start_operator(&plane, &ns, state.path()).await?;
         let (create, ready) = reconcile_run(&plane, &ns, count).await?;
-        let peak = peak_rss_kib(pid).unwrap_or(0);
+        let peak = measure::peak_rss_kib(pid).unwrap_or(0);
         writeln!(
             report,
             "| {count} | {:.2} s | {:.2} s | {:.0} | {:.2} s | {:.0} | {:.1} MiB |",
@@ -374,42 +370,6 @@ fn micros(d: Duration) -> String {
     } else {
         format!("{:.2} ms", d.as_secs_f64() * 1000.0)
     }
-}
-
-fn peak_rss_kib(pid: u32) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status
-        .lines()
-        .find(|l| l.starts_with("VmHWM:"))?
-        .split_whitespace()
-        .nth(1)?
-        .parse()
-        .ok()
-}
-
-fn cpu_model() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split_once(':'))
-                .map(|(_, v)| v.trim().to_owned())
-        })
-        .unwrap_or_else(|| "unknown CPU".into())
-}
-
-fn mem_total() -> String {
-    std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("MemTotal:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<u64>().ok())
-        })
-        .map(|kb| format!("{:.0} GiB RAM", kb as f64 / 1024.0 / 1024.0))
-        .unwrap_or_else(|| "unknown RAM".into())
 }
 
 /// A release operator process watching `ns`; returns it with its file-server port and pid.

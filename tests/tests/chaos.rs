@@ -1,0 +1,69 @@
+//! The chaos and hostile-load scenarios of `make chaos` at a short scale: each must keep its
+//! invariants (no crash, bounded memory, convergence, no error a client sees). Times are
+//! recorded in the printed report, never asserted.
+
+use pko_tests::ControlPlane;
+use pko_tests::chaos::{self, Scale, Section};
+
+/// One scenario at a time: each measures one operator's memory and latencies, and the others
+/// would load the same two cores.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// A fixed seed: a failure here can be replayed with `pko-chaos --seed`.
+const SEED: u64 = 20_261_201;
+
+fn holds(section: Section) {
+    println!("{}", section.markdown());
+    assert!(
+        section.violations.is_empty(),
+        "{}: {:#?}",
+        section.title,
+        section.violations
+    );
+}
+
+#[tokio::test]
+async fn the_webhook_survives_maximum_bodies_and_a_slow_client_storm() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let plane = ControlPlane::shared().await;
+    holds(chaos::webhook::storm(plane, &Scale::SHORT).await.expect("scenario runs"));
+}
+
+#[tokio::test]
+async fn invented_methods_and_long_paths_add_no_metric_series() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let plane = ControlPlane::shared().await;
+    holds(
+        chaos::fileserver::invented_methods(plane, &Scale::SHORT, SEED)
+            .await
+            .expect("scenario runs"),
+    );
+}
+
+#[tokio::test]
+async fn programs_converge_with_one_status_write_across_operator_kills() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let plane = ControlPlane::shared().await;
+    holds(
+        chaos::reconcile::kills(plane, &Scale::SHORT, SEED)
+            .await
+            .expect("scenario runs"),
+    );
+}
+
+#[tokio::test]
+async fn programs_converge_across_an_apiserver_restart() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    holds(
+        chaos::reconcile::apiserver_restart(&Scale::SHORT)
+            .await
+            .expect("scenario runs"),
+    );
+}
+
+#[tokio::test]
+async fn the_standby_takes_over_and_serves_throughout_a_leader_kill() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let plane = ControlPlane::shared().await;
+    holds(chaos::leader::failover(plane, &Scale::SHORT).await.expect("scenario runs"));
+}
