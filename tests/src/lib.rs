@@ -9,6 +9,7 @@
 //! Processes started here never outlive the test process (see [`spawn_guarded`]).
 
 pub mod agent;
+pub mod chaos;
 mod control_plane;
 pub mod execution;
 pub mod fifo;

@@ -125,11 +125,22 @@ impl Operator {
 
     /// Resident memory of the process, in KiB (VmRSS).
     pub fn rss_kib(&self) -> Option<u64> {
+        self.status_kib("VmRSS:")
+    }
+
+    /// The most resident memory the process has had since it started, in KiB (VmHWM): catches
+    /// a peak that polling `rss_kib` would miss between two samples.
+    pub fn peak_rss_kib(&self) -> Option<u64> {
+        self.status_kib("VmHWM:")
+    }
+
+    /// A `<field> <n> kB` line of `/proc/<pid>/status`.
+    fn status_kib(&self, field: &str) -> Option<u64> {
         let pid = self.guard.as_ref()?.pid();
         let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
         status
             .lines()
-            .find(|l| l.starts_with("VmRSS:"))?
+            .find(|l| l.starts_with(field))?
             .split_whitespace()
             .nth(1)?
             .parse()
