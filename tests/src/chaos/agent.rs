@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 use futures::{Stream, StreamExt, stream};
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::Secret;
-use kube::api::{Api, PostParams};
 use kube::Client;
+use kube::api::{Api, PostParams};
 use pko_agent::auth::TokenAuth;
 use pko_agent::proto as pb;
 use pko_agent::proto::automation_service_server::{AutomationService, AutomationServiceServer};
@@ -50,7 +50,8 @@ pub enum Hostility {
     /// A successful result whose stdout is one line of `bytes`.
     HugeLine { bytes: usize },
     /// Events of `each` bytes (each under the message limit) until `total_bytes` were sent,
-    /// then a successful result.
+    /// then a successful result; the operator's budget of event bytes per operation is half
+    /// of `total_bytes`.
     Flood { total_bytes: usize, each: usize },
 }
 
@@ -172,7 +173,10 @@ struct Shared {
 
 impl Shared {
     fn hostility(&self) -> Hostility {
-        *self.hostility.lock().unwrap_or_else(PoisonError::into_inner)
+        *self
+            .hostility
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
     fn count(&self, message: Option<String>) {
@@ -237,10 +241,7 @@ fn diagnostic(sequence: usize, bytes: usize) -> prost_types::Struct {
                 "sequence".to_owned(),
                 value(Kind::NumberValue(sequence as f64)),
             ),
-            (
-                "diagnosticEvent".to_owned(),
-                value(Kind::StructValue(diag)),
-            ),
+            ("diagnosticEvent".to_owned(), value(Kind::StructValue(diag))),
         ]
         .into_iter()
         .collect(),
@@ -604,6 +605,11 @@ fn case_timeout(hostility: &Hostility) -> Duration {
     Duration::from_secs(120 + (hostility.payload_bytes() / (4 * MIB)) as u64)
 }
 
+/// The operator's `--max-event-bytes-per-operation` in a run at `scale`.
+pub fn event_budget(scale: &AgentScale) -> usize {
+    (scale.flood_bytes / 2).max(1)
+}
+
 /// Runs the three hostile cases of `scale` against a fresh operator watching a namespace of its
 /// own; one row per case.
 pub async fn hostile_agent(
@@ -619,6 +625,9 @@ pub async fn hostile_agent(
             args: vec![
                 format!("--watch-namespace={ns}"),
                 "--workspace-localhost=127.0.0.1".into(),
+                // Half the flood, so the flood trips it at any scale (at FULL it is the
+                // default, 512 MiB).
+                format!("--max-event-bytes-per-operation={}", event_budget(scale)),
             ],
         },
     )
