@@ -103,6 +103,10 @@ bench: tools plugins policies ## benchmarks (release build, own target dir); res
 	$(CACHE_DIR)/target-release/release/pko-bench-admission --out docs/benchmarks.md
 	$(CACHE_DIR)/target-release/release/pko-bench-plugins --out docs/benchmarks.md
 
+.PHONY: chaos
+chaos: tools policies build ## chaos and hostile-load run (webhook storm, invented methods, hostile agent, kill -9, apiserver restart, leader kill): figures to docs/reliability.md
+	$(CARGO_TARGET_DIR)/debug/pko-chaos --out docs/reliability.md
+
 # The container image ships exactly what `make dist` leaves in $(DIST_DIR); the Dockerfile runs
 # this target and copies nothing else (tests/tests/deploy.rs checks both).
 DIST_DIR ?= dist

@@ -245,7 +245,8 @@ async fn run(
     }
 }
 
-fn revision_of(sts: &StatefulSet) -> String {
+/// The pod template's hash, as the StatefulSet controller names revisions.
+pub(crate) fn revision_of(sts: &StatefulSet) -> String {
     let template = sts
         .spec
         .as_ref()
@@ -373,7 +374,7 @@ async fn sync(
     Ok(())
 }
 
-async fn set_sts_status(
+pub(crate) async fn set_sts_status(
     client: &Client,
     namespace: &str,
     name: &str,
@@ -400,7 +401,7 @@ async fn set_sts_status(
     Ok(())
 }
 
-async fn create_pod(
+pub(crate) async fn create_pod(
     client: &Client,
     namespace: &str,
     pod_name: &str,
@@ -594,12 +595,7 @@ async fn start_agent(
             p.ready = true;
         }
     }
-    let sts_api: Api<StatefulSet> = Api::namespaced(client.clone(), namespace);
-    let patch = json!({"metadata": {"annotations": {DEV_PORT_ANNOTATION: port.to_string()}}});
-    let current = sts_api
-        .patch(sts, &PatchParams::default(), &Patch::Merge(&patch))
-        .await
-        .map_err(|e| HarnessError::kube("annotating the StatefulSet", e))?;
+    let current = annotate_dev_port(client, namespace, sts, port).await?;
     let revision = revision_of(&current);
     set_pod_ready(client, namespace, pod_name, true, state, sts, Some(port)).await?;
     set_sts_status(
@@ -611,6 +607,21 @@ async fn start_agent(
         true,
     )
     .await
+}
+
+/// Tells an operator started with `--workspace-localhost=<host>` the loopback port of the
+/// StatefulSet's agent; returns the StatefulSet as patched.
+pub(crate) async fn annotate_dev_port(
+    client: &Client,
+    namespace: &str,
+    sts: &str,
+    port: u16,
+) -> Result<StatefulSet, HarnessError> {
+    let patch = json!({"metadata": {"annotations": {DEV_PORT_ANNOTATION: port.to_string()}}});
+    Api::<StatefulSet>::namespaced(client.clone(), namespace)
+        .patch(sts, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .map_err(|e| HarnessError::kube("annotating the StatefulSet", e))
 }
 
 async fn set_pod_ready(
@@ -629,6 +640,17 @@ async fn set_pod_ready(
         .get(sts)
         .map(|p| p.restarts)
         .unwrap_or(0);
+    write_pod_ready(client, namespace, pod_name, ready, restarts).await
+}
+
+/// The status of a pod whose one container (`pulumi`) is ready, or crash-looping.
+pub(crate) async fn write_pod_ready(
+    client: &Client,
+    namespace: &str,
+    pod_name: &str,
+    ready: bool,
+    restarts: i32,
+) -> Result<(), HarnessError> {
     let flag = if ready { "True" } else { "False" };
     write_pod_status(client, namespace, pod_name, json!({
         "phase": "Running",

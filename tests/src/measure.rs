@@ -7,7 +7,10 @@ pub fn proc_status_kib(pid: u32, field: &str) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     status
         .lines()
-        .find(|l| l.strip_prefix(field).is_some_and(|rest| rest.starts_with(':')))?
+        .find(|l| {
+            l.strip_prefix(field)
+                .is_some_and(|rest| rest.starts_with(':'))
+        })?
         .split_whitespace()
         .nth(1)?
         .parse()

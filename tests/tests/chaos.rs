@@ -26,7 +26,11 @@ fn holds(section: Section) {
 async fn the_webhook_survives_maximum_bodies_and_a_slow_client_storm() {
     let _one = ONE_AT_A_TIME.lock().await;
     let plane = ControlPlane::shared().await;
-    holds(chaos::webhook::storm(plane, &Scale::SHORT).await.expect("scenario runs"));
+    holds(
+        chaos::webhook::storm(plane, &Scale::SHORT)
+            .await
+            .expect("scenario runs"),
+    );
 }
 
 #[tokio::test]
@@ -65,5 +69,20 @@ async fn programs_converge_across_an_apiserver_restart() {
 async fn the_standby_takes_over_and_serves_throughout_a_leader_kill() {
     let _one = ONE_AT_A_TIME.lock().await;
     let plane = ControlPlane::shared().await;
-    holds(chaos::leader::failover(plane, &Scale::SHORT).await.expect("scenario runs"));
+    holds(
+        chaos::leader::failover(plane, &Scale::SHORT)
+            .await
+            .expect("scenario runs"),
+    );
+}
+
+#[tokio::test]
+async fn a_hostile_agent_fails_its_update_cleanly_and_the_operator_stays_up() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let plane = ControlPlane::shared().await;
+    holds(
+        chaos::agent::section(plane, &Scale::SHORT)
+            .await
+            .expect("scenario runs"),
+    );
 }

@@ -41,6 +41,16 @@ pub struct ExecutionArgs {
         value_parser = clap::value_parser!(u32).range(1..),
     )]
     pub max_operations_in_flight: u32,
+    /// Engine-event bytes one operation may stream; past them the operation is stopped and its
+    /// Update fails with the reason `EventsTooLarge` (each event is also under the 16 MiB
+    /// message limit).
+    #[arg(
+        long,
+        env = "MAX_EVENT_BYTES_PER_OPERATION",
+        default_value_t = update::DEFAULT_MAX_EVENT_BYTES_PER_OPERATION,
+        value_parser = clap::value_parser!(u64).range(1..),
+    )]
+    pub max_event_bytes_per_operation: u64,
     /// Git over SSH: trust a server's host key seen for the first time when the Secret with
     /// the SSH key has no `knownHosts` key. Off: such a server is refused.
     #[arg(long, env = "GIT_SSH_ACCEPT_NEW_HOST_KEYS")]
@@ -104,6 +114,7 @@ pub async fn run(
         agents.clone(),
         metrics.clone(),
         usize::try_from(args.max_operations_in_flight).unwrap_or(usize::MAX),
+        args.max_event_bytes_per_operation,
     ));
     let stack_ctx = Arc::new(StackContext::new(client.clone(), metrics.clone(), egress));
     tokio::join!(

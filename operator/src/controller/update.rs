@@ -54,6 +54,11 @@ pub const DEFAULT_MAX_OPERATIONS_IN_FLIGHT: u32 = 64;
 pub const QUEUED: &str = "Queued";
 /// Reason of an Update failed because an answer of the agent was over the message limit.
 pub const RESPONSE_TOO_LARGE: &str = pko_agent::server::RESPONSE_TOO_LARGE;
+/// Default of `--max-event-bytes-per-operation`: far more than the events of a large stack (the
+/// agent cuts every string of an event at 64 KiB), far less than an agent can stream forever.
+pub const DEFAULT_MAX_EVENT_BYTES_PER_OPERATION: u64 = 512 << 20;
+/// Reason of an Update failed because its operation streamed more event bytes than allowed.
+pub const EVENTS_TOO_LARGE: &str = "EventsTooLarge";
 /// A queued Update is looked at again after this long even when no slot frees (it is woken as
 /// soon as one does).
 const QUEUED_RECHECK: Duration = Duration::from_secs(30);
@@ -115,6 +120,8 @@ pub struct UpdateContext {
     running: Mutex<HashMap<String, CancellationToken>>,
     /// Operations that may run at once (`--max-operations-in-flight`).
     max_in_flight: usize,
+    /// Engine-event bytes one operation may stream (`--max-event-bytes-per-operation`).
+    max_event_bytes: u64,
     /// Updates waiting for an operation slot: uid → reference, woken when a slot frees.
     queued: Mutex<HashMap<String, ObjectRef<Update>>>,
     wake: UnboundedSender<ObjectRef<Update>>,
@@ -137,12 +144,14 @@ impl Drop for Slot {
 }
 
 impl UpdateContext {
-    /// `max_in_flight`: operations that may run at once (at least one is always allowed).
+    /// `max_in_flight`: operations that may run at once (at least one is always allowed);
+    /// `max_event_bytes`: engine-event bytes one operation may stream.
     pub fn new(
         client: Client,
         agents: Arc<Agents>,
         metrics: Metrics,
         max_in_flight: usize,
+        max_event_bytes: u64,
     ) -> Self {
         let recorder = Recorder::new(
             client.clone(),
@@ -160,6 +169,7 @@ impl UpdateContext {
             backoff: Backoff::default(),
             running: Mutex::new(HashMap::new()),
             max_in_flight: max_in_flight.max(1),
+            max_event_bytes,
             queued: Mutex::new(HashMap::new()),
             wake,
             woken: Mutex::new(Some(woken)),
@@ -626,9 +636,28 @@ struct EventDigest {
     ops: BTreeMap<String, u64>,
     errors: Vec<String>,
     published: usize,
+    /// Encoded bytes of the events received.
+    bytes: u64,
+    /// The bytes allowed (`--max-event-bytes-per-operation`).
+    budget: u64,
 }
 
 impl EventDigest {
+    fn new(budget: u64) -> Self {
+        Self {
+            budget,
+            ..Self::default()
+        }
+    }
+
+    /// Counts an event's bytes; whether the operation is still within its budget.
+    fn admit(&mut self, event: &prost_types::Struct) -> bool {
+        self.bytes = self
+            .bytes
+            .saturating_add(prost::Message::encoded_len(event) as u64);
+        over_event_budget(self.bytes, self.budget).is_none()
+    }
+
     async fn observe(&mut self, ctx: &UpdateContext, update: &Update, event: &prost_types::Struct) {
         let event = Value::Object(pko_agent::values::from_struct(event));
         if let Some(meta) = event.pointer("/resOutputsEvent/metadata") {
@@ -680,6 +709,12 @@ macro_rules! stream_op {
         let mut result = None;
         while let Some(msg) = stream.message().await? {
             match msg.response {
+                // Past the budget the call is dropped, which stops the operation in the agent.
+                Some(pb::$module::Response::Event(e)) if !$digest.admit(&e) => {
+                    return Err(tonic::Status::resource_exhausted(
+                        "engine events over budget",
+                    ));
+                }
                 Some(pb::$module::Response::Event(e)) => $digest.observe($ctx, $update, &e).await,
                 Some(pb::$module::Response::Result(r)) => result = Some(r),
                 None => {}
@@ -702,7 +737,7 @@ async fn operate(ctx: &UpdateContext, update: &Update, mut client: AgentClient) 
     {
         return status_outcome(ctx, update, &s);
     }
-    let mut digest = EventDigest::default();
+    let mut digest = EventDigest::new(ctx.max_event_bytes);
     let result = run_operation(ctx, update, &mut client, &mut digest).await;
     match result {
         Ok(mut outcome) => {
@@ -714,7 +749,8 @@ async fn operate(ctx: &UpdateContext, update: &Update, mut client: AgentClient) 
             outcome
         }
         Err(s) => {
-            let mut outcome = status_outcome(ctx, update, &s);
+            let mut outcome = over_event_budget(digest.bytes, digest.budget)
+                .unwrap_or_else(|| status_outcome(ctx, update, &s));
             if !digest.errors.is_empty() {
                 outcome.message =
                     format!("{} (engine: {})", outcome.message, digest.errors.join("; "));
@@ -885,6 +921,21 @@ fn too_large(s: &tonic::Status) -> Option<Outcome> {
                 "an answer of the workspace agent is over the {} MiB message limit: {}",
                 pko_agent::limits::MAX_MESSAGE_BYTES / (1024 * 1024),
                 s.message()
+            ),
+        )
+    })
+}
+
+/// An operation whose engine events came to `received` bytes, over the `budget` of one
+/// operation: an agent streaming without end (each event under the message limit) would hold
+/// an operation slot and the operator's CPU for as long as it likes.
+fn over_event_budget(received: u64, budget: u64) -> Option<Outcome> {
+    (received > budget).then(|| {
+        Outcome::failed(
+            EVENTS_TOO_LARGE,
+            format!(
+                "the workspace agent streamed over {} MiB ({budget} bytes) of engine events in one operation, the most allowed (--max-event-bytes-per-operation); the operation was stopped",
+                budget / (1024 * 1024)
             ),
         )
     })
@@ -1171,6 +1222,37 @@ mod tests {
         }
         assert!(too_large(&tonic::Status::unavailable("connection reset")).is_none());
         assert!(too_large(&tonic::Status::unknown("up failed")).is_none());
+    }
+
+    #[test]
+    fn events_past_the_budget_of_an_operation_fail_it() {
+        assert!(over_event_budget(0, 1).is_none());
+        assert!(over_event_budget(32 << 20, 32 << 20).is_none());
+        let outcome = over_event_budget((32 << 20) + 1, 32 << 20).expect("over");
+        assert!(!outcome.succeeded);
+        assert_eq!(outcome.reason, "EventsTooLarge");
+        assert!(
+            outcome.message.contains("32 MiB (33554432 bytes)")
+                && outcome.message.contains("--max-event-bytes-per-operation"),
+            "{}",
+            outcome.message
+        );
+
+        // Each event encodes to 55 bytes.
+        let mut digest = EventDigest::new(120);
+        let event = prost_types::Struct {
+            fields: [(
+                "message".to_owned(),
+                prost_types::Value {
+                    kind: Some(prost_types::value::Kind::StringValue("x".repeat(40))),
+                },
+            )]
+            .into_iter()
+            .collect(),
+        };
+        assert!(digest.admit(&event));
+        assert!(digest.admit(&event));
+        assert!(!digest.admit(&event), "{} bytes", digest.bytes);
     }
 
     #[test]

@@ -17,9 +17,9 @@ use kube::api::{Api, DynamicObject, PostParams};
 use kube::core::{ApiResource, GroupVersionKind};
 use pko_admission::bundle::{Bundle, DECISION_ENTRYPOINT, DEFAULTS_ENTRYPOINT};
 use pko_admission::engine::{EngineLimits, PolicyEngine};
+use pko_tests::measure::{load_average, percentile};
 use pko_tests::operator::{Operator, OperatorOptions};
 use pko_tests::webhook::{Registration, WebhookOptions, free_port, policy_bundle};
-use pko_tests::measure::{load_average, percentile};
 use pko_tests::{ControlPlane, StartOptions, wait_for};
 use serde_json::{Value, json};
 

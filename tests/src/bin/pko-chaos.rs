@@ -12,7 +12,14 @@ use anyhow::{Context, bail};
 use pko_tests::chaos::{self, Scale, Section};
 use pko_tests::{ControlPlane, StartOptions};
 
-const SCENARIOS: [&str; 6] = ["webhook", "fileserver", "agent", "kill", "apiserver", "leader"];
+const SCENARIOS: [&str; 6] = [
+    "webhook",
+    "fileserver",
+    "agent",
+    "kill",
+    "apiserver",
+    "leader",
+];
 
 struct Args {
     out: PathBuf,

@@ -44,7 +44,12 @@ pub async fn invented_methods(
         .map_err(|e| HarnessError::io("http client", std::io::Error::other(e)))?;
     let mut rng = StdRng::seed_from_u64(seed);
     let requests: Vec<(String, String)> = (0..scale.fs_requests)
-        .map(|_| (invented_method(&mut rng), long_path(&mut rng, scale.fs_path_bytes)))
+        .map(|_| {
+            (
+                invented_method(&mut rng),
+                long_path(&mut rng, scale.fs_path_bytes),
+            )
+        })
         .collect();
     let distinct = requests
         .iter()
@@ -106,10 +111,9 @@ pub async fn invented_methods(
     section.check(series_half == series_after, || {
         format!("series grew from {series_half} to {series_after} in the second half")
     });
-    section.check(
-        answers.keys().all(|s| (400..500).contains(s)),
-        || format!("answers outside 4xx: {answers:?}"),
-    );
+    section.check(answers.keys().all(|s| (400..500).contains(s)), || {
+        format!("answers outside 4xx: {answers:?}")
+    });
     section.check(served_before == 200 && served_after == 200, || {
         format!("the real artifact answered {served_before} before and {served_after} after")
     });
@@ -126,8 +130,10 @@ fn invented_method(rng: &mut StdRng) -> String {
         let method: String = (0..len)
             .map(|_| char::from(b'A' + rng.random_range(0..26u8)))
             .collect();
-        if !["GET", "HEAD", "PUT", "POST", "DELETE", "PATCH", "TRACE", "OPTIONS", "CONNECT"]
-            .contains(&method.as_str())
+        if ![
+            "GET", "HEAD", "PUT", "POST", "DELETE", "PATCH", "TRACE", "OPTIONS", "CONNECT",
+        ]
+        .contains(&method.as_str())
         {
             return method;
         }

@@ -104,7 +104,9 @@ pub async fn failover(plane: &ControlPlane, scale: &Scale) -> Result<Section, Ha
             polled.errors.iter().take(5).collect::<Vec<_>>()
         )
     });
-    section.check(exited.is_none(), || format!("the survivor exited: {exited:?}"));
+    section.check(exited.is_none(), || {
+        format!("the survivor exited: {exited:?}")
+    });
     Ok(section)
 }
 

@@ -237,10 +237,9 @@ pub fn published(p: &Program) -> Option<(String, String)> {
     let generation = p.metadata.generation?;
     let status = p.status.as_ref()?;
     let artifact = status.artifact.as_ref()?;
-    (status.observed_generation == Some(generation)
-        && artifact.revision == generation.to_string())
-    .then(|| Some((artifact.url.clone(), artifact.digest.clone()?)))
-    .flatten()
+    (status.observed_generation == Some(generation) && artifact.revision == generation.to_string())
+        .then(|| Some((artifact.url.clone(), artifact.digest.clone()?)))
+        .flatten()
 }
 
 /// Fetches every published artifact through `operator`'s file server and compares its sha256

@@ -23,7 +23,11 @@ const CONVERGE: Duration = Duration::from_secs(600);
 
 /// `kill -9` of the operator `scale.kills` times at random points (seeded) while
 /// `scale.programs` Programs are created and reconciled, then one operator to the end.
-pub async fn kills(plane: &ControlPlane, scale: &Scale, seed: u64) -> Result<Section, HarnessError> {
+pub async fn kills(
+    plane: &ControlPlane,
+    scale: &Scale,
+    seed: u64,
+) -> Result<Section, HarnessError> {
     let ns = plane.namespace("chaos-kill").await?;
     let api: Api<Program> = Api::namespaced(plane.try_client()?, &ns);
     let writes = StatusWrites::watch(api.clone());
@@ -58,7 +62,10 @@ pub async fn kills(plane: &ControlPlane, scale: &Scale, seed: u64) -> Result<Sec
     let writes = writes.finish(scale.programs).await;
 
     let mut section = Section {
-        title: format!("Operator `kill -9` × {} while {} Programs reconcile", scale.kills, scale.programs),
+        title: format!(
+            "Operator `kill -9` × {} while {} Programs reconcile",
+            scale.kills, scale.programs
+        ),
         setup: format!(
             "Programs created 32 at a time while an operator runs; it is `kill -9`'d 50–1500 ms \
              after it is ready (seed {seed}), {} times, then one more runs to the end. Programs \
@@ -71,14 +78,20 @@ pub async fn kills(plane: &ControlPlane, scale: &Scale, seed: u64) -> Result<Sec
     outcome.rows(&mut section, &writes, scale.programs);
     section.rows.push(Row::new(
         "converged after the last start / from the first create",
-        format!("{:.1} s / {:.1} s", after_last.as_secs_f64(), total.as_secs_f64()),
+        format!(
+            "{:.1} s / {:.1} s",
+            after_last.as_secs_f64(),
+            total.as_secs_f64()
+        ),
         "recorded",
     ));
     section.check(crashed.is_empty(), || {
         format!("an operator exited on its own before its kill: {crashed:?}")
     });
     outcome.check(&mut section, &writes, scale.programs);
-    section.check(operator.exited().is_none(), || "the last operator exited".into());
+    section.check(operator.exited().is_none(), || {
+        "the last operator exited".into()
+    });
     Ok(section)
 }
 
@@ -122,7 +135,10 @@ pub async fn apiserver_restart(scale: &Scale) -> Result<Section, HarnessError> {
     let writes = writes.finish(scale.restart_programs).await;
 
     let mut section = Section {
-        title: format!("kube-apiserver restarted while {} Programs reconcile", scale.restart_programs),
+        title: format!(
+            "kube-apiserver restarted while {} Programs reconcile",
+            scale.restart_programs
+        ),
         setup: format!(
             "A private control plane; Programs created 32 at a time (creates retried while the \
              apiserver is away). Once {at_restart} were published, kube-apiserver was \
@@ -207,7 +223,11 @@ async fn converge(api: &Api<Program>, operator: &mut Operator, count: usize) -> 
 impl Outcome {
     fn rows(&self, section: &mut Section, writes: &WriteCounts, count: usize) {
         section.rows.extend([
-            Row::new("Programs converged", format!("{} of {count}", self.converged), "all"),
+            Row::new(
+                "Programs converged",
+                format!("{} of {count}", self.converged),
+                "all",
+            ),
             Row::new(
                 "artifacts fetched / digest mismatches",
                 format!(
@@ -310,10 +330,14 @@ impl StatusWrites {
     /// Waits until the watch has seen `count` Programs published (it may lag behind the
     /// lists that saw them converge), then stops it.
     async fn finish(self, count: usize) -> WriteCounts {
-        let _ = wait_for("the watch to see every Program published", CONVERGE, || async {
-            let state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-            (state.values().filter(|w| w.published).count() >= count).then_some(())
-        })
+        let _ = wait_for(
+            "the watch to see every Program published",
+            CONVERGE,
+            || async {
+                let state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+                (state.values().filter(|w| w.published).count() >= count).then_some(())
+            },
+        )
         .await;
         self.task.abort();
         let state = self.state.lock().unwrap_or_else(PoisonError::into_inner);

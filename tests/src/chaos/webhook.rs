@@ -74,7 +74,10 @@ async fn storm_on(
         .build()
         .map_err(|e| HarnessError::io("webhook client", std::io::Error::other(e)))?;
     let url = format!("https://127.0.0.1:{}/validate", registration.port);
-    let body = big_review(ns, pko_admission::webhook::ReviewLimits::DEFAULT.max_body_bytes - 4096);
+    let body = big_review(
+        ns,
+        pko_admission::webhook::ReviewLimits::DEFAULT.max_body_bytes - 4096,
+    );
     let small = big_review(ns, 0);
     // The webhook answers before the storm: the run measures a working server.
     let first = client
@@ -121,10 +124,14 @@ async fn storm_on(
     let storm_time = started.elapsed();
 
     // After the storm the webhook serves again.
-    let recovered = wait_for("a review answered after the storm", Duration::from_secs(60), || {
-        let request = send(&client, &url, small.clone());
-        async move { (request.await.status == Some(200)).then_some(()) }
-    })
+    let recovered = wait_for(
+        "a review answered after the storm",
+        Duration::from_secs(60),
+        || {
+            let request = send(&client, &url, small.clone());
+            async move { (request.await.status == Some(200)).then_some(()) }
+        },
+    )
     .await
     .is_ok();
     let holder_after = leases
@@ -173,7 +180,7 @@ async fn storm_on(
         Row::new(
             "slow connections opened / closed by the server",
             format!("{} / {}", slow.opened, slow.closed_by_server),
-            "every stalled connection closed by the server's timeouts",
+            "closed: at accept over the cap, else by the handshake/request timeouts",
         ),
         Row::new(
             "operator RSS before → peak",
@@ -215,7 +222,10 @@ async fn storm_on(
         format!("the operator exited: {exited:?}")
     });
     section.check(peak < MEMORY_LIMIT_MIB * 1024, || {
-        format!("peak RSS {} over the {MEMORY_LIMIT_MIB} MiB limit", mib(peak))
+        format!(
+            "peak RSS {} over the {MEMORY_LIMIT_MIB} MiB limit",
+            mib(peak)
+        )
     });
     section.check(big.unexpected().is_empty(), || {
         format!("unexpected answers to big reviews: {:?}", big.unexpected())
@@ -235,7 +245,9 @@ async fn storm_on(
             )
         },
     );
-    section.check(recovered, || "no review was answered after the storm".into());
+    section.check(recovered, || {
+        "no review was answered after the storm".into()
+    });
     Ok(section)
 }
 
