@@ -65,6 +65,11 @@ pub struct WebhookArgs {
     /// Connections the webhook keeps open at once; more are closed as soon as accepted.
     #[arg(long, env = "WEBHOOK_MAX_CONNECTIONS", default_value_t = 128)]
     pub webhook_max_connections: usize,
+    /// Connections one client address keeps open at once; more from it are closed as soon as
+    /// accepted, so one pod holding connections open cannot lock the apiserver out. Default:
+    /// a quarter of --webhook-max-connections.
+    #[arg(long, env = "WEBHOOK_MAX_CONNECTIONS_PER_CLIENT")]
+    pub webhook_max_connections_per_client: Option<usize>,
     /// MiB of request bodies being read or parsed at once, across connections; a request that
     /// would go over is answered 429. Each body is at most 6 MiB.
     #[arg(long, env = "WEBHOOK_BODY_BUDGET_MIB", default_value_t = 24)]
@@ -245,6 +250,7 @@ impl WebhookArgs {
             },
             review: self.review_limits(),
             max_connections: self.webhook_max_connections.max(1),
+            max_connections_per_client: self.webhook_max_connections_per_client,
             failure_policy: self.policy_failure_policy,
             tenancy: TenancySettings {
                 default_action: self.policy_default_action,

@@ -71,6 +71,8 @@ pub struct WebhookConfig {
     pub review: webhook::ReviewLimits,
     /// Connections kept open at once.
     pub max_connections: usize,
+    /// Connections one client address keeps open at once (`None`: a quarter of the cap).
+    pub max_connections_per_client: Option<usize>,
     pub failure_policy: FailurePolicy,
     pub tenancy: TenancySettings,
     /// The file server's Service (name, namespace): its ClusterIP and ports are added to
@@ -223,7 +225,13 @@ pub async fn start(
             listener,
             app,
             tls,
-            server::Bounds::new(config.drain, config.max_connections),
+            {
+                let mut bounds = server::Bounds::new(config.drain, config.max_connections);
+                if let Some(per_client) = config.max_connections_per_client {
+                    bounds.max_connections_per_client = per_client.max(1);
+                }
+                bounds
+            },
             metrics.clone(),
             shutdown.cancelled_owned(),
         );

@@ -1,9 +1,10 @@
 //! The HTTPS listener of the webhook (axum-server + rustls with the ring provider), with a
 //! connection cap and timeouts for slow clients.
 
-use std::net::{SocketAddr, TcpListener};
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -79,6 +80,9 @@ pub struct Bounds {
     pub drain: Duration,
     /// Connections open at once; more are closed as soon as accepted.
     pub max_connections: usize,
+    /// Connections one client address may hold open at once: one pod holding connections
+    /// open cannot fill the whole cap and lock the apiserver out.
+    pub max_connections_per_client: usize,
     /// A TLS handshake, from accept.
     pub handshake_timeout: Duration,
     /// The first request of a connection, from the end of the handshake.
@@ -88,11 +92,13 @@ pub struct Bounds {
 }
 
 impl Bounds {
-    /// `drain` and `max_connections` with the default timeouts.
+    /// `drain` and `max_connections` with the default timeouts and a quarter of the cap per
+    /// client address.
     pub fn new(drain: Duration, max_connections: usize) -> Self {
         Self {
             drain,
             max_connections,
+            max_connections_per_client: (max_connections / 4).max(1),
             handshake_timeout: HANDSHAKE_TIMEOUT,
             first_request_timeout: FIRST_REQUEST_TIMEOUT,
             header_read_timeout: HEADER_READ_TIMEOUT,
@@ -128,6 +134,7 @@ pub async fn serve(
     ));
     let capped = ConnectionCap {
         permits: Arc::new(Semaphore::new(bounds.max_connections.max(1))),
+        per_client: Arc::new(PerClient::new(bounds.max_connections_per_client)),
         metrics,
     };
     let acceptor = RustlsAcceptor::new(tls)
@@ -150,6 +157,7 @@ pub async fn serve(
     info!(
         addr,
         max_connections = bounds.max_connections,
+        max_connections_per_client = bounds.max_connections_per_client,
         "admission webhook listening (HTTPS)"
     );
     if let Err(e) = server.handle(handle).serve(app.into_make_service()).await {
@@ -158,20 +166,39 @@ pub async fn serve(
     info!(addr, "admission webhook stopped");
 }
 
-/// Admits a connection only while fewer than the cap are open; the permit lives as long as
-/// the connection's stream.
+/// Admits a connection only while fewer than the cap are open, and fewer than the
+/// per-client cap from its address; both places live as long as the connection's stream.
 #[derive(Clone)]
 struct ConnectionCap {
     permits: Arc<Semaphore>,
+    per_client: Arc<PerClient>,
     metrics: AdmissionMetrics,
 }
 
-impl<I, S> Accept<I, S> for ConnectionCap {
-    type Stream = Counted<I>;
+impl<S> Accept<tokio::net::TcpStream, S> for ConnectionCap {
+    type Stream = Counted<tokio::net::TcpStream>;
     type Service = S;
-    type Future = std::future::Ready<std::io::Result<(Counted<I>, S)>>;
+    type Future = std::future::Ready<std::io::Result<(Self::Stream, S)>>;
 
-    fn accept(&self, stream: I, service: S) -> Self::Future {
+    fn accept(&self, stream: tokio::net::TcpStream, service: S) -> Self::Future {
+        // Dropping the stream on a refusal closes it: no handshake, no buffers.
+        let refuse = |reason: &'static str, message: &'static str| {
+            self.metrics.refused(reason);
+            std::future::ready(Err(std::io::Error::other(message)))
+        };
+        let client = match stream.peer_addr() {
+            Ok(addr) => match PerClient::admit(&self.per_client, addr.ip()) {
+                Some(place) => place,
+                None => {
+                    return refuse(
+                        "client_connections",
+                        "webhook connection cap of one client address reached; connection closed",
+                    );
+                }
+            },
+            // The peer is already gone.
+            Err(_) => return refuse("connections", "the peer address is unknown"),
+        };
         match self.permits.clone().try_acquire_owned() {
             Ok(permit) => {
                 self.metrics.connections.inc();
@@ -179,26 +206,93 @@ impl<I, S> Accept<I, S> for ConnectionCap {
                     Counted {
                         inner: stream,
                         _permit: permit,
+                        _client: client,
                         gauge: self.metrics.connections.clone(),
                     },
                     service,
                 )))
             }
-            Err(_) => {
-                self.metrics.refused("connections");
-                // Dropping the stream closes it: no handshake, no buffers.
-                std::future::ready(Err(std::io::Error::other(
-                    "webhook connection cap reached; connection closed",
-                )))
+            Err(_) => refuse(
+                "connections",
+                "webhook connection cap reached; connection closed",
+            ),
+        }
+    }
+}
+
+/// Open connections per client address. An address is in the table only while it holds a
+/// connection, so the table never has more entries than the connection cap.
+#[derive(Debug)]
+pub struct PerClient {
+    max: usize,
+    open: Mutex<HashMap<IpAddr, usize>>,
+}
+
+/// One connection's place in [`PerClient`], given back on drop.
+#[derive(Debug)]
+pub struct ClientPlace {
+    table: Arc<PerClient>,
+    ip: IpAddr,
+}
+
+impl PerClient {
+    pub fn new(max: usize) -> Self {
+        Self {
+            max: max.max(1),
+            open: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// A place for one more connection from `ip`, or `None` when it holds the most allowed.
+    pub fn admit(table: &Arc<PerClient>, ip: IpAddr) -> Option<ClientPlace> {
+        let mut open = table.open.lock().unwrap_or_else(PoisonError::into_inner);
+        let count = open.entry(ip).or_insert(0);
+        if *count >= table.max {
+            return None;
+        }
+        *count += 1;
+        Some(ClientPlace {
+            table: table.clone(),
+            ip,
+        })
+    }
+
+    /// Connections `ip` holds now.
+    pub fn open(&self, ip: IpAddr) -> usize {
+        let open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
+        open.get(&ip).copied().unwrap_or(0)
+    }
+
+    /// Addresses holding connections now.
+    pub fn clients(&self) -> usize {
+        self.open
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+}
+
+impl Drop for ClientPlace {
+    fn drop(&mut self) {
+        let mut open = self
+            .table
+            .open
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(count) = open.get_mut(&self.ip) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                open.remove(&self.ip);
             }
         }
     }
 }
 
-/// A connection's stream, holding its place under the cap.
+/// A connection's stream, holding its place under both caps.
 struct Counted<I> {
     inner: I,
     _permit: OwnedSemaphorePermit,
+    _client: ClientPlace,
     gauge: Gauge,
 }
 
@@ -245,5 +339,44 @@ impl<I: AsyncWrite + Unpin> AsyncWrite for Counted<I> {
 
     fn is_write_vectored(&self) -> bool {
         self.inner.is_write_vectored()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_address_holds_at_most_its_share_and_gets_places_back() {
+        let table = Arc::new(PerClient::new(2));
+        let pod: IpAddr = [10, 0, 0, 7].into();
+        let apiserver: IpAddr = [10, 0, 0, 1].into();
+        let first = PerClient::admit(&table, pod).expect("first");
+        let _second = PerClient::admit(&table, pod).expect("second");
+        assert!(
+            PerClient::admit(&table, pod).is_none(),
+            "a third is refused"
+        );
+        // Another address is not affected.
+        let _other = PerClient::admit(&table, apiserver).expect("another address");
+        assert_eq!((table.open(pod), table.clients()), (2, 2));
+        drop(first);
+        assert_eq!(table.open(pod), 1);
+        assert!(PerClient::admit(&table, pod).is_some(), "a place came back");
+    }
+
+    #[test]
+    fn addresses_without_connections_leave_the_table() {
+        let table = Arc::new(PerClient::new(1));
+        for last in 0..=255u8 {
+            let place = PerClient::admit(&table, [10, 0, 1, last].into()).expect("admitted");
+            drop(place);
+        }
+        assert_eq!(table.clients(), 0);
+        // A refused address adds nothing either.
+        let ip: IpAddr = [10, 0, 2, 1].into();
+        let _held = PerClient::admit(&table, ip).expect("admitted");
+        assert!(PerClient::admit(&table, ip).is_none());
+        assert_eq!(table.clients(), 1);
     }
 }

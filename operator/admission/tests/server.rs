@@ -1,4 +1,4 @@
-//! The webhook listener on a real TLS socket: the connection cap.
+//! The webhook listener on a real TLS socket: the connection caps (all and per client address).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,12 +15,48 @@ use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 
 fn refused(metrics: &AdmissionMetrics) -> u64 {
+    refused_for(metrics, "connections")
+}
+
+fn refused_for(metrics: &AdmissionMetrics, reason: &str) -> u64 {
     metrics
         .refused
         .get_or_create(&pko_admission::metrics::RefusedLabels {
-            reason: "connections".into(),
+            reason: reason.into(),
         })
         .get()
+}
+
+/// A TCP connection to `addr` from the loopback address `source` (Linux routes 127/8 to
+/// loopback): another client address on one machine.
+async fn connect_from(source: [u8; 4], addr: std::net::SocketAddr) -> TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket
+        .bind((std::net::Ipv4Addr::from(source), 0).into())
+        .expect("bind");
+    socket.connect(addr).await.expect("connect")
+}
+
+/// `GET /ping` over TLS; the whole answer.
+async fn ping(addr: std::net::SocketAddr, ca_pem: &str) -> String {
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls_pemfile_certs(ca_pem) {
+        roots.add(cert).expect("root");
+    }
+    let config = rustls::ClientConfig::builder()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let tcp = TcpStream::connect(addr).await.expect("connect");
+    let name = rustls::pki_types::ServerName::try_from("127.0.0.1").expect("name");
+    let mut stream = connector.connect(name, tcp).await.expect("handshake");
+    stream
+        .write_all(b"GET /ping HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .expect("write");
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).await.ok();
+    answer
 }
 
 async fn until(what: &str, mut condition: impl FnMut() -> bool) {
@@ -79,8 +115,10 @@ async fn connections_over_the_cap_are_closed_at_once_and_counted() {
     } = listen(
         Router::new().route("/ping", get(|| async { "pong" })),
         // Idle clients hold their place until the cap is checked, however slow the machine.
+        // Every client here is 127.0.0.1: its own cap is above the whole cap.
         Bounds {
             handshake_timeout: Duration::from_secs(3600),
+            max_connections_per_client: 3,
             ..Bounds::new(Duration::from_secs(1), 2)
         },
     );
@@ -100,28 +138,47 @@ async fn connections_over_the_cap_are_closed_at_once_and_counted() {
     // One leaves: a real client gets through and is answered.
     drop(first);
     until("one connection left", || metrics.connections.get() == 1).await;
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in rustls_pemfile_certs(&ca_pem) {
-        roots.add(cert).expect("root");
-    }
-    let config = rustls::ClientConfig::builder()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
-    let tcp = TcpStream::connect(addr).await.expect("connect");
-    let name = rustls::pki_types::ServerName::try_from("127.0.0.1").expect("name");
-    let mut stream = connector.connect(name, tcp).await.expect("handshake");
-    stream
-        .write_all(b"GET /ping HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .await
-        .expect("write");
-    let mut answer = String::new();
-    stream.read_to_string(&mut answer).await.ok();
+    let answer = ping(addr, &ca_pem).await;
     assert!(
         answer.starts_with("HTTP/1.1 200") && answer.ends_with("pong"),
         "{answer}"
     );
     assert_eq!(refused(&metrics), 1);
+    stop.cancel();
+}
+
+/// One address (a pod) holding idle connections gets at most its share; another address (the
+/// apiserver) is still served.
+#[tokio::test]
+async fn one_client_address_cannot_take_every_connection() {
+    let Listening {
+        addr,
+        ca_pem,
+        metrics,
+        stop,
+    } = listen(
+        Router::new().route("/ping", get(|| async { "pong" })),
+        Bounds {
+            handshake_timeout: Duration::from_secs(3600),
+            max_connections_per_client: 2,
+            ..Bounds::new(Duration::from_secs(1), 8)
+        },
+    );
+    let _first = connect_from([127, 0, 0, 2], addr).await;
+    let _second = connect_from([127, 0, 0, 2], addr).await;
+    until("two connections open", || metrics.connections.get() == 2).await;
+    let mut third = connect_from([127, 0, 0, 2], addr).await;
+    let mut byte = [0u8; 1];
+    let read = third.read(&mut byte).await;
+    assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+    assert_eq!(refused_for(&metrics, "client_connections"), 1);
+    assert_eq!(refused(&metrics), 0, "the whole cap was never reached");
+
+    let answer = ping(addr, &ca_pem).await;
+    assert!(
+        answer.starts_with("HTTP/1.1 200") && answer.ends_with("pong"),
+        "another address is served: {answer}"
+    );
     stop.cancel();
 }
 

@@ -24,6 +24,14 @@ const BIG_BODY_VALUES: usize = 200_000;
 const LEASE: [&str; 3] = ["15s", "10s", "2s"];
 const LEASE_NAME: &str = "pko-rs-operator";
 
+/// The slow clients' source address: another pod than the caller of the legitimate reviews
+/// (127.0.0.1, the apiserver's stand-in). Linux routes all of 127/8 to loopback.
+const ATTACKER: [u8; 4] = [127, 0, 0, 2];
+/// A slow client's pause before it connects again: without it, connections closed at accept
+/// would be reopened as fast as the kernel allows and spend every loopback port of the
+/// machine in TIME_WAIT.
+const RECONNECT_PAUSE: Duration = Duration::from_millis(250);
+
 /// Runs the storm and returns its figures.
 pub async fn storm(plane: &ControlPlane, scale: &Scale) -> Result<Section, HarnessError> {
     let ns = plane.namespace("chaos-webhook").await?;
@@ -148,8 +156,9 @@ async fn storm_on(
             "{} AdmissionReviews of {:.1} MiB ({BIG_BODY_VALUES} JSON values each) sent at once, \
              in waves for {:.0} s, while {} clients hold connections to the webhook: half \
              connect and send nothing, half finish the TLS handshake and trickle a header byte \
-             every 500 ms; each reconnects when closed. One small review per wave measures \
-             what a legitimate caller sees. `/healthz` polled every 100 ms, the leader lease \
+             every 500 ms; each reconnects 250 ms after it is closed. They come from \
+             127.0.0.2, one pod; the reviews come from 127.0.0.1, the apiserver. One small \
+             review per wave measures what a legitimate caller sees. `/healthz` polled every 100 ms, the leader lease \
              ({}/{}/{}) watched throughout.",
             scale.webhook_bodies,
             body.len() as f64 / 1048576.0,
@@ -170,12 +179,12 @@ async fn storm_on(
         Row::new(
             "their answers",
             big.summary(),
-            "200, or 413/429/503 with a reason; never a hang",
+            "200, or 413/429/503 with a reason (a refusal before the body is read closes the connection); never a hang",
         ),
         Row::new(
-            "small reviews during the storm",
+            "small reviews from another address during the storm",
             small_answers.summary(),
-            "recorded (connections over the cap are closed at accept)",
+            "all answered: the storm's address holds at most its share of connections",
         ),
         Row::new(
             "slow connections opened / closed by the server",
@@ -311,7 +320,9 @@ async fn send(client: &reqwest::Client, url: &str, body: Vec<u8>) -> Answer {
     }
 }
 
-/// Answers counted by status; connections closed before an answer counted apart.
+/// Answers counted by status; connections closed before an answer counted apart (closed at
+/// accept, or a refusal sent before the body was read: the server then closes the
+/// connection while the client is still sending, and the client may miss the answer).
 #[derive(Default)]
 struct Answers {
     by_status: BTreeMap<u16, u64>,
@@ -339,7 +350,10 @@ impl Answers {
             .map(|(status, n)| format!("{n}× {status}"))
             .collect();
         if self.closed > 0 {
-            parts.push(format!("{}× closed at accept", self.closed));
+            parts.push(format!(
+                "{}× connection closed before an answer",
+                self.closed
+            ));
         }
         if self.timeouts > 0 {
             parts.push(format!("{}× no answer in 30 s", self.timeouts));
@@ -385,8 +399,8 @@ impl SlowClients {
                 let (opened, closed) = (opened.clone(), closed_by_server.clone());
                 tokio::spawn(async move {
                     while !stop.load(Ordering::Acquire) {
-                        let Ok(tcp) = TcpStream::connect(("127.0.0.1", port)).await else {
-                            tokio::time::sleep(Duration::from_millis(100)).await;
+                        let Ok(tcp) = connect_from(ATTACKER, port).await else {
+                            tokio::time::sleep(RECONNECT_PAUSE).await;
                             continue;
                         };
                         opened.fetch_add(1, Ordering::Relaxed);
@@ -398,6 +412,7 @@ impl SlowClients {
                         if server_closed {
                             closed.fetch_add(1, Ordering::Relaxed);
                         }
+                        tokio::time::sleep(RECONNECT_PAUSE).await;
                     }
                 })
             })
@@ -418,6 +433,12 @@ impl SlowClients {
             closed_by_server: self.closed_by_server.load(Ordering::Relaxed),
         }
     }
+}
+
+async fn connect_from(source: [u8; 4], port: u16) -> std::io::Result<TcpStream> {
+    let socket = tokio::net::TcpSocket::new_v4()?;
+    socket.bind((std::net::Ipv4Addr::from(source), 0).into())?;
+    socket.connect(([127, 0, 0, 1], port).into()).await
 }
 
 fn tls_connector(ca: &[u8]) -> Result<tokio_rustls::TlsConnector, HarnessError> {
