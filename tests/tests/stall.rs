@@ -2,7 +2,8 @@
 //! the apiserver refuses Workspace names its derived objects could not have; a StatefulSet the
 //! apiserver refuses stalls the Workspace with the apiserver's message and an Event, retried
 //! with backoff until the spec is fixed; a Secret with a dot in its name gets a volume in a
-//! stack's workspace; a Stack whose Workspace name would be refused stalls saying why.
+//! stack's workspace; a Stack whose Workspace name would be refused stalls saying why; a Stack
+//! whose finalizer is refused stalls once and backs off.
 
 use std::time::{Duration, Instant};
 
@@ -337,4 +338,143 @@ async fn a_dotted_secret_gets_a_volume_and_a_dotted_stack_name_stalls() {
     );
     let workspaces: Api<Workspace> = Api::namespaced(client, &env.ns);
     assert!(workspaces.get_opt("a.b").await.expect("get").is_none());
+}
+
+/// A Stack whose finalizer the apiserver will not let go (here a ValidatingAdmissionPolicy
+/// refusing it, 422): deleting it stalls it once, with the apiserver's words, and attempts
+/// back off instead of rewriting the status (each write would trigger the next attempt at
+/// once). Once the refusal is gone, the Stack goes.
+#[tokio::test]
+async fn a_stack_whose_finalizer_is_refused_stalls_once_and_backs_off() {
+    use k8s_openapi::api::admissionregistration::v1::{
+        ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+    };
+    let env = env("stack-keep").await;
+    let client = env.plane.client();
+    let policy_name = format!("pko-tests-keep-finalizers-{}", env.ns);
+    let policy: ValidatingAdmissionPolicy = serde_json::from_value(json!({
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicy",
+        "metadata": {"name": policy_name},
+        "spec": {
+            "failurePolicy": "Fail",
+            "matchConstraints": {"resourceRules": [{
+                "apiGroups": ["pulumi.com"], "apiVersions": ["*"],
+                "operations": ["UPDATE"], "resources": ["stacks"],
+            }]},
+            "validations": [{
+                "expression": "!has(oldObject.metadata.finalizers) || (has(object.metadata.finalizers) && object.metadata.finalizers.size() >= oldObject.metadata.finalizers.size())",
+                "message": "finalizers stay (pko-tests)",
+            }],
+        },
+    }))
+    .expect("policy");
+    let binding: ValidatingAdmissionPolicyBinding = serde_json::from_value(json!({
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicyBinding",
+        "metadata": {"name": policy_name},
+        "spec": {
+            "policyName": policy_name,
+            "validationActions": ["Deny"],
+            "matchResources": {"namespaceSelector": {
+                "matchLabels": {"kubernetes.io/metadata.name": env.ns},
+            }},
+        },
+    }))
+    .expect("binding");
+    let policies: Api<ValidatingAdmissionPolicy> = Api::all(client.clone());
+    let bindings: Api<ValidatingAdmissionPolicyBinding> = Api::all(client.clone());
+    policies
+        .create(&PostParams::default(), &policy)
+        .await
+        .expect("policy");
+    bindings
+        .create(&PostParams::default(), &binding)
+        .await
+        .expect("binding");
+
+    let stacks: Api<Stack> = Api::namespaced(client.clone(), &env.ns);
+    stacks
+        .create(&PostParams::default(), &stack(&env, "kept", json!({})))
+        .await
+        .expect("create");
+    wait_for("the finalizer", WAIT, || async {
+        let s = stacks.get("kept").await.ok()?;
+        s.metadata
+            .finalizers
+            .is_some_and(|f| f.iter().any(|f| f == "finalizer.stack.pulumi.com"))
+            .then_some(())
+    })
+    .await
+    .expect("finalizer");
+    // The policy is in force once it refuses a removal itself (its cache fills in the
+    // background); a dry run, so a removal let through changes nothing.
+    wait_for("the policy to refuse", WAIT, || async {
+        let patch = json!({"metadata": {"finalizers": null}});
+        let dry_run = PatchParams {
+            dry_run: true,
+            ..PatchParams::default()
+        };
+        match stacks.patch("kept", &dry_run, &Patch::Merge(&patch)).await {
+            Err(kube::Error::Api(s)) if s.code == 422 => Some(()),
+            _ => None,
+        }
+    })
+    .await
+    .expect("refused");
+
+    let deleted = Instant::now();
+    stacks
+        .delete("kept", &Default::default())
+        .await
+        .expect("delete");
+    // (Before the delete it is stalled for its missing Program; that is not this stall.)
+    let message = wait_for("the Stack to stall on the refusal", WAIT, || async {
+        let status = stacks.get("kept").await.ok()?.status?;
+        status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Stalled" && c.status == "True" && c.reason == "ReconcileError")
+            .map(|c| c.message.clone())
+    })
+    .await
+    .expect("stalled");
+    assert!(message.contains("finalizers stay"), "{message}");
+
+    // As for the Workspace above: k failures take at least (2^(k-2) - 1)/2 s. Rewriting the
+    // status on every attempt would make them as fast as the apiserver answers.
+    let series = "pko_reconcile_errors_total{controller=\"stack\",error=\"reconcile\"}";
+    let attempts = wait_for("four failed attempts", WAIT, || async {
+        env.operator.metric(series).await.filter(|n| *n >= 4.0)
+    })
+    .await
+    .expect("attempts");
+    let elapsed = deleted.elapsed().as_secs_f64();
+    let most = 2.0 + (2.0 * elapsed + 1.0).log2();
+    assert!(
+        attempts <= most.floor(),
+        "{attempts} failed attempts in {elapsed:.1}s: not backing off (at most {most:.1})"
+    );
+
+    // The refusal gone, a change to the Stack brings the next attempt, and the Stack goes.
+    bindings
+        .delete(&policy_name, &Default::default())
+        .await
+        .expect("binding deleted");
+    policies
+        .delete(&policy_name, &Default::default())
+        .await
+        .expect("policy deleted");
+    wait_for("the Stack to go", WAIT, || async {
+        let touch = json!({"metadata": {"annotations": {"pko-tests/touch": deleted.elapsed().as_millis().to_string()}}});
+        match stacks
+            .patch("kept", &PatchParams::default(), &Patch::Merge(&touch))
+            .await
+        {
+            Err(kube::Error::Api(s)) if s.code == 404 => Some(()),
+            _ => stacks.get_opt("kept").await.ok()?.is_none().then_some(()),
+        }
+    })
+    .await
+    .expect("gone");
 }

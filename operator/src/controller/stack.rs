@@ -729,11 +729,12 @@ async fn reconcile_inner(stack: Arc<Stack>, ctx: Arc<StackContext>) -> Result<Ac
         }
     }
 
+    // Nothing to destroy: the Stack is let go. No status is written before the finalizer
+    // goes: were its removal refused, that write would clear the stall the refusal reports,
+    // on every attempt, and each write would trigger the next attempt at once.
     if deleting
         && (stack.spec.destroy_on_finalize != Some(true) || stack.spec.preview == Some(true))
     {
-        ready(&mut status, generation);
-        write_status(&ctx, &namespace, &name, &before, &status).await?;
         set_finalizer(&ctx, &stack, false).await?;
         return Ok(Action::await_change());
     }
@@ -819,18 +820,19 @@ async fn reconcile_inner(stack: Arc<Stack>, ctx: Arc<StackContext>) -> Result<Ac
             action = Action::requeue(wait.max(Duration::from_secs(1)));
         }
     }
-    write_status(&ctx, &namespace, &name, &before, &status).await?;
-    if let Some(poll) = poll
-        && !deleting
-    {
-        action = Action::requeue(poll);
-    }
+    // Destroyed: the finalizer goes first, for the same reason as above.
     if deleting
         && last.type_.as_deref() == Some("destroy")
         && last.state.as_deref() == Some("succeeded")
     {
         set_finalizer(&ctx, &stack, false).await?;
         return Ok(Action::await_change());
+    }
+    write_status(&ctx, &namespace, &name, &before, &status).await?;
+    if let Some(poll) = poll
+        && !deleting
+    {
+        action = Action::requeue(poll);
     }
     Ok(action)
 }

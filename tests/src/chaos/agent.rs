@@ -757,7 +757,11 @@ pub async fn section(
     let mut section = super::Section {
         title: "A hostile agent: a huge event, a huge line, a flood of events".into(),
         setup: format!(
-            "A stub agent (TLS with the operator-minted credentials, token checked) answers              the set-up calls honestly, then each Update's operation streams: one engine event              of {} MiB; a result whose stdout is one line of {} MiB; events of 1 MiB until {}              MiB (the operator's `--max-event-bytes-per-operation` is half that). The              operator's message limit is 16 MiB.",
+            "A stub agent (TLS with the operator-minted credentials, token checked) answers \
+             the set-up calls honestly, then each Update's operation streams: one engine event \
+             of {} MiB; a result whose stdout is one line of {} MiB; events of 1 MiB until {} \
+             MiB (the operator's `--max-event-bytes-per-operation` is half that). The \
+             operator's message limit is 16 MiB.",
             scale.agent.event_bytes / MIB,
             scale.agent.line_bytes / MIB,
             scale.agent.flood_bytes / MIB,

@@ -174,7 +174,7 @@ async fn storm_on(
         Row::new(
             "maximum-size reviews sent (waves)",
             format!("{} ({waves})", big.total()),
-            "",
+            "recorded",
         ),
         Row::new(
             "their answers",
