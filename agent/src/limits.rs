@@ -154,10 +154,96 @@ impl BoundedLine {
     }
 }
 
+/// The longest engine-event line the agent reads. A longer one is dropped as it is read (a
+/// JSON document cut short cannot be parsed) and reported by a warning diagnostic, so a
+/// program that logs a huge event costs the agent at most this much.
+pub const MAX_EVENT_LINE_BYTES: usize = 32 * 1024 * 1024;
+
+/// One line of the engine event log, as [`EventLines`] gives it.
+#[derive(Debug, PartialEq, Eq)]
+pub enum EventLine {
+    /// A line of at most the bound, without its newline.
+    Whole(Vec<u8>),
+    /// A line over the bound: only its size was counted.
+    Dropped { bytes: usize },
+}
+
+/// Splits chunks of the event log into lines of at most `max` bytes; a longer line is counted,
+/// never kept, so reading it holds at most `max` bytes.
+#[derive(Debug)]
+pub struct EventLines {
+    max: usize,
+    partial: Vec<u8>,
+    /// Bytes of the current line once it went over the bound.
+    skipped: Option<usize>,
+}
+
+impl EventLines {
+    pub fn new(max: usize) -> Self {
+        Self {
+            max,
+            partial: Vec::new(),
+            skipped: None,
+        }
+    }
+
+    /// The lines `chunk` completes, in order; the rest waits for the next chunk.
+    pub fn push(&mut self, mut chunk: &[u8]) -> Vec<EventLine> {
+        let mut lines = Vec::new();
+        while !chunk.is_empty() {
+            let newline = chunk.iter().position(|b| *b == b'\n');
+            let piece = &chunk[..newline.unwrap_or(chunk.len())];
+            match &mut self.skipped {
+                Some(skipped) => *skipped += piece.len(),
+                None if self.partial.len() + piece.len() > self.max => {
+                    self.skipped = Some(self.partial.len() + piece.len());
+                    self.partial = Vec::new();
+                }
+                None => self.partial.extend_from_slice(piece),
+            }
+            let Some(at) = newline else { break };
+            chunk = &chunk[at + 1..];
+            lines.push(match self.skipped.take() {
+                Some(bytes) => EventLine::Dropped { bytes },
+                None => EventLine::Whole(std::mem::take(&mut self.partial)),
+            });
+        }
+        lines
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn event_lines_split_across_chunks_and_drop_only_the_long_one() {
+        let mut lines = EventLines::new(8);
+        assert_eq!(
+            lines.push(b"{\"a\":1}\n{\"b"),
+            vec![EventLine::Whole(b"{\"a\":1}".to_vec())]
+        );
+        assert_eq!(lines.push(b"\":2}"), vec![]);
+        // 12345678 fits; the next line goes over in its second chunk and is counted whole.
+        assert_eq!(
+            lines.push(b"\n12345678\nabcdef"),
+            vec![
+                EventLine::Whole(b"{\"b\":2}".to_vec()),
+                EventLine::Whole(b"12345678".to_vec())
+            ]
+        );
+        assert_eq!(lines.push(b"ghijkl"), vec![]);
+        assert!(lines.partial.is_empty(), "nothing of the long line is held");
+        assert_eq!(
+            lines.push(b"mn\n\nlast"),
+            vec![
+                EventLine::Dropped { bytes: 14 },
+                EventLine::Whole(Vec::new())
+            ]
+        );
+        assert_eq!(lines.push(b"\n"), vec![EventLine::Whole(b"last".to_vec())]);
+    }
 
     #[test]
     fn short_text_is_left_alone() {

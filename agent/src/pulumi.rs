@@ -13,7 +13,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use crate::limits::{self, BoundedLine};
+use crate::limits::{self, BoundedLine, EventLine, EventLines};
 
 /// How much of a command's stdout/stderr is kept (the end of it).
 const OUTPUT_LIMIT: usize = 1024 * 1024;
@@ -438,48 +438,88 @@ async fn capture(
 /// Incremental reader of a JSON-lines event log that another process is appending to.
 struct EventLog {
     file: tokio::fs::File,
-    partial: Vec<u8>,
+    lines: EventLines,
     max_string: usize,
 }
+
+/// Bytes of the event log read at a time.
+const EVENT_READ_CHUNK: usize = 1024 * 1024;
 
 impl EventLog {
     fn new(file: tokio::fs::File, max_string: usize) -> Self {
         Self {
             file,
-            partial: Vec::new(),
+            lines: EventLines::new(limits::MAX_EVENT_LINE_BYTES),
             max_string,
         }
     }
 
-    /// Sends every complete new line; returns true when the receiver is gone.
+    /// Sends every complete new line; returns true when the receiver is gone. Reads in
+    /// bounded chunks: what pulumi wrote since the last look may be large.
     async fn forward(&mut self, events: &mpsc::Sender<Value>) -> bool {
-        let mut chunk = Vec::new();
-        if let Err(e) = self.file.read_to_end(&mut chunk).await {
-            warn!(error = %e, "cannot read the engine event log");
-            return events.is_closed();
-        }
-        self.partial.extend_from_slice(&chunk);
-        while let Some(end) = self.partial.iter().position(|b| *b == b'\n') {
-            let line: Vec<u8> = self.partial.drain(..=end).collect();
-            let line = String::from_utf8_lossy(&line);
-            let line = line.trim();
-            if line.is_empty() {
-                continue;
-            }
-            match serde_json::from_str::<Value>(line) {
-                Ok(mut event) => {
-                    // A diagnostic is a line the program printed; property values can be any
-                    // size: each is bounded before it travels.
-                    limits::truncate_strings(&mut event, self.max_string);
-                    if events.send(event).await.is_err() {
-                        return true;
-                    }
+        let mut chunk = vec![0u8; EVENT_READ_CHUNK];
+        loop {
+            let read = match self.file.read(&mut chunk).await {
+                Ok(0) => break,
+                Ok(read) => read,
+                Err(e) => {
+                    warn!(error = %e, "cannot read the engine event log");
+                    break;
                 }
-                Err(e) => warn!(error = %e, "skipping an unreadable engine event"),
+            };
+            for line in self.lines.push(&chunk[..read]) {
+                let Some(event) = self.event(line) else {
+                    continue;
+                };
+                if events.send(event).await.is_err() {
+                    return true;
+                }
             }
         }
         events.is_closed()
     }
+
+    fn event(&self, line: EventLine) -> Option<Value> {
+        let line = match line {
+            EventLine::Whole(line) => line,
+            EventLine::Dropped { bytes } => {
+                warn!(bytes, "dropping an engine event over the line bound");
+                return Some(dropped_event(bytes));
+            }
+        };
+        let line = String::from_utf8_lossy(&line);
+        let line = line.trim();
+        if line.is_empty() {
+            return None;
+        }
+        match serde_json::from_str::<Value>(line) {
+            Ok(mut event) => {
+                // A diagnostic is a line the program printed; property values can be any
+                // size: each is bounded before it travels.
+                limits::truncate_strings(&mut event, self.max_string);
+                Some(event)
+            }
+            Err(e) => {
+                warn!(error = %e, "skipping an unreadable engine event");
+                None
+            }
+        }
+    }
+}
+
+/// The warning diagnostic that stands for an engine event too large to read.
+fn dropped_event(bytes: usize) -> Value {
+    serde_json::json!({
+        "diagnosticEvent": {
+            "severity": "warning",
+            "prefix": "warning: ",
+            "color": "never",
+            "message": format!(
+                "pko-agent: an engine event of {bytes} bytes was dropped: the agent reads at most {} MiB of one event\n",
+                limits::MAX_EVENT_LINE_BYTES / (1024 * 1024)
+            ),
+        }
+    })
 }
 
 /// A command line as it may be logged or reported: the value of every `--secret key=value`
@@ -513,6 +553,37 @@ pub fn redacted(args: &[String]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An event log holding an event line over the bound between two ordinary ones: the
+    /// ordinary ones arrive, the long one is a warning saying its size.
+    #[tokio::test]
+    async fn an_event_line_over_the_bound_is_dropped_with_a_warning() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let path = dir.path().join("events.jsonl");
+        let huge = limits::MAX_EVENT_LINE_BYTES + 10;
+        let mut text = String::from("{\"sequence\":1}\n{\"big\":\"");
+        text.push_str(&"x".repeat(huge - "{\"big\":\"\"}".len()));
+        text.push_str("\"}\n{\"sequence\":3}\n");
+        std::fs::write(&path, &text).expect("write");
+        let file = tokio::fs::File::open(&path).await.expect("open");
+        let mut log = EventLog::new(file, 1024);
+        let (tx, mut rx) = mpsc::channel(8);
+        assert!(!log.forward(&tx).await);
+        drop(tx);
+        let mut got = Vec::new();
+        while let Some(event) = rx.recv().await {
+            got.push(event);
+        }
+        assert_eq!(got.len(), 3, "{got:?}");
+        assert_eq!(got[0], serde_json::json!({"sequence": 1}));
+        assert_eq!(got[2], serde_json::json!({"sequence": 3}));
+        let message = got[1]
+            .pointer("/diagnosticEvent/message")
+            .and_then(Value::as_str)
+            .expect("a diagnostic");
+        assert!(message.contains(&format!("{huge} bytes")), "{message}");
+        assert_eq!(got[1]["diagnosticEvent"]["severity"], "warning");
+    }
 
     #[tokio::test]
     async fn captured_lines_are_cut_at_the_bound() {
