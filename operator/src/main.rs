@@ -487,11 +487,10 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         });
         let tenancy = tenancy_status.then(|| {
             pko_operator::controller::tenancy::run(
-                Arc::new(pko_operator::controller::tenancy::TenancyContext {
-                    client: status_client.clone(),
-                    metrics: status_metrics.clone(),
-                    backoff: Default::default(),
-                }),
+                Arc::new(pko_operator::controller::tenancy::TenancyContext::new(
+                    status_client.clone(),
+                    status_metrics.clone(),
+                )),
                 stop.clone().cancelled_owned(),
             )
         });

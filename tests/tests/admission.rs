@@ -1224,6 +1224,99 @@ async fn tenancy_policy_status_counts_namespaces_and_reports_a_bad_selector() {
     env.cleanup().await;
 }
 
+/// A TenancyPolicy status the apiserver refuses (here a ValidatingAdmissionPolicy on the
+/// status subresource, 422): there is no status to say so in, so a Warning Event with the
+/// apiserver's words tells it.
+#[tokio::test]
+async fn a_refused_tenancy_status_is_told_by_an_event() {
+    use k8s_openapi::api::admissionregistration::v1::{
+        ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+    };
+    use k8s_openapi::api::events::v1::Event;
+    let env = Env::start(WebhookOptions::default(), &[]).await;
+    let name = format!("{}-a", env.id);
+    let vap = format!("pko-tests-refuse-status-{}", env.id);
+    let policy: ValidatingAdmissionPolicy = serde_json::from_value(json!({
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicy",
+        "metadata": {"name": vap},
+        "spec": {
+            "failurePolicy": "Fail",
+            "matchConstraints": {"resourceRules": [{
+                "apiGroups": ["pko-rs.dev"], "apiVersions": ["*"],
+                "operations": ["UPDATE"], "resources": ["tenancypolicies/status"],
+            }]},
+            "validations": [{
+                "expression": format!("object.metadata.name != '{name}'"),
+                "message": "this status stays as it is (pko-tests)",
+            }],
+        },
+    }))
+    .expect("policy");
+    let binding: ValidatingAdmissionPolicyBinding = serde_json::from_value(json!({
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicyBinding",
+        "metadata": {"name": vap},
+        "spec": {"policyName": vap, "validationActions": ["Deny"]},
+    }))
+    .expect("binding");
+    let policies: Api<ValidatingAdmissionPolicy> = Api::all(env.client());
+    let bindings: Api<ValidatingAdmissionPolicyBinding> = Api::all(env.client());
+    policies
+        .create(&PostParams::default(), &policy)
+        .await
+        .expect("policy");
+    bindings
+        .create(&PostParams::default(), &binding)
+        .await
+        .expect("binding");
+    // The refusal is in force once a status update of the policy is refused (a dry run).
+    env.apply_tenancy(&name, json!({"namespaces": [env.a]}))
+        .await;
+    let tenancy = Api::<DynamicObject>::all_with(env.client(), &tenancy_resource());
+    wait_for("the status refusal", WAIT, || async {
+        let dry_run = PatchParams {
+            dry_run: true,
+            ..PatchParams::default()
+        };
+        let patch = json!({"status": {"selectedNamespaces": 7}});
+        match tenancy
+            .patch_status(&name, &dry_run, &Patch::Merge(&patch))
+            .await
+        {
+            Err(kube::Error::Api(s)) if s.code == 422 => Some(()),
+            _ => None,
+        }
+    })
+    .await
+    .expect("refused");
+    // A spec change the status must follow.
+    env.apply_tenancy(&name, json!({"namespaces": [env.a, env.b]}))
+        .await;
+
+    let events: Api<Event> = Api::all(env.client());
+    let note = wait_for("the ReconcileError Event", WAIT, || async {
+        events
+            .list(&Default::default())
+            .await
+            .ok()?
+            .items
+            .into_iter()
+            .find(|e| {
+                e.reason.as_deref() == Some("ReconcileError")
+                    && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name.as_str())
+            })
+            .and_then(|e| e.note)
+    })
+    .await
+    .expect("event");
+    assert!(note.contains("this status stays as it is"), "{note}");
+
+    let _ = bindings.delete(&vap, &DeleteParams::default()).await;
+    let _ = policies.delete(&vap, &DeleteParams::default()).await;
+    env.cleanup().await;
+}
+
 /// Issue: an object being deleted skipped every check, so a tenant could hold an allowed
 /// ProgramTransform with its own finalizer, delete it, then point it at any module. Now the
 /// checks are skipped only while the spec stays the same; and removing finalizers needs no

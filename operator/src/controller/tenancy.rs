@@ -14,9 +14,10 @@ use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{Api, Patch, PatchParams};
 use kube::core::{PartialObjectMeta, Selector};
 use kube::runtime::controller::{self, Action, Controller};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
-use kube::{Client, ResourceExt};
+use kube::{Client, Resource, ResourceExt};
 use pko_api::tenancy::{TenancyPolicy, TenancyPolicyStatus};
 use serde_json::json;
 use tracing::warn;
@@ -53,8 +54,28 @@ pub struct TenancyContext {
     pub client: Client,
     pub metrics: Metrics,
     /// Failed reconciles per policy. Every failure is a failed status write (or the namespace
-    /// watch not ready), so there is no status to report it in: it is logged and retried.
+    /// watch not ready), so there is no status to report it in: it is logged, retried, and a
+    /// stall is told by an Event.
     pub backoff: Backoff,
+    pub recorder: Recorder,
+}
+
+impl TenancyContext {
+    pub fn new(client: Client, metrics: Metrics) -> Self {
+        let recorder = Recorder::new(
+            client.clone(),
+            Reporter {
+                controller: "pko-rs-tenancy-controller".into(),
+                instance: std::env::var("POD_NAME").ok(),
+            },
+        );
+        Self {
+            client,
+            metrics,
+            backoff: Backoff::default(),
+            recorder,
+        }
+    }
 }
 
 /// What a reconcile reads: the context, and the namespaces (names and labels) as the
@@ -123,12 +144,37 @@ fn error_policy(
             error: "kube".into(),
         })
         .inc();
-    let key = backoff::key(&policy.metadata);
-    let failure = shared
-        .ctx
+    Action::requeue(shared.ctx.backoff.delay(&backoff::key(&policy.metadata)))
+}
+
+async fn reconcile(
+    policy: Arc<TenancyPolicy>,
+    shared: Arc<Shared>,
+) -> Result<Action, TenancyStatusError> {
+    let result = reconcile_inner(&policy, &shared).await;
+    let ctx = &shared.ctx;
+    let failure = ctx
         .backoff
-        .failure(&key, policy.metadata.generation, err.verdict());
-    Action::requeue(failure.delay)
+        .record(&policy.metadata, &result, TenancyStatusError::verdict);
+    // The status is what cannot be written: a stall is told by an Event, once.
+    if let (Some(failure), Err(err)) = (failure, &result)
+        && failure.first_stall
+    {
+        let event = Event {
+            type_: EventType::Warning,
+            reason: backoff::REASON.into(),
+            note: Some(conditions::truncate(
+                &err.to_string(),
+                conditions::MESSAGE_LIMIT,
+            )),
+            action: "WriteStatus".into(),
+            secondary: None,
+        };
+        if let Err(e) = ctx.recorder.publish(&event, &policy.object_ref(&())).await {
+            warn!(error = %e, "cannot publish event");
+        }
+    }
+    result
 }
 
 /// The status a policy should have, given every namespace's name and labels.
@@ -174,9 +220,9 @@ pub fn status_for<'a>(
     status
 }
 
-async fn reconcile(
-    policy: Arc<TenancyPolicy>,
-    shared: Arc<Shared>,
+async fn reconcile_inner(
+    policy: &TenancyPolicy,
+    shared: &Shared,
 ) -> Result<Action, TenancyStatusError> {
     let ctx = &shared.ctx;
     let labels = ctx.metrics.controller(CONTROLLER);
@@ -188,7 +234,7 @@ async fn reconcile(
         .await
         .map_err(|_| TenancyStatusError::NamespacesNotListed)?;
     let namespaces = shared.namespaces.state();
-    let status = status_for(&policy, namespaces.iter().map(AsRef::as_ref));
+    let status = status_for(policy, namespaces.iter().map(AsRef::as_ref));
     let before = policy.status.clone().unwrap_or_default();
     let same = before.observed_generation == status.observed_generation
         && before.selected_namespaces == status.selected_namespaces
@@ -209,7 +255,6 @@ async fn reconcile(
                 source,
             })?;
     }
-    ctx.backoff.success(&backoff::key(&policy.metadata));
     Ok(Action::await_change())
 }
 

@@ -19,6 +19,7 @@ use tokio::sync::broadcast;
 use tracing::{debug, warn};
 
 use crate::controller::backoff::{self, Backoff};
+use crate::controller::conditions;
 use crate::metrics::{ErrorLabels, Metrics};
 use crate::transform::{LoadState, Snapshot, TransformKey, TransformKind, TransformRegistry};
 
@@ -78,6 +79,22 @@ pub async fn run(
                 let TransformStatusError::Write { source, .. } = &err;
                 let failure = retries.failure(&key_text, None, backoff::classify(source));
                 warn!(transform = %key, error = %err, attempts = failure.attempts, "cannot write transform status");
+                // The status is what cannot be written: a stall is told by an Event, once.
+                if failure.first_stall {
+                    let event = Event {
+                        type_: EventType::Warning,
+                        reason: backoff::REASON.into(),
+                        note: Some(conditions::truncate(
+                            &format!("cannot write the status: {}", backoff::describe(source)),
+                            conditions::MESSAGE_LIMIT,
+                        )),
+                        action: "WriteStatus".into(),
+                        secondary: None,
+                    };
+                    if let Err(e) = recorder.publish(&event, &object_ref(&key)).await {
+                        warn!(error = %e, "cannot publish event");
+                    }
+                }
                 metrics
                     .reconcile_errors
                     .get_or_create(&ErrorLabels {

@@ -520,23 +520,7 @@ async fn reconcile_inner(
             () = token.cancelled() => Outcome::failed("Canceled", "the update was canceled".into()),
         };
         apply_outcome(&task_ctx, &task_update, &mut status, outcome).await;
-        // The final status write is retried: losing it would leave the Update in flight.
-        let mut delay = Duration::from_millis(500);
-        for attempt in 0..8 {
-            match write_status(&task_ctx.client, &namespace, &name, &before, &status).await {
-                Ok(()) => break,
-                // The Update was deleted meanwhile: nobody is left to tell.
-                Err(UpdateError::Kube {
-                    source: kube::Error::Api(e),
-                    ..
-                }) if e.code == 404 => break,
-                Err(e) => {
-                    warn!(update = %name, attempt, error = %e, "cannot write the update result; retrying");
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(Duration::from_secs(10));
-                }
-            }
-        }
+        store_result(&task_ctx, &task_update, &namespace, &name, &before, &status).await;
         drop(slot);
         task_ctx
             .metrics
@@ -545,6 +529,46 @@ async fn reconcile_inner(
             .observe(started.elapsed().as_secs_f64());
     });
     Ok(Action::await_change())
+}
+
+/// Writes an operation's outcome until it is stored: lost, it would leave the Update in
+/// flight, and the next operator would run the operation again. A transient failure (the
+/// apiserver away) is retried with the controllers' backoff for as long as it lasts; a refusal
+/// that will not heal is told in an Event; a deleted Update has nobody left to tell.
+async fn store_result(
+    ctx: &UpdateContext,
+    update: &Update,
+    namespace: &str,
+    name: &str,
+    before: &UpdateStatus,
+    status: &UpdateStatus,
+) {
+    let policy = backoff::Policy::default();
+    let mut attempt = 0u32;
+    loop {
+        let err = match write_status(&ctx.client, namespace, name, before, status).await {
+            Ok(()) => return,
+            Err(err) => err,
+        };
+        if let UpdateError::Kube {
+            source: kube::Error::Api(e),
+            ..
+        } = &err
+            && e.code == 404
+        {
+            return;
+        }
+        if err.verdict() == Verdict::Permanent {
+            warn!(update = %name, error = %err, "the update result cannot be stored");
+            ctx.event(update, EventType::Warning, backoff::REASON, err.message())
+                .await;
+            return;
+        }
+        attempt = attempt.saturating_add(1);
+        let delay = policy.delay(attempt, &mut rand::rng());
+        warn!(update = %name, attempt, ?delay, error = %err, "cannot write the update result; retrying");
+        tokio::time::sleep(delay).await;
+    }
 }
 
 async fn connect(
