@@ -95,7 +95,22 @@ pub fn fetch_target(raw: &str) -> Value {
 /// without brackets.
 pub fn host_name(host: &Host<&str>) -> String {
     match host {
-        Host::Domain(domain) => domain.trim_end_matches('.').to_owned(),
+        Host::Domain(domain) => {
+            let trimmed = domain.trim_end_matches('.');
+            // Dots only (no server: the caller refuses ""), or no trailing dot at all.
+            if trimmed.is_empty() || trimmed.len() == domain.len() {
+                return trimmed.to_owned();
+            }
+            // `0..` is a name to the URL parser (one trailing dot only makes an address), but
+            // without its dots it reads as 0.0.0.0: the policies get the address, the stricter
+            // reading, never a bare name that spells one. A name that is no host without its
+            // dots (`.0..`) stays as it was given.
+            match Host::parse(trimmed) {
+                Ok(Host::Ipv4(v4)) => v4.to_string(),
+                Ok(Host::Domain(_)) => trimmed.to_owned(),
+                _ => (*domain).to_owned(),
+            }
+        }
         Host::Ipv4(v4) => v4.to_string(),
         // The URL standard's serialisation (hex only, `::ffff:a60:c`), without brackets.
         Host::Ipv6(v6) => Host::<&str>::Ipv6(*v6)
@@ -167,6 +182,13 @@ mod tests {
             assert_eq!(fetch_target(raw), target, "{raw:?}");
         }
         assert_eq!(fetch_target("http://2130706433/")["host"], "127.0.0.1");
+        // More than one trailing dot makes a name to the parser; without the dots it is an
+        // address, and the policies get the address.
+        for spelled in ["http:0..", "http://0x7f.1../", "http://2130706433.../"] {
+            let host = fetch_target(spelled)["host"].clone();
+            assert!(host == "0.0.0.0" || host == "127.0.0.1", "{spelled}: {host}");
+        }
+        assert_eq!(fetch_target("http:.0..")["host"], ".0..");
         assert_eq!(
             fetch_target("http://[::FFFF:127.0.0.1]/")["host"],
             "::ffff:7f00:1"
