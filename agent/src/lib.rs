@@ -9,24 +9,12 @@
 //! It links neither kube nor wasmtime nor opa, so it stays small and quick to build.
 
 pub mod auth;
-pub mod client;
 pub mod git;
 pub mod inflight;
 pub mod init;
 pub mod limits;
 pub mod pulumi;
 pub mod server;
-pub mod values;
 
-/// Generated gRPC types and stubs of `proto/agent.proto` (package `agent`).
-#[allow(clippy::all, missing_docs)]
-pub mod proto {
-    tonic::include_proto!("agent");
-}
-
-/// Port the agent listens on in a workspace pod (PKO's).
-pub const DEFAULT_PORT: u16 = 50051;
-
-/// Response header carrying the agent's instance id: a random value chosen at start, so a
-/// client can tell that the agent restarted (and lost what it was told) since its last call.
-pub const INSTANCE_HEADER: &str = "x-pko-agent-instance";
+// The API both ends share lives in its own crate (the operator links only that).
+pub use pko_agent_api::{DEFAULT_PORT, INSTANCE_HEADER, client, proto, values};

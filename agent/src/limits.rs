@@ -8,8 +8,7 @@ use std::borrow::Cow;
 
 use serde_json::Value;
 
-/// Largest gRPC message, both ways, on both ends (agent server and operator client).
-pub const MAX_MESSAGE_BYTES: usize = 16 * 1024 * 1024;
+pub use pko_agent_api::MAX_MESSAGE_BYTES;
 /// Default bound of one log line: a line of the CLI's output, or one string of an engine event
 /// (a diagnostic message, a property value).
 pub const DEFAULT_MAX_LOG_LINE_BYTES: usize = 64 * 1024;

@@ -10,7 +10,6 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use futures::Stream;
-use prost::Message;
 use serde_json::{Map, Value, json};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -18,13 +17,14 @@ use tonic::metadata::MetadataValue;
 use tonic::{Code, Request, Response, Status};
 use tracing::{info, warn};
 
-use crate::INSTANCE_HEADER;
 use crate::inflight::{self, Inflight};
 use crate::limits::{self, Limits, MAX_MESSAGE_BYTES};
 use crate::proto::automation_service_server::AutomationService;
 use crate::proto::{self as pb, config_item, config_value_from};
 use crate::pulumi::{Cli, Output, PulumiError, tail};
 use crate::values;
+use pko_agent_api::INSTANCE_HEADER;
+use pko_agent_api::errors::{RESPONSE_TOO_LARGE, with_error_info};
 
 type RpcStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
 
@@ -438,9 +438,6 @@ impl Agent {
     }
 }
 
-/// Reason of the `PulumiErrorInfo` of an answer over the message limit.
-pub const RESPONSE_TOO_LARGE: &str = "ResponseTooLarge";
-
 /// `message` when it fits in one gRPC message; else a status that says so (the transport would
 /// fail the stream with a bare "encoded message length too large").
 fn within_message_limit<T: prost::Message>(kind: &str, message: T) -> Result<T, Status> {
@@ -578,34 +575,6 @@ pub fn to_status(op: &str, err: PulumiError) -> Status {
         Some((code, reason)) => with_error_info(Code::Unknown, message, code, reason),
         None => Status::unknown(message),
     }
-}
-
-/// A status carrying `PulumiErrorInfo` in `grpc-status-details-bin` (a `google.rpc.Status`).
-pub fn with_error_info(code: Code, message: String, info_code: i32, reason: &str) -> Status {
-    let info = pb::PulumiErrorInfo {
-        code: info_code,
-        reason: reason.to_owned(),
-        message: message.clone(),
-    };
-    let details = pb::RpcStatus {
-        code: code as i32,
-        message: message.clone(),
-        details: vec![prost_types::Any {
-            type_url: "type.googleapis.com/agent.PulumiErrorInfo".into(),
-            value: info.encode_to_vec(),
-        }],
-    };
-    Status::with_details(code, message, details.encode_to_vec().into())
-}
-
-/// The `PulumiErrorInfo` attached to a status, if any.
-pub fn error_info(status: &Status) -> Option<pb::PulumiErrorInfo> {
-    let envelope = pb::RpcStatus::decode(status.details()).ok()?;
-    envelope
-        .details
-        .iter()
-        .find(|a| a.type_url.ends_with("agent.PulumiErrorInfo"))
-        .and_then(|a| pb::PulumiErrorInfo::decode(a.value.as_slice()).ok())
 }
 
 fn push_opt(out: &mut Vec<String>, flag: &str, value: Option<impl ToString>) {
@@ -1178,20 +1147,6 @@ mod tests {
         )
         .expect_err("path + structured");
         assert_eq!(err.code(), Code::InvalidArgument);
-    }
-
-    #[test]
-    fn error_info_round_trips() {
-        let status = with_error_info(
-            Code::Unknown,
-            "up failed: locked".into(),
-            409,
-            "UpdateConflict",
-        );
-        let info = error_info(&status).expect("info");
-        assert_eq!(info.code, 409);
-        assert_eq!(info.reason, "UpdateConflict");
-        assert!(error_info(&Status::unknown("x")).is_none());
     }
 
     #[test]

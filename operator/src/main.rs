@@ -16,7 +16,8 @@ use pko_api::stack::Stack;
 use pko_operator::capability::{self, KeyRing, KeySecret, KeySet, RotationPolicy};
 use pko_operator::config::AdvertisedAddress;
 use pko_operator::controller::program::{self, ProgramContext};
-use pko_operator::fileserver::{self, FileServer, server};
+use pko_operator::fileserver::{self, FileServer};
+use pko_operator::http;
 use pko_operator::leader::{self, ElectionConfig, Leadership};
 use pko_operator::metrics::Metrics;
 use pko_operator::probes::{self, Readiness};
@@ -50,7 +51,7 @@ enum Command {
     },
     /// Run a Program manifest through its transforms offline and print the resulting
     /// Pulumi.yaml (or, with --diff, a unified diff against the untransformed one).
-    Render(pko_operator::cli::RenderArgs),
+    Render(pko_operator::offline::RenderArgs),
     /// Tools for plugin authors.
     Plugin {
         #[command(subcommand)]
@@ -61,7 +62,7 @@ enum Command {
 #[derive(Subcommand, Debug)]
 enum PluginCommand {
     /// Run a component against fixture cases: input, config, expected output or error.
-    Test(pko_operator::cli::PluginTestArgs),
+    Test(pko_operator::offline::PluginTestArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -190,7 +191,7 @@ async fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Some(Command::Render(args)) => {
-            let rendered = pko_operator::cli::render(&args).await?;
+            let rendered = pko_operator::offline::render(&args).await?;
             for note in &rendered.notes {
                 eprintln!("# {note}");
             }
@@ -200,7 +201,7 @@ async fn main() -> anyhow::Result<()> {
         Some(Command::Plugin {
             command: PluginCommand::Test(args),
         }) => {
-            let results = pko_operator::cli::plugin_test(&args).await?;
+            let results = pko_operator::offline::plugin_test(&args).await?;
             let failed = results.iter().filter(|r| r.outcome.is_err()).count();
             for result in &results {
                 match &result.outcome {
@@ -289,9 +290,9 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     } else {
         None
     };
-    let (index, index_driver) = fileserver::index::watch(
+    let (index, index_driver) = pko_operator::artifact::index::watch(
         programs,
-        fileserver::index::IndexOptions {
+        pko_operator::artifact::index::IndexOptions {
             cache_bytes: memory.artifact_cache_bytes,
             publish_wait: args.artifact_publish_wait,
         },
@@ -366,17 +367,17 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         ));
     }
 
-    let fs_listener = server::bind(&args.program_fs_addr).await?;
+    let fs_listener = http::bind(&args.program_fs_addr).await?;
     let fs_app = fileserver::router(FileServer {
         index: index.clone(),
         metrics: metrics.clone(),
         keys: keys.clone(),
     });
-    tasks.spawn(server::serve(
+    tasks.spawn(http::serve(
         "fileserver",
         fs_listener,
         fs_app,
-        server::ServerLimits::default(),
+        http::ServerLimits::default(),
         shutdown.clone().cancelled_owned(),
     ));
 
@@ -413,23 +414,23 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     }
     let readiness = Readiness::new(checks);
     let probe_app = probes::router(readiness.clone(), metrics.clone());
-    let probe_listener = server::bind(&args.health_probe_bind_address).await?;
-    tasks.spawn(server::serve(
+    let probe_listener = http::bind(&args.health_probe_bind_address).await?;
+    tasks.spawn(http::serve(
         "probes",
         probe_listener,
         probe_app.clone(),
-        server::ServerLimits::default(),
+        http::ServerLimits::default(),
         shutdown.clone().cancelled_owned(),
     ));
     if args.metrics_bind_address != "0"
         && args.metrics_bind_address != args.health_probe_bind_address
     {
-        let listener = server::bind(&args.metrics_bind_address).await?;
-        tasks.spawn(server::serve(
+        let listener = http::bind(&args.metrics_bind_address).await?;
+        tasks.spawn(http::serve(
             "metrics",
             listener,
             probe_app,
-            server::ServerLimits::default(),
+            http::ServerLimits::default(),
             shutdown.clone().cancelled_owned(),
         ));
     }
@@ -478,7 +479,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             stop.clone(),
         );
         let transform_status = transforms.clone().map(|registry| {
-            pko_operator::controller::transform::run(
+            pko_operator::controller::transform_status::run(
                 registry,
                 status_client.clone(),
                 status_metrics.clone(),

@@ -155,7 +155,7 @@ pub struct Metrics {
     /// Artifact requests refused for lack of a valid capability token.
     pub fileserver_refused: Family<ReasonLabels, Counter>,
     /// Transform plugin calls, errors, latency and fuel (`pko_plugin_*`).
-    pub plugins: pko_plugins::PluginMetrics,
+    pub plugins: pko_plugin_host::PluginMetrics,
 }
 
 impl Default for Metrics {
@@ -174,7 +174,7 @@ impl Metrics {
     pub fn with_extra(extra: impl FnOnce(&mut Registry)) -> Self {
         let mut registry = Registry::default();
         extra(&mut registry);
-        let plugins = pko_plugins::PluginMetrics::new();
+        let plugins = pko_plugin_host::PluginMetrics::new();
         plugins.register(&mut registry);
         let programs_active = Gauge::default();
         registry.register(

@@ -12,8 +12,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pko_api::program::ProgramSpec;
-use pko_plugins::chain::{self, Chain, FailurePolicy, Step, validate_spec};
-use pko_plugins::{
+use pko_plugin_host::chain::{self, Chain, FailurePolicy, Step, validate_spec};
+use pko_plugin_host::{
     CallSite, HostConfig, LoadSource, Module, PluginError, PluginHost, PluginMetrics, ProgramInput,
 };
 use serde_json::{Map, Value, json};

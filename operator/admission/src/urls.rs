@@ -186,7 +186,10 @@ mod tests {
         // address, and the policies get the address.
         for spelled in ["http:0..", "http://0x7f.1../", "http://2130706433.../"] {
             let host = fetch_target(spelled)["host"].clone();
-            assert!(host == "0.0.0.0" || host == "127.0.0.1", "{spelled}: {host}");
+            assert!(
+                host == "0.0.0.0" || host == "127.0.0.1",
+                "{spelled}: {host}"
+            );
         }
         assert_eq!(fetch_target("http:.0..")["host"], ".0..");
         assert_eq!(

@@ -8,7 +8,7 @@ use pko_api::update::Update;
 use pko_api::workspace::Workspace;
 use tokio_util::sync::CancellationToken;
 
-use crate::agents::Agents;
+use crate::agent_client::Agents;
 use crate::controller::stack::{self, StackContext};
 use crate::controller::update::{self, UpdateContext};
 use crate::controller::workspace::{self, PodSettings, WorkspaceContext};

@@ -7,6 +7,6 @@ pub mod program;
 pub mod stack;
 pub mod stack_source;
 pub mod tenancy;
-pub mod transform;
+pub mod transform_status;
 pub mod update;
 pub mod workspace;

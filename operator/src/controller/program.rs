@@ -27,10 +27,10 @@ use serde_json::{Value, json};
 use tokio::sync::broadcast;
 use tracing::{info, instrument, warn};
 
+use crate::artifact::index::{BuildError, BuildResult, Built, ProgramIndex};
 use crate::capability::{ArtifactRef, KeyRing, unix_now};
 use crate::config::{AdvertisedAddress, artifact_path};
 use crate::controller::backoff::{self, Backoff, Verdict};
-use crate::fileserver::index::{BuildError, BuildResult, Built, ProgramIndex};
 use crate::metrics::{ErrorLabels, Metrics};
 
 /// Field manager of the Program status (one per controller, as PKO).

@@ -23,8 +23,8 @@ use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 use kube::{Client, Resource, ResourceExt};
-use pko_agent::client::AgentClient;
-use pko_agent::proto as pb;
+use pko_agent_api::client::AgentClient;
+use pko_agent_api::proto as pb;
 use pko_api::common::ProjectInfo;
 use pko_api::duration::{DurationError, parse_go_duration};
 use pko_api::update::{Update, UpdateStatus, UpdateType};
@@ -33,7 +33,7 @@ use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::agents::{AgentError, Agents};
+use crate::agent_client::{AgentError, Agents};
 use crate::controller::backoff::{self, Backoff, Verdict};
 use crate::controller::conditions;
 use crate::metrics::{ErrorLabels, Metrics};
@@ -53,7 +53,7 @@ pub const DEFAULT_MAX_OPERATIONS_IN_FLIGHT: u32 = 64;
 /// Reason of an Update waiting for an operation slot.
 pub const QUEUED: &str = "Queued";
 /// Reason of an Update failed because an answer of the agent was over the message limit.
-pub const RESPONSE_TOO_LARGE: &str = pko_agent::server::RESPONSE_TOO_LARGE;
+pub const RESPONSE_TOO_LARGE: &str = pko_agent_api::errors::RESPONSE_TOO_LARGE;
 /// Default of `--max-event-bytes-per-operation`: far more than the events of a large stack (the
 /// agent cuts every string of an event at 64 KiB), far less than an agent can stream forever.
 pub const DEFAULT_MAX_EVENT_BYTES_PER_OPERATION: u64 = 512 << 20;
@@ -683,7 +683,7 @@ impl EventDigest {
     }
 
     async fn observe(&mut self, ctx: &UpdateContext, update: &Update, event: &prost_types::Struct) {
-        let event = Value::Object(pko_agent::values::from_struct(event));
+        let event = Value::Object(pko_agent_api::values::from_struct(event));
         if let Some(meta) = event.pointer("/resOutputsEvent/metadata") {
             let op = meta["op"].as_str().unwrap_or("same").to_owned();
             if op != "same" && self.published < MAX_RESOURCE_EVENTS {
@@ -892,7 +892,7 @@ async fn run_operation(
 /// A failed RPC as an outcome: PKO's `PulumiErrorInfo` reason when attached, a clear reason when
 /// the agent went away, `Unknown` otherwise.
 fn status_outcome(ctx: &UpdateContext, update: &Update, s: &tonic::Status) -> Outcome {
-    if let Some(info) = pko_agent::server::error_info(s) {
+    if let Some(info) = pko_agent_api::errors::error_info(s) {
         return Outcome::failed(&info.reason, s.message().to_owned());
     }
     if let Some(outcome) = too_large(s) {
@@ -943,7 +943,7 @@ fn too_large(s: &tonic::Status) -> Option<Outcome> {
             RESPONSE_TOO_LARGE,
             format!(
                 "an answer of the workspace agent is over the {} MiB message limit: {}",
-                pko_agent::limits::MAX_MESSAGE_BYTES / (1024 * 1024),
+                pko_agent_api::MAX_MESSAGE_BYTES / (1024 * 1024),
                 s.message()
             ),
         )

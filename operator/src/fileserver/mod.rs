@@ -5,10 +5,6 @@
 //! unknown Program or generation (after a bounded wait for this replica's watch, so a URL just
 //! published elsewhere is served), 410 for a superseded generation, 405 for other methods.
 
-pub mod cache;
-pub mod index;
-pub mod server;
-
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -20,9 +16,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::any;
 use http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
 
+use crate::artifact::index::{Lookup, ProgramIndex};
 use crate::capability::{ArtifactRef, KeyRing};
 use crate::metrics::{Metrics, RefusalReason, RequestLabels};
-use index::{Lookup, ProgramIndex};
 
 /// Suffix PKO advertises in `status.artifact.path`; accepted on URLs too.
 const TAR_GZ: &str = ".tar.gz";

@@ -28,8 +28,8 @@ use pko_api::transform::{
     ClusterProgramTransform, FailurePolicy as ApiPolicy, ProgramTransform, ResolvedSource,
     TransformStatus, TransformView,
 };
-use pko_plugins::chain::{Chain, FailurePolicy, Step};
-use pko_plugins::{
+use pko_plugin_host::chain::{Chain, FailurePolicy, Step};
+use pko_plugin_host::{
     CallSite, HostConfig, LimitOverrides, Limits, Module, PluginError, PluginHost, PluginMetrics,
 };
 use serde_json::Value;
@@ -663,7 +663,7 @@ impl TransformRegistry {
                     Ok(_) => false,
                     Err(e) => {
                         e.kind().is_transient()
-                            || e.kind() == pko_plugins::ErrorKind::DigestMismatch
+                            || e.kind() == pko_plugin_host::ErrorKind::DigestMismatch
                     }
                 };
                 let next = match result {

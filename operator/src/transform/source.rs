@@ -11,7 +11,7 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::{Api, Client};
 use pko_api::transform::ResolvedSource;
-use pko_plugins::PluginError;
+use pko_plugin_host::PluginError;
 
 /// Timeout of one https fetch.
 const FETCH_TIMEOUT: Duration = Duration::from_secs(30);
@@ -127,7 +127,7 @@ impl ModuleFetcher {
     ) -> Result<Vec<u8>, PluginError> {
         if let Some(path) = self
             .modules
-            .get(&pko_plugins::host::normalize_digest(sha256))
+            .get(&pko_plugin_host::host::normalize_digest(sha256))
         {
             return tokio::fs::read(path)
                 .await

@@ -24,12 +24,12 @@ use kube::runtime::controller::{self, Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::watcher;
 use kube::{Client, Resource, ResourceExt};
-use pko_agent::proto as pb;
+use pko_agent_api::proto as pb;
 use pko_api::workspace::{ConfigItem, Workspace, WorkspaceStatus};
 use serde_json::{Value, json};
 use tracing::{info, instrument, warn};
 
-use crate::agents::{AgentError, Agents};
+use crate::agent_client::{AgentError, Agents};
 use crate::controller::backoff::{self, Backoff, Verdict};
 use crate::controller::conditions;
 use crate::metrics::{ErrorLabels, Metrics};
@@ -299,7 +299,9 @@ fn structured(item: &ConfigItem) -> bool {
 /// A Workspace config item as the agent's.
 pub fn to_pb_item(item: &ConfigItem) -> pb::ConfigItem {
     let v = match (&item.value, &item.value_from) {
-        (Some(value), _) => Some(pb::config_item::V::Value(pko_agent::values::to_pb(value))),
+        (Some(value), _) => Some(pb::config_item::V::Value(pko_agent_api::values::to_pb(
+            value,
+        ))),
         (None, Some(from)) => Some(pb::config_item::V::ValueFrom(pb::ConfigValueFrom {
             f: match (&from.env, &from.path) {
                 (Some(env), _) => Some(pb::config_value_from::F::Env(env.clone())),
@@ -358,7 +360,7 @@ struct Initialized {
 
 /// Selects and configures every stack of the workspace.
 async fn initialize_stacks(
-    client: &mut pko_agent::client::AgentClient,
+    client: &mut pko_agent_api::client::AgentClient,
     ws: &Workspace,
 ) -> Result<(), String> {
     for stack in &ws.spec.stacks {
@@ -599,7 +601,7 @@ async fn reconcile_inner(ws: &Workspace, ctx: &WorkspaceContext) -> Result<Actio
     };
     let instance = version
         .metadata()
-        .get(pko_agent::INSTANCE_HEADER)
+        .get(pko_agent_api::INSTANCE_HEADER)
         .and_then(|v| v.to_str().ok())
         .unwrap_or_default()
         .to_owned();

@@ -13,7 +13,7 @@ pub const COMPONENT_LABEL: &str = "auto.pulumi.com/component";
 pub const WORKSPACE_NAME_LABEL: &str = "auto.pulumi.com/workspace-name";
 /// Pod annotation: hash of the pod template, so only changes to what the pod runs roll it.
 pub const REVISION_HASH_ANNOTATION: &str = "auto.pulumi.com/revision-hash";
-pub const AGENT_PORT: u16 = pko_agent::DEFAULT_PORT;
+pub const AGENT_PORT: u16 = pko_agent_api::DEFAULT_PORT;
 const SHARE: &str = "/share";
 const CREDENTIALS_DIR: &str = "/var/run/pko-agent";
 /// Where the agent binary sits in the agent (operator) image.

@@ -10,7 +10,7 @@ use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, PostParams};
 use kube::{Client, ResourceExt};
-use pko_agent::client::{AgentClient, ConnectError, Target, connect};
+use pko_agent_api::client::{AgentClient, ConnectError, Target, connect};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 

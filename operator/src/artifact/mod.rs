@@ -6,6 +6,10 @@
 //! Determinism rules: keys sorted at every depth (after `name` and `runtime`), one tar entry with
 //! fixed header fields, and a gzip header with no name and mtime 0.
 
+pub mod built;
+pub mod cache;
+pub mod index;
+
 use std::io::Write;
 
 use bytes::Bytes;

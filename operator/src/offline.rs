@@ -4,7 +4,7 @@
 //!   selection, order, limits and artifact code as the operator) and prints the resulting
 //!   `Pulumi.yaml`, or a unified diff against the untransformed one.
 //! - `plugin test DIR`: runs a component against fixture cases (see
-//!   [`pko_plugins::conformance`]): the conformance kit, for plugins written in any language.
+//!   [`pko_plugin_host::conformance`]): the conformance kit, for plugins written in any language.
 
 use std::collections::HashMap;
 use std::io::Read;
@@ -14,14 +14,14 @@ use std::sync::Arc;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
 use pko_api::program::Program;
 use pko_api::transform::{ClusterProgramTransform, ProgramTransform};
-use pko_plugins::chain::Chain;
-use pko_plugins::{CallSite, HostConfig, PluginHost, PluginMetrics, conformance};
+use pko_plugin_host::chain::Chain;
+use pko_plugin_host::{CallSite, HostConfig, PluginHost, PluginMetrics, conformance};
 use serde::Deserialize;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 use crate::artifact::PROJECT_FILE;
-use crate::fileserver::index::{Built, build_program};
+use crate::artifact::index::{Built, build_program};
 use crate::transform::{ModuleFetcher, TransformRegistry};
 
 /// Failures of the offline commands.
@@ -37,14 +37,14 @@ pub enum CliError {
     #[error("{0}")]
     Input(String),
     #[error("cannot start the plugin host: {0}")]
-    Host(#[source] pko_plugins::PluginError),
+    Host(#[source] pko_plugin_host::PluginError),
     #[error("cannot load {}: {source}", path.display())]
     Module {
         path: PathBuf,
-        source: pko_plugins::PluginError,
+        source: pko_plugin_host::PluginError,
     },
     #[error("transform failed: {0}")]
-    Build(#[from] crate::fileserver::index::BuildError),
+    Build(#[from] crate::artifact::index::BuildError),
     #[error(transparent)]
     Conformance(#[from] conformance::ConformanceError),
     #[error("cannot read the built artifact: {0}")]
@@ -376,6 +376,6 @@ pub async fn plugin_test(args: &PluginTestArgs) -> Result<Vec<conformance::CaseR
             path: module_path.clone(),
             source,
         })?;
-    let module: Arc<pko_plugins::Module> = module;
+    let module: Arc<pko_plugin_host::Module> = module;
     Ok(conformance::run_dir(&host, &module, &args.dir).await?)
 }

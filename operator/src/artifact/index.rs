@@ -22,12 +22,13 @@ use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, ResourceExt};
 use pko_api::program::Program;
-use pko_plugins::chain::{self, Applied, Chain, Skipped, StepFailure};
+use pko_plugin_host::chain::{self, Chain, StepFailure};
 use tokio::sync::{OnceCell, Semaphore, broadcast, watch as notify};
 use tracing::{debug, warn};
 
+pub use super::built::{Built, ChainReport};
 use super::cache::{ArtifactCache, CacheKey};
-use crate::artifact::{self, Artifact, ArtifactError};
+use crate::artifact::{self, ArtifactError};
 use crate::metrics::{Metrics, PublishWaitOutcome};
 use crate::transform::{TransformError, TransformRegistry};
 
@@ -54,37 +55,6 @@ enum Change {
     Applied(ObjectRef<Program>),
     /// The store was (re)filled from a full list: every Program may have changed.
     Resynced,
-}
-
-/// An artifact and the transform chain that shaped it.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Built {
-    pub artifact: Artifact,
-    pub chain: ChainReport,
-}
-
-impl Built {
-    /// Bytes held in memory (the artifact).
-    pub fn size(&self) -> u64 {
-        self.artifact.size()
-    }
-}
-
-/// What the transform chain did to a Program.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct ChainReport {
-    /// The chain's fingerprint (`""` when no transform applies).
-    pub fingerprint: String,
-    pub applied: Vec<Applied>,
-    /// Transforms skipped under `failurePolicy: Ignore`.
-    pub skipped: Vec<Skipped>,
-}
-
-impl ChainReport {
-    /// A transform was skipped for a reason that may not recur: build again soon.
-    pub fn transient(&self) -> bool {
-        self.skipped.iter().any(|s| s.error.kind().is_transient())
-    }
 }
 
 /// Why an artifact cannot be built.
@@ -426,7 +396,7 @@ impl ProgramIndex {
 pub async fn build_program(
     program: &Program,
     chain: &Chain,
-    host: Option<&pko_plugins::PluginHost>,
+    host: Option<&pko_plugin_host::PluginHost>,
 ) -> Result<Built, BuildError> {
     let name = program.name_any();
     let (spec, report) = match host {

@@ -99,8 +99,8 @@ pub async fn connect(target: &Target) -> Result<AgentClient, ConnectError> {
     // the caller its memory.
     Ok(
         AutomationServiceClient::with_interceptor(channel, BearerToken(token))
-            .max_decoding_message_size(crate::limits::MAX_MESSAGE_BYTES)
-            .max_encoding_message_size(crate::limits::MAX_MESSAGE_BYTES),
+            .max_decoding_message_size(crate::MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(crate::MAX_MESSAGE_BYTES),
     )
 }
 

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pko_api::program::ProgramSpec;
-use pko_plugins::chain::{self, Chain, FailurePolicy, Step};
-use pko_plugins::{
+use pko_plugin_host::chain::{self, Chain, FailurePolicy, Step};
+use pko_plugin_host::{
     CallSite, ErrorKind, HostConfig, Limits, LoadSource, Module, PluginError, PluginHost,
     PluginMetrics, ProgramInput, conformance,
 };
@@ -84,7 +84,7 @@ async fn transform(
     module: &Arc<Module>,
     config: Value,
     limits: Limits,
-) -> Result<pko_plugins::host::TransformOutput, PluginError> {
+) -> Result<pko_plugin_host::host::TransformOutput, PluginError> {
     host.transform(
         module,
         &input(bucket_program()),

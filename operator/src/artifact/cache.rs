@@ -8,7 +8,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
-use super::index::Built;
+use super::built::Built;
 
 /// Identity of one artifact: one generation of one Program object, through one transform chain.
 #[derive(Clone, Debug, Hash, PartialEq, Eq)]

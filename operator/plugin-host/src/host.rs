@@ -625,7 +625,7 @@ impl GuestLog {
         if message.len() > self.budget {
             if !self.truncated {
                 self.truncated = true;
-                tracing::warn!(target: "pko_plugins::guest", transform = %self.transform, "plugin log budget exhausted; further lines dropped");
+                tracing::warn!(target: "pko_plugin_host::guest", transform = %self.transform, "plugin log budget exhausted; further lines dropped");
             }
             return;
         }
@@ -633,15 +633,15 @@ impl GuestLog {
         let transform = &*self.transform;
         match level {
             Level::Trace => {
-                tracing::trace!(target: "pko_plugins::guest", transform, "{message}")
+                tracing::trace!(target: "pko_plugin_host::guest", transform, "{message}")
             }
             Level::Debug => {
-                tracing::debug!(target: "pko_plugins::guest", transform, "{message}")
+                tracing::debug!(target: "pko_plugin_host::guest", transform, "{message}")
             }
-            Level::Info => tracing::info!(target: "pko_plugins::guest", transform, "{message}"),
-            Level::Warn => tracing::warn!(target: "pko_plugins::guest", transform, "{message}"),
+            Level::Info => tracing::info!(target: "pko_plugin_host::guest", transform, "{message}"),
+            Level::Warn => tracing::warn!(target: "pko_plugin_host::guest", transform, "{message}"),
             Level::Error => {
-                tracing::error!(target: "pko_plugins::guest", transform, "{message}")
+                tracing::error!(target: "pko_plugin_host::guest", transform, "{message}")
             }
         }
     }
