@@ -1,6 +1,6 @@
 //! The Program file server: `GET`/`HEAD /programs/{namespace}/{name}/{generation}[.tar.gz]`.
 //!
-//! Runs on every replica. Answers from the watch-fed [`index::ProgramIndex`], never with an
+//! Runs on every replica. Answers from the watch-fed [`crate::artifact::index::ProgramIndex`], never with an
 //! apiserver round trip per request, with explicit errors: 400 for a malformed path, 404 for an
 //! unknown Program or generation (after a bounded wait for this replica's watch, so a URL just
 //! published elsewhere is served), 410 for a superseded generation, 405 for other methods.
