@@ -31,6 +31,7 @@ use crate::artifact::index::{BuildError, BuildResult, Built, ProgramIndex};
 use crate::capability::{ArtifactRef, KeyRing, unix_now};
 use crate::config::{AdvertisedAddress, artifact_path};
 use crate::controller::backoff::{self, Backoff, Verdict};
+use crate::controller::conditions::truncate;
 use crate::metrics::{ErrorLabels, Metrics};
 
 /// Field manager of the Program status (one per controller, as PKO).
@@ -611,15 +612,4 @@ fn same_bytes(old: &Value, new: &Value) -> bool {
     ["path", "revision", "digest", "size", "metadata"]
         .iter()
         .all(|k| old.get(*k) == new.get(*k))
-}
-
-fn truncate(s: &str, max: usize) -> String {
-    if s.len() <= max {
-        return s.to_owned();
-    }
-    let mut end = max;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}…", &s[..end])
 }

@@ -19,7 +19,7 @@ use tokio::sync::broadcast;
 use tracing::{debug, warn};
 
 use crate::controller::backoff::{self, Backoff};
-use crate::controller::conditions;
+use crate::controller::conditions::{self, truncate};
 use crate::metrics::{ErrorLabels, Metrics};
 use crate::transform::{LoadState, Snapshot, TransformKey, TransformKind, TransformRegistry};
 
@@ -84,7 +84,7 @@ pub async fn run(
                     let event = Event {
                         type_: EventType::Warning,
                         reason: backoff::REASON.into(),
-                        note: Some(conditions::truncate(
+                        note: Some(truncate(
                             &format!("cannot write the status: {}", backoff::describe(source)),
                             conditions::MESSAGE_LIMIT,
                         )),
@@ -301,15 +301,4 @@ fn object_ref(key: &TransformKey) -> k8s_openapi::api::core::v1::ObjectReference
         namespace: key.namespace.clone(),
         ..Default::default()
     }
-}
-
-fn truncate(s: &str, max: usize) -> String {
-    if s.len() <= max {
-        return s.to_owned();
-    }
-    let mut end = max;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}…", &s[..end])
 }
