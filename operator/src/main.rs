@@ -15,6 +15,7 @@ use pko_api::program::Program;
 use pko_api::stack::Stack;
 use pko_operator::capability::{self, KeyRing, KeySecret, KeySet, RotationPolicy};
 use pko_operator::config::AdvertisedAddress;
+use pko_operator::controller::kit::Kit;
 use pko_operator::controller::program::{self, ProgramContext};
 use pko_operator::fileserver::{self, FileServer};
 use pko_operator::http;
@@ -435,13 +436,10 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         ));
     }
 
-    let ctx = Arc::new(ProgramContext::new(
-        client.clone(),
-        advertised,
-        index.clone(),
-        metrics.clone(),
-        keys,
-    ));
+    // The pod's name is read once: Events and the leader identity report it.
+    let pod_name = std::env::var("POD_NAME").ok();
+    let kit = Kit::new(client.clone(), metrics.clone(), pod_name.clone());
+    let ctx = Arc::new(ProgramContext::new(&kit, advertised, index.clone(), keys));
     let rotation = RotationPolicy {
         max_age: args.artifact_key_max_age,
         overlap: args.artifact_key_overlap,
@@ -449,7 +447,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     // The lease is released only after the controllers stop, hence its own stop token.
     let election_stop = CancellationToken::new();
     let (leadership, mut election_task) = if args.leader_elect {
-        let config = election_config(&args)?;
+        let config = election_config(&args, pod_name.as_deref())?;
         let lease_client =
             kube_client(&args, Some(config.retry_period.max(Duration::from_secs(1)))).await?;
         let (leadership, task) =
@@ -461,16 +459,14 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     let concurrency = args.max_concurrent_reconciles;
     // Every controller runs here, on the leader only, and stops when leadership ends.
-    let (status_client, status_metrics) = (client.clone(), metrics.clone());
     let execution_args = args.execution.clone();
     let execution_namespace = args.watch_namespace.clone().filter(|n| !n.is_empty());
     let controllers = move |stop: CancellationToken| {
         let ctx = ctx.clone();
         let execution = pko_operator::controller::execution::run(
-            status_client.clone(),
+            kit.clone(),
             execution_namespace.clone(),
             execution_args.clone(),
-            status_metrics.clone(),
             concurrency,
             pko_operator::controller::execution::TenantBounds {
                 egress: egress.clone(),
@@ -481,17 +477,13 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         let transform_status = transforms.clone().map(|registry| {
             pko_operator::controller::transform_status::run(
                 registry,
-                status_client.clone(),
-                status_metrics.clone(),
+                kit.clone(),
                 stop.clone().cancelled_owned(),
             )
         });
         let tenancy = tenancy_status.then(|| {
             pko_operator::controller::tenancy::run(
-                Arc::new(pko_operator::controller::tenancy::TenancyContext::new(
-                    status_client.clone(),
-                    status_metrics.clone(),
-                )),
+                Arc::new(pko_operator::controller::tenancy::TenancyContext::new(&kit)),
                 stop.clone().cancelled_owned(),
             )
         });
@@ -588,7 +580,7 @@ async fn task_ended(task: &mut Option<tokio::task::JoinHandle<()>>) {
     }
 }
 
-fn election_config(args: &RunArgs) -> anyhow::Result<ElectionConfig> {
+fn election_config(args: &RunArgs, pod_name: Option<&str>) -> anyhow::Result<ElectionConfig> {
     let namespace = args
         .leader_election_namespace
         .clone()
@@ -608,7 +600,7 @@ fn election_config(args: &RunArgs) -> anyhow::Result<ElectionConfig> {
     let config = ElectionConfig {
         lease_name: args.leader_election_id.clone(),
         namespace,
-        identity: leader::default_identity(std::env::var("POD_NAME").ok().as_deref()),
+        identity: leader::default_identity(pod_name),
         lease_duration: args.leader_election_lease_duration,
         renew_deadline: args.leader_election_renew_deadline,
         retry_period: args.leader_election_retry_period,

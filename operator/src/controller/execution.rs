@@ -3,17 +3,17 @@
 use std::sync::Arc;
 
 use k8s_openapi::api::apps::v1::StatefulSet;
-use kube::{Api, Client};
+use kube::Api;
 use pko_api::update::Update;
 use pko_api::workspace::Workspace;
 use tokio_util::sync::CancellationToken;
 
 use crate::agent_client::Agents;
+use crate::controller::kit::Kit;
 use crate::controller::stack::{self, StackContext};
 use crate::controller::update::{self, UpdateContext};
 use crate::controller::workspace::{self, PodSettings, WorkspaceContext};
 use crate::egress::EgressPolicy;
-use crate::metrics::Metrics;
 
 /// Operator flags of the execution controllers (PKO's names where PKO has them).
 #[derive(clap::Args, Debug, Clone)]
@@ -68,10 +68,9 @@ pub struct TenantBounds {
 
 /// Runs the execution controllers until `stop` is canceled.
 pub async fn run(
-    client: Client,
+    kit: Kit,
     namespace: Option<String>,
     args: ExecutionArgs,
-    metrics: Metrics,
     concurrency: u16,
     bounds: TenantBounds,
     stop: CancellationToken,
@@ -80,6 +79,7 @@ pub async fn run(
         egress,
         file_server,
     } = bounds;
+    let client = kit.client.clone();
     let agents = Arc::new(Agents::new(
         client.clone(),
         args.workspace_localhost.clone(),
@@ -103,20 +103,14 @@ pub async fn run(
         Some(ns) => Api::namespaced(client.clone(), ns),
         None => Api::all(client.clone()),
     };
-    let ws_ctx = Arc::new(WorkspaceContext::new(
-        client.clone(),
-        agents.clone(),
-        settings,
-        metrics.clone(),
-    ));
+    let ws_ctx = Arc::new(WorkspaceContext::new(&kit, agents.clone(), settings));
     let update_ctx = Arc::new(UpdateContext::new(
-        client.clone(),
+        &kit,
         agents.clone(),
-        metrics.clone(),
         usize::try_from(args.max_operations_in_flight).unwrap_or(usize::MAX),
         args.max_event_bytes_per_operation,
     ));
-    let stack_ctx = Arc::new(StackContext::new(client.clone(), metrics.clone(), egress));
+    let stack_ctx = Arc::new(StackContext::new(&kit, egress));
     tokio::join!(
         stack::run(
             client.clone(),

@@ -3,6 +3,7 @@
 pub mod backoff;
 pub mod conditions;
 pub mod execution;
+pub mod kit;
 pub mod program;
 pub mod stack;
 pub mod stack_source;

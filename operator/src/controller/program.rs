@@ -13,13 +13,13 @@
 //! the Programs whose chain changed are reconciled again (see `crate::transform`).
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::{self, Action, Controller};
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::events::{Event, EventType, Recorder};
 use kube::runtime::reflector::ObjectRef;
 use kube::{Api, Client, Resource, ResourceExt};
 use pko_api::program::Program;
@@ -32,6 +32,7 @@ use crate::capability::{ArtifactRef, KeyRing, unix_now};
 use crate::config::{AdvertisedAddress, artifact_path};
 use crate::controller::backoff::{self, Backoff, Verdict};
 use crate::controller::conditions::truncate;
+use crate::controller::kit::{self, Kit};
 use crate::metrics::{ErrorLabels, Metrics};
 
 /// Field manager of the Program status (one per controller, as PKO).
@@ -106,25 +107,17 @@ pub struct ProgramContext {
 
 impl ProgramContext {
     pub fn new(
-        client: Client,
+        kit: &Kit,
         advertised: AdvertisedAddress,
         index: Arc<ProgramIndex>,
-        metrics: Metrics,
         keys: KeyRing,
     ) -> Self {
-        let recorder = Recorder::new(
-            client.clone(),
-            Reporter {
-                controller: "pko-rs-program-controller".into(),
-                instance: std::env::var("POD_NAME").ok(),
-            },
-        );
         Self {
-            client,
-            recorder,
+            client: kit.client.clone(),
+            recorder: kit.recorder(CONTROLLER),
             advertised,
             index,
-            metrics,
+            metrics: kit.metrics.clone(),
             keys,
             backoff: Backoff::default(),
         }
@@ -218,9 +211,7 @@ async fn reconcile(
     program: Arc<Program>,
     ctx: Arc<ProgramContext>,
 ) -> Result<Action, ProgramError> {
-    let started = Instant::now();
-    let labels = ctx.metrics.controller(CONTROLLER);
-    ctx.metrics.reconciles.get_or_create(&labels).inc();
+    let _measure = kit::measure(&ctx.metrics, CONTROLLER);
     let result = reconcile_inner(&program, &ctx).await;
     let failure = ctx
         .backoff
@@ -229,21 +220,18 @@ async fn reconcile(
     if let (Some(failure), Err(err)) = (failure, &result)
         && failure.first_stall
     {
-        let event = Event {
-            type_: EventType::Warning,
-            reason: backoff::REASON.into(),
-            note: Some(truncate(&err.message(), 1000)),
-            action: "Reconcile".into(),
-            secondary: None,
-        };
-        if let Err(e) = ctx.recorder.publish(&event, &program.object_ref(&())).await {
-            warn!(error = %e, "cannot publish event");
-        }
+        let object = program.object_ref(&());
+        let note = err.message();
+        kit::publish(
+            &ctx.recorder,
+            &object,
+            EventType::Warning,
+            backoff::REASON,
+            "Reconcile",
+            &note,
+        )
+        .await;
     }
-    ctx.metrics
-        .reconcile_duration
-        .get_or_create(&labels)
-        .observe(started.elapsed().as_secs_f64());
     result
 }
 

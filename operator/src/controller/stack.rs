@@ -19,7 +19,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::runtime::controller::{self, Action, Controller};
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::events::{EventType, Recorder};
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 use kube::{Client, Resource, ResourceExt};
@@ -35,6 +35,7 @@ use tracing::{info, warn};
 
 use crate::controller::backoff::{self, Backoff, Verdict};
 use crate::controller::conditions;
+use crate::controller::kit::{self, Kit};
 use crate::controller::stack_source;
 use crate::controller::update::SECRETS_ANNOTATION;
 use crate::controller::workspace::{APPLY_MANAGER, merge, pod};
@@ -102,34 +103,19 @@ pub struct StackContext {
 }
 
 impl StackContext {
-    pub fn new(client: Client, metrics: Metrics, egress: Arc<EgressPolicy>) -> Self {
-        let recorder = Recorder::new(
-            client.clone(),
-            Reporter {
-                controller: "pko-rs-stack-controller".into(),
-                instance: std::env::var("POD_NAME").ok(),
-            },
-        );
+    pub fn new(kit: &Kit, egress: Arc<EgressPolicy>) -> Self {
         Self {
-            client,
-            recorder,
-            metrics,
+            client: kit.client.clone(),
+            recorder: kit.recorder(CONTROLLER),
+            metrics: kit.metrics.clone(),
             git: gitremote::Resolver::new(git_http_client(&egress), egress.clone(), GIT_REFS_TTL),
             backoff: Backoff::default(),
         }
     }
 
     async fn event(&self, stack: &Stack, type_: EventType, reason: &str, note: String) {
-        let event = Event {
-            type_,
-            reason: reason.into(),
-            note: Some(conditions::truncate(&note, 1000)),
-            action: "Reconcile".into(),
-            secondary: None,
-        };
-        if let Err(e) = self.recorder.publish(&event, &stack.object_ref(&())).await {
-            warn!(error = %e, "cannot publish event");
-        }
+        let object = stack.object_ref(&());
+        kit::publish(&self.recorder, &object, type_, reason, "Reconcile", &note).await;
     }
 }
 
@@ -564,6 +550,7 @@ fn strip_nulls(v: &mut Value) {
 }
 
 async fn reconcile(stack: Arc<Stack>, ctx: Arc<StackContext>) -> Result<Action, StackError> {
+    let _measure = kit::measure(&ctx.metrics, CONTROLLER);
     let result = reconcile_inner(stack.clone(), ctx.clone()).await;
     let failure = ctx
         .backoff
@@ -599,8 +586,6 @@ async fn report_stalled(stack: &Stack, ctx: &StackContext, err: &StackError) {
 }
 
 async fn reconcile_inner(stack: Arc<Stack>, ctx: Arc<StackContext>) -> Result<Action, StackError> {
-    let labels = ctx.metrics.controller(CONTROLLER);
-    ctx.metrics.reconciles.get_or_create(&labels).inc();
     let namespace = stack.namespace().ok_or(StackError::NoNamespace)?;
     let name = stack.name_any();
     let generation = stack.metadata.generation;

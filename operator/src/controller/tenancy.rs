@@ -14,7 +14,7 @@ use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{Api, Patch, PatchParams};
 use kube::core::{PartialObjectMeta, Selector};
 use kube::runtime::controller::{self, Action, Controller};
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::events::{EventType, Recorder};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
@@ -24,6 +24,7 @@ use tracing::warn;
 
 use crate::controller::backoff::{self, Backoff};
 use crate::controller::conditions;
+use crate::controller::kit::{self, Kit};
 use crate::metrics::{ErrorLabels, Metrics};
 
 pub const STATUS_MANAGER: &str = "pko-rs/tenancy-status";
@@ -61,19 +62,12 @@ pub struct TenancyContext {
 }
 
 impl TenancyContext {
-    pub fn new(client: Client, metrics: Metrics) -> Self {
-        let recorder = Recorder::new(
-            client.clone(),
-            Reporter {
-                controller: "pko-rs-tenancy-controller".into(),
-                instance: std::env::var("POD_NAME").ok(),
-            },
-        );
+    pub fn new(kit: &Kit) -> Self {
         Self {
-            client,
-            metrics,
+            client: kit.client.clone(),
+            metrics: kit.metrics.clone(),
             backoff: Backoff::default(),
-            recorder,
+            recorder: kit.recorder(CONTROLLER),
         }
     }
 }
@@ -151,6 +145,7 @@ async fn reconcile(
     policy: Arc<TenancyPolicy>,
     shared: Arc<Shared>,
 ) -> Result<Action, TenancyStatusError> {
+    let _measure = kit::measure(&shared.ctx.metrics, CONTROLLER);
     let result = reconcile_inner(&policy, &shared).await;
     let ctx = &shared.ctx;
     let failure = ctx
@@ -160,19 +155,17 @@ async fn reconcile(
     if let (Some(failure), Err(err)) = (failure, &result)
         && failure.first_stall
     {
-        let event = Event {
-            type_: EventType::Warning,
-            reason: backoff::REASON.into(),
-            note: Some(conditions::truncate(
-                &err.to_string(),
-                conditions::MESSAGE_LIMIT,
-            )),
-            action: "WriteStatus".into(),
-            secondary: None,
-        };
-        if let Err(e) = ctx.recorder.publish(&event, &policy.object_ref(&())).await {
-            warn!(error = %e, "cannot publish event");
-        }
+        let object = policy.object_ref(&());
+        let note = err.to_string();
+        kit::publish(
+            &ctx.recorder,
+            &object,
+            EventType::Warning,
+            backoff::REASON,
+            "WriteStatus",
+            &note,
+        )
+        .await;
     }
     result
 }
@@ -225,8 +218,6 @@ async fn reconcile_inner(
     shared: &Shared,
 ) -> Result<Action, TenancyStatusError> {
     let ctx = &shared.ctx;
-    let labels = ctx.metrics.controller(CONTROLLER);
-    ctx.metrics.reconciles.get_or_create(&labels).inc();
     // Counting before the namespace watch has listed everything would report too few.
     shared
         .namespaces

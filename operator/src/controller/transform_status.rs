@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams};
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::events::{Event, EventType, Recorder};
 use kube::{Api, Client};
 use pko_api::transform::{
     ClusterProgramTransform, PluginStatus, ProgramTransform, READY, TransformStatus,
@@ -19,8 +19,9 @@ use tokio::sync::broadcast;
 use tracing::{debug, warn};
 
 use crate::controller::backoff::{self, Backoff};
-use crate::controller::conditions::{self, truncate};
-use crate::metrics::{ErrorLabels, Metrics};
+use crate::controller::conditions::truncate;
+use crate::controller::kit::{self, Kit};
+use crate::metrics::ErrorLabels;
 use crate::transform::{LoadState, Snapshot, TransformKey, TransformKind, TransformRegistry};
 
 /// Field manager of transform status.
@@ -52,18 +53,16 @@ struct Desired {
 /// Writes transform status until `shutdown` resolves.
 pub async fn run(
     registry: Arc<TransformRegistry>,
-    client: Client,
-    metrics: Metrics,
+    kit: Kit,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) {
+    let Kit {
+        ref client,
+        ref metrics,
+        ..
+    } = kit;
     metrics.init_controller(CONTROLLER, &["status_write"]);
-    let recorder = Recorder::new(
-        client.clone(),
-        Reporter {
-            controller: "pko-rs-transform-controller".into(),
-            instance: std::env::var("POD_NAME").ok(),
-        },
-    );
+    let recorder = kit.recorder(CONTROLLER);
     // Failed writes per transform; the write is what failed, so it is only logged and retried.
     let retries = Backoff::default();
     let mut triggers = registry.subscribe_status();
@@ -72,28 +71,24 @@ pub async fn run(
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
         for key in std::mem::take(&mut pending) {
-            let labels = metrics.controller(CONTROLLER);
-            metrics.reconciles.get_or_create(&labels).inc();
+            let _measure = kit::measure(metrics, CONTROLLER);
             let key_text = key.to_string();
-            if let Err(err) = write(&registry, &client, &recorder, &key).await {
+            if let Err(err) = write(&registry, client, &recorder, &key).await {
                 let TransformStatusError::Write { source, .. } = &err;
                 let failure = retries.failure(&key_text, None, backoff::classify(source));
                 warn!(transform = %key, error = %err, attempts = failure.attempts, "cannot write transform status");
                 // The status is what cannot be written: a stall is told by an Event, once.
                 if failure.first_stall {
-                    let event = Event {
-                        type_: EventType::Warning,
-                        reason: backoff::REASON.into(),
-                        note: Some(truncate(
-                            &format!("cannot write the status: {}", backoff::describe(source)),
-                            conditions::MESSAGE_LIMIT,
-                        )),
-                        action: "WriteStatus".into(),
-                        secondary: None,
-                    };
-                    if let Err(e) = recorder.publish(&event, &object_ref(&key)).await {
-                        warn!(error = %e, "cannot publish event");
-                    }
+                    let note = format!("cannot write the status: {}", backoff::describe(source));
+                    kit::publish(
+                        &recorder,
+                        &object_ref(&key),
+                        EventType::Warning,
+                        backoff::REASON,
+                        "WriteStatus",
+                        &note,
+                    )
+                    .await;
                 }
                 metrics
                     .reconcile_errors

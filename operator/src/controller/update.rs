@@ -19,7 +19,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::{self, Action, Controller};
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::events::{EventType, Recorder};
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 use kube::{Client, Resource, ResourceExt};
@@ -36,6 +36,7 @@ use tracing::{info, warn};
 use crate::agent_client::{AgentError, Agents};
 use crate::controller::backoff::{self, Backoff, Verdict};
 use crate::controller::conditions;
+use crate::controller::kit::{self, Kit};
 use crate::metrics::{ErrorLabels, Metrics};
 
 pub const STATUS_MANAGER: &str = "pko-rs/update-status";
@@ -146,26 +147,13 @@ impl Drop for Slot {
 impl UpdateContext {
     /// `max_in_flight`: operations that may run at once (at least one is always allowed);
     /// `max_event_bytes`: engine-event bytes one operation may stream.
-    pub fn new(
-        client: Client,
-        agents: Arc<Agents>,
-        metrics: Metrics,
-        max_in_flight: usize,
-        max_event_bytes: u64,
-    ) -> Self {
-        let recorder = Recorder::new(
-            client.clone(),
-            Reporter {
-                controller: "pko-rs-update-controller".into(),
-                instance: std::env::var("POD_NAME").ok(),
-            },
-        );
+    pub fn new(kit: &Kit, agents: Arc<Agents>, max_in_flight: usize, max_event_bytes: u64) -> Self {
         let (wake, woken) = unbounded();
         Self {
-            client,
-            recorder,
+            client: kit.client.clone(),
+            recorder: kit.recorder(CONTROLLER),
             agents,
-            metrics,
+            metrics: kit.metrics.clone(),
             backoff: Backoff::default(),
             running: Mutex::new(HashMap::new()),
             max_in_flight: max_in_flight.max(1),
@@ -217,16 +205,8 @@ impl UpdateContext {
     }
 
     async fn event(&self, update: &Update, type_: EventType, reason: &str, note: String) {
-        let event = Event {
-            type_,
-            reason: reason.into(),
-            note: Some(conditions::truncate(&note, 1000)),
-            action: "Update".into(),
-            secondary: None,
-        };
-        if let Err(e) = self.recorder.publish(&event, &update.object_ref(&())).await {
-            warn!(error = %e, "cannot publish event");
-        }
+        let object = update.object_ref(&());
+        kit::publish(&self.recorder, &object, type_, reason, "Update", &note).await;
     }
 }
 
@@ -300,6 +280,7 @@ fn stack_name(update: &Update) -> String {
 }
 
 async fn reconcile(update: Arc<Update>, ctx: Arc<UpdateContext>) -> Result<Action, UpdateError> {
+    let _measure = kit::measure(&ctx.metrics, CONTROLLER);
     let result = reconcile_inner(update.clone(), ctx.clone()).await;
     let failure = ctx
         .backoff
@@ -352,8 +333,6 @@ async fn reconcile_inner(
     update: Arc<Update>,
     ctx: Arc<UpdateContext>,
 ) -> Result<Action, UpdateError> {
-    let labels = ctx.metrics.controller(CONTROLLER);
-    ctx.metrics.reconciles.get_or_create(&labels).inc();
     let namespace = update.namespace().ok_or(UpdateError::NoNamespace)?;
     let name = update.name_any();
     let uid = update.metadata.uid.clone().unwrap_or_default();

@@ -21,7 +21,7 @@ use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::{Pod, Service};
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::controller::{self, Action, Controller};
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::events::{EventType, Recorder};
 use kube::runtime::watcher;
 use kube::{Client, Resource, ResourceExt};
 use pko_agent_api::proto as pb;
@@ -32,6 +32,7 @@ use tracing::{info, instrument, warn};
 use crate::agent_client::{AgentError, Agents};
 use crate::controller::backoff::{self, Backoff, Verdict};
 use crate::controller::conditions;
+use crate::controller::kit::{self, Kit};
 use crate::metrics::{ErrorLabels, Metrics};
 
 pub use pod::PodSettings;
@@ -123,25 +124,13 @@ pub struct WorkspaceContext {
 }
 
 impl WorkspaceContext {
-    pub fn new(
-        client: Client,
-        agents: Arc<Agents>,
-        settings: PodSettings,
-        metrics: Metrics,
-    ) -> Self {
-        let recorder = Recorder::new(
-            client.clone(),
-            Reporter {
-                controller: "pko-rs-workspace-controller".into(),
-                instance: std::env::var("POD_NAME").ok(),
-            },
-        );
+    pub fn new(kit: &Kit, agents: Arc<Agents>, settings: PodSettings) -> Self {
         Self {
-            client,
-            recorder,
+            client: kit.client.clone(),
+            recorder: kit.recorder(CONTROLLER),
             agents,
             settings,
-            metrics,
+            metrics: kit.metrics.clone(),
             backoff: Backoff::default(),
             initialized: Mutex::new(HashMap::new()),
         }
@@ -167,16 +156,8 @@ impl WorkspaceContext {
     }
 
     async fn event(&self, ws: &Workspace, type_: EventType, reason: &str, note: String) {
-        let event = Event {
-            type_,
-            reason: reason.into(),
-            note: Some(conditions::truncate(&note, 1000)),
-            action: "Reconcile".into(),
-            secondary: None,
-        };
-        if let Err(e) = self.recorder.publish(&event, &ws.object_ref(&())).await {
-            warn!(error = %e, "cannot publish event");
-        }
+        let object = ws.object_ref(&());
+        kit::publish(&self.recorder, &object, type_, reason, "Reconcile", &note).await;
     }
 }
 
@@ -409,9 +390,7 @@ async fn reconcile(
     ws: Arc<Workspace>,
     ctx: Arc<WorkspaceContext>,
 ) -> Result<Action, WorkspaceError> {
-    let started = std::time::Instant::now();
-    let labels = ctx.metrics.controller(CONTROLLER);
-    ctx.metrics.reconciles.get_or_create(&labels).inc();
+    let _measure = kit::measure(&ctx.metrics, CONTROLLER);
     let result = reconcile_inner(&ws, &ctx).await;
     let failure = ctx
         .backoff
@@ -419,10 +398,6 @@ async fn reconcile(
     if let (Some(failure), Err(err)) = (failure, &result) {
         report_failure(&ws, &ctx, err, failure.stall).await;
     }
-    ctx.metrics
-        .reconcile_duration
-        .get_or_create(&labels)
-        .observe(started.elapsed().as_secs_f64());
     result
 }
 

@@ -1,0 +1,94 @@
+//! What every controller shares: the apiserver client and the metrics, an Event recorder
+//! named after the controller (the pod's name read once, in `main`), a guard that counts a
+//! reconcile and records how long it took, and best-effort Event publishing.
+
+use std::time::Instant;
+
+use k8s_openapi::api::core::v1::ObjectReference;
+use kube::Client;
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use tracing::warn;
+
+use crate::controller::conditions;
+use crate::metrics::{ControllerLabels, Metrics};
+
+/// The base every controller context is built from.
+#[derive(Clone)]
+pub struct Kit {
+    pub client: Client,
+    pub metrics: Metrics,
+    /// The pod's name (`$POD_NAME`), reported as the Events' instance.
+    instance: Option<String>,
+}
+
+impl Kit {
+    pub fn new(client: Client, metrics: Metrics, instance: Option<String>) -> Self {
+        Self {
+            client,
+            metrics,
+            instance,
+        }
+    }
+
+    /// A recorder reporting as `pko-rs-<controller>-controller`.
+    pub fn recorder(&self, controller: &str) -> Recorder {
+        Recorder::new(
+            self.client.clone(),
+            Reporter {
+                controller: format!("pko-rs-{controller}-controller"),
+                instance: self.instance.clone(),
+            },
+        )
+    }
+}
+
+/// One reconcile of a controller: counted when made, its duration recorded when dropped, so
+/// every controller reports both whatever path its reconcile returns by.
+#[must_use = "the duration is recorded when the guard is dropped"]
+pub struct Measure {
+    metrics: Metrics,
+    labels: ControllerLabels,
+    started: Instant,
+}
+
+/// Counts one reconcile of `controller` and times it until the guard is dropped.
+pub fn measure(metrics: &Metrics, controller: &str) -> Measure {
+    let labels = metrics.controller(controller);
+    metrics.reconciles.get_or_create(&labels).inc();
+    Measure {
+        metrics: metrics.clone(),
+        labels,
+        started: Instant::now(),
+    }
+}
+
+impl Drop for Measure {
+    fn drop(&mut self) {
+        self.metrics
+            .reconcile_duration
+            .get_or_create(&self.labels)
+            .observe(self.started.elapsed().as_secs_f64());
+    }
+}
+
+/// Publishes an Event about `object`, its note cut to the conditions' limit. Events are best
+/// effort: a failure to publish is logged, never fails the reconcile.
+pub async fn publish(
+    recorder: &Recorder,
+    object: &ObjectReference,
+    type_: EventType,
+    reason: &str,
+    action: &str,
+    note: &str,
+) {
+    let event = Event {
+        type_,
+        reason: reason.to_owned(),
+        note: Some(conditions::truncate(note, conditions::MESSAGE_LIMIT)),
+        action: action.to_owned(),
+        secondary: None,
+    };
+    if let Err(e) = recorder.publish(&event, object).await {
+        warn!(reason, error = %e, "cannot publish event");
+    }
+}
