@@ -76,6 +76,10 @@ impl GitAuth {
     /// Reads `GIT_USERNAME`, `GIT_PASSWORD`, `GIT_TOKEN`, `GIT_SSH_PRIVATE_KEY`,
     /// `GIT_SSH_KNOWN_HOSTS` and the GitHub App variables; empty values count as unset.
     /// `ssh_accept_new_host_keys` is left false (a flag of `init` sets it).
+    #[allow(
+        clippy::disallowed_methods,
+        reason = "the pod's environment is where a workspace's git credentials are mounted"
+    )]
     pub fn from_env() -> Self {
         let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
         Self {

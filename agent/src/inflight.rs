@@ -65,6 +65,7 @@ pub fn clear(project: &Path) {
 }
 
 /// This machine's host name (a workspace pod's name, stable across pod re-creation).
+#[allow(unsafe_code, reason = "gethostname into a buffer of ours; see SAFETY")]
 pub fn hostname() -> Option<String> {
     let mut buf = [0u8; 256];
     // SAFETY: the buffer is valid for its length; gethostname NUL-terminates within it or

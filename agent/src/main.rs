@@ -1,4 +1,8 @@
 //! `pko-agent`: the workspace agent binary (`serve`, `init`, `install-self`).
+#![allow(
+    clippy::disallowed_methods,
+    reason = "main reads the environment once and passes the values down"
+)]
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

@@ -109,6 +109,10 @@ impl Cli {
     }
 
     /// A variable as commands see it: pushed, else from `with_env`, else the agent's own.
+    #[allow(
+        clippy::disallowed_methods,
+        reason = "the pulumi CLI inherits the agent's environment: this is what it will see"
+    )]
     pub fn env_var(&self, name: &str) -> Option<String> {
         let pushed = self
             .pushed
@@ -165,6 +169,7 @@ impl Cli {
         &self.workdir
     }
 
+    #[allow(unsafe_code, reason = "a pre_exec hook; see SAFETY")]
     fn command(&self, args: &[String]) -> tokio::process::Command {
         let mut cmd = tokio::process::Command::new(&self.program);
         cmd.current_dir(&self.workdir)
@@ -366,6 +371,7 @@ pub fn tail(s: &str, max: usize) -> String {
     format!("…{}", &s[start..])
 }
 
+#[allow(unsafe_code, reason = "kill(2) of our own child; see SAFETY")]
 fn interrupt(pid: Option<u32>) {
     if let Some(pid) = pid.and_then(|p| libc::pid_t::try_from(p).ok()) {
         // SAFETY: plain system call on our own child.
@@ -373,6 +379,7 @@ fn interrupt(pid: Option<u32>) {
     }
 }
 
+#[allow(unsafe_code, reason = "kill(2) of our own child's group; see SAFETY")]
 fn kill_group(pid: Option<u32>) {
     if let Some(pid) = pid.and_then(|p| libc::pid_t::try_from(p).ok()) {
         // SAFETY: the child leads its own process group (process_group(0)).

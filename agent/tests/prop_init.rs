@@ -6,6 +6,10 @@
 //!
 //! Case count: PKO_PROPTEST_CASES (default below; `make fuzz-long` raises it). Failures are not
 //! persisted: proptest prints the shrunk archive, which becomes a unit test in init.rs.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
+)]
 
 use std::collections::{BTreeMap, HashSet};
 use std::os::unix::fs::MetadataExt;

@@ -109,11 +109,10 @@ impl ElectionConfig {
 
 /// A unique `holderIdentity`: the pod (or host) name, then the process id and start time, so two
 /// processes on one host, or a restarted container, never share an identity.
-pub fn default_identity(pod_name: Option<&str>) -> String {
-    let host = pod_name
+pub fn default_identity(name: Option<&str>) -> String {
+    let host = name
         .filter(|n| !n.is_empty())
         .map(str::to_owned)
-        .or_else(|| std::env::var("HOSTNAME").ok().filter(|n| !n.is_empty()))
         .unwrap_or_else(|| "pko-rs".to_owned());
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

@@ -1,4 +1,8 @@
 //! The pko-rs operator binary.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "main reads the environment once and passes the values down"
+)]
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -447,7 +451,8 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     // The lease is released only after the controllers stop, hence its own stop token.
     let election_stop = CancellationToken::new();
     let (leadership, mut election_task) = if args.leader_elect {
-        let config = election_config(&args, pod_name.as_deref())?;
+        let name = pod_name.as_deref().filter(|n| !n.is_empty());
+        let config = election_config(&args, name.or(hostname.as_deref()))?;
         let lease_client =
             kube_client(&args, Some(config.retry_period.max(Duration::from_secs(1)))).await?;
         let (leadership, task) =
@@ -580,7 +585,8 @@ async fn task_ended(task: &mut Option<tokio::task::JoinHandle<()>>) {
     }
 }
 
-fn election_config(args: &RunArgs, pod_name: Option<&str>) -> anyhow::Result<ElectionConfig> {
+/// `name`: the pod's name, else the host's, in the holder identity.
+fn election_config(args: &RunArgs, name: Option<&str>) -> anyhow::Result<ElectionConfig> {
     let namespace = args
         .leader_election_namespace
         .clone()
@@ -600,7 +606,7 @@ fn election_config(args: &RunArgs, pod_name: Option<&str>) -> anyhow::Result<Ele
     let config = ElectionConfig {
         lease_name: args.leader_election_id.clone(),
         namespace,
-        identity: leader::default_identity(pod_name),
+        identity: leader::default_identity(name),
         lease_duration: args.leader_election_lease_duration,
         renew_deadline: args.leader_election_renew_deadline,
         retry_period: args.leader_election_retry_period,

@@ -4,6 +4,10 @@
 //!
 //! Case count: PKO_PROPTEST_CASES (defaults below; `make fuzz-long` raises it). Failures are not
 //! persisted: proptest prints the shrunk input, which becomes a unit test next to the code.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
+)]
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

@@ -1,5 +1,9 @@
 //! The operator binary refuses, before it starts anything, a configuration whose memory
 //! budgets cannot fit the container.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
+)]
 
 use std::process::Command;
 

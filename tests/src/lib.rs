@@ -7,6 +7,14 @@
 //! collection.
 //!
 //! Processes started here never outlive the test process (see [`spawn_guarded`]).
+#![allow(
+    unsafe_code,
+    reason = "the harness signals and reaps the processes it starts; each block says why it holds"
+)]
+#![allow(
+    clippy::disallowed_methods,
+    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
+)]
 
 pub mod agent;
 pub mod chaos;

@@ -1,5 +1,9 @@
 //! Smoke tests of the control-plane harness itself: the shared plane, its kubeconfig, CRD
 //! install, namespaces, and that child processes never outlive the tests.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
+)]
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};

@@ -1,4 +1,8 @@
 //! The webhook listener on a real TLS socket: the connection caps (all and per client address).
+#![allow(
+    clippy::disallowed_methods,
+    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
+)]
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,5 +1,9 @@
 //! The webhook's HTTP contract, in-process with the real policy bundle (`make policies`;
 //! the path comes from PKO_POLICY_BUNDLE).
+#![allow(
+    clippy::disallowed_methods,
+    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
+)]
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;

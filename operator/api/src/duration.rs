@@ -335,6 +335,10 @@ mod tests {
 
     /// Bounded in `make test`; `make fuzz-long` raises it with PKO_PROPTEST_CASES. Failures are
     /// not persisted: proptest prints the shrunk input, which becomes a unit test here.
+    #[allow(
+        clippy::disallowed_methods,
+        reason = "the case count is the test process's setting"
+    )]
     fn config(default_cases: u32) -> proptest::test_runner::Config {
         let cases = match std::env::var("PKO_PROPTEST_CASES") {
             Ok(v) => v

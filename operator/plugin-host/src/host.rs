@@ -1112,6 +1112,10 @@ fn compile(
 
 /// A cache file is the sha256 of the serialized component followed by the serialized
 /// component; a file that does not match its checksum is not loaded.
+#[allow(
+    unsafe_code,
+    reason = "deserializes precompiled code this host wrote; see SAFETY"
+)]
 fn read_cached(engine: &Engine, path: &Path) -> Result<Option<Component>, String> {
     let data = match std::fs::read(path) {
         Ok(data) => data,

@@ -1,5 +1,9 @@
 //! The plugin host against real components built from plugins/ (`make plugins`): the three
 //! plugins, the template, and every hostile guest.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
+)]
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

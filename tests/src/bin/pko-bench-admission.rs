@@ -4,6 +4,10 @@
 //!
 //! Writes its section into the benchmarks file (between its own markers, replacing an earlier
 //! run's), so it can run after `pko-bench`, which rewrites the file.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
+)]
 
 use std::fmt::Write as _;
 use std::path::PathBuf;

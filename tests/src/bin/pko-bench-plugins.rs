@@ -1,5 +1,9 @@
 //! `make bench`, transform plugins: writes its section of docs/benchmarks.md (between its
 //! markers, leaving the rest of the file alone). In-process; see `pko_tests::plugin_bench`.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
+)]
 
 use std::fmt::Write as _;
 use std::path::PathBuf;

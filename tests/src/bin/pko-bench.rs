@@ -6,6 +6,10 @@
 //! - file server: requests/s and latency percentiles for GETs spread over 1,000 Programs, from a
 //!   closed-loop load generator on loopback;
 //! - operator peak RSS (VmHWM).
+#![allow(
+    clippy::disallowed_methods,
+    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
+)]
 
 use std::collections::BTreeSet;
 use std::fmt::Write as _;

@@ -4,6 +4,10 @@
 //!
 //! Flags: `--out <file>`, `--scale full|short`, `--only webhook,fileserver,agent,kill,apiserver,leader`,
 //! `--seed <n>` (random by default; printed in the report).
+#![allow(
+    clippy::disallowed_methods,
+    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
+)]
 
 use std::path::PathBuf;
 use std::time::Instant;

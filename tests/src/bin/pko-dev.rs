@@ -5,6 +5,10 @@
 //! sha256 against the status, prints the Pulumi.yaml, deploys examples/stack.yaml, then keeps
 //! running until Ctrl-C. `pko-dev check` does the same and exits: `make test` runs it, so the
 //! README's main command cannot break unseen.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
+)]
 
 use std::io::Read;
 use std::net::TcpListener;
