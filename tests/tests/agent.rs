@@ -554,11 +554,19 @@ async fn a_disconnected_client_cancels_its_operation_and_frees_the_workspace() {
     )
     .await
     .expect("interrupted");
-    // Unblock the program so pulumi can finish canceling (and unlock the stack).
-    assert!(
-        pko_tests::fifo::write_within(&pipe, "late\n", std::time::Duration::from_secs(120)).await,
-        "the program still reads the pipe"
-    );
+    // Feed the pipe to whoever opens it, so a program blocked on it can finish canceling (and
+    // unlock the stack). Whether the program got to the pipe before the interrupt depends on
+    // how fast pulumi started, so the wait is for the canceled operation's end, not a read.
+    let feeder =
+        pko_tests::fifo::Feeder::start(pipe.clone(), "late\n", std::time::Duration::from_secs(240));
+    pko_tests::wait_for(
+        "the canceled up to end",
+        std::time::Duration::from_secs(240),
+        || async { agent.log_text().contains("up was canceled").then_some(()) },
+    )
+    .await
+    .expect("the first up ends canceled");
+    drop(feeder);
 
     // The workspace is free again: the next operation runs (after the canceled one ends).
     client
