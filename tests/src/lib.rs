@@ -29,6 +29,7 @@ mod pki;
 pub mod plugin_bench;
 pub mod plugins;
 mod process;
+pub mod refusal;
 pub mod webhook;
 
 use std::future::Future;

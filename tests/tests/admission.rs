@@ -1233,47 +1233,23 @@ async fn tenancy_policy_status_counts_namespaces_and_reports_a_bad_selector() {
 /// apiserver's words tells it.
 #[tokio::test]
 async fn a_refused_tenancy_status_is_told_by_an_event() {
-    use k8s_openapi::api::admissionregistration::v1::{
-        ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
-    };
     use k8s_openapi::api::events::v1::Event;
+    use pko_tests::refusal::{Refusal, Rule};
     let env = Env::start(WebhookOptions::default(), &[]).await;
     let name = format!("{}-a", env.id);
-    let vap = format!("pko-tests-refuse-status-{}", env.id);
-    let policy: ValidatingAdmissionPolicy = serde_json::from_value(json!({
-        "apiVersion": "admissionregistration.k8s.io/v1",
-        "kind": "ValidatingAdmissionPolicy",
-        "metadata": {"name": vap},
-        "spec": {
-            "failurePolicy": "Fail",
-            "matchConstraints": {"resourceRules": [{
-                "apiGroups": ["pko-rs.dev"], "apiVersions": ["*"],
-                "operations": ["UPDATE"], "resources": ["tenancypolicies/status"],
-            }]},
-            "validations": [{
-                "expression": format!("object.metadata.name != '{name}'"),
-                "message": "this status stays as it is (pko-tests)",
-            }],
+    let refusal = Refusal::install(
+        env.plane,
+        &format!("pko-tests-refuse-status-{}", env.id),
+        Rule {
+            group: "pko-rs.dev",
+            resource: "tenancypolicies/status",
+            allowed: &format!("object.metadata.name != '{name}'"),
+            message: "this status stays as it is (pko-tests)",
+            namespace: None,
         },
-    }))
-    .expect("policy");
-    let binding: ValidatingAdmissionPolicyBinding = serde_json::from_value(json!({
-        "apiVersion": "admissionregistration.k8s.io/v1",
-        "kind": "ValidatingAdmissionPolicyBinding",
-        "metadata": {"name": vap},
-        "spec": {"policyName": vap, "validationActions": ["Deny"]},
-    }))
-    .expect("binding");
-    let policies: Api<ValidatingAdmissionPolicy> = Api::all(env.client());
-    let bindings: Api<ValidatingAdmissionPolicyBinding> = Api::all(env.client());
-    policies
-        .create(&PostParams::default(), &policy)
-        .await
-        .expect("policy");
-    bindings
-        .create(&PostParams::default(), &binding)
-        .await
-        .expect("binding");
+    )
+    .await
+    .expect("refusal");
     // The refusal is in force once a status update of the policy is refused (a dry run).
     env.apply_tenancy(&name, json!({"namespaces": [env.a]}))
         .await;
@@ -1316,8 +1292,7 @@ async fn a_refused_tenancy_status_is_told_by_an_event() {
     .expect("event");
     assert!(note.contains("this status stays as it is"), "{note}");
 
-    let _ = bindings.delete(&vap, &DeleteParams::default()).await;
-    let _ = policies.delete(&vap, &DeleteParams::default()).await;
+    refusal.remove().await;
     env.cleanup().await;
 }
 

@@ -350,52 +350,22 @@ async fn a_dotted_secret_gets_a_volume_and_a_dotted_stack_name_stalls() {
 /// once). Once the refusal is gone, the Stack goes.
 #[tokio::test]
 async fn a_stack_whose_finalizer_is_refused_stalls_once_and_backs_off() {
-    use k8s_openapi::api::admissionregistration::v1::{
-        ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
-    };
+    use pko_tests::refusal::{Refusal, Rule};
     let env = env("stack-keep").await;
     let client = env.plane.client();
-    let policy_name = format!("pko-tests-keep-finalizers-{}", env.ns);
-    let policy: ValidatingAdmissionPolicy = serde_json::from_value(json!({
-        "apiVersion": "admissionregistration.k8s.io/v1",
-        "kind": "ValidatingAdmissionPolicy",
-        "metadata": {"name": policy_name},
-        "spec": {
-            "failurePolicy": "Fail",
-            "matchConstraints": {"resourceRules": [{
-                "apiGroups": ["pulumi.com"], "apiVersions": ["*"],
-                "operations": ["UPDATE"], "resources": ["stacks"],
-            }]},
-            "validations": [{
-                "expression": "!has(oldObject.metadata.finalizers) || (has(object.metadata.finalizers) && object.metadata.finalizers.size() >= oldObject.metadata.finalizers.size())",
-                "message": "finalizers stay (pko-tests)",
-            }],
+    let refusal = Refusal::install(
+        env.plane,
+        &format!("pko-tests-keep-finalizers-{}", env.ns),
+        Rule {
+            group: "pulumi.com",
+            resource: "stacks",
+            allowed: "!has(oldObject.metadata.finalizers) || (has(object.metadata.finalizers) && object.metadata.finalizers.size() >= oldObject.metadata.finalizers.size())",
+            message: "finalizers stay (pko-tests)",
+            namespace: Some(&env.ns),
         },
-    }))
-    .expect("policy");
-    let binding: ValidatingAdmissionPolicyBinding = serde_json::from_value(json!({
-        "apiVersion": "admissionregistration.k8s.io/v1",
-        "kind": "ValidatingAdmissionPolicyBinding",
-        "metadata": {"name": policy_name},
-        "spec": {
-            "policyName": policy_name,
-            "validationActions": ["Deny"],
-            "matchResources": {"namespaceSelector": {
-                "matchLabels": {"kubernetes.io/metadata.name": env.ns},
-            }},
-        },
-    }))
-    .expect("binding");
-    let policies: Api<ValidatingAdmissionPolicy> = Api::all(client.clone());
-    let bindings: Api<ValidatingAdmissionPolicyBinding> = Api::all(client.clone());
-    policies
-        .create(&PostParams::default(), &policy)
-        .await
-        .expect("policy");
-    bindings
-        .create(&PostParams::default(), &binding)
-        .await
-        .expect("binding");
+    )
+    .await
+    .expect("refusal");
 
     let stacks: Api<Stack> = Api::namespaced(client.clone(), &env.ns);
     stacks
@@ -461,14 +431,7 @@ async fn a_stack_whose_finalizer_is_refused_stalls_once_and_backs_off() {
     );
 
     // The refusal gone, a change to the Stack brings the next attempt, and the Stack goes.
-    bindings
-        .delete(&policy_name, &Default::default())
-        .await
-        .expect("binding deleted");
-    policies
-        .delete(&policy_name, &Default::default())
-        .await
-        .expect("policy deleted");
+    refusal.remove().await;
     wait_for("the Stack to go", WAIT, || async {
         let touch = json!({"metadata": {"annotations": {"pko-tests/touch": deleted.elapsed().as_millis().to_string()}}});
         match stacks

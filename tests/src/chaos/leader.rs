@@ -18,14 +18,8 @@ const WAIT: Duration = Duration::from_secs(120);
 /// Runs the failover and returns its figures.
 pub async fn failover(plane: &ControlPlane, scale: &Scale) -> Result<Section, HarnessError> {
     let ns = plane.namespace("chaos-leader").await?;
-    let args = vec![
-        format!("--watch-namespace={ns}"),
-        "--leader-elect".to_owned(),
-        format!("--leader-election-namespace={ns}"),
-        format!("--leader-election-lease-duration={}", LEASE[0]),
-        format!("--leader-election-renew-deadline={}", LEASE[1]),
-        format!("--leader-election-retry-period={}", LEASE[2]),
-    ];
+    let mut args = vec![format!("--watch-namespace={ns}")];
+    args.extend(super::leader_election(&ns, LEASE));
     let mut first = start_operator(plane, args.clone()).await?;
     until_leader(&first).await?;
     let mut second = start_operator(plane, args).await?;

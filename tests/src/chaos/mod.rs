@@ -174,6 +174,17 @@ pub async fn start_operator(
     .await
 }
 
+/// Leader election in `ns` with `lease` = (duration, renew deadline, retry period).
+pub fn leader_election(ns: &str, lease: [&str; 3]) -> Vec<String> {
+    vec![
+        "--leader-elect".to_owned(),
+        format!("--leader-election-namespace={ns}"),
+        format!("--leader-election-lease-duration={}", lease[0]),
+        format!("--leader-election-renew-deadline={}", lease[1]),
+        format!("--leader-election-retry-period={}", lease[2]),
+    ]
+}
+
 /// A Program whose artifact is small and unique to its name.
 pub fn program(name: &str) -> Result<Program, HarnessError> {
     serde_json::from_value(json!({

@@ -57,14 +57,8 @@ async fn storm_on(
     registration: &Registration,
 ) -> Result<Section, HarnessError> {
     let mut args = registration.operator_args(&policy_bundle()?);
-    args.extend([
-        format!("--watch-namespace={ns}"),
-        "--leader-elect".to_owned(),
-        format!("--leader-election-namespace={ns}"),
-        format!("--leader-election-lease-duration={}", LEASE[0]),
-        format!("--leader-election-renew-deadline={}", LEASE[1]),
-        format!("--leader-election-retry-period={}", LEASE[2]),
-    ]);
+    args.push(format!("--watch-namespace={ns}"));
+    args.extend(super::leader_election(ns, LEASE));
     let mut operator = start_operator(plane, args).await?;
     let ca = registration
         .wait_ca_injected(plane, Duration::from_secs(60))
