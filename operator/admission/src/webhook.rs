@@ -35,8 +35,8 @@ use crate::engine::{EngineError, PolicyEngine, Slot};
 use crate::metrics::{AdmissionMetrics, EntrypointLabels, ErrorLabels, ViolationLabels};
 use crate::tenancy::{Tenancy, TenancyError};
 
-/// Warnings longer than this are cut by the apiserver; keep them readable.
-const MAX_WARNING_CHARS: usize = 250;
+/// Warnings longer than this (256 characters) are cut by the apiserver; keep them readable.
+const MAX_WARNING_BYTES: usize = 250;
 
 /// Errors of a single webhook call.
 #[derive(Debug, thiserror::Error)]
@@ -574,12 +574,7 @@ fn denial_message(object: &str, denied: &[&Violation]) -> String {
 }
 
 fn truncate(s: &str) -> String {
-    if s.chars().count() <= MAX_WARNING_CHARS {
-        return s.to_owned();
-    }
-    let mut out: String = s.chars().take(MAX_WARNING_CHARS - 1).collect();
-    out.push('…');
-    out
+    pko_api::text::truncate(s, MAX_WARNING_BYTES)
 }
 
 /// What the handlers read of a review's `request`; the rest stays in the policies' input.

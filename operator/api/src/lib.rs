@@ -18,6 +18,7 @@ pub mod program;
 pub mod schema;
 pub mod stack;
 pub mod tenancy;
+pub mod text;
 pub mod transform;
 pub mod update;
 pub mod workspace;

@@ -71,14 +71,4 @@ pub fn same(a: &[Condition], b: &[Condition]) -> bool {
     a == b
 }
 
-/// Cuts `s` to at most `max` bytes (on a char boundary), marking the cut.
-pub fn truncate(s: &str, max: usize) -> String {
-    if s.len() <= max {
-        return s.to_owned();
-    }
-    let mut end = max;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}…", &s[..end])
-}
+pub use pko_api::text::truncate;

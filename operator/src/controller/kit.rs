@@ -1,16 +1,20 @@
 //! What every controller shares: the apiserver client and the metrics, an Event recorder
 //! named after the controller (the pod's name read once, in `main`), a guard that counts a
-//! reconcile and records how long it took, and best-effort Event publishing.
+//! reconcile and records how long it took, best-effort Event publishing, the mapping of a
+//! failed apiserver call into a controller's error, and the error policy.
 
+use std::fmt::Display;
 use std::time::Instant;
 
 use k8s_openapi::api::core::v1::ObjectReference;
-use kube::Client;
+use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::{Client, Resource};
 use tracing::warn;
 
+use crate::controller::backoff::{self, Backoff};
 use crate::controller::conditions;
-use crate::metrics::{ControllerLabels, Metrics};
+use crate::metrics::{ControllerLabels, ErrorLabels, Metrics};
 
 /// The base every controller context is built from.
 #[derive(Clone)]
@@ -91,4 +95,53 @@ pub async fn publish(
     if let Err(e) = recorder.publish(&event, object).await {
         warn!(reason, error = %e, "cannot publish event");
     }
+}
+
+/// A reconcile error as `pko_reconcile_errors_total` labels it: one of a small fixed set per
+/// controller, so a tenant's input never becomes a series.
+pub trait MetricLabel {
+    fn metric_label(&self) -> &'static str;
+}
+
+/// A controller error with a variant for a failed apiserver call, saying what was being done.
+pub trait FromKube {
+    fn from_kube(what: String, source: kube::Error) -> Self;
+}
+
+/// `map_err` for an apiserver call: `.map_err(kube_err("reading the Workspace"))?`.
+pub fn kube_err<E: FromKube>(what: impl Into<String>) -> impl FnOnce(kube::Error) -> E {
+    let what = what.into();
+    move |source| E::from_kube(what, source)
+}
+
+/// The error policy of every controller: log, count by the error's label, and retry after the
+/// object's own backoff (stalling, when retries stop helping, is the reconcile's job: it owns
+/// the status).
+pub fn error_policy<K, E>(
+    controller: &'static str,
+    object: &K,
+    err: &E,
+    metrics: &Metrics,
+    backoff: &Backoff,
+) -> Action
+where
+    K: Resource,
+    E: MetricLabel + Display,
+{
+    let meta = object.meta();
+    warn!(
+        controller,
+        namespace = meta.namespace.as_deref().unwrap_or_default(),
+        name = meta.name.as_deref().unwrap_or_default(),
+        error = %err,
+        "reconcile failed"
+    );
+    metrics
+        .reconcile_errors
+        .get_or_create(&ErrorLabels {
+            controller: controller.to_owned(),
+            error: err.metric_label().to_owned(),
+        })
+        .inc();
+    Action::requeue(backoff.delay(&backoff::key(meta)))
 }

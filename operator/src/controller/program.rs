@@ -33,7 +33,7 @@ use crate::config::{AdvertisedAddress, artifact_path};
 use crate::controller::backoff::{self, Backoff, Verdict};
 use crate::controller::conditions::truncate;
 use crate::controller::kit::{self, Kit};
-use crate::metrics::{ErrorLabels, Metrics};
+use crate::metrics::Metrics;
 
 /// Field manager of the Program status (one per controller, as PKO).
 pub const STATUS_MANAGER: &str = "pko-rs/program-status";
@@ -61,17 +61,19 @@ pub enum ProgramError {
     Encode(#[source] serde_json::Error),
 }
 
-impl ProgramError {
-    /// Every value of [`Self::kind`], exported at zero from the start.
-    pub const KINDS: &'static [&'static str] = &["no_namespace", "status_write", "encode"];
-
-    fn kind(&self) -> &'static str {
+impl kit::MetricLabel for ProgramError {
+    fn metric_label(&self) -> &'static str {
         match self {
             Self::NoNamespace => "no_namespace",
             Self::Status(_) => "status_write",
             Self::Encode(_) => "encode",
         }
     }
+}
+
+impl ProgramError {
+    /// Every value of its metric label, exported at zero from the start.
+    pub const KINDS: &'static [&'static str] = &["no_namespace", "status_write", "encode"];
 
     /// Whether retrying may help (see [`backoff`]).
     fn verdict(&self) -> Verdict {
@@ -396,15 +398,7 @@ fn events(
 }
 
 fn error_policy(program: Arc<Program>, err: &ProgramError, ctx: Arc<ProgramContext>) -> Action {
-    warn!(program = %program.name_any(), error = %err, "reconcile failed");
-    ctx.metrics
-        .reconcile_errors
-        .get_or_create(&ErrorLabels {
-            controller: CONTROLLER.into(),
-            error: err.kind().into(),
-        })
-        .inc();
-    Action::requeue(ctx.backoff.delay(&backoff::key(&program.metadata)))
+    kit::error_policy(CONTROLLER, &*program, err, &ctx.metrics, &ctx.backoff)
 }
 
 /// The status fields as they are now.

@@ -25,7 +25,7 @@ use tracing::warn;
 use crate::controller::backoff::{self, Backoff};
 use crate::controller::conditions;
 use crate::controller::kit::{self, Kit};
-use crate::metrics::{ErrorLabels, Metrics};
+use crate::metrics::Metrics;
 
 pub const STATUS_MANAGER: &str = "pko-rs/tenancy-status";
 const CONTROLLER: &str = "tenancy";
@@ -36,10 +36,22 @@ pub enum TenancyStatusError {
     NamespacesNotListed,
     #[error("{what}: {source}")]
     Kube {
-        what: &'static str,
+        what: String,
         #[source]
         source: kube::Error,
     },
+}
+
+impl kit::FromKube for TenancyStatusError {
+    fn from_kube(what: String, source: kube::Error) -> Self {
+        Self::Kube { what, source }
+    }
+}
+
+impl kit::MetricLabel for TenancyStatusError {
+    fn metric_label(&self) -> &'static str {
+        "kube"
+    }
 }
 
 impl TenancyStatusError {
@@ -128,17 +140,8 @@ fn error_policy(
     err: &TenancyStatusError,
     shared: Arc<Shared>,
 ) -> Action {
-    warn!(policy = %policy.name_any(), error = %err, "reconcile failed");
-    shared
-        .ctx
-        .metrics
-        .reconcile_errors
-        .get_or_create(&ErrorLabels {
-            controller: CONTROLLER.into(),
-            error: "kube".into(),
-        })
-        .inc();
-    Action::requeue(shared.ctx.backoff.delay(&backoff::key(&policy.metadata)))
+    let ctx = &shared.ctx;
+    kit::error_policy(CONTROLLER, &*policy, err, &ctx.metrics, &ctx.backoff)
 }
 
 async fn reconcile(
@@ -241,10 +244,7 @@ async fn reconcile_inner(
                 &Patch::Apply(&patch),
             )
             .await
-            .map_err(|source| TenancyStatusError::Kube {
-                what: "writing the TenancyPolicy status",
-                source,
-            })?;
+            .map_err(kit::kube_err("writing the TenancyPolicy status"))?;
     }
     Ok(Action::await_change())
 }

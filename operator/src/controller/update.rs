@@ -37,7 +37,7 @@ use crate::agent_client::{AgentError, Agents};
 use crate::controller::backoff::{self, Backoff, Verdict};
 use crate::controller::conditions;
 use crate::controller::kit::{self, Kit};
-use crate::metrics::{ErrorLabels, Metrics};
+use crate::metrics::Metrics;
 
 pub const STATUS_MANAGER: &str = "pko-rs/update-status";
 const CONTROLLER: &str = "update";
@@ -104,9 +104,16 @@ impl UpdateError {
     }
 }
 
-fn kube_err(what: impl Into<String>) -> impl FnOnce(kube::Error) -> UpdateError {
-    let what = what.into();
-    move |source| UpdateError::Kube { what, source }
+impl kit::FromKube for UpdateError {
+    fn from_kube(what: String, source: kube::Error) -> Self {
+        Self::Kube { what, source }
+    }
+}
+
+impl kit::MetricLabel for UpdateError {
+    fn metric_label(&self) -> &'static str {
+        "reconcile"
+    }
 }
 
 /// What every reconcile needs.
@@ -264,15 +271,7 @@ pub async fn run(
 }
 
 fn error_policy(update: Arc<Update>, err: &UpdateError, ctx: Arc<UpdateContext>) -> Action {
-    warn!(update = %update.name_any(), error = %err, "reconcile failed");
-    ctx.metrics
-        .reconcile_errors
-        .get_or_create(&ErrorLabels {
-            controller: CONTROLLER.into(),
-            error: "reconcile".into(),
-        })
-        .inc();
-    Action::requeue(ctx.backoff.delay(&backoff::key(&update.metadata)))
+    kit::error_policy(CONTROLLER, &*update, err, &ctx.metrics, &ctx.backoff)
 }
 
 fn stack_name(update: &Update) -> String {
@@ -381,7 +380,7 @@ async fn reconcile_inner(
     let ws = workspaces
         .get_opt(&ws_name)
         .await
-        .map_err(kube_err("reading the Workspace"))?;
+        .map_err(kit::kube_err("reading the Workspace"))?;
     let waiting = |reason: &str, message: String| {
         let mut s = status.clone();
         conditions::set(
@@ -594,7 +593,7 @@ async fn expire(
     if elapsed >= ttl_signed {
         api.delete(&update.name_any(), &DeleteParams::background())
             .await
-            .map_err(kube_err("deleting the expired Update"))?;
+            .map_err(kit::kube_err("deleting the expired Update"))?;
         ctx.event(
             update,
             EventType::Normal,
@@ -1179,7 +1178,7 @@ async fn write_status(
             &Patch::Apply(&patch),
         )
         .await
-        .map_err(kube_err("writing the Update status"))?;
+        .map_err(kit::kube_err("writing the Update status"))?;
     Ok(())
 }
 
