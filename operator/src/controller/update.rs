@@ -328,134 +328,196 @@ async fn report_stalled(update: &Update, ctx: &UpdateContext, err: &UpdateError)
     }
 }
 
-async fn reconcile_inner(
-    update: Arc<Update>,
-    ctx: Arc<UpdateContext>,
-) -> Result<Action, UpdateError> {
-    let namespace = update.namespace().ok_or(UpdateError::NoNamespace)?;
-    let name = update.name_any();
-    let uid = update.metadata.uid.clone().unwrap_or_default();
-    let generation = update.metadata.generation;
-    let before = update.status.clone().unwrap_or_default();
-    let api: Api<Update> = Api::namespaced(ctx.client.clone(), &namespace);
+/// The Update being reconciled and the status it had when read.
+struct Current {
+    namespace: String,
+    name: String,
+    uid: String,
+    generation: Option<i64>,
+    before: UpdateStatus,
+}
 
-    if conditions::is_true(&before.conditions, COMPLETE) {
-        return expire(&update, &ctx, &api, &before).await;
-    }
-    if update.meta().deletion_timestamp.is_some() {
-        if let Some(token) = ctx.running().get(&uid) {
-            token.cancel();
-            return Ok(Action::await_change());
-        }
-        let mut status = before.clone();
-        finish(
-            &mut status,
-            generation,
-            false,
-            "Canceled",
-            "the update was deleted before it completed",
-        );
-        write_status(&ctx.client, &namespace, &name, &before, &status).await?;
-        return Ok(Action::await_change());
-    }
-    if ctx.running().contains_key(&uid) {
-        return Ok(Action::await_change());
-    }
-    let resumed = conditions::is_true(&before.conditions, PROGRESSING);
-
-    let mut status = before.clone();
-    status.observed_generation = generation;
-    let Some(ws_name) = update.spec.workspace_name.clone() else {
-        finish(
-            &mut status,
-            generation,
-            false,
-            "InvalidSpec",
-            "spec.workspaceName is required",
-        );
-        write_status(&ctx.client, &namespace, &name, &before, &status).await?;
-        return Ok(Action::await_change());
-    };
-    let workspaces: Api<Workspace> = Api::namespaced(ctx.client.clone(), &namespace);
-    let ws = workspaces
-        .get_opt(&ws_name)
+impl Current {
+    /// Writes `status` (nothing when it equals what was read).
+    async fn write(&self, ctx: &UpdateContext, status: &UpdateStatus) -> Result<(), UpdateError> {
+        write_status(
+            &ctx.client,
+            &self.namespace,
+            &self.name,
+            &self.before,
+            status,
+        )
         .await
-        .map_err(kit::kube_err("reading the Workspace"))?;
-    let waiting = |reason: &str, message: String| {
-        let mut s = status.clone();
+    }
+
+    /// `Progressing=False` with why the operation cannot start yet.
+    fn waiting(&self, reason: &str, message: &str) -> UpdateStatus {
+        let mut s = self.before.clone();
+        s.observed_generation = self.generation;
         conditions::set(
             &mut s.conditions,
             PROGRESSING,
             false,
             reason,
-            &message,
-            generation,
+            message,
+            self.generation,
         );
         s
+    }
+}
+
+/// The phases in order: a finished, deleted or running Update → its Workspace ready → a slot
+/// among the operations in flight → the agent connected → the operation started.
+async fn reconcile_inner(
+    update: Arc<Update>,
+    ctx: Arc<UpdateContext>,
+) -> Result<Action, UpdateError> {
+    let current = Current {
+        namespace: update.namespace().ok_or(UpdateError::NoNamespace)?,
+        name: update.name_any(),
+        uid: update.metadata.uid.clone().unwrap_or_default(),
+        generation: update.metadata.generation,
+        before: update.status.clone().unwrap_or_default(),
     };
-    // A stall reported after failed attempts holds until an attempt gets further: a failing
-    // one keeps it, so it writes nothing new (and triggers no reconcile of its own).
-    let progressed = |mut s: UpdateStatus| {
-        conditions::remove(&mut s.conditions, STALLED);
-        s
+    if let Some(action) = settled(&update, &ctx, &current).await? {
+        return Ok(action);
+    }
+    let (ws, address) = match ready_workspace(&update, &ctx, &current).await? {
+        Ok(ready) => ready,
+        Err(waiting) => {
+            // A stall reported after failed attempts holds until an attempt gets further: a
+            // failing one keeps it, so it writes nothing new (and triggers no reconcile of its
+            // own).
+            let mut s = waiting;
+            conditions::remove(&mut s.conditions, STALLED);
+            current.write(&ctx, &s).await?;
+            return Ok(Action::await_change());
+        }
     };
-    let Some(ws) = ws else {
-        let s = waiting(
-            "WorkspaceNotFound",
-            format!("workspace {ws_name} not found"),
+    let Some(slot) = ctx.acquire(&current.uid, &update) else {
+        let s = current.waiting(
+            QUEUED,
+            &format!(
+                "queued: {} operations are in flight, the most allowed (--max-operations-in-flight); it starts when one ends",
+                ctx.max_in_flight
+            ),
         );
-        let s = progressed(s);
-        write_status(&ctx.client, &namespace, &name, &before, &s).await?;
-        return Ok(Action::await_change());
+        current.write(&ctx, &s).await?;
+        return Ok(Action::requeue(QUEUED_RECHECK));
+    };
+    let ws_name = ws.name_any();
+    let client = match connect(&ctx, &ws, &ws_name, &current.namespace, &address).await {
+        Ok(c) => c,
+        Err(e) => {
+            let message = format!("cannot reach the workspace agent: {e}");
+            let s = current.waiting("TransientFailure", &message);
+            current.write(&ctx, &s).await?;
+            return Err(UpdateError::AgentUnavailable(message));
+        }
+    };
+    let status = start(&update, &ctx, &current).await?;
+    launch(ctx, update, current, status, slot, client);
+    Ok(Action::await_change())
+}
+
+/// What to do with an Update that will not start an operation here: expire a completed one,
+/// cancel or mark canceled a deleted one, wait for a running one.
+async fn settled(
+    update: &Update,
+    ctx: &UpdateContext,
+    current: &Current,
+) -> Result<Option<Action>, UpdateError> {
+    if conditions::is_true(&current.before.conditions, COMPLETE) {
+        let api: Api<Update> = Api::namespaced(ctx.client.clone(), &current.namespace);
+        return expire(update, ctx, &api, &current.before).await.map(Some);
+    }
+    if update.meta().deletion_timestamp.is_some() {
+        if let Some(token) = ctx.running().get(&current.uid) {
+            token.cancel();
+            return Ok(Some(Action::await_change()));
+        }
+        let mut status = current.before.clone();
+        finish(
+            &mut status,
+            current.generation,
+            false,
+            "Canceled",
+            "the update was deleted before it completed",
+        );
+        current.write(ctx, &status).await?;
+        return Ok(Some(Action::await_change()));
+    }
+    if ctx.running().contains_key(&current.uid) {
+        return Ok(Some(Action::await_change()));
+    }
+    if update.spec.workspace_name.is_none() {
+        let mut status = current.before.clone();
+        status.observed_generation = current.generation;
+        finish(
+            &mut status,
+            current.generation,
+            false,
+            "InvalidSpec",
+            "spec.workspaceName is required",
+        );
+        current.write(ctx, &status).await?;
+        return Ok(Some(Action::await_change()));
+    }
+    Ok(None)
+}
+
+/// The Update's Workspace and its agent's address once it is ready, or the status saying what
+/// the Update waits for.
+async fn ready_workspace(
+    update: &Update,
+    ctx: &UpdateContext,
+    current: &Current,
+) -> Result<Result<(Workspace, String), UpdateStatus>, UpdateError> {
+    let ws_name = update.spec.workspace_name.clone().unwrap_or_default();
+    let workspaces: Api<Workspace> = Api::namespaced(ctx.client.clone(), &current.namespace);
+    let Some(ws) = workspaces
+        .get_opt(&ws_name)
+        .await
+        .map_err(kit::kube_err("reading the Workspace"))?
+    else {
+        let message = format!("workspace {ws_name} not found");
+        return Ok(Err(current.waiting("WorkspaceNotFound", &message)));
     };
     let ws_status = ws.status.clone().unwrap_or_default();
     let ws_ready = ws.meta().deletion_timestamp.is_none()
         && ws_status.observed_generation == ws.metadata.generation
         && conditions::is_true(&ws_status.conditions, "Ready");
-    let Some(address) = ws_status.address.clone().filter(|_| ws_ready) else {
-        let s = waiting(
-            "WorkspaceNotReady",
-            format!("waiting for workspace {ws_name} to be ready"),
-        );
-        let s = progressed(s);
-        write_status(&ctx.client, &namespace, &name, &before, &s).await?;
-        return Ok(Action::await_change());
-    };
-    let Some(slot) = ctx.acquire(&uid, &update) else {
-        let s = waiting(
-            QUEUED,
-            format!(
-                "queued: {} operations are in flight, the most allowed (--max-operations-in-flight); it starts when one ends",
-                ctx.max_in_flight
-            ),
-        );
-        write_status(&ctx.client, &namespace, &name, &before, &s).await?;
-        return Ok(Action::requeue(QUEUED_RECHECK));
-    };
-    let client = match connect(&ctx, &ws, &ws_name, &namespace, &address).await {
-        Ok(c) => c,
-        Err(e) => {
-            let s = waiting(
-                "TransientFailure",
-                format!("cannot reach the workspace agent: {e}"),
-            );
-            write_status(&ctx.client, &namespace, &name, &before, &s).await?;
-            return Err(UpdateError::AgentUnavailable(format!(
-                "cannot reach the workspace agent: {e}"
-            )));
+    match ws_status.address.filter(|_| ws_ready) {
+        Some(address) => Ok(Ok((ws, address))),
+        None => {
+            let message = format!("waiting for workspace {ws_name} to be ready");
+            Ok(Err(current.waiting("WorkspaceNotReady", &message)))
         }
-    };
+    }
+}
 
+/// Marks the operation started (`Progressing=True`, a new start time) and says so when it
+/// resumes one the operator was running when it stopped.
+async fn start(
+    update: &Update,
+    ctx: &UpdateContext,
+    current: &Current,
+) -> Result<UpdateStatus, UpdateError> {
+    let resumed = conditions::is_true(&current.before.conditions, PROGRESSING);
+    let generation = current.generation;
+    let mut status = current.before.clone();
+    status.observed_generation = generation;
+    let message = if resumed {
+        "resumed after an operator restart"
+    } else {
+        ""
+    };
     conditions::set(
         &mut status.conditions,
         PROGRESSING,
         true,
         "Progressing",
-        if resumed {
-            "resumed after an operator restart"
-        } else {
-            ""
-        },
+        message,
         generation,
     );
     conditions::set(
@@ -477,36 +539,49 @@ async fn reconcile_inner(
     conditions::remove(&mut status.conditions, STALLED);
     status.start_time = Some(Time(Timestamp::now()));
     status.end_time = None;
-    write_status(&ctx.client, &namespace, &name, &before, &status).await?;
+    current.write(ctx, &status).await?;
     if resumed {
         ctx.event(
-            &update,
+            update,
             EventType::Normal,
             "Resumed",
             "the operation was in flight when the operator stopped; running it again".into(),
         )
         .await;
     }
+    Ok(status)
+}
+
+/// Runs the operation in its own task, holding `slot` until its result is stored.
+fn launch(
+    ctx: Arc<UpdateContext>,
+    update: Arc<Update>,
+    current: Current,
+    mut status: UpdateStatus,
+    slot: Slot,
+    client: AgentClient,
+) {
     let token = slot.token.clone();
-    let task_ctx = ctx.clone();
-    let task_update = update.clone();
     tokio::spawn(async move {
         let started = std::time::Instant::now();
-        let mut status = status;
         let outcome = tokio::select! {
-            outcome = operate(&task_ctx, &task_update, client) => outcome,
+            outcome = operate(&ctx, &update, client) => outcome,
             () = token.cancelled() => Outcome::failed("Canceled", "the update was canceled".into()),
         };
-        apply_outcome(&task_ctx, &task_update, &mut status, outcome).await;
-        store_result(&task_ctx, &task_update, &namespace, &name, &before, &status).await;
+        apply_outcome(&ctx, &update, &mut status, outcome).await;
+        let Current {
+            namespace,
+            name,
+            before,
+            ..
+        } = &current;
+        store_result(&ctx, &update, namespace, name, before, &status).await;
         drop(slot);
-        task_ctx
-            .metrics
+        ctx.metrics
             .reconcile_duration
-            .get_or_create(&task_ctx.metrics.controller("update-operation"))
+            .get_or_create(&ctx.metrics.controller("update-operation"))
             .observe(started.elapsed().as_secs_f64());
     });
-    Ok(Action::await_change())
 }
 
 /// Writes an operation's outcome until it is stored: lost, it would leave the Update in
