@@ -345,13 +345,7 @@ fn unpack(targz: &[u8], root: &Path, limit: Option<u64>) -> Result<(), InitError
                         limit: limit.unwrap_or_default(),
                     });
                 }
-                ensure_real_dirs(root, &rel, false)?;
-                if dest.symlink_metadata().is_ok() {
-                    return Err(InitError::UnsafePath {
-                        path: shown,
-                        reason: "duplicate entry".into(),
-                    });
-                }
+                new_file_place(root, &rel, &shown)?;
                 let mode = entry.header().mode().unwrap_or(0o644);
                 let mut bytes = Vec::new();
                 // The size is checked above; read no more than it says.
@@ -359,23 +353,10 @@ fn unpack(targz: &[u8], root: &Path, limit: Option<u64>) -> Result<(), InitError
                     .take(data)
                     .read_to_end(&mut bytes)
                     .map_err(over_budget)?;
-                std::fs::write(&dest, &bytes).map_err(io(format!("writing {}", dest.display())))?;
-                use std::os::unix::fs::PermissionsExt;
-                // Keep the execute bits; drop setuid/setgid/sticky and write for others.
-                let perms =
-                    std::fs::Permissions::from_mode(if mode & 0o111 != 0 { 0o755 } else { 0o644 });
-                std::fs::set_permissions(&dest, perms)
-                    .map_err(io(format!("setting permissions of {}", dest.display())))?;
+                write_file(&dest, &bytes, mode)?;
             }
             tar::EntryType::Symlink => {
-                let target = entry
-                    .link_name()
-                    .map_err(|e| InitError::Archive(e.to_string()))?
-                    .ok_or_else(|| InitError::UnsafePath {
-                        path: shown.clone(),
-                        reason: "symlink without a target".into(),
-                    })?
-                    .into_owned();
+                let target = link_target(entry.link_name(), &shown, "symlink")?;
                 if target.is_absolute() {
                     return Err(InitError::UnsafePath {
                         path: shown,
@@ -386,36 +367,8 @@ fn unpack(targz: &[u8], root: &Path, limit: Option<u64>) -> Result<(), InitError
                 links.push((rel, target));
             }
             tar::EntryType::Link => {
-                let target = entry
-                    .link_name()
-                    .map_err(|e| InitError::Archive(e.to_string()))?
-                    .ok_or_else(|| InitError::UnsafePath {
-                        path: shown.clone(),
-                        reason: "hard link without a target".into(),
-                    })?
-                    .into_owned();
-                let target_rel =
-                    safe_relative(&target).map_err(|reason| InitError::UnsafePath {
-                        path: shown.clone(),
-                        reason: format!("hard link target {}: {reason}", target.display()),
-                    })?;
-                let source = root.join(&target_rel);
-                let is_file = source
-                    .symlink_metadata()
-                    .map(|m| m.file_type().is_file())
-                    .unwrap_or(false);
-                if !is_file {
-                    return Err(InitError::UnsafePath {
-                        path: shown,
-                        reason: format!(
-                            "hard link to {} which is not an extracted file",
-                            target.display()
-                        ),
-                    });
-                }
-                ensure_real_dirs(root, &rel, false)?;
-                std::fs::hard_link(&source, &dest)
-                    .map_err(io(format!("linking {}", dest.display())))?;
+                let target = link_target(entry.link_name(), &shown, "hard link")?;
+                hard_link(root, &rel, &target, &shown)?;
             }
             tar::EntryType::XGlobalHeader
             | tar::EntryType::XHeader
@@ -429,7 +382,74 @@ fn unpack(targz: &[u8], root: &Path, limit: Option<u64>) -> Result<(), InitError
             }
         }
     }
-    for (rel, target) in &links {
+    make_symlinks(root, &links)
+}
+
+/// Makes the folders for a file at `rel`, refusing a second entry for the same path.
+fn new_file_place(root: &Path, rel: &Path, shown: &str) -> Result<(), InitError> {
+    ensure_real_dirs(root, rel, false)?;
+    if root.join(rel).symlink_metadata().is_ok() {
+        return Err(InitError::UnsafePath {
+            path: shown.to_owned(),
+            reason: "duplicate entry".into(),
+        });
+    }
+    Ok(())
+}
+
+/// Writes one regular file, keeping only its execute bits.
+fn write_file(dest: &Path, bytes: &[u8], mode: u32) -> Result<(), InitError> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::write(dest, bytes).map_err(io(format!("writing {}", dest.display())))?;
+    // Keep the execute bits; drop setuid/setgid/sticky and write for others.
+    let perms = std::fs::Permissions::from_mode(if mode & 0o111 != 0 { 0o755 } else { 0o644 });
+    std::fs::set_permissions(dest, perms)
+        .map_err(io(format!("setting permissions of {}", dest.display())))
+}
+
+/// The target a link entry names; `what` says which kind of link for the error.
+fn link_target(
+    name: std::io::Result<Option<std::borrow::Cow<'_, Path>>>,
+    shown: &str,
+    what: &str,
+) -> Result<PathBuf, InitError> {
+    Ok(name
+        .map_err(|e| InitError::Archive(e.to_string()))?
+        .ok_or_else(|| InitError::UnsafePath {
+            path: shown.to_owned(),
+            reason: format!("{what} without a target"),
+        })?
+        .into_owned())
+}
+
+/// A hard link at `rel` to a regular file already extracted inside `root`.
+fn hard_link(root: &Path, rel: &Path, target: &Path, shown: &str) -> Result<(), InitError> {
+    let target_rel = safe_relative(target).map_err(|reason| InitError::UnsafePath {
+        path: shown.to_owned(),
+        reason: format!("hard link target {}: {reason}", target.display()),
+    })?;
+    let source = root.join(&target_rel);
+    let is_file = source
+        .symlink_metadata()
+        .map(|m| m.file_type().is_file())
+        .unwrap_or(false);
+    if !is_file {
+        return Err(InitError::UnsafePath {
+            path: shown.to_owned(),
+            reason: format!(
+                "hard link to {} which is not an extracted file",
+                target.display()
+            ),
+        });
+    }
+    ensure_real_dirs(root, rel, false)?;
+    let dest = root.join(rel);
+    std::fs::hard_link(&source, &dest).map_err(io(format!("linking {}", dest.display())))
+}
+
+/// Creates the symlinks once every file is written, then checks each resolves inside `root`.
+fn make_symlinks(root: &Path, links: &[(PathBuf, PathBuf)]) -> Result<(), InitError> {
+    for (rel, target) in links {
         ensure_real_dirs(root, rel, false)?;
         let dest = root.join(rel);
         if dest.symlink_metadata().is_ok() {
@@ -442,7 +462,7 @@ fn unpack(targz: &[u8], root: &Path, limit: Option<u64>) -> Result<(), InitError
             .map_err(io(format!("linking {}", dest.display())))?;
     }
     // Checked once the tree is final: a link may point through links made after it.
-    for (rel, target) in &links {
+    for (rel, target) in links {
         resolve_inside(root, rel).map_err(|reason| InitError::UnsafePath {
             path: rel.display().to_string(),
             reason: format!("symlink to {} {reason}", target.display()),

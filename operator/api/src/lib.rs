@@ -24,6 +24,11 @@ pub mod update;
 pub mod workspace;
 
 #[cfg(test)]
+#[allow(
+    clippy::too_many_lines,
+    unreachable_pub,
+    reason = "test code: fixtures shared between test modules, scenarios read top to bottom"
+)]
 mod tests;
 
 pub use common::Condition;

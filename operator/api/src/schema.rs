@@ -337,6 +337,10 @@ fn strip_schemars_leftovers(node: &mut Value) {
 /// They mirror the `+listType`/`+listMapKey`/`+mapType`/`+default`/`+optional` and validation
 /// markers of `k8s.io/api` and `k8s.io/apimachinery` v0.34 that controller-gen emits into PKO's
 /// CRDs (the `markers` test compares every node with PKO's).
+#[allow(
+    clippy::too_many_lines,
+    reason = "a table: one line per marker of the Kubernetes types PKO's CRDs embed"
+)]
 pub fn k8s_overlays() -> BTreeMap<String, Value> {
     let mut o = Overlays::default();
     o.default_value(core("AzureDiskVolumeSource"), "fsType", json!("ext4"));

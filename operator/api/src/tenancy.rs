@@ -4,6 +4,12 @@
 //! The admission webhook turns every TenancyPolicy that selects the namespace of a request into
 //! the `data.tenancy.policies` document of the Rego policies (see `docs/policies.md`).
 
+#![allow(
+    unreachable_pub,
+    clippy::too_many_lines,
+    reason = "the KubeSchema derive copies each struct into a private module of its own"
+)]
+
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use kube::{CustomResource, KubeSchema};
 use serde::{Deserialize, Serialize};

@@ -6,6 +6,12 @@
 //! Transforms that select a Program run in ascending `priority` (ties by name); each sees the
 //! previous one's output.
 
+#![allow(
+    unreachable_pub,
+    clippy::too_many_lines,
+    reason = "the KubeSchema derive copies each struct into a private module of its own"
+)]
+
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;

@@ -16,6 +16,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::any;
 use http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
 
+use crate::artifact::Artifact;
 use crate::artifact::index::{Lookup, ProgramIndex};
 use crate::capability::{ArtifactRef, KeyRing};
 use crate::metrics::{Metrics, RefusalReason, RequestLabels};
@@ -196,31 +197,7 @@ async fn serve_program(
                 "generation {gen_num} of program {namespace}/{name} was rebuilt (a transform changed); the Program's status.artifact.url has the current URL"
             ),
         ),
-        Lookup::Found(built) => {
-            let artifact = &built.artifact;
-            let etag = format!("\"{}\"", artifact.digest);
-            if etag_matches(headers, &etag) {
-                return Response::builder()
-                    .status(StatusCode::NOT_MODIFIED)
-                    .header(header::ETAG, etag)
-                    .header(header::CACHE_CONTROL, "no-cache")
-                    .body(Body::empty())
-                    .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response());
-            }
-            Response::builder()
-                .status(StatusCode::OK)
-                .header(header::CONTENT_TYPE, "application/gzip")
-                .header(header::CONTENT_LENGTH, artifact.bytes.len())
-                .header(header::ETAG, etag)
-                // The same URL can carry new bytes when a transform changes: revalidate by ETag.
-                .header(header::CACHE_CONTROL, "no-cache")
-                .header(
-                    header::CONTENT_DISPOSITION,
-                    "attachment; filename=project.tar.gz",
-                )
-                .body(Body::from(artifact.bytes.clone()))
-                .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
-        }
+        Lookup::Found(built) => artifact_response(&built.artifact, headers),
         Lookup::ProgramNotFound => artifact_not_found(),
         Lookup::Superseded { current } => text(
             StatusCode::GONE,
@@ -246,6 +223,32 @@ async fn serve_program(
             format!("artifact of program {namespace}/{name} cannot be built: {err}"),
         ),
     }
+}
+
+/// The artifact's bytes, or 304 when the client's ETag is the artifact's digest.
+fn artifact_response(artifact: &Artifact, headers: &HeaderMap) -> Response {
+    let etag = format!("\"{}\"", artifact.digest);
+    if etag_matches(headers, &etag) {
+        return Response::builder()
+            .status(StatusCode::NOT_MODIFIED)
+            .header(header::ETAG, etag)
+            .header(header::CACHE_CONTROL, "no-cache")
+            .body(Body::empty())
+            .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response());
+    }
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "application/gzip")
+        .header(header::CONTENT_LENGTH, artifact.bytes.len())
+        .header(header::ETAG, etag)
+        // The same URL can carry new bytes when a transform changes: revalidate by ETag.
+        .header(header::CACHE_CONTROL, "no-cache")
+        .header(
+            header::CONTENT_DISPOSITION,
+            "attachment; filename=project.tar.gz",
+        )
+        .body(Body::from(artifact.bytes.clone()))
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
 }
 
 /// The one answer for an unknown artifact and for a request not entitled to it.
