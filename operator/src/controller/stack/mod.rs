@@ -6,7 +6,7 @@
 //! `currentUpdate` whose Update is gone is dropped and the stack carries on (PKO waits forever,
 //! #1292); `currentUpdate` is saved only once its Update exists.
 //!
-//! Sources (see [`stack_source`]): `programRef` (watched), `fluxSource` (polled), `projectRepo`
+//! Sources (see [`source`]): `programRef` (watched), `fluxSource` (polled), `projectRepo`
 //! (a pinned commit, or a branch polled without cloning).
 
 use std::collections::BTreeMap;
@@ -36,12 +36,13 @@ use tracing::{info, warn};
 use crate::controller::backoff::{self, Backoff, Verdict};
 use crate::controller::conditions;
 use crate::controller::kit::{self, Kit};
-use crate::controller::stack_source;
 use crate::controller::update::SECRETS_ANNOTATION;
 use crate::controller::workspace::{APPLY_MANAGER, merge, pod};
 use crate::egress::EgressPolicy;
 use crate::gitremote;
 use crate::metrics::{ErrorLabels, Metrics};
+
+mod source;
 
 pub const STATUS_MANAGER: &str = "pko-rs/stack-status";
 pub const FINALIZER: &str = "finalizer.stack.pulumi.com";
@@ -437,7 +438,7 @@ fn workspace_spec(stack: &Stack, namespace: &str, source: Value) -> Result<Value
                 json!({"value": r.literal.as_ref().map(|l| l.value.clone()).unwrap_or_default()}),
             ),
             ResourceSelectorType::Secret => {
-                let s = stack_source::own_secret(what, r, namespace)?;
+                let s = source::own_secret(what, r, namespace)?;
                 Ok(json!({"secret": {"name": s.name, "key": s.key}}))
             }
             other => Err(format!(
@@ -726,11 +727,11 @@ async fn reconcile_inner(stack: Arc<Stack>, ctx: Arc<StackContext>) -> Result<Ac
 
     // 2. The source (a sync the user asked for looks at the branch afresh).
     let fresh = request.is_some() && request != before.observed_reconcile_request;
-    let stack_source::Resolved {
+    let source::Resolved {
         workspace_source,
         commit,
         poll,
-    } = match stack_source::resolve(&ctx, &stack, &namespace, fresh).await? {
+    } = match source::resolve(&ctx, &stack, &namespace, fresh).await? {
         Ok(resolved) => resolved,
         Err((reason, message, requeue)) => {
             stalled(&mut status, generation, reason, &message);
