@@ -26,7 +26,8 @@ use crate::gitremote::{self, HttpAuth};
 #[derive(Debug, Clone, PartialEq)]
 pub enum WorkspaceSource {
     Flux(FluxSource),
-    Git(GitSource),
+    // Boxed: its credentials make it much larger than a Flux source.
+    Git(Box<GitSource>),
 }
 
 /// A usable source.
@@ -206,7 +207,7 @@ async fn git(
         shallow: spec.shallow,
     };
     Ok(Resolved {
-        workspace_source: WorkspaceSource::Git(source),
+        workspace_source: WorkspaceSource::Git(Box::new(source)),
         commit,
         // A pinned commit never changes; a branch is polled.
         poll: spec

@@ -227,7 +227,7 @@ pub fn spec(
         .collect();
     let (flux, git) = match source {
         WorkspaceSource::Flux(flux) => (Some(flux), None),
-        WorkspaceSource::Git(git) => (None, Some(git)),
+        WorkspaceSource::Git(git) => (None, Some(*git)),
     };
     Ok(WorkspaceSpec {
         service_account_name: spec.service_account_name.clone(),
