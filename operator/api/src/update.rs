@@ -88,6 +88,25 @@ pub enum UpdateType {
     Refresh,
 }
 
+impl UpdateType {
+    /// The wire name (`preview`, `up`, `destroy`, `refresh`), as `Stack.status.lastUpdate.type`
+    /// records it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Preview => "preview",
+            Self::Up => "up",
+            Self::Destroy => "destroy",
+            Self::Refresh => "refresh",
+        }
+    }
+}
+
+impl std::fmt::Display for UpdateType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// UpdateStatus defines the observed state of Update
 #[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Default)]
 #[serde(rename_all = "camelCase")]

@@ -6,7 +6,6 @@ pub mod execution;
 pub mod kit;
 pub mod program;
 pub mod stack;
-pub mod stack_source;
 pub mod tenancy;
 pub mod transform_status;
 pub mod update;

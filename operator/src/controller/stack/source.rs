@@ -10,52 +10,75 @@
 
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::api::core::v1::{Secret, SecretKeySelector};
+use kube::Client;
 use kube::api::Api;
 use pko_api::common::{ResourceRef, ResourceSelectorType, SecretSelector};
 use pko_api::program::Program;
 use pko_api::stack::Stack;
-use serde_json::{Value, json};
+use pko_api::workspace::{FluxSource, GitAuth, GitSource};
 
-use crate::controller::stack::{StackContext, StackError, resync_frequency};
-use crate::gitremote::HttpAuth;
+use super::outcome::{Outcome, Stop, kube_err};
+use super::sync::resync_frequency;
+use crate::gitremote::{self, HttpAuth};
 
-/// Why a source cannot be used: (Stalled reason, message, requeue after).
-pub type SourceProblem = (&'static str, String, Option<Duration>);
+/// Where a Workspace gets the program.
+#[derive(Debug, Clone, PartialEq)]
+pub enum WorkspaceSource {
+    Flux(FluxSource),
+    // Boxed: its credentials make it much larger than a Flux source.
+    Git(Box<GitSource>),
+}
 
 /// A usable source.
 pub struct Resolved {
-    /// `{"flux": {...}}` or `{"git": {...}}`, merged into the Workspace spec.
-    pub workspace_source: Value,
+    /// The Workspace's `flux` or `git`.
+    pub workspace_source: WorkspaceSource,
     /// What identifies the program's content (commit SHA or artifact digest).
     pub commit: String,
     /// Poll the source this often (it is read, not watched).
     pub poll: Option<Duration>,
 }
 
-/// The stack's source; `fresh` skips cached branch lookups (a sync the user asked for).
+/// What a source needs to be read.
+pub struct Reader<'a> {
+    pub client: &'a Client,
+    /// Branch → commit lookups.
+    pub git: &'a gitremote::Resolver,
+}
+
+/// A source that cannot be used stalls the stack; `requeue` is when to look again.
+fn problem(reason: &'static str, message: String, requeue: Option<Duration>) -> Stop {
+    let outcome = Outcome::stalled(reason, message);
+    Stop::Status(match requeue {
+        Some(after) => outcome.after(after),
+        None => outcome,
+    })
+}
+
+/// A source read, not watched, is looked at again after this long when unavailable.
+const UNAVAILABLE_RETRY: Duration = Duration::from_secs(30);
+
+/// The stack's source; `fresh` skips cached branch lookups (a sync the user asked for). A
+/// source that cannot be used ends the reconcile with `Stalled` ([`Stop::Status`]).
 pub async fn resolve(
-    ctx: &StackContext,
+    reader: &Reader<'_>,
     stack: &Stack,
     namespace: &str,
     fresh: bool,
-) -> Result<Result<Resolved, SourceProblem>, StackError> {
+) -> Result<Resolved, Stop> {
     if let Some(repo) = &stack.spec.project_repo {
-        return Ok(git(ctx, stack, namespace, repo, fresh).await);
+        return git(reader, stack, namespace, repo, fresh).await;
     }
     if stack.spec.flux_source.is_some() {
-        return flux(ctx, stack, namespace).await;
+        return flux(reader.client, stack, namespace).await;
     }
-    program(ctx, stack, namespace).await
+    program(reader.client, stack, namespace).await
 }
 
-async fn flux(
-    ctx: &StackContext,
-    stack: &Stack,
-    namespace: &str,
-) -> Result<Result<Resolved, SourceProblem>, StackError> {
+async fn flux(client: &Client, stack: &Stack, namespace: &str) -> Result<Resolved, Stop> {
     let Some(source) = &stack.spec.flux_source else {
-        return Ok(Err(("SpecInvalid", "no fluxSource".into(), None)));
+        return Err(problem("SpecInvalid", "no fluxSource".into(), None));
     };
     let r = &source.source_ref;
     let (group, version) = r
@@ -67,87 +90,89 @@ async fn flux(
         group, version, &r.kind,
     ));
     let api: Api<kube::api::DynamicObject> =
-        Api::namespaced_with(ctx.client.clone(), namespace, &resource);
+        Api::namespaced_with(client.clone(), namespace, &resource);
     let unavailable = |message: String| {
-        Ok(Err((
+        Err(problem(
             "SourceUnavailable",
             message,
-            Some(Duration::from_secs(30)),
-        )))
+            Some(UNAVAILABLE_RETRY),
+        ))
     };
     let object = match api.get_opt(&r.name).await {
         Ok(Some(o)) => o,
         Ok(None) => return unavailable("could not resolve sourceRef".into()),
         Err(e) => return unavailable(format!("could not resolve sourceRef: {e}")),
     };
-    let artifact = object
-        .data
-        .pointer("/status/artifact")
-        .cloned()
-        .unwrap_or(Value::Null);
-    let (Some(url), Some(digest)) = (artifact["url"].as_str(), artifact["digest"].as_str()) else {
+    let artifact = object.data.pointer("/status/artifact");
+    let field = |name: &str| {
+        artifact
+            .and_then(|a| a.get(name))
+            .and_then(|v| v.as_str())
+            .map(str::to_owned)
+    };
+    let (Some(url), Some(digest)) = (field("url"), field("digest")) else {
         return unavailable("Flux source has no artifact".into());
     };
-    Ok(Ok(Resolved {
-        workspace_source: json!({"flux": {"url": url, "digest": digest, "dir": source.dir}}),
-        commit: digest.to_owned(),
+    Ok(Resolved {
+        workspace_source: WorkspaceSource::Flux(FluxSource {
+            url: Some(url),
+            digest: Some(digest.clone()),
+            dir: source.dir.clone(),
+        }),
+        commit: digest,
         poll: Some(Duration::from_secs(60)),
-    }))
+    })
 }
 
-async fn program(
-    ctx: &StackContext,
-    stack: &Stack,
-    namespace: &str,
-) -> Result<Result<Resolved, SourceProblem>, StackError> {
+async fn program(client: &Client, stack: &Stack, namespace: &str) -> Result<Resolved, Stop> {
     let Some(program_ref) = &stack.spec.program_ref else {
-        return Ok(Err((
+        return Err(problem(
             "SpecInvalid",
             "the stack has no source (projectRepo, fluxSource or programRef)".into(),
             None,
-        )));
+        ));
     };
-    let program = Api::<Program>::namespaced(ctx.client.clone(), namespace)
+    let program = Api::<Program>::namespaced(client.clone(), namespace)
         .get_opt(&program_ref.name)
         .await
-        .map_err(|source| StackError::Kube {
-            what: "reading the Program".into(),
-            source,
-        })?;
+        .map_err(kube_err("reading the Program"))?;
     let artifact = program
         .as_ref()
         .and_then(|p| p.status.as_ref())
-        .and_then(|s| serde_json::to_value(s).ok())
-        .and_then(|s| s.get("artifact").cloned())
-        .filter(|a| a.get("url").is_some() && a.get("digest").is_some());
-    let Some(artifact) = artifact else {
+        .and_then(|s| s.artifact.as_ref())
+        .and_then(|a| a.digest.clone().map(|digest| (a.url.clone(), digest)));
+    let Some((url, digest)) = artifact else {
         let message = if program.is_none() {
             "unable to retrieve program for stack"
         } else {
             "Program has no artifact"
         };
-        return Ok(Err((
+        return Err(problem(
             "SourceUnavailable",
             message.into(),
-            Some(Duration::from_secs(30)),
-        )));
+            Some(UNAVAILABLE_RETRY),
+        ));
     };
-    Ok(Ok(Resolved {
-        commit: artifact["digest"].as_str().unwrap_or_default().to_owned(),
-        workspace_source: json!({"flux": {"url": artifact["url"], "digest": artifact["digest"]}}),
+    Ok(Resolved {
+        commit: digest.clone(),
+        workspace_source: WorkspaceSource::Flux(FluxSource {
+            url: Some(url),
+            digest: Some(digest),
+            dir: None,
+        }),
         poll: None,
-    }))
+    })
 }
 
 async fn git(
-    ctx: &StackContext,
+    reader: &Reader<'_>,
     stack: &Stack,
     namespace: &str,
     repo: &str,
     fresh: bool,
-) -> Result<Resolved, SourceProblem> {
+) -> Result<Resolved, Stop> {
     let spec = &stack.spec;
-    let invalid = |message: String| ("SpecInvalid", message, None);
+    let invalid = |message: String| problem("SpecInvalid", message, None);
     let set = |v: &Option<String>| v.clone().filter(|s| !s.is_empty());
     let (commit, branch) = match (set(&spec.commit), set(&spec.branch)) {
         (Some(c), None) => (Some(c), None),
@@ -163,29 +188,26 @@ async fn git(
         (Some(commit), _) => commit,
         (None, Some(branch)) => {
             let http = auth
-                .http_auth(ctx, namespace)
+                .http_auth(reader.client, namespace)
                 .await
-                .map_err(|m| ("SourceUnavailable", m, Some(Duration::from_secs(30))))?;
-            ctx.git
+                .map_err(|m| problem("SourceUnavailable", m, Some(UNAVAILABLE_RETRY)))?;
+            reader
+                .git
                 .resolve(repo, &branch, http.as_ref(), fresh)
                 .await
-                .map_err(|e| {
-                    (
-                        "SourceUnavailable",
-                        e.to_string(),
-                        Some(Duration::from_secs(30)),
-                    )
-                })?
+                .map_err(|e| problem("SourceUnavailable", e.to_string(), Some(UNAVAILABLE_RETRY)))?
         }
         (None, None) => return Err(invalid("projectRepo needs a commit or a branch".into())),
     };
-    let mut source =
-        json!({"url": repo, "ref": commit, "dir": spec.repo_dir, "shallow": spec.shallow});
-    if let Some(selectors) = auth.workspace_auth() {
-        source["auth"] = selectors;
-    }
+    let source = GitSource {
+        url: Some(repo.to_owned()),
+        ref_: Some(commit.clone()),
+        dir: spec.repo_dir.clone(),
+        auth: auth.workspace_auth(),
+        shallow: spec.shallow,
+    };
     Ok(Resolved {
-        workspace_source: json!({ "git": source }),
+        workspace_source: WorkspaceSource::Git(Box::new(source)),
         commit,
         // A pinned commit never changes; a branch is polled.
         poll: spec
@@ -205,12 +227,12 @@ struct KeyRef {
 }
 
 impl KeyRef {
-    fn selector(&self) -> Value {
-        let mut v = json!({"name": self.name, "key": self.key});
-        if self.optional {
-            v["optional"] = json!(true);
+    fn selector(&self) -> SecretKeySelector {
+        SecretKeySelector {
+            name: self.name.clone(),
+            key: self.key.clone(),
+            optional: self.optional.then_some(true),
         }
-        v
     }
 }
 
@@ -286,32 +308,27 @@ impl GitCredentials {
     }
 
     /// The Workspace's `git.auth`: Secret key selectors the fetch container reads as env.
-    fn workspace_auth(&self) -> Option<Value> {
-        let mut auth = serde_json::Map::new();
-        let mut put = |field: &str, r: &Option<KeyRef>| {
-            if let Some(r) = r {
-                auth.insert(field.into(), r.selector());
-            }
+    fn workspace_auth(&self) -> Option<GitAuth> {
+        let selector = |r: &Option<KeyRef>| r.as_ref().map(KeyRef::selector);
+        let auth = GitAuth {
+            ssh_private_key: selector(&self.ssh_private_key),
+            token: selector(&self.token),
+            username: selector(&self.username),
+            // An SSH key's passphrase and a basic-auth password share PKO's `password` field.
+            password: selector(&self.password.clone().or(self.ssh_password.clone())),
+            github_app: None,
         };
-        put("sshPrivateKey", &self.ssh_private_key);
-        put("token", &self.token);
-        put("username", &self.username);
-        // An SSH key's passphrase and a basic-auth password share PKO's `password` field.
-        put(
-            "password",
-            &self.password.clone().or(self.ssh_password.clone()),
-        );
-        (!auth.is_empty()).then_some(Value::Object(auth))
+        (auth != GitAuth::default()).then_some(auth)
     }
 
     /// HTTP credentials for listing refs: a token (as user `git`), else username + password.
     /// Secret values are read here, namespaced and uncached, only when a branch is polled.
     async fn http_auth(
         &self,
-        ctx: &StackContext,
+        client: &Client,
         namespace: &str,
     ) -> Result<Option<HttpAuth>, String> {
-        let read = |r: Option<KeyRef>| read_key(ctx, namespace, r);
+        let read = |r: Option<KeyRef>| read_key(client, namespace, r);
         if let Some(token) = read(self.token.clone()).await? {
             return Ok(Some(HttpAuth {
                 username: "git".into(),
@@ -361,12 +378,12 @@ fn key_ref(what: &str, r: &ResourceRef, namespace: &str) -> Result<KeyRef, Strin
 }
 
 async fn read_key(
-    ctx: &StackContext,
+    client: &Client,
     namespace: &str,
     r: Option<KeyRef>,
 ) -> Result<Option<String>, String> {
     let Some(r) = r else { return Ok(None) };
-    let secret = Api::<Secret>::namespaced(ctx.client.clone(), namespace)
+    let secret = Api::<Secret>::namespaced(client.clone(), namespace)
         .get_opt(&r.name)
         .await
         .map_err(|e| format!("cannot read git credentials from Secret {}: {e}", r.name))?;
@@ -387,7 +404,14 @@ async fn read_key(
 
 #[cfg(test)]
 mod tests {
+    use serde_json::{Value, json};
+
     use super::*;
+
+    /// The Workspace's `git.auth`, as it goes on the wire.
+    fn wire(auth: Option<GitAuth>) -> Option<Value> {
+        auth.map(|a| serde_json::to_value(a).expect("auth"))
+    }
 
     fn stack(spec: Value) -> Stack {
         serde_json::from_value(json!({
@@ -409,7 +433,7 @@ mod tests {
         );
         let creds = GitCredentials::of(&s, "ns").expect("creds");
         assert_eq!(
-            creds.workspace_auth(),
+            wire(creds.workspace_auth()),
             Some(json!({"token": {"name": "tok", "key": "t"}}))
         );
         let s = stack(
@@ -417,9 +441,11 @@ mod tests {
             "gitAuth": {"sshAuth": {"sshPrivateKey": secret_ref("k", "key"), "password": secret_ref("k", "pass")}, "accessToken": secret_ref("tok", "t")}}),
         );
         assert_eq!(
-            GitCredentials::of(&s, "ns")
-                .expect("creds")
-                .workspace_auth(),
+            wire(
+                GitCredentials::of(&s, "ns")
+                    .expect("creds")
+                    .workspace_auth()
+            ),
             Some(
                 json!({"sshPrivateKey": {"name": "k", "key": "key"}, "password": {"name": "k", "key": "pass"}})
             )
@@ -427,10 +453,12 @@ mod tests {
         let s = stack(
             json!({"stack": "dev", "projectRepo": "https://g/r", "branch": "main", "gitAuthSecret": "legacy"}),
         );
-        let auth = GitCredentials::of(&s, "ns")
-            .expect("creds")
-            .workspace_auth()
-            .expect("auth");
+        let auth = wire(
+            GitCredentials::of(&s, "ns")
+                .expect("creds")
+                .workspace_auth(),
+        )
+        .expect("auth");
         assert_eq!(
             auth["token"],
             json!({"name": "legacy", "key": "accessToken", "optional": true})

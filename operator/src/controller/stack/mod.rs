@@ -1,0 +1,196 @@
+//! Stack controller: a Stack becomes a Workspace (its program, config and env) and one Update per
+//! change; results come back into `status` (`lastUpdate`, outputs with secrets masked, PKO's
+//! Ready/Reconciling/Stalled conditions).
+//!
+//! Beyond PKO: a Program source re-runs when its digest changes, not only its revision; a
+//! `currentUpdate` whose Update is gone is dropped and the stack carries on (PKO waits forever,
+//! #1292); `currentUpdate` is saved only once its Update exists.
+//!
+//! Sources (see [`source`]): `programRef` (watched), `fluxSource` (polled), `projectRepo`
+//! (a pinned commit, or a branch polled without cloning).
+//!
+//! Layout: [`reconcile`] runs the phases in order (finalizer, current Update, source, sync
+//! decision, launch) and writes the status once; [`sync`] holds the pure decisions;
+//! [`workspace`] and [`update`] build the typed objects; [`outcome`] is what a reconcile ends
+//! with.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use kube::api::Api;
+use kube::runtime::controller::{self, Action, Controller};
+use kube::runtime::events::{EventType, Recorder};
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::watcher;
+use kube::{Client, Resource, ResourceExt};
+use pko_api::program::Program;
+use pko_api::stack::Stack;
+use pko_api::update::Update;
+use pko_api::workspace::Workspace;
+use tracing::warn;
+
+use crate::controller::backoff::{self, Backoff};
+use crate::controller::kit::{self, Kit};
+use crate::egress::EgressPolicy;
+use crate::gitremote;
+use crate::metrics::{ErrorLabels, Metrics};
+
+mod outcome;
+mod reconcile;
+mod source;
+mod sync;
+mod update;
+mod workspace;
+
+pub use outcome::StackError;
+pub use sync::RECONCILE_REQUEST_ANNOTATION;
+
+pub const STATUS_MANAGER: &str = "pko-rs/stack-status";
+pub const FINALIZER: &str = "finalizer.stack.pulumi.com";
+pub const COMPONENT_LABEL: &str = "pulumi.com/component";
+pub const STACK_NAME_LABEL: &str = "pulumi.com/stack-name";
+const CONTROLLER: &str = "stack";
+
+/// What every reconcile needs.
+pub struct StackContext {
+    pub client: Client,
+    pub recorder: Recorder,
+    pub metrics: Metrics,
+    /// Branch → commit lookups, shared by every stack.
+    pub git: gitremote::Resolver,
+    /// Failed reconciles per Stack.
+    pub backoff: Backoff,
+}
+
+impl StackContext {
+    pub fn new(kit: &Kit, egress: Arc<EgressPolicy>) -> Self {
+        Self {
+            client: kit.client.clone(),
+            recorder: kit.recorder(CONTROLLER),
+            metrics: kit.metrics.clone(),
+            git: gitremote::Resolver::new(git_http_client(&egress), egress.clone(), GIT_REFS_TTL),
+            backoff: Backoff::default(),
+        }
+    }
+
+    async fn event(&self, stack: &Stack, type_: EventType, reason: &str, note: String) {
+        let object = stack.object_ref(&());
+        kit::publish(&self.recorder, &object, type_, reason, "Reconcile", &note).await;
+    }
+}
+
+/// How long a branch lookup is reused (stacks polling one branch share the request).
+const GIT_REFS_TTL: Duration = Duration::from_secs(20);
+
+/// The HTTP client for refs listings: the system's trusted roots, no cookies, a bounded number
+/// of redirects (hosts redirect `/repo` to `/repo.git`), and only addresses the egress rules
+/// allow (the URL is the tenant's).
+fn git_http_client(egress: &Arc<EgressPolicy>) -> reqwest::Client {
+    egress
+        .client_builder(5)
+        .user_agent(concat!("pko-rs/", env!("CARGO_PKG_VERSION"), " git/2"))
+        .build()
+        .unwrap_or_default()
+}
+
+/// Runs the controller until `shutdown` resolves.
+pub async fn run(
+    client: Client,
+    namespace: Option<String>,
+    ctx: Arc<StackContext>,
+    concurrency: u16,
+    shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
+) {
+    fn api<K: Resource<Scope = kube::core::NamespaceResourceScope, DynamicType = ()>>(
+        client: &Client,
+        ns: Option<&str>,
+    ) -> Api<K> {
+        match ns {
+            Some(ns) => Api::namespaced(client.clone(), ns),
+            None => Api::all(client.clone()),
+        }
+    }
+    let ns = namespace.as_deref();
+    let controller = Controller::new(
+        api::<Stack>(&client, ns),
+        watcher::Config::default().any_semantic(),
+    );
+    let store = controller.store();
+    let dependents_store = store.clone();
+    let by_label = |obj_ns: Option<String>, labels: &BTreeMap<String, String>| {
+        labels
+            .get(STACK_NAME_LABEL)
+            .zip(obj_ns)
+            .map(|(name, ns)| ObjectRef::<Stack>::new(name).within(&ns))
+    };
+    let stack_selector = format!("{COMPONENT_LABEL}=stack");
+    controller
+        .watches(
+            api::<Workspace>(&client, ns),
+            watcher::Config::default().labels(&stack_selector),
+            move |ws: Workspace| by_label(ws.namespace(), ws.labels()),
+        )
+        .watches(
+            api::<Update>(&client, ns),
+            watcher::Config::default().labels(&stack_selector),
+            move |u: Update| by_label(u.namespace(), u.labels()),
+        )
+        // A new artifact (revision or digest) of a Program re-runs the stacks using it.
+        .watches(
+            api::<Program>(&client, ns),
+            watcher::Config::default(),
+            move |p: Program| {
+                let name = p.name_any();
+                let ns = p.namespace();
+                store
+                    .state()
+                    .into_iter()
+                    .filter(|s| {
+                        s.namespace() == ns
+                            && s.spec.program_ref.as_ref().is_some_and(|r| r.name == name)
+                    })
+                    .map(|s| ObjectRef::from_obj(&*s))
+                    .collect::<Vec<_>>()
+            },
+        )
+        // A stack that changes (e.g. becomes ready) re-checks the stacks that depend on it.
+        .watches(
+            api::<Stack>(&client, ns),
+            watcher::Config::default(),
+            move |prerequisite: Stack| {
+                let name = prerequisite.name_any();
+                let ns = prerequisite.namespace();
+                dependents_store
+                    .state()
+                    .into_iter()
+                    .filter(|s| {
+                        s.namespace() == ns && s.spec.prerequisites.iter().any(|p| p.name == name)
+                    })
+                    .map(|s| ObjectRef::from_obj(&*s))
+                    .collect::<Vec<_>>()
+            },
+        )
+        .with_config(controller::Config::default().concurrency(concurrency))
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile::reconcile, error_policy, ctx)
+        .for_each(|result| async move {
+            if let Err(err) = result {
+                warn!(controller = CONTROLLER, error = %err, "controller event");
+            }
+        })
+        .await;
+}
+
+fn error_policy(stack: Arc<Stack>, err: &StackError, ctx: Arc<StackContext>) -> Action {
+    warn!(stack = %stack.name_any(), error = %err, "reconcile failed");
+    ctx.metrics
+        .reconcile_errors
+        .get_or_create(&ErrorLabels {
+            controller: CONTROLLER.into(),
+            error: "reconcile".into(),
+        })
+        .inc();
+    Action::requeue(ctx.backoff.delay(&backoff::key(&stack.metadata)))
+}

@@ -1,0 +1,825 @@
+//! One reconcile of a Stack, as phases in order: the finalizer, the Update in flight, the
+//! source, the sync decision, then either a launch (Workspace, then Update) or the settled
+//! conditions. Each phase goes on or [`Stop`]s; the status is written once, at the end.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Namespace, Secret};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::runtime::controller::Action;
+use kube::runtime::events::EventType;
+use kube::{Client, Resource, ResourceExt};
+use pko_api::stack::{CurrentStackUpdate, Stack, StackStatus, WorkspaceReclaimPolicy};
+use pko_api::update::{Update, UpdateStatus, UpdateType};
+use pko_api::workspace::Workspace;
+use serde_json::{Value, json};
+use tracing::{info, warn};
+
+use super::outcome::{self, Outcome, StackError, Stop, kube_err};
+use super::source::{self, Reader, Resolved, WorkspaceSource};
+use super::sync::{self, Prerequisite, UpdateState};
+use super::{
+    CONTROLLER, FINALIZER, RECONCILE_REQUEST_ANNOTATION, STACK_NAME_LABEL, STATUS_MANAGER,
+    StackContext, update, workspace,
+};
+use crate::controller::backoff;
+use crate::controller::conditions;
+use crate::controller::kit;
+use crate::controller::update::SECRETS_ANNOTATION;
+use crate::controller::workspace::APPLY_MANAGER;
+
+/// While an Update runs, the stack is looked at again this often (its changes also trigger it).
+const UPDATE_POLL: Duration = Duration::from_secs(300);
+/// An unsatisfied prerequisite is checked again after this long.
+const PREREQUISITE_POLL: Duration = Duration::from_secs(60);
+/// A stack stalled by its terminating namespace is looked at again after this long.
+const TERMINATING_POLL: Duration = Duration::from_secs(30);
+
+pub(super) async fn reconcile(
+    stack: Arc<Stack>,
+    ctx: Arc<StackContext>,
+) -> Result<Action, StackError> {
+    let _measure = kit::measure(&ctx.metrics, CONTROLLER);
+    let result = reconcile_inner(&stack, &ctx).await;
+    let failure = ctx
+        .backoff
+        .record(&stack.metadata, &result, StackError::verdict);
+    if let (Some(failure), Err(err)) = (failure, &result)
+        && failure.stall
+    {
+        report_stalled(&stack, &ctx, err).await;
+    }
+    result
+}
+
+/// `Stalled=True` ([`backoff::REASON`]) with the error's message, and a Warning Event when that
+/// is news; written only when it changes the status.
+async fn report_stalled(stack: &Stack, ctx: &StackContext, err: &StackError) {
+    let Some(namespace) = stack.namespace() else {
+        return;
+    };
+    let writer = StatusWriter::new(&ctx.client, stack, &namespace);
+    let mut status = writer.before.clone();
+    let message = conditions::truncate(&err.message(), conditions::MESSAGE_LIMIT);
+    let known = conditions::get(&writer.before.conditions, "Stalled")
+        .is_some_and(|c| c.status == "True" && c.reason == backoff::REASON && c.message == message);
+    if !known {
+        ctx.event(stack, EventType::Warning, backoff::REASON, message.clone())
+            .await;
+    }
+    Outcome::stalled(backoff::REASON, message).apply(&mut status, stack.metadata.generation);
+    if let Err(e) = writer.write(&status).await {
+        warn!(error = %e, "cannot report the stalled stack");
+    }
+}
+
+async fn reconcile_inner(stack: &Stack, ctx: &StackContext) -> Result<Action, StackError> {
+    let mut run = Run::new(ctx, stack)?;
+    let outcome = match run.phases().await {
+        Ok(outcome) | Err(Stop::Status(outcome)) => outcome,
+        Err(Stop::Quiet) => return Ok(Action::await_change()),
+        Err(Stop::Failed(err)) => return Err(err),
+    };
+    let action = outcome.apply(&mut run.status, run.generation);
+    run.writer.write(&run.status).await?;
+    Ok(action)
+}
+
+/// The one writer of the Stack status: a server-side apply of the whole status, sent only when
+/// it differs from what the reconcile started from (transition times aside).
+struct StatusWriter {
+    api: Api<Stack>,
+    name: String,
+    before: StackStatus,
+}
+
+impl StatusWriter {
+    fn new(client: &Client, stack: &Stack, namespace: &str) -> Self {
+        Self {
+            api: Api::namespaced(client.clone(), namespace),
+            name: stack.name_any(),
+            before: stack.status.clone().unwrap_or_default(),
+        }
+    }
+
+    async fn write(&self, after: &StackStatus) -> Result<(), StackError> {
+        let before = &self.before;
+        let same = before.observed_generation == after.observed_generation
+            && before.observed_reconcile_request == after.observed_reconcile_request
+            && before.outputs == after.outputs
+            && before.last_update == after.last_update
+            && before.current_update == after.current_update
+            && before.project_info == after.project_info
+            && conditions::same(&before.conditions, &after.conditions);
+        if same {
+            return Ok(());
+        }
+        // A status-only apply: a typed Stack would carry a spec this field manager must not own.
+        let patch = json!({"apiVersion": "pulumi.com/v1", "kind": "Stack", "status": after});
+        self.api
+            .patch_status(
+                &self.name,
+                &PatchParams::apply(STATUS_MANAGER).force(),
+                &Patch::Apply(&patch),
+            )
+            .await
+            .map_err(kube_err("writing the Stack status"))?;
+        Ok(())
+    }
+}
+
+/// One reconcile in progress: the stack, what it asks for, and the status being built.
+struct Run<'a> {
+    ctx: &'a StackContext,
+    stack: &'a Stack,
+    namespace: String,
+    name: String,
+    generation: Option<i64>,
+    request: Option<String>,
+    deleting: bool,
+    status: StackStatus,
+    writer: StatusWriter,
+}
+
+impl<'a> Run<'a> {
+    fn new(ctx: &'a StackContext, stack: &'a Stack) -> Result<Self, StackError> {
+        let namespace = stack.namespace().ok_or(StackError::NoNamespace)?;
+        let writer = StatusWriter::new(&ctx.client, stack, &namespace);
+        let generation = stack.metadata.generation;
+        let request = sync::request(stack);
+        let mut status = writer.before.clone();
+        status.observed_generation = generation;
+        status.observed_reconcile_request = request.clone();
+        Ok(Self {
+            ctx,
+            stack,
+            name: stack.name_any(),
+            namespace,
+            generation,
+            request,
+            deleting: stack.meta().deletion_timestamp.is_some(),
+            status,
+            writer,
+        })
+    }
+
+    async fn phases(&mut self) -> Result<Outcome, Stop> {
+        self.finalizer().await?;
+        self.current_update().await?;
+        self.let_go().await?;
+        let Resolved {
+            workspace_source,
+            commit,
+            poll,
+        } = self.source().await?;
+        let synced = sync::is_synced(
+            self.stack,
+            &self.status,
+            &commit,
+            self.request.as_deref(),
+            self.deleting,
+        );
+        match synced {
+            Err(why) => {
+                if !self.deleting {
+                    self.prerequisites().await?;
+                }
+                let applied = self.workspace(workspace_source).await?;
+                self.launch(&applied, commit, &why).await
+            }
+            Ok(()) => self.settle(poll).await,
+        }
+    }
+
+    async fn event(&self, type_: EventType, reason: &str, note: String) {
+        self.ctx.event(self.stack, type_, reason, note).await;
+    }
+
+    /// Phase 1: the finalizer is added first (the change brings the next reconcile); a stack
+    /// being deleted without it is not ours any more.
+    async fn finalizer(&self) -> Result<(), Stop> {
+        if self.stack.finalizers().iter().any(|f| f == FINALIZER) {
+            return Ok(());
+        }
+        if !self.deleting {
+            set_finalizer(self.ctx, self.stack, true).await?;
+        }
+        Err(Stop::Quiet)
+    }
+
+    /// Phase 2: the Update in flight, if any. Still running: wait for it. Finished: record it
+    /// in `lastUpdate`. Gone: start over (PKO waits forever here, #1292).
+    async fn current_update(&mut self) -> Result<(), Stop> {
+        let Some(current) = self.status.current_update.clone() else {
+            return Ok(());
+        };
+        let update_name = current.name.clone().unwrap_or_default();
+        let found = Api::<Update>::namespaced(self.ctx.client.clone(), &self.namespace)
+            .get_opt(&update_name)
+            .await
+            .map_err(kube_err("reading the current Update"))?;
+        let Some(update) = found else {
+            warn!(stack = %self.name, update = %update_name, "the current update is gone; starting over");
+            self.event(
+                EventType::Warning,
+                "UpdateLost",
+                format!("update {update_name} disappeared before it completed; a new one will run"),
+            )
+            .await;
+            self.status.current_update = None;
+            return Ok(());
+        };
+        let update_status = update.status.unwrap_or_default();
+        if !conditions::is_true(&update_status.conditions, "Complete") {
+            return Err(processing().into());
+        }
+        self.record(&current, update.spec.type_, &update_status)
+            .await;
+        Ok(())
+    }
+
+    /// A finished Update becomes `lastUpdate`; a success also brings its outputs and project.
+    async fn record(
+        &mut self,
+        current: &CurrentStackUpdate,
+        type_: Option<UpdateType>,
+        update: &UpdateStatus,
+    ) {
+        let last = sync::finished(current, self.status.last_update.as_ref(), type_, update);
+        let succeeded = UpdateState::of(&last) == Some(UpdateState::Succeeded);
+        let message = last.message.clone();
+        self.status.last_update = Some(last);
+        if succeeded {
+            if type_ == Some(UpdateType::Up)
+                && let Some(secret) = &update.outputs
+                && let Some(outputs) = read_outputs(&self.ctx.client, &self.namespace, secret).await
+            {
+                self.status.outputs = outputs;
+            }
+            if type_ == Some(UpdateType::Destroy) {
+                self.status.outputs.clear();
+            }
+            if update.project_info.is_some() {
+                self.status.project_info = update.project_info.clone();
+            }
+            self.event(
+                EventType::Normal,
+                "StackCreated",
+                "Successfully updated stack".into(),
+            )
+            .await;
+        } else {
+            self.event(
+                EventType::Warning,
+                "StackUpdateFailure",
+                format!("Failed to update Stack: {}", message.unwrap_or_default()),
+            )
+            .await;
+        }
+        self.status.current_update = None;
+    }
+
+    /// Nothing to destroy: the Stack is let go. No status is written before the finalizer
+    /// goes: were its removal refused, that write would clear the stall the refusal reports,
+    /// on every attempt, and each write would trigger the next attempt at once.
+    async fn let_go(&self) -> Result<(), Stop> {
+        let spec = &self.stack.spec;
+        if self.deleting && (spec.destroy_on_finalize != Some(true) || spec.preview == Some(true)) {
+            set_finalizer(self.ctx, self.stack, false).await?;
+            return Err(Stop::Quiet);
+        }
+        Ok(())
+    }
+
+    /// Phase 3: the source (a sync the user asked for looks at the branch afresh).
+    async fn source(&self) -> Result<Resolved, Stop> {
+        let fresh =
+            self.request.is_some() && self.request != self.writer.before.observed_reconcile_request;
+        let reader = Reader {
+            client: &self.ctx.client,
+            git: &self.ctx.git,
+        };
+        source::resolve(&reader, self.stack, &self.namespace, fresh).await
+    }
+
+    /// Before an update (not a destroy): every prerequisite stack is met; one that succeeded
+    /// too long ago is asked to run again.
+    async fn prerequisites(&self) -> Result<(), Stop> {
+        let stacks: Api<Stack> = Api::namespaced(self.ctx.client.clone(), &self.namespace);
+        for prerequisite in &self.stack.spec.prerequisites {
+            let other = stacks
+                .get_opt(&prerequisite.name)
+                .await
+                .map_err(kube_err("reading a prerequisite Stack"))?;
+            let message = match sync::prerequisite(prerequisite, other.as_ref()) {
+                Prerequisite::Met => continue,
+                Prerequisite::Unmet(message) => message,
+                Prerequisite::Stale { touch, message } => {
+                    if let Some(touch) = touch {
+                        let patch = json!({"metadata": {"annotations": {RECONCILE_REQUEST_ANNOTATION: touch}}});
+                        stacks
+                            .patch(
+                                &prerequisite.name,
+                                &PatchParams::default(),
+                                &Patch::Merge(&patch),
+                            )
+                            .await
+                            .map_err(kube_err("requesting a prerequisite's update"))?;
+                    }
+                    message
+                }
+            };
+            let waiting = Outcome::reconciling("PrerequisiteNotSatisfied", message);
+            return Err(waiting.after(PREREQUISITE_POLL).into());
+        }
+        Ok(())
+    }
+
+    /// Phase 4a: the stack's Workspace, applied and ready.
+    async fn workspace(&mut self, source: WorkspaceSource) -> Result<Workspace, Stop> {
+        // The Workspace is named after the stack: a name it cannot have stalls here, with a
+        // message that says so, instead of an apiserver refusal on every attempt.
+        if let Some(problem) = pko_api::workspace::name_problem(&self.name) {
+            let message = format!(
+                "the stack's Workspace would be named {}: {problem}",
+                self.name
+            );
+            if !conditions::is_true(&self.status.conditions, "Stalled") {
+                self.event(EventType::Warning, "StackConfigInvalid", message.clone())
+                    .await;
+            }
+            return Err(Outcome::stalled("SpecInvalid", message).into());
+        }
+        let spec = match workspace::spec(self.stack, &self.namespace, source) {
+            Ok(spec) => spec,
+            Err(message) => {
+                self.event(EventType::Warning, "StackConfigInvalid", message.clone())
+                    .await;
+                return Err(Outcome::stalled("SpecInvalid", message).into());
+            }
+        };
+        let ws = workspace::object(self.stack, &self.namespace, spec)?;
+        let waiting = "waiting for workspace readiness";
+        outcome::reconciling(
+            &mut self.status,
+            self.generation,
+            "StackProcessing",
+            waiting,
+        );
+        let applied = Api::<Workspace>::namespaced(self.ctx.client.clone(), &self.namespace)
+            .patch(
+                &self.name,
+                &PatchParams::apply(APPLY_MANAGER).force(),
+                &Patch::Apply(&ws),
+            )
+            .await;
+        let applied = match applied {
+            Ok(applied) => applied,
+            Err(e) => return Err(self.refused(e, "Workspace").await),
+        };
+        let ws_status = applied.status.clone().unwrap_or_default();
+        let ready = ws_status.observed_generation == applied.metadata.generation
+            && conditions::is_true(&ws_status.conditions, "Ready");
+        if ready {
+            return Ok(applied);
+        }
+        let stalled =
+            conditions::get(&ws_status.conditions, "Stalled").filter(|c| c.status == "True");
+        Err(match stalled {
+            Some(c) => {
+                let reason = if c.reason == "IncompatibleConfiguration" {
+                    "PulumiVersionTooLow"
+                } else {
+                    "WorkspaceFailed"
+                };
+                Outcome::stalled(reason, format!("{}: {}", c.reason, c.message))
+            }
+            None => Outcome::reconciling("StackProcessing", waiting),
+        }
+        .into())
+    }
+
+    /// Phase 4b: the Update. One of this stack still in flight is adopted rather than doubled:
+    /// the cache may not show our last status write yet, or the operator stopped between create
+    /// and status write. `currentUpdate` is saved only once the Update exists (PKO saves it
+    /// before creating it).
+    async fn launch(
+        &mut self,
+        applied: &Workspace,
+        commit: String,
+        why: &str,
+    ) -> Result<Outcome, Stop> {
+        let type_ = sync::operation(self.stack, self.deleting);
+        let updates: Api<Update> = Api::namespaced(self.ctx.client.clone(), &self.namespace);
+        let in_flight = updates
+            .list(&ListParams::default().labels(&format!("{STACK_NAME_LABEL}={}", self.name)))
+            .await
+            .map_err(kube_err("listing the stack's Updates"))?
+            .items
+            .into_iter()
+            .filter(|u| u.meta().deletion_timestamp.is_none())
+            .filter(|u| {
+                !u.status
+                    .as_ref()
+                    .is_some_and(|s| conditions::is_true(&s.conditions, "Complete"))
+            })
+            .find(|u| u.spec.type_ == Some(type_));
+        if let Some(u) = in_flight {
+            self.status.current_update = Some(self.current(u.name_any(), commit));
+            return Ok(processing());
+        }
+        let update_name = format!("{}-{:x}", self.name, Timestamp::now().as_millisecond());
+        let update = update::object(&update::Request {
+            stack: self.stack,
+            workspace: applied,
+            name: update_name.clone(),
+            type_,
+            why,
+        })?;
+        if let Err(e) = updates.create(&PostParams::default(), &update).await {
+            return Err(self.refused(e, "Update").await);
+        }
+        info!(stack = %self.name, update = %update_name, %why, "update created");
+        self.event(EventType::Normal, "StackUpdateDetected", why.to_owned())
+            .await;
+        self.status.current_update = Some(self.current(update_name, commit));
+        Ok(processing())
+    }
+
+    fn current(&self, name: String, commit: String) -> CurrentStackUpdate {
+        CurrentStackUpdate {
+            generation: self.generation,
+            reconcile_request: self.request.clone(),
+            name: Some(name),
+            commit: Some(commit),
+        }
+    }
+
+    /// A create refused because the namespace is being deleted (the apiserver's
+    /// NamespaceLifecycle admission) stalls the stack with `NamespaceTerminating` and says how
+    /// to let it go; any other error is returned. Objects that already exist keep working: a
+    /// destroy whose Update was created before the namespace started terminating still runs.
+    async fn refused(&self, err: kube::Error, kind: &str) -> Stop {
+        let namespace = &self.namespace;
+        let forbidden = matches!(&err, kube::Error::Api(e) if e.code == 403);
+        let terminating = forbidden
+            && Api::<Namespace>::all(self.ctx.client.clone())
+                .get_opt(namespace)
+                .await
+                .ok()
+                .flatten()
+                .is_some_and(|n| n.metadata.deletion_timestamp.is_some());
+        if !terminating {
+            let what = if kind == "Workspace" {
+                "applying the Workspace"
+            } else {
+                "creating the Update"
+            };
+            return kube_err(what)(err).into();
+        }
+        let message = format!(
+            "namespace {namespace} is being deleted, so no {kind} can be created and the stack cannot be \
+             destroyed; to let the namespace go without a destroy, remove the finalizer: kubectl patch \
+             stack {} -n {namespace} --type=merge -p '{{\"metadata\":{{\"finalizers\":null}}}}'",
+            self.name
+        );
+        if !conditions::is_true(&self.status.conditions, "Stalled") {
+            self.event(EventType::Warning, "NamespaceTerminating", message.clone())
+                .await;
+        }
+        Outcome::stalled("NamespaceTerminating", message)
+            .after(TERMINATING_POLL)
+            .into()
+    }
+
+    /// Phase 4, up to date: the settled conditions; a reclaimed Workspace goes once the stack
+    /// is up to date, and a destroyed stack lets its finalizer go (before any status write, as
+    /// in [`Self::let_go`]).
+    async fn settle(&mut self, poll: Option<Duration>) -> Result<Outcome, Stop> {
+        let last = self.status.last_update.clone().unwrap_or_default();
+        let outcome = sync::settled(self.stack, &last, poll, self.deleting);
+        if UpdateState::of(&last) == Some(UpdateState::Succeeded)
+            && !self.deleting
+            && self.stack.spec.workspace_reclaim_policy == Some(WorkspaceReclaimPolicy::Delete)
+        {
+            self.reclaim_workspace().await?;
+        }
+        if self.deleting && sync::destroyed(&last) {
+            set_finalizer(self.ctx, self.stack, false).await?;
+            return Err(Stop::Quiet);
+        }
+        Ok(outcome)
+    }
+
+    /// `workspaceReclaimPolicy: Delete`: the workspace (and its pod) goes once the stack is up
+    /// to date; the next sync makes a new one.
+    async fn reclaim_workspace(&self) -> Result<(), StackError> {
+        let workspaces: Api<Workspace> = Api::namespaced(self.ctx.client.clone(), &self.namespace);
+        let existing = workspaces
+            .get_opt(&self.name)
+            .await
+            .map_err(kube_err("reading the Workspace"))?;
+        if existing.is_some_and(|w| w.meta().deletion_timestamp.is_none()) {
+            workspaces
+                .delete(&self.name, &DeleteParams::background())
+                .await
+                .map_err(kube_err("deleting the Workspace"))?;
+            self.event(
+                EventType::Normal,
+                "WorkspaceDeleted",
+                format!(
+                    "Deleted workspace {} (workspaceReclaimPolicy: Delete)",
+                    self.name
+                ),
+            )
+            .await;
+        }
+        Ok(())
+    }
+}
+
+/// An Update is running: look again in a while (its completion also triggers a reconcile).
+fn processing() -> Outcome {
+    Outcome::reconciling("StackProcessing", "stack is being processed").after(UPDATE_POLL)
+}
+
+async fn set_finalizer(ctx: &StackContext, stack: &Stack, present: bool) -> Result<(), StackError> {
+    let mut finalizers = stack.finalizers().to_vec();
+    let has = finalizers.iter().any(|f| f == FINALIZER);
+    if has == present {
+        return Ok(());
+    }
+    if present {
+        finalizers.push(FINALIZER.into());
+    } else {
+        finalizers.retain(|f| f != FINALIZER);
+    }
+    // The resource version makes this a compare-and-swap: other finalizers are never lost.
+    let patch = json!({"metadata": {"finalizers": finalizers, "resourceVersion": stack.resource_version()}});
+    Api::<Stack>::namespaced(ctx.client.clone(), &stack.namespace().unwrap_or_default())
+        .patch(
+            &stack.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(&patch),
+        )
+        .await
+        .map_err(kube_err("updating the Stack finalizers"))?;
+    Ok(())
+}
+
+/// Outputs of a succeeded Update: raw JSON values, secrets as `"[secret]"` (PKO's rule).
+async fn read_outputs(
+    client: &Client,
+    namespace: &str,
+    secret_name: &str,
+) -> Option<BTreeMap<String, Value>> {
+    let secret = Api::<Secret>::namespaced(client.clone(), namespace)
+        .get_opt(secret_name)
+        .await
+        .ok()??;
+    let secret_keys: Vec<String> = secret
+        .annotations()
+        .get(SECRETS_ANNOTATION)
+        .and_then(|a| serde_json::from_str(a).ok())
+        .unwrap_or_default();
+    Some(
+        secret
+            .data
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(k, v)| {
+                let value = if secret_keys.contains(&k) {
+                    Value::String("[secret]".into())
+                } else {
+                    serde_json::from_slice(&v.0).unwrap_or(Value::Null)
+                };
+                (k, value)
+            })
+            .collect(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use http::{Method, Request, Response};
+    use kube::client::Body;
+    use kube::runtime::events::{Recorder, Reporter};
+    use serde_json::json;
+    use tower_test::mock;
+
+    use super::*;
+    use crate::controller::backoff::Backoff;
+    use crate::egress::EgressPolicy;
+    use crate::gitremote;
+    use crate::metrics::Metrics;
+
+    type Handle = mock::Handle<Request<Body>, Response<Body>>;
+
+    fn context() -> (StackContext, Handle) {
+        let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+        let client = Client::new(service, "default");
+        let ctx = StackContext {
+            recorder: Recorder::new(
+                client.clone(),
+                Reporter {
+                    controller: "test".into(),
+                    instance: None,
+                },
+            ),
+            client,
+            metrics: Metrics::default(),
+            git: gitremote::Resolver::new(
+                reqwest::Client::new(),
+                Arc::new(EgressPolicy::default()),
+                Duration::from_secs(1),
+            ),
+            backoff: Backoff::default(),
+        };
+        (ctx, handle)
+    }
+
+    fn stack(finalized: bool, status: Value) -> Stack {
+        let finalizers = if finalized {
+            json!([FINALIZER])
+        } else {
+            json!([])
+        };
+        serde_json::from_value(json!({
+            "apiVersion": "pulumi.com/v1", "kind": "Stack",
+            "metadata": {"name": "s", "namespace": "ns", "uid": "u-1", "generation": 3,
+                "resourceVersion": "7", "finalizers": finalizers},
+            "spec": {"stack": "dev", "programRef": {"name": "p"}},
+            "status": status,
+        }))
+        .expect("stack")
+    }
+
+    fn not_found(kind: &str, name: &str) -> (u16, Value) {
+        (
+            404,
+            json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                "message": format!("{kind} {name:?} not found"), "reason": "NotFound", "code": 404}),
+        )
+    }
+
+    /// Answers the next request, after checking its method and path; returns what was sent.
+    async fn answer(
+        handle: &mut Handle,
+        method: Method,
+        path: &str,
+        (status, body): (u16, Value),
+    ) -> (Request<()>, Value) {
+        let (request, send) = handle.next_request().await.expect("a request");
+        assert_eq!(request.method(), method, "{}", request.uri());
+        assert_eq!(request.uri().path(), path);
+        let (parts, body_sent) = request.into_parts();
+        let bytes = body_sent.collect_bytes().await.expect("body");
+        let sent = if bytes.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_slice(&bytes).expect("a JSON body")
+        };
+        let response = Response::builder()
+            .status(status)
+            .header("content-type", "application/json")
+            .body(Body::from(serde_json::to_vec(&body).expect("json")))
+            .expect("response");
+        send.send_response(response);
+        (Request::from_parts(parts, ()), sent)
+    }
+
+    fn conditions(patch: &Value) -> Vec<(String, String, String)> {
+        let mut c: Vec<_> = patch["status"]["conditions"]
+            .as_array()
+            .expect("conditions")
+            .iter()
+            .map(|c| {
+                let s = |k: &str| c[k].as_str().unwrap_or_default().to_owned();
+                (s("type"), s("status"), s("reason"))
+            })
+            .collect();
+        c.sort();
+        c
+    }
+
+    #[tokio::test]
+    async fn the_finalizer_comes_first_as_a_compare_and_swap() {
+        let (ctx, mut handle) = context();
+        let stack = stack(false, Value::Null);
+        let reply = serde_json::to_value(&stack).expect("json");
+        let server = tokio::spawn(async move {
+            let path = "/apis/pulumi.com/v1/namespaces/ns/stacks/s";
+            answer(&mut handle, Method::PATCH, path, (200, reply)).await
+        });
+        let action = reconcile_inner(&stack, &ctx).await.expect("reconciled");
+        assert_eq!(action, Action::await_change());
+        let (request, patch) = server.await.expect("server");
+        assert_eq!(
+            request.headers()["content-type"],
+            "application/merge-patch+json"
+        );
+        assert_eq!(
+            patch,
+            json!({"metadata": {"finalizers": [FINALIZER], "resourceVersion": "7"}})
+        );
+    }
+
+    #[tokio::test]
+    async fn a_missing_program_stalls_the_stack_in_one_status_write() {
+        let (ctx, mut handle) = context();
+        let stack = stack(true, Value::Null);
+        let reply = serde_json::to_value(&stack).expect("json");
+        let server = tokio::spawn(async move {
+            let program = "/apis/pulumi.com/v1/namespaces/ns/programs/p";
+            answer(
+                &mut handle,
+                Method::GET,
+                program,
+                not_found("programs", "p"),
+            )
+            .await;
+            let status = "/apis/pulumi.com/v1/namespaces/ns/stacks/s/status";
+            answer(&mut handle, Method::PATCH, status, (200, reply)).await
+        });
+        let action = reconcile_inner(&stack, &ctx).await.expect("reconciled");
+        assert_eq!(action, Action::requeue(Duration::from_secs(30)));
+        let (request, patch) = server.await.expect("server");
+        let query = request.uri().query().unwrap_or_default();
+        assert!(
+            query.contains("fieldManager=pko-rs%2Fstack-status") && query.contains("force=true"),
+            "{query}"
+        );
+        assert_eq!(
+            request.headers()["content-type"],
+            "application/apply-patch+yaml"
+        );
+        assert_eq!(patch["apiVersion"], "pulumi.com/v1");
+        assert_eq!(patch["kind"], "Stack");
+        assert_eq!(patch["status"]["observedGeneration"], 3);
+        assert_eq!(
+            conditions(&patch),
+            vec![
+                ("Ready".into(), "False".into(), "NotReadyStalled".into()),
+                ("Stalled".into(), "True".into(), "SourceUnavailable".into()),
+            ]
+        );
+        let stalled = patch["status"]["conditions"]
+            .as_array()
+            .and_then(|c| c.iter().find(|c| c["type"] == "Stalled"))
+            .expect("stalled");
+        assert_eq!(stalled["message"], "unable to retrieve program for stack");
+    }
+
+    #[tokio::test]
+    async fn a_running_update_keeps_the_stack_reconciling() {
+        let (ctx, mut handle) = context();
+        let stack = stack(
+            true,
+            json!({"observedGeneration": 3, "currentUpdate": {"generation": 3, "name": "s-1", "commit": "d1"}}),
+        );
+        let reply = serde_json::to_value(&stack).expect("json");
+        let update = json!({"apiVersion": "auto.pulumi.com/v1alpha1", "kind": "Update",
+            "metadata": {"name": "s-1", "namespace": "ns"}, "spec": {"type": "up"}});
+        let server = tokio::spawn(async move {
+            let path = "/apis/auto.pulumi.com/v1alpha1/namespaces/ns/updates/s-1";
+            answer(&mut handle, Method::GET, path, (200, update)).await;
+            let status = "/apis/pulumi.com/v1/namespaces/ns/stacks/s/status";
+            answer(&mut handle, Method::PATCH, status, (200, reply)).await
+        });
+        let action = reconcile_inner(&stack, &ctx).await.expect("reconciled");
+        assert_eq!(action, Action::requeue(Duration::from_secs(300)));
+        let (_, patch) = server.await.expect("server");
+        assert_eq!(
+            conditions(&patch),
+            vec![
+                ("Ready".into(), "False".into(), "NotReadyInProgress".into()),
+                (
+                    "Reconciling".into(),
+                    "True".into(),
+                    "StackProcessing".into()
+                ),
+            ]
+        );
+        assert_eq!(patch["status"]["currentUpdate"]["name"], "s-1");
+    }
+
+    #[tokio::test]
+    async fn an_unchanged_status_is_not_written() {
+        let (ctx, mut handle) = context();
+        let stack = stack(true, Value::Null);
+        let writer = StatusWriter::new(&ctx.client, &stack, "ns");
+        writer
+            .write(&StackStatus::default())
+            .await
+            .expect("nothing to write");
+        // No request reached the apiserver.
+        drop(ctx);
+        drop(writer);
+        assert!(handle.next_request().await.is_none());
+    }
+}
