@@ -104,14 +104,15 @@ pub trait MetricLabel {
 }
 
 /// A controller error with a variant for a failed apiserver call, saying what was being done.
-pub trait FromKube {
+pub trait FromKube: Sized {
     fn from_kube(what: String, source: kube::Error) -> Self;
-}
 
-/// `map_err` for an apiserver call: `.map_err(kube_err("reading the Workspace"))?`.
-pub fn kube_err<E: FromKube>(what: impl Into<String>) -> impl FnOnce(kube::Error) -> E {
-    let what = what.into();
-    move |source| E::from_kube(what, source)
+    /// `map_err` for an apiserver call: `.map_err(StackError::kube("reading the Workspace"))?`
+    /// (named by its type: `?` alone could not tell which error to build).
+    fn kube(what: impl Into<String>) -> impl FnOnce(kube::Error) -> Self {
+        let what = what.into();
+        move |source| Self::from_kube(what, source)
+    }
 }
 
 /// The error policy of every controller: log, count by the error's label, and retry after the

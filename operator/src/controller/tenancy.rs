@@ -24,7 +24,7 @@ use tracing::warn;
 
 use crate::controller::backoff::{self, Backoff};
 use crate::controller::conditions;
-use crate::controller::kit::{self, Kit};
+use crate::controller::kit::{self, FromKube, Kit};
 use crate::metrics::Metrics;
 
 pub const STATUS_MANAGER: &str = "pko-rs/tenancy-status";
@@ -244,7 +244,7 @@ async fn reconcile_inner(
                 &Patch::Apply(&patch),
             )
             .await
-            .map_err(kit::kube_err("writing the TenancyPolicy status"))?;
+            .map_err(TenancyStatusError::kube("writing the TenancyPolicy status"))?;
     }
     Ok(Action::await_change())
 }

@@ -36,7 +36,7 @@ use tracing::{info, warn};
 use crate::agent_client::{AgentError, Agents};
 use crate::controller::backoff::{self, Backoff, Verdict};
 use crate::controller::conditions;
-use crate::controller::kit::{self, Kit};
+use crate::controller::kit::{self, FromKube, Kit};
 use crate::metrics::Metrics;
 
 pub const STATUS_MANAGER: &str = "pko-rs/update-status";
@@ -478,7 +478,7 @@ async fn ready_workspace(
     let Some(ws) = workspaces
         .get_opt(&ws_name)
         .await
-        .map_err(kit::kube_err("reading the Workspace"))?
+        .map_err(UpdateError::kube("reading the Workspace"))?
     else {
         let message = format!("workspace {ws_name} not found");
         return Ok(Err(current.waiting("WorkspaceNotFound", &message)));
@@ -668,7 +668,7 @@ async fn expire(
     if elapsed >= ttl_signed {
         api.delete(&update.name_any(), &DeleteParams::background())
             .await
-            .map_err(kit::kube_err("deleting the expired Update"))?;
+            .map_err(UpdateError::kube("deleting the expired Update"))?;
         ctx.event(
             update,
             EventType::Normal,
@@ -1253,7 +1253,7 @@ async fn write_status(
             &Patch::Apply(&patch),
         )
         .await
-        .map_err(kit::kube_err("writing the Update status"))?;
+        .map_err(UpdateError::kube("writing the Update status"))?;
     Ok(())
 }
 

@@ -31,11 +31,11 @@ use pko_api::update::Update;
 use pko_api::workspace::Workspace;
 use tracing::warn;
 
-use crate::controller::backoff::{self, Backoff};
+use crate::controller::backoff::Backoff;
 use crate::controller::kit::{self, Kit};
 use crate::egress::EgressPolicy;
 use crate::gitremote;
-use crate::metrics::{ErrorLabels, Metrics};
+use crate::metrics::Metrics;
 
 mod outcome;
 mod reconcile;
@@ -184,13 +184,5 @@ pub async fn run(
 }
 
 fn error_policy(stack: Arc<Stack>, err: &StackError, ctx: Arc<StackContext>) -> Action {
-    warn!(stack = %stack.name_any(), error = %err, "reconcile failed");
-    ctx.metrics
-        .reconcile_errors
-        .get_or_create(&ErrorLabels {
-            controller: CONTROLLER.into(),
-            error: "reconcile".into(),
-        })
-        .inc();
-    Action::requeue(ctx.backoff.delay(&backoff::key(&stack.metadata)))
+    kit::error_policy(CONTROLLER, &*stack, err, &ctx.metrics, &ctx.backoff)
 }

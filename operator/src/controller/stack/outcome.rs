@@ -8,6 +8,7 @@ use pko_api::stack::StackStatus;
 
 use crate::controller::backoff::{self, Verdict};
 use crate::controller::conditions;
+use crate::controller::kit;
 
 /// Failures of one reconcile.
 #[derive(Debug, thiserror::Error)]
@@ -44,9 +45,16 @@ impl StackError {
     }
 }
 
-pub fn kube_err(what: impl Into<String>) -> impl FnOnce(kube::Error) -> StackError {
-    let what = what.into();
-    move |source| StackError::Kube { what, source }
+impl kit::FromKube for StackError {
+    fn from_kube(what: String, source: kube::Error) -> Self {
+        Self::Kube { what, source }
+    }
+}
+
+impl kit::MetricLabel for StackError {
+    fn metric_label(&self) -> &'static str {
+        "reconcile"
+    }
 }
 
 /// What the status says at the end of a reconcile (kstatus: Ready, Reconciling, Stalled), and

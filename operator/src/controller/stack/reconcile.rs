@@ -18,7 +18,7 @@ use pko_api::workspace::Workspace;
 use serde_json::{Value, json};
 use tracing::{info, warn};
 
-use super::outcome::{self, Outcome, StackError, Stop, kube_err};
+use super::outcome::{self, Outcome, StackError, Stop};
 use super::source::{self, Reader, Resolved, WorkspaceSource};
 use super::sync::{self, Prerequisite, UpdateState};
 use super::{
@@ -28,6 +28,7 @@ use super::{
 use crate::controller::backoff;
 use crate::controller::conditions;
 use crate::controller::kit;
+use crate::controller::kit::FromKube;
 use crate::controller::update::SECRETS_ANNOTATION;
 use crate::controller::workspace::APPLY_MANAGER;
 
@@ -126,7 +127,7 @@ impl StatusWriter {
                 &Patch::Apply(&patch),
             )
             .await
-            .map_err(kube_err("writing the Stack status"))?;
+            .map_err(StackError::kube("writing the Stack status"))?;
         Ok(())
     }
 }
@@ -220,7 +221,7 @@ impl<'a> Run<'a> {
         let found = Api::<Update>::namespaced(self.ctx.client.clone(), &self.namespace)
             .get_opt(&update_name)
             .await
-            .map_err(kube_err("reading the current Update"))?;
+            .map_err(StackError::kube("reading the current Update"))?;
         let Some(update) = found else {
             warn!(stack = %self.name, update = %update_name, "the current update is gone; starting over");
             self.event(
@@ -313,7 +314,7 @@ impl<'a> Run<'a> {
             let other = stacks
                 .get_opt(&prerequisite.name)
                 .await
-                .map_err(kube_err("reading a prerequisite Stack"))?;
+                .map_err(StackError::kube("reading a prerequisite Stack"))?;
             let message = match sync::prerequisite(prerequisite, other.as_ref()) {
                 Prerequisite::Met => continue,
                 Prerequisite::Unmet(message) => message,
@@ -327,7 +328,7 @@ impl<'a> Run<'a> {
                                 &Patch::Merge(&patch),
                             )
                             .await
-                            .map_err(kube_err("requesting a prerequisite's update"))?;
+                            .map_err(StackError::kube("requesting a prerequisite's update"))?;
                     }
                     message
                 }
@@ -417,7 +418,7 @@ impl<'a> Run<'a> {
         let in_flight = updates
             .list(&ListParams::default().labels(&format!("{STACK_NAME_LABEL}={}", self.name)))
             .await
-            .map_err(kube_err("listing the stack's Updates"))?
+            .map_err(StackError::kube("listing the stack's Updates"))?
             .items
             .into_iter()
             .filter(|u| u.meta().deletion_timestamp.is_none())
@@ -478,7 +479,7 @@ impl<'a> Run<'a> {
             } else {
                 "creating the Update"
             };
-            return kube_err(what)(err).into();
+            return StackError::kube(what)(err).into();
         }
         let message = format!(
             "namespace {namespace} is being deleted, so no {kind} can be created and the stack cannot be \
@@ -521,12 +522,12 @@ impl<'a> Run<'a> {
         let existing = workspaces
             .get_opt(&self.name)
             .await
-            .map_err(kube_err("reading the Workspace"))?;
+            .map_err(StackError::kube("reading the Workspace"))?;
         if existing.is_some_and(|w| w.meta().deletion_timestamp.is_none()) {
             workspaces
                 .delete(&self.name, &DeleteParams::background())
                 .await
-                .map_err(kube_err("deleting the Workspace"))?;
+                .map_err(StackError::kube("deleting the Workspace"))?;
             self.event(
                 EventType::Normal,
                 "WorkspaceDeleted",
@@ -566,7 +567,7 @@ async fn set_finalizer(ctx: &StackContext, stack: &Stack, present: bool) -> Resu
             &Patch::Merge(&patch),
         )
         .await
-        .map_err(kube_err("updating the Stack finalizers"))?;
+        .map_err(StackError::kube("updating the Stack finalizers"))?;
     Ok(())
 }
 

@@ -18,8 +18,9 @@ use pko_api::program::Program;
 use pko_api::stack::Stack;
 use pko_api::workspace::{FluxSource, GitAuth, GitSource};
 
-use super::outcome::{Outcome, Stop, kube_err};
+use super::outcome::{Outcome, StackError, Stop};
 use super::sync::resync_frequency;
+use crate::controller::kit::FromKube;
 use crate::gitremote::{self, HttpAuth};
 
 /// Where a Workspace gets the program.
@@ -135,7 +136,7 @@ async fn program(client: &Client, stack: &Stack, namespace: &str) -> Result<Reso
     let program = Api::<Program>::namespaced(client.clone(), namespace)
         .get_opt(&program_ref.name)
         .await
-        .map_err(kube_err("reading the Program"))?;
+        .map_err(StackError::kube("reading the Program"))?;
     let artifact = program
         .as_ref()
         .and_then(|p| p.status.as_ref())
