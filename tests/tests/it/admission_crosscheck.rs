@@ -3,10 +3,6 @@
 //!
 //! Also checks, in-process, the engine's limits: an evaluation that runs past its deadline or
 //! its memory cap fails with the right error, and the engine keeps evaluating afterwards.
-#![allow(
-    clippy::disallowed_methods,
-    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
-)]
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -1,9 +1,5 @@
 //! Program → Stack → Workspace → Update → outputs, end to end on the real control plane with the
 //! harness as kubelet, the real agent and the real pulumi CLI.
-#![allow(
-    clippy::disallowed_methods,
-    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
-)]
 
 use std::time::Duration;
 

@@ -1,9 +1,5 @@
 //! Smoke tests of the control-plane harness itself: the shared plane, its kubeconfig, CRD
 //! install, namespaces, and that child processes never outlive the tests.
-#![allow(
-    clippy::disallowed_methods,
-    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
-)]
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
@@ -173,7 +169,8 @@ fn spawned_child_dies_with_parent_process() {
     let exe = std::env::current_exe().expect("current exe");
     let mut parent = Command::new(exe)
         .args([
-            "spawned_child_dies_with_parent_process",
+            // The test's full name in the one integration binary (module path, then name).
+            "harness_smoke::spawned_child_dies_with_parent_process",
             "--exact",
             "--nocapture",
             "--test-threads=1",

@@ -4,10 +4,6 @@
 //! with backoff until the spec is fixed; a Secret with a dot in its name gets a volume in a
 //! stack's workspace; a Stack whose Workspace name would be refused stalls saying why; a Stack
 //! whose finalizer is refused stalls once and backs off.
-#![allow(
-    clippy::disallowed_methods,
-    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
-)]
 
 use std::time::{Duration, Instant};
 

@@ -1,10 +1,6 @@
 //! The chaos and hostile-load scenarios of `make chaos` at a short scale: each must keep its
 //! invariants (no crash, bounded memory, convergence, no error a client sees). Times are
 //! recorded in the printed report, never asserted.
-#![allow(
-    clippy::disallowed_methods,
-    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
-)]
 
 use pko_tests::ControlPlane;
 use pko_tests::chaos::{self, Scale, Section};

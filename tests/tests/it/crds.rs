@@ -1,9 +1,5 @@
 //! Our CRDs on the real apiserver: PKO's manifests accepted unchanged, CEL rules enforced with
 //! clear messages.
-#![allow(
-    clippy::disallowed_methods,
-    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
-)]
 
 use kube::api::{Api, DynamicObject, PostParams};
 use kube::core::{ApiResource, GroupVersionKind};

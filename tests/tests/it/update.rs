@@ -1,9 +1,5 @@
 //! Update controller on the real control plane, with the harness as kubelet and the real agent
 //! and pulumi CLI: outputs Secret and PKO's conditions, failures, a killed agent mid-update.
-#![allow(
-    clippy::disallowed_methods,
-    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
-)]
 
 use std::path::Path;
 use std::time::Duration;

@@ -1,9 +1,5 @@
 //! `/metrics` of the real operator: every documented name is exposed, and the values follow
 //! Programs and Stacks as they are created, changed and deleted.
-#![allow(
-    clippy::disallowed_methods,
-    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
-)]
 
 use std::time::Duration;
 

@@ -5,10 +5,6 @@
 //! Every test registers its own webhook configurations, scoped to its own namespaces, and its
 //! own operator process. Every rule has an allowed and a denied case here; the rules themselves
 //! are specified in `policies/*_test.rego`.
-#![allow(
-    clippy::disallowed_methods,
-    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
-)]
 
 use std::collections::BTreeMap;
 use std::io::Write;

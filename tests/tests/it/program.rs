@@ -1,10 +1,6 @@
 //! Program controller and file server, on the real control plane with the real operator binary.
 //!
 //! Each test gets its own namespace and its own operator process watching only that namespace.
-#![allow(
-    clippy::disallowed_methods,
-    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
-)]
 
 use std::collections::BTreeMap;
 use std::io::Read;

@@ -1,9 +1,5 @@
 //! The offline commands of the real `pko-operator` binary: `plugin test` (the conformance kit)
 //! and `render`. Needs the components built by `make plugins`.
-#![allow(
-    clippy::disallowed_methods,
-    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
-)]
 
 use std::path::Path;
 use std::process::{Command, Output};

@@ -3,10 +3,6 @@
 //! server keeps answering on the survivor, and SIGTERM releases the lease for a fast handover.
 //!
 //! Each test uses its own namespace for its Programs and its Lease.
-#![allow(
-    clippy::disallowed_methods,
-    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
-)]
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

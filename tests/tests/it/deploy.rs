@@ -5,10 +5,6 @@
 //!
 //! This binary has its own control plane; the apply installs into `pko-rs-system` with its own
 //! field manager and `--force-conflicts`, so it never fights the harness over the CRDs.
-#![allow(
-    clippy::disallowed_methods,
-    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
-)]
 
 use std::collections::BTreeMap;
 use std::process::Command;

@@ -3,10 +3,6 @@
 //! artifacts, the status of Programs and transforms, Events, and hostile guests.
 //!
 //! Needs the components built by `make plugins` (`$PKO_PLUGINS_DIR`).
-#![allow(
-    clippy::disallowed_methods,
-    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
-)]
 
 use std::collections::BTreeMap;
 use std::io::Read;

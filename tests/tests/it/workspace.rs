@@ -1,10 +1,6 @@
 //! Workspace controller on the real control plane, with the harness as kubelet running the real
 //! agent and pulumi CLI: the agent comes up, stacks are configured over RPC (a config change does
 //! not restart the pod), a corrupted artifact and a root pod template are reported.
-#![allow(
-    clippy::disallowed_methods,
-    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
-)]
 
 use std::time::Duration;
 
