@@ -30,6 +30,7 @@ pub mod plugin_bench;
 pub mod plugins;
 mod process;
 pub mod refusal;
+pub mod serial;
 pub mod webhook;
 
 use std::future::Future;

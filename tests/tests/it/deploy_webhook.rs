@@ -73,7 +73,8 @@ async fn may(
 
 #[tokio::test]
 async fn webhook_manifests_and_least_privilege() {
-    let plane = ControlPlane::shared().await;
+    let _machine = pko_tests::serial::shared().await;
+    let plane = ControlPlane::shared_apart().await;
     tokio::task::spawn_blocking(move || apply(plane))
         .await
         .expect("apply");

@@ -170,6 +170,7 @@ impl Poller {
 
 #[tokio::test]
 async fn killed_leader_is_replaced_within_the_lease_duration_while_the_survivor_serves() {
+    let _machine = pko_tests::serial::shared().await;
     const LEASE_DURATION: Duration = Duration::from_secs(4);
     const RETRY_PERIOD: Duration = Duration::from_secs(1);
     let plane = ControlPlane::shared().await;
@@ -251,6 +252,7 @@ async fn killed_leader_is_replaced_within_the_lease_duration_while_the_survivor_
 
 #[tokio::test]
 async fn sigterm_drains_and_releases_the_lease_for_a_fast_handover() {
+    let _machine = pko_tests::serial::shared().await;
     // A lease long enough that only a released lease explains a quick takeover.
     const LEASE_DURATION: Duration = Duration::from_secs(60);
     const RENEW_DEADLINE: Duration = Duration::from_secs(30);
@@ -311,6 +313,7 @@ async fn sigterm_drains_and_releases_the_lease_for_a_fast_handover() {
 
 #[tokio::test]
 async fn invalid_election_settings_fail_at_start() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("leader-bad").await.expect("namespace");
     let result = Operator::start(
@@ -331,6 +334,7 @@ async fn invalid_election_settings_fail_at_start() {
 
 #[tokio::test]
 async fn a_lost_lease_stops_the_controllers_until_it_is_won_back() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("leader-lost").await.expect("namespace");
     let programs: Api<Program> = Api::namespaced(plane.client(), &ns);

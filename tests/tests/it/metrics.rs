@@ -78,6 +78,7 @@ fn typed_families(text: &str) -> Vec<&str> {
 
 #[tokio::test]
 async fn metrics_follow_programs_reconciles_and_fetches() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("metrics-prog").await.expect("namespace");
     let op = Operator::start(
@@ -243,6 +244,7 @@ fn condition(type_: &str, status: &str) -> Value {
 
 #[tokio::test]
 async fn stack_gauges_follow_stacks_on_a_follower() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("metrics-stack").await.expect("namespace");
     foreign_lease(plane, &ns).await;

@@ -104,6 +104,7 @@ fn sha256(bytes: &[u8]) -> String {
 
 #[tokio::test]
 async fn artifact_fields_for_generation_1_and_2() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("prog-gen").await.expect("namespace");
     let _op = operator_for(plane, &ns, Some("http://fake-svc.fake-namespace")).await;
@@ -157,6 +158,7 @@ async fn artifact_fields_for_generation_1_and_2() {
 
 #[tokio::test]
 async fn advertised_https_is_kept_and_http_is_added() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     for (advertised, scheme_host) in [
         ("https://fake-address", "https://fake-address"),
@@ -179,6 +181,7 @@ async fn advertised_https_is_kept_and_http_is_added() {
 
 #[tokio::test]
 async fn served_artifact_matches_status_and_carries_the_spec() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("prog-serve").await.expect("namespace");
     let op = operator_for(plane, &ns, None).await;
@@ -276,6 +279,7 @@ async fn served_artifact_matches_status_and_carries_the_spec() {
 
 #[tokio::test]
 async fn file_server_rejects_bad_requests_clearly() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("prog-bad").await.expect("namespace");
     let op = operator_for(plane, &ns, None).await;
@@ -424,6 +428,7 @@ async fn file_server_rejects_bad_requests_clearly() {
 
 #[tokio::test]
 async fn two_operators_serve_identical_bytes() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("prog-two").await.expect("namespace");
     let first = operator_for(plane, &ns, None).await;
@@ -460,6 +465,7 @@ async fn two_operators_serve_identical_bytes() {
 
 #[tokio::test]
 async fn status_survives_label_edits_and_restarts_without_rewrites() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("prog-ssa").await.expect("namespace");
     // Same advertised address across the restart (the bound port changes).
@@ -524,6 +530,7 @@ async fn status_survives_label_edits_and_restarts_without_rewrites() {
 
 #[tokio::test]
 async fn program_near_the_etcd_size_limit_gets_an_artifact() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("prog-big").await.expect("namespace");
     let op = operator_for(plane, &ns, None).await;
@@ -557,6 +564,7 @@ async fn program_near_the_etcd_size_limit_gets_an_artifact() {
 
 #[tokio::test]
 async fn burst_of_random_paths_leaves_the_server_healthy() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("prog-burst").await.expect("namespace");
     let op = operator_for(plane, &ns, None).await;
@@ -629,6 +637,7 @@ fn random_path(i: u32, ns: &str) -> String {
 /// answer is 200 with the digest of the status. No retries: one 404 fails the test.
 #[tokio::test]
 async fn published_artifacts_are_served_at_once_by_the_leader_and_a_standby() {
+    let _machine = pko_tests::serial::shared().await;
     use futures::{StreamExt, TryStreamExt};
     use kube::runtime::{WatchStreamExt, watcher};
 
@@ -764,6 +773,7 @@ async fn published_artifacts_are_served_at_once_by_the_leader_and_a_standby() {
 /// examples/program.yaml fetched and verified, and examples/stack.yaml deployed to Ready.
 #[tokio::test]
 async fn the_make_run_path_works_end_to_end() {
+    let _machine = pko_tests::serial::shared().await;
     let output = tokio::task::spawn_blocking(|| {
         std::process::Command::new(env!("CARGO_BIN_EXE_pko-dev"))
             .arg("check")
@@ -826,6 +836,7 @@ fn agent_init(url: &str, digest: &str) -> (bool, String) {
 /// exactly the answer of a Program that does not exist, and is counted; B's own URL works.
 #[tokio::test]
 async fn a_tenant_cannot_fetch_another_tenants_artifact_by_any_url() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let (a, b) = (
         plane.namespace("tenant-a").await.expect("namespace a"),

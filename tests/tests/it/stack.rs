@@ -108,6 +108,7 @@ async fn create_stack(stacks: &Api<Stack>, backend: &std::path::Path, name: &str
 
 #[tokio::test]
 async fn program_to_stack_ready_with_outputs_then_edit_then_destroy_on_delete() {
+    let _machine = pko_tests::serial::shared().await;
     let Env {
         plane,
         ns,
@@ -246,6 +247,7 @@ async fn program_to_stack_ready_with_outputs_then_edit_then_destroy_on_delete() 
 #[tokio::test]
 async fn invalid_sources_and_references_stall_with_a_clear_reason_and_reclaim_deletes_the_workspace()
  {
+    let _machine = pko_tests::serial::shared().await;
     let Env {
         plane,
         ns,
@@ -427,6 +429,7 @@ async fn install_flux_crd(client: kube::Client) {
 
 #[tokio::test]
 async fn a_flux_source_object_is_fetched_verified_and_deployed() {
+    let _machine = pko_tests::serial::shared().await;
     install_flux_crd(ControlPlane::shared().await.client()).await;
     let Env {
         plane,
@@ -511,6 +514,7 @@ fn git_program(message: &str) -> String {
 
 #[tokio::test]
 async fn a_git_branch_is_deployed_with_credentials_and_a_new_commit_redeploys() {
+    let _machine = pko_tests::serial::shared().await;
     let Env {
         plane,
         ns,
@@ -634,6 +638,7 @@ async fn a_git_branch_is_deployed_with_credentials_and_a_new_commit_redeploys() 
 
 #[tokio::test]
 async fn a_destroy_in_a_terminating_namespace_stalls_and_says_how_to_let_go() {
+    let _machine = pko_tests::serial::shared().await;
     let Env {
         plane,
         ns,
@@ -731,6 +736,7 @@ async fn a_destroy_in_a_terminating_namespace_stalls_and_says_how_to_let_go() {
 /// with `destroyOnFinalize`.
 #[tokio::test]
 async fn a_real_resource_is_created_updated_and_destroyed() {
+    let _machine = pko_tests::serial::shared().await;
     let Env {
         plane,
         ns,
@@ -847,6 +853,7 @@ async fn a_real_resource_is_created_updated_and_destroyed() {
 /// stalls after the fourth failure in a row, and a spec change runs it again.
 #[tokio::test]
 async fn repeated_failures_stall_the_stack_until_the_spec_changes() {
+    let _machine = pko_tests::serial::shared().await;
     let Env {
         plane,
         ns,
@@ -946,6 +953,7 @@ async fn repeated_failures_stall_the_stack_until_the_spec_changes() {
 /// `preview: true` runs previews only, and deleting such a stack destroys nothing.
 #[tokio::test]
 async fn a_preview_stack_previews_and_is_deleted_without_a_destroy() {
+    let _machine = pko_tests::serial::shared().await;
     let Env {
         plane,
         ns,
@@ -1016,6 +1024,7 @@ async fn a_preview_stack_previews_and_is_deleted_without_a_destroy() {
 /// connection; where it is allowed, a bad answer is named by its class, never repeated.
 #[tokio::test]
 async fn branch_lookups_refuse_forbidden_addresses_and_never_echo_an_answer() {
+    let _machine = pko_tests::serial::shared().await;
     const SECRET: &str = "METADATA-SECRET-4f1c";
     let plane = ControlPlane::shared().await;
     let server = pko_tests::agent::StaticServer::start(std::collections::HashMap::from([(

@@ -65,6 +65,7 @@ async fn refusal(api: &Api<Workspace>, ws: &Workspace) -> Option<(u16, String)> 
 
 #[tokio::test]
 async fn workspace_names_that_would_make_invalid_objects_are_refused() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("ws-names").await.expect("namespace");
     let api: Api<Workspace> = Api::namespaced(plane.client(), &ns);
@@ -115,6 +116,7 @@ fn stalled_and_ready(ws: &Workspace) -> (Found, Found) {
 
 #[tokio::test]
 async fn a_statefulset_the_apiserver_refuses_stalls_the_workspace_and_is_retried_with_backoff() {
+    let _machine = pko_tests::serial::shared().await;
     let env = env("ws-refused").await;
     let api: Api<Workspace> = Api::namespaced(env.plane.client(), &env.ns);
     // Valid for the Workspace schema, refused by StatefulSet validation (422): a mount of a
@@ -238,6 +240,7 @@ fn stack(env: &Env, name: &str, extra: Value) -> Stack {
 
 #[tokio::test]
 async fn a_dotted_secret_gets_a_volume_and_a_dotted_stack_name_stalls() {
+    let _machine = pko_tests::serial::shared().await;
     let env = env("stack-names").await;
     let client = env.plane.client();
     let programs: Api<Program> = Api::namespaced(client.clone(), &env.ns);
@@ -346,6 +349,7 @@ async fn a_dotted_secret_gets_a_volume_and_a_dotted_stack_name_stalls() {
 /// once). Once the refusal is gone, the Stack goes.
 #[tokio::test]
 async fn a_stack_whose_finalizer_is_refused_stalls_once_and_backs_off() {
+    let _machine = pko_tests::serial::shared().await;
     use pko_tests::refusal::{Refusal, Rule};
     let env = env("stack-keep").await;
     let client = env.plane.client();

@@ -283,6 +283,7 @@ fn applied_ids(artifact: &Value) -> Vec<String> {
 
 #[tokio::test]
 async fn a_transform_changes_the_artifact_every_replica_serves_until_it_is_deleted() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("tf-basic").await.expect("namespace");
     let first = operator(plane, &ns).await;
@@ -431,6 +432,7 @@ async fn a_transform_changes_the_artifact_every_replica_serves_until_it_is_delet
 
 #[tokio::test]
 async fn transforms_run_in_priority_order_and_only_selected_programs_change() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("tf-order").await.expect("namespace");
     let op = operator(plane, &ns).await;
@@ -548,6 +550,7 @@ async fn transforms_run_in_priority_order_and_only_selected_programs_change() {
 
 #[tokio::test]
 async fn a_cluster_transform_applies_only_to_selected_namespaces() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let gold = plane.namespace("tf-gold").await.expect("namespace");
     let free = plane.namespace("tf-free").await.expect("namespace");
@@ -687,6 +690,7 @@ async fn a_cluster_transform_applies_only_to_selected_namespaces() {
 
 #[tokio::test]
 async fn hostile_guests_fail_only_their_own_program() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("tf-hostile").await.expect("namespace");
     let op = operator(plane, &ns).await;
@@ -958,6 +962,7 @@ async fn hostile_guests_fail_only_their_own_program() {
 
 #[tokio::test]
 async fn transform_status_explains_a_wrong_digest_an_invalid_config_and_a_missing_source() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("tf-status").await.expect("namespace");
     let op = operator(plane, &ns).await;
@@ -1203,6 +1208,7 @@ fn https_module(host: &str, path: &str, sha256: &str) -> Value {
 
 #[tokio::test]
 async fn a_module_is_fetched_from_an_https_url_trusting_the_configured_ca() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("tf-https").await.expect("namespace");
     let tags = module("default_tags").expect("module");
@@ -1269,6 +1275,7 @@ async fn a_module_is_fetched_from_an_https_url_trusting_the_configured_ca() {
 /// status names the class of address (never what a server answered).
 #[tokio::test]
 async fn a_module_url_on_a_refused_address_is_not_fetched() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("tf-egress").await.expect("namespace");
     let tags = module("default_tags").expect("module");
@@ -1301,6 +1308,7 @@ async fn a_module_url_on_a_refused_address_is_not_fetched() {
 
 #[tokio::test]
 async fn a_plugin_asking_more_memory_than_the_budget_fails_alone_and_nothing_restarts() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("tf-budget").await.expect("namespace");
     // 128 MiB for every plugin call together: a plugin asking 512 MiB can never run; before

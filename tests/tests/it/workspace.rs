@@ -120,6 +120,7 @@ const PROGRAM: &str =
 
 #[tokio::test]
 async fn workspace_runs_the_agent_and_pushes_config_without_restarting_it() {
+    let _machine = pko_tests::serial::shared().await;
     let env = env("ws-ready").await;
     let plane = ControlPlane::shared().await;
     let (url, digest) = program_artifact(
@@ -270,6 +271,7 @@ async fn workspace_runs_the_agent_and_pushes_config_without_restarting_it() {
 
 #[tokio::test]
 async fn a_corrupted_artifact_fails_init_and_the_workspace_says_why() {
+    let _machine = pko_tests::serial::shared().await;
     let env = env("ws-digest").await;
     let plane = ControlPlane::shared().await;
     let (url, _) = program_artifact(
@@ -300,6 +302,7 @@ async fn a_corrupted_artifact_fails_init_and_the_workspace_says_why() {
 
 #[tokio::test]
 async fn a_root_pod_template_never_reaches_a_pod() {
+    let _machine = pko_tests::serial::shared().await;
     let env = env("ws-root").await;
     let plane = ControlPlane::shared().await;
     let api: Api<Workspace> = Api::namespaced(plane.client(), &env.ns);
