@@ -21,6 +21,7 @@ pub mod chaos;
 mod control_plane;
 pub mod execution;
 pub mod fifo;
+pub mod fixtures;
 pub mod gitrepo;
 pub mod kubelet;
 pub mod measure;

@@ -12,6 +12,7 @@ use k8s_openapi::api::coordination::v1::Lease;
 use kube::Api;
 use kube::api::PostParams;
 use pko_api::program::Program;
+use pko_tests::fixtures::config_map_program as program;
 use pko_tests::operator::{Operator, OperatorOptions};
 use pko_tests::{ControlPlane, HarnessError, wait_for};
 use serde_json::json;
@@ -41,16 +42,6 @@ async fn start(plane: &ControlPlane, args: Vec<String>) -> Operator {
     )
     .await
     .expect("operator starts")
-}
-
-fn program(name: &str) -> Program {
-    serde_json::from_value(json!({
-        "apiVersion": "pulumi.com/v1",
-        "kind": "Program",
-        "metadata": {"name": name},
-        "program": {"resources": {"r": {"type": "kubernetes:core/v1:ConfigMap"}}},
-    }))
-    .expect("valid Program")
 }
 
 /// Waits until the Program's status carries the artifact of generation 1 (a leader wrote it).

@@ -9,6 +9,7 @@ use kube::Api;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use pko_api::program::Program;
 use pko_api::stack::Stack;
+use pko_tests::fixtures::{self, config_map_program as program};
 use pko_tests::operator::{Operator, OperatorOptions, metric_value};
 use pko_tests::{ControlPlane, wait_for};
 use serde_json::{Value, json};
@@ -34,24 +35,9 @@ const FAMILIES: &[&str] = &[
     "pko_build",
 ];
 
-fn program(name: &str) -> Program {
-    serde_json::from_value(json!({
-        "apiVersion": "pulumi.com/v1",
-        "kind": "Program",
-        "metadata": {"name": name},
-        "program": {"resources": {"r": {"type": "kubernetes:core/v1:ConfigMap"}}},
-    }))
-    .expect("valid Program")
-}
-
+/// A Stack `name` for stack `dev/<name>`, which no operator here ever runs.
 fn stack(name: &str) -> Stack {
-    serde_json::from_value(json!({
-        "apiVersion": "pulumi.com/v1",
-        "kind": "Stack",
-        "metadata": {"name": name},
-        "spec": {"stack": format!("dev/{name}")},
-    }))
-    .expect("valid Stack")
+    fixtures::stack(name, json!({"stack": format!("dev/{name}")}))
 }
 
 /// Waits until the sample `series` reads `want` (`None`: the series is absent).

@@ -9,22 +9,12 @@ use std::time::Duration;
 use kube::Api;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use pko_api::program::Program;
+use pko_tests::fixtures::{program, sha256, status_of};
 use pko_tests::operator::{Operator, OperatorOptions};
 use pko_tests::{ControlPlane, wait_for};
 use serde_json::{Value, json};
-use sha2::{Digest, Sha256};
 
 const WAIT: Duration = Duration::from_secs(60);
-
-fn program(name: &str, spec: Value) -> Program {
-    serde_json::from_value(json!({
-        "apiVersion": "pulumi.com/v1",
-        "kind": "Program",
-        "metadata": {"name": name},
-        "program": spec,
-    }))
-    .expect("valid Program")
-}
 
 fn pod_program(name: &str) -> Program {
     program(
@@ -43,13 +33,6 @@ async fn operator_for(plane: &ControlPlane, ns: &str, advertised: Option<&str>) 
     )
     .await
     .expect("operator starts")
-}
-
-fn status_of(p: &Program) -> Value {
-    p.status
-        .as_ref()
-        .map(|s| serde_json::to_value(s).expect("status json"))
-        .unwrap_or(Value::Null)
 }
 
 /// Wait until the Program's status reports an artifact for `generation`.
@@ -96,10 +79,6 @@ fn url_base(artifact: &Value) -> String {
         .unwrap_or_else(|| panic!("query {query:?}"));
     assert!(token.starts_with('k') && token.contains('.'), "{token}");
     base.to_owned()
-}
-
-fn sha256(bytes: &[u8]) -> String {
-    format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
 }
 
 #[tokio::test]

@@ -9,6 +9,7 @@ use pko_api::program::Program;
 use pko_api::stack::Stack;
 use pko_api::update::Update;
 use pko_tests::execution::Execution;
+use pko_tests::fixtures;
 use pko_tests::gitrepo::GitRepo;
 use pko_tests::kubelet::Kubelet;
 use pko_tests::operator::{Operator, OperatorOptions};
@@ -55,33 +56,11 @@ async fn create_program(
     program: Value,
 ) -> Api<Program> {
     let programs: Api<Program> = Api::namespaced(plane.client(), ns);
-    let p: Program = serde_json::from_value(json!({
-        "apiVersion": "pulumi.com/v1", "kind": "Program",
-        "metadata": {"name": name}, "program": program,
-    }))
-    .expect("program");
     programs
-        .create(&PostParams::default(), &p)
+        .create(&PostParams::default(), &fixtures::program(name, program))
         .await
         .expect("create program");
     programs
-}
-
-/// A Stack `name` on the file backend `backend` (stack `dev`, the test passphrase) with `spec`'s
-/// fields on top.
-fn stack_object(backend: &std::path::Path, name: &str, spec: Value) -> Stack {
-    let mut full = json!({
-        "stack": "dev",
-        "backend": format!("file://{}", backend.display()),
-        "envRefs": {"PULUMI_CONFIG_PASSPHRASE": {"type": "Literal", "literal": {"value": "pko-tests"}}},
-    });
-    if let (Value::Object(base), Value::Object(more)) = (&mut full, spec) {
-        base.extend(more);
-    }
-    serde_json::from_value(json!({
-        "apiVersion": "pulumi.com/v1", "kind": "Stack", "metadata": {"name": name}, "spec": full,
-    }))
-    .expect("stack")
 }
 
 /// The message of the Stack's `Stalled=True`/`SourceUnavailable` condition, once it has one.
@@ -98,10 +77,13 @@ async fn source_unavailable(stacks: &Api<Stack>, name: &str) -> String {
     .expect("stalled")
 }
 
-/// Creates [`stack_object`] through `stacks`.
+/// Creates [`fixtures::file_backend_stack`] through `stacks`.
 async fn create_stack(stacks: &Api<Stack>, backend: &std::path::Path, name: &str, spec: Value) {
     stacks
-        .create(&PostParams::default(), &stack_object(backend, name, spec))
+        .create(
+            &PostParams::default(),
+            &fixtures::file_backend_stack(name, backend, spec),
+        )
         .await
         .expect("create stack");
 }
@@ -263,7 +245,7 @@ async fn invalid_sources_and_references_stall_with_a_clear_reason_and_reclaim_de
         if let (Value::Object(base), Value::Object(more)) = (&mut spec, extra) {
             base.extend(more);
         }
-        stack_object(&backend, name, spec)
+        fixtures::file_backend_stack(name, &backend, spec)
     };
     let cross_ns = make(
         "cross-ns",

@@ -16,6 +16,7 @@ use pko_api::program::Program;
 use pko_api::stack::Stack;
 use pko_api::workspace::{self as ws_api, Workspace};
 use pko_tests::execution::Execution;
+use pko_tests::fixtures::{self, workspace};
 use pko_tests::kubelet::Kubelet;
 use pko_tests::operator::Operator;
 use pko_tests::{ControlPlane, wait_for};
@@ -40,14 +41,6 @@ async fn env(prefix: &str) -> Env {
         _kubelet: e.kubelet,
         operator: e.operator,
     }
-}
-
-fn workspace(name: &str, spec: Value) -> Workspace {
-    serde_json::from_value(json!({
-        "apiVersion": "auto.pulumi.com/v1alpha1", "kind": "Workspace",
-        "metadata": {"name": name}, "spec": spec,
-    }))
-    .expect("workspace")
 }
 
 /// The apiserver's message when it refuses to create `ws`, or `None` if it accepts it.
@@ -221,21 +214,12 @@ const PROGRAM: &str = r#"{"configuration": {"greeting": {"type": "String"}, "pas
     "outputs": {"message": "${greeting}-world", "token": {"fn::secret": "${password}"}}}"#;
 
 fn stack(env: &Env, name: &str, extra: Value) -> Stack {
-    let backend = env.tmp.path().join("backend");
-    let mut spec = json!({
-        "stack": "dev",
-        "backend": format!("file://{}", backend.display()),
-        "envRefs": {"PULUMI_CONFIG_PASSPHRASE": {"type": "Literal", "literal": {"value": "pko-tests"}}},
-        "programRef": {"name": "hello"},
-        "config": {"greeting": "hi"},
-    });
-    if let (Value::Object(base), Value::Object(more)) = (&mut spec, extra) {
-        base.extend(more);
-    }
-    serde_json::from_value(json!({
-        "apiVersion": "pulumi.com/v1", "kind": "Stack", "metadata": {"name": name}, "spec": spec,
-    }))
-    .expect("stack")
+    let spec = json!({"programRef": {"name": "hello"}, "config": {"greeting": "hi"}});
+    fixtures::file_backend_stack(
+        name,
+        &env.tmp.path().join("backend"),
+        fixtures::merged(spec, extra),
+    )
 }
 
 #[tokio::test]
@@ -244,11 +228,10 @@ async fn a_dotted_secret_gets_a_volume_and_a_dotted_stack_name_stalls() {
     let env = env("stack-names").await;
     let client = env.plane.client();
     let programs: Api<Program> = Api::namespaced(client.clone(), &env.ns);
-    let program: Program = serde_json::from_value(json!({
-        "apiVersion": "pulumi.com/v1", "kind": "Program",
-        "metadata": {"name": "hello"}, "program": serde_json::from_str::<Value>(PROGRAM).expect("json"),
-    }))
-    .expect("program");
+    let program = fixtures::program(
+        "hello",
+        serde_json::from_str::<Value>(PROGRAM).expect("json"),
+    );
     programs
         .create(&PostParams::default(), &program)
         .await

@@ -4,7 +4,6 @@
 //!
 //! Needs the components built by `make plugins` (`$PKO_PLUGINS_DIR`).
 
-use std::collections::BTreeMap;
 use std::io::Read;
 use std::time::Duration;
 
@@ -16,11 +15,11 @@ use kube::api::{DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostPa
 use pko_api::program::Program;
 use pko_api::transform::{ClusterProgramTransform, ProgramTransform, TransformStatus};
 use pko_operator::controller::program::{METADATA_APPLIED, METADATA_CHAIN, METADATA_SKIPPED};
+use pko_tests::fixtures::{self, Modify, sha256, status_of};
 use pko_tests::operator::{Operator, OperatorOptions};
 use pko_tests::plugins::{PluginModule, module, plugins_dir, shared_cache_dir};
 use pko_tests::{ControlPlane, wait_for};
 use serde_json::{Value, json};
-use sha2::{Digest, Sha256};
 
 const WAIT: Duration = Duration::from_secs(120);
 /// Both operators of a test advertise this address, so they agree on `status.artifact.url`.
@@ -43,14 +42,7 @@ async fn operator(plane: &ControlPlane, ns: &str) -> Operator {
 }
 
 fn program(name: &str, labels: &[(&str, &str)], spec: Value) -> Program {
-    let labels: BTreeMap<&str, &str> = labels.iter().copied().collect();
-    serde_json::from_value(json!({
-        "apiVersion": "pulumi.com/v1",
-        "kind": "Program",
-        "metadata": {"name": name, "labels": labels},
-        "program": spec,
-    }))
-    .expect("valid Program")
+    fixtures::program(name, spec).labeled(labels)
 }
 
 fn bucket_spec() -> Value {
@@ -100,13 +92,6 @@ async fn config_map(plane: &ControlPlane, ns: &str, name: &str, modules: &[(&str
     api.create(&PostParams::default(), &cm)
         .await
         .expect("module ConfigMap");
-}
-
-fn status_of(p: &Program) -> Value {
-    p.status
-        .as_ref()
-        .map(|s| serde_json::to_value(s).expect("status json"))
-        .unwrap_or(Value::Null)
 }
 
 fn ready_of(p: &Program) -> Option<(String, String, String)> {
@@ -186,10 +171,6 @@ fn ready_condition(status: &TransformStatus) -> Option<(&str, &str, &str)> {
         .iter()
         .find(|c| c.type_ == "Ready")
         .map(|c| (c.status.as_str(), c.reason.as_str(), c.message.as_str()))
-}
-
-fn sha256(bytes: &[u8]) -> String {
-    format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
 }
 
 fn project(bytes: &[u8]) -> Value {

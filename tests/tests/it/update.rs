@@ -11,6 +11,7 @@ use pko_api::program::Program;
 use pko_api::update::Update;
 use pko_api::workspace::Workspace;
 use pko_tests::execution::Execution;
+use pko_tests::fixtures;
 use pko_tests::kubelet::Kubelet;
 use pko_tests::operator::{Operator, OperatorOptions};
 use pko_tests::{ControlPlane, fifo, wait_for};
@@ -56,11 +57,10 @@ impl Env {
 
     async fn program(&self) -> (String, String) {
         let api: Api<Program> = Api::namespaced(self.client(), &self.ns);
-        let program: Program = serde_json::from_value(json!({
-            "apiVersion": "pulumi.com/v1", "kind": "Program",
-            "metadata": {"name": "reader"}, "program": serde_json::from_str::<Value>(PROGRAM).expect("json"),
-        }))
-        .expect("program");
+        let program = fixtures::program(
+            "reader",
+            serde_json::from_str::<Value>(PROGRAM).expect("json"),
+        );
         api.create(&PostParams::default(), &program)
             .await
             .expect("create program");
@@ -110,11 +110,7 @@ impl Env {
                 .collect();
             spec["podTemplate"] = json!({"spec": {"containers": [{"name": "pulumi", "env": env}]}});
         }
-        let ws: Workspace = serde_json::from_value(json!({
-            "apiVersion": "auto.pulumi.com/v1alpha1", "kind": "Workspace",
-            "metadata": {"name": "reader"}, "spec": spec,
-        }))
-        .expect("workspace");
+        let ws = fixtures::workspace("reader", spec);
         api.create(&PostParams::default(), &ws)
             .await
             .expect("create workspace");

@@ -11,6 +11,7 @@ use kube::api::{Patch, PatchParams, PostParams};
 use pko_api::program::Program;
 use pko_api::workspace::Workspace;
 use pko_tests::execution::Execution;
+use pko_tests::fixtures;
 use pko_tests::kubelet::Kubelet;
 use pko_tests::operator::Operator;
 use pko_tests::{ControlPlane, wait_for};
@@ -38,12 +39,7 @@ async fn env(prefix: &str) -> Env {
 /// A Program's artifact (url, digest) once the operator has built it.
 async fn program_artifact(ns: &str, name: &str, spec: Value) -> (String, String) {
     let api: Api<Program> = Api::namespaced(ControlPlane::shared().await.client(), ns);
-    let program: Program = serde_json::from_value(json!({
-        "apiVersion": "pulumi.com/v1", "kind": "Program",
-        "metadata": {"name": name}, "program": spec,
-    }))
-    .expect("program");
-    api.create(&PostParams::default(), &program)
+    api.create(&PostParams::default(), &fixtures::program(name, spec))
         .await
         .expect("create program");
     wait_for("the program artifact", WAIT, || async {
@@ -60,19 +56,17 @@ async fn program_artifact(ns: &str, name: &str, spec: Value) -> (String, String)
 }
 
 fn workspace(name: &str, backend: &str, url: &str, digest: &str, greeting: &str) -> Workspace {
-    serde_json::from_value(json!({
-        "apiVersion": "auto.pulumi.com/v1alpha1", "kind": "Workspace",
-        "metadata": {"name": name},
-        "spec": {
+    fixtures::workspace(
+        name,
+        json!({
             "flux": {"url": url, "digest": digest},
             "env": [
                 {"name": "PULUMI_BACKEND_URL", "value": format!("file://{backend}")},
-                {"name": "PULUMI_CONFIG_PASSPHRASE", "value": "pko-tests"},
+                {"name": "PULUMI_CONFIG_PASSPHRASE", "value": fixtures::PASSPHRASE},
             ],
             "stacks": [{"name": "dev", "create": true, "config": [{"key": "greeting", "value": greeting}]}],
-        },
-    }))
-    .expect("workspace")
+        }),
+    )
 }
 
 fn ready(ws: &Workspace) -> Option<(String, String, String)> {
