@@ -108,7 +108,7 @@ chaos: tools policies build ## chaos and hostile-load run (webhook storm, invent
 	$(CARGO_TARGET_DIR)/debug/pko-chaos --out docs/reliability.md
 
 # The container image ships exactly what `make dist` leaves in $(DIST_DIR); the Dockerfile runs
-# this target and copies nothing else (tests/tests/deploy.rs checks both).
+# this target and copies nothing else (tests/tests/it/deploy.rs checks both).
 DIST_DIR ?= dist
 
 .PHONY: dist

@@ -78,10 +78,78 @@ impl fmt::Debug for ControlPlane {
     }
 }
 
-/// The shared plane, or the message of its failed start. Set once by the init thread.
-static SHARED: OnceLock<Result<ControlPlane, String>> = OnceLock::new();
-static SHARED_INIT: Once = Once::new();
-static SHARED_SET: LazyLock<Notify> = LazyLock::new(Notify::new);
+/// A control plane shared by the tests of this binary: the plane (or the message of its failed
+/// start), set once by its init thread.
+struct SharedSlot {
+    plane: OnceLock<Result<ControlPlane, String>>,
+    init: Once,
+    set: LazyLock<Notify>,
+    /// Name of the init thread.
+    thread: &'static str,
+}
+
+impl SharedSlot {
+    const fn new(thread: &'static str) -> Self {
+        SharedSlot {
+            plane: OnceLock::new(),
+            init: Once::new(),
+            set: LazyLock::new(Notify::new),
+            thread,
+        }
+    }
+
+    /// Every `#[tokio::test]` has its own runtime, which ends with the test, so the start runs
+    /// on a dedicated thread with its own runtime and callers only wait for its result.
+    async fn get(&'static self) -> Result<&'static ControlPlane, HarnessError> {
+        self.init.call_once(|| {
+            WATCHDOG.call_once(start_watchdog);
+            let spawned = std::thread::Builder::new()
+                .name(self.thread.into())
+                .spawn(move || {
+                    let result = match tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                    {
+                        Ok(rt) => rt
+                            .block_on(ControlPlane::start(StartOptions::default()))
+                            .map_err(|e| e.to_string()),
+                        Err(e) => Err(format!("cannot build a tokio runtime: {e}")),
+                    };
+                    let started = result.is_ok();
+                    let _ = self.plane.set(result);
+                    if started {
+                        // Statics are never dropped: stop the processes and remove the
+                        // temporary folder when the test binary exits normally.
+                        AT_EXIT.call_once(|| {
+                            // SAFETY: registers a plain `extern "C"` function.
+                            unsafe { libc::atexit(stop_shared_at_exit) };
+                        });
+                    }
+                    self.set.notify_waiters();
+                });
+            if let Err(e) = spawned {
+                let _ = self
+                    .plane
+                    .set(Err(format!("cannot start the init thread: {e}")));
+            }
+        });
+        loop {
+            // Register interest before looking, so a result set in between is not missed.
+            let notified = self.set.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(result) = self.plane.get() {
+                return result.as_ref().map_err(|e| HarnessError::Shared(e.clone()));
+            }
+            notified.await;
+        }
+    }
+}
+
+static SHARED: SharedSlot = SharedSlot::new("pko-tests-shared-plane");
+static APART: SharedSlot = SharedSlot::new("pko-tests-apart-plane");
+static WATCHDOG: Once = Once::new();
+static AT_EXIT: Once = Once::new();
 
 impl ControlPlane {
     /// Shared control plane for this test binary: started on first call (etcd + kube-apiserver
@@ -98,47 +166,20 @@ impl ControlPlane {
     }
 
     /// [`Self::shared`] that returns the start error instead of panicking.
-    ///
-    /// Every `#[tokio::test]` has its own runtime, which ends with the test, so the start runs
-    /// on a dedicated thread with its own runtime and callers only wait for its result.
     pub async fn try_shared() -> Result<&'static ControlPlane, HarnessError> {
-        SHARED_INIT.call_once(|| {
-            start_watchdog();
-            let spawned = std::thread::Builder::new()
-                .name("pko-tests-shared-plane".into())
-                .spawn(|| {
-                    let result = match tokio::runtime::Builder::new_current_thread()
-                        .enable_all()
-                        .build()
-                    {
-                        Ok(rt) => rt
-                            .block_on(ControlPlane::start(StartOptions::default()))
-                            .map_err(|e| e.to_string()),
-                        Err(e) => Err(format!("cannot build a tokio runtime: {e}")),
-                    };
-                    let started = result.is_ok();
-                    let _ = SHARED.set(result);
-                    if started {
-                        // Statics are never dropped: stop the processes and remove the
-                        // temporary folder when the test binary exits normally.
-                        // SAFETY: registers a plain `extern "C"` function.
-                        unsafe { libc::atexit(stop_shared_at_exit) };
-                    }
-                    SHARED_SET.notify_waiters();
-                });
-            if let Err(e) = spawned {
-                let _ = SHARED.set(Err(format!("cannot start the init thread: {e}")));
-            }
-        });
-        loop {
-            // Register interest before looking, so a result set in between is not missed.
-            let notified = SHARED_SET.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            if let Some(result) = SHARED.get() {
-                return result.as_ref().map_err(|e| HarnessError::Shared(e.clone()));
-            }
-            notified.await;
+        SHARED.get().await
+    }
+
+    /// A second shared control plane, started like [`Self::shared`], for the tests whose
+    /// cluster-wide objects must not reach the others: `deploy/` installs a validating webhook
+    /// (failure policy Fail) for Stacks and Workspaces in every namespace, and without a
+    /// kubelet no operator pod ever answers it.
+    ///
+    /// Panics if it cannot start.
+    pub async fn shared_apart() -> &'static ControlPlane {
+        match APART.get().await {
+            Ok(plane) => plane,
+            Err(e) => panic!("{e}"),
         }
     }
 
@@ -382,8 +423,10 @@ impl Drop for ControlPlane {
 }
 
 extern "C" fn stop_shared_at_exit() {
-    if let Some(Ok(plane)) = SHARED.get() {
-        plane.stop();
+    for slot in [&SHARED, &APART] {
+        if let Some(Ok(plane)) = slot.plane.get() {
+            plane.stop();
+        }
     }
 }
 
@@ -932,7 +975,7 @@ fn read_crds(dir: &Path) -> Result<Vec<(PathBuf, String, serde_json::Value)>, Ha
 }
 
 /// How long one test binary may run before the watchdog ends it (`PKO_TEST_BINARY_TIMEOUT`,
-/// seconds; default 20 minutes).
+/// seconds; default 20 minutes). The integration tests are one binary, so this bounds them all.
 const BINARY_TIMEOUT_DEFAULT: Duration = Duration::from_secs(20 * 60);
 
 /// Ends a test binary that runs far longer than it should, so a hung test fails with a message

@@ -21,6 +21,7 @@ pub mod chaos;
 mod control_plane;
 pub mod execution;
 pub mod fifo;
+pub mod fixtures;
 pub mod gitrepo;
 pub mod kubelet;
 pub mod measure;
@@ -30,6 +31,7 @@ pub mod plugin_bench;
 pub mod plugins;
 mod process;
 pub mod refusal;
+pub mod serial;
 pub mod webhook;
 
 use std::future::Future;

@@ -1,5 +1,5 @@
 //! Chaos and hostile-load scenarios: `make chaos` runs them at full scale and writes
-//! docs/reliability.md; `make test` runs each at a short scale (tests/tests/chaos.rs).
+//! docs/reliability.md; `make test` runs each at a short scale (tests/tests/it/chaos.rs).
 //!
 //! Every scenario drives the real operator binary against the real control plane on loopback,
 //! with bounded loops that stop by themselves, and returns its figures as a [`Section`]. A
@@ -389,7 +389,7 @@ pub fn report(scale: &Scale, sections: &[Section], elapsed: Duration) -> String 
          Measured by `make chaos` ({} scale, debug build of the operator, as `make test` runs it) \
          on {} — {}, in {:.0} s. Control plane: kube-apiserver + etcd built by `tools/` on \
          loopback. Every operator runs with `--memory-limit={MEMORY_LIMIT_MIB}Mi`. `make test` \
-         runs each scenario at a short scale (tests/tests/chaos.rs) and asserts the same \
+         runs each scenario at a short scale (tests/tests/it/chaos.rs) and asserts the same \
          invariants, never the times.\n",
         scale.name,
         jiff::Timestamp::now().strftime("%Y-%m-%d %H:%M UTC"),

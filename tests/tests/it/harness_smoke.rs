@@ -1,9 +1,5 @@
 //! Smoke tests of the control-plane harness itself: the shared plane, its kubeconfig, CRD
 //! install, namespaces, and that child processes never outlive the tests.
-#![allow(
-    clippy::disallowed_methods,
-    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
-)]
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
@@ -30,6 +26,7 @@ fn wait_gone(pid: u32, within: Duration) -> bool {
 
 #[tokio::test]
 async fn shared_plane_answers_version() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let version = plane.client().apiserver_version().await.expect("/version");
     assert_eq!(version.major, "1");
@@ -44,6 +41,7 @@ async fn shared_plane_answers_version() {
 
 #[tokio::test]
 async fn kubeconfig_works_with_kubectl() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let out = plane
         .kubectl()
@@ -61,6 +59,7 @@ async fn kubeconfig_works_with_kubectl() {
 
 #[tokio::test]
 async fn namespaces_are_distinct_and_exist() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let a = plane.namespace("smoke").await.expect("namespace a");
     let b = plane.namespace("smoke").await.expect("namespace b");
@@ -88,6 +87,7 @@ async fn namespaces_are_distinct_and_exist() {
 /// which must fit etcd's request limit).
 #[tokio::test]
 async fn crds_are_established() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let deploy = repo_root().join("deploy/crds");
     let has_deploy_crds = std::fs::read_dir(&deploy)
@@ -125,6 +125,7 @@ async fn crds_are_established() {
 
 #[tokio::test]
 async fn wait_for_names_what_it_waited_for() {
+    let _machine = pko_tests::serial::shared().await;
     let err = wait_for("the impossible", Duration::from_millis(100), || async {
         None::<()>
     })
@@ -139,6 +140,7 @@ async fn wait_for_names_what_it_waited_for() {
 
 #[test]
 fn dropped_guard_kills_child() {
+    let _machine = pko_tests::serial::shared_blocking();
     let dir = tempfile::tempdir().expect("tempdir");
     let mut cmd = Command::new("sleep");
     cmd.arg("1000");
@@ -156,6 +158,7 @@ fn dropped_guard_kills_child() {
 /// then hangs; `kill -9` of that process must take the sleep with it (death signal).
 #[test]
 fn spawned_child_dies_with_parent_process() {
+    let _machine = pko_tests::serial::shared_blocking();
     if let Some(dir) = std::env::var_os(CHILD_MODE_ENV) {
         let mut cmd = Command::new("sleep");
         cmd.arg("1000");
@@ -173,7 +176,8 @@ fn spawned_child_dies_with_parent_process() {
     let exe = std::env::current_exe().expect("current exe");
     let mut parent = Command::new(exe)
         .args([
-            "spawned_child_dies_with_parent_process",
+            // The test's full name in the one integration binary (module path, then name).
+            "harness_smoke::spawned_child_dies_with_parent_process",
             "--exact",
             "--nocapture",
             "--test-threads=1",
@@ -206,6 +210,7 @@ fn spawned_child_dies_with_parent_process() {
 /// A private plane starts next to the shared one, in its own folder, and stops on drop.
 #[tokio::test]
 async fn private_plane_starts_and_stops() {
+    let _machine = pko_tests::serial::shared().await;
     let state = tempfile::tempdir().expect("tempdir");
     let dir = state.path().join("plane");
     let plane = ControlPlane::start(StartOptions {

@@ -1,9 +1,5 @@
 //! `/metrics` of the real operator: every documented name is exposed, and the values follow
 //! Programs and Stacks as they are created, changed and deleted.
-#![allow(
-    clippy::disallowed_methods,
-    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
-)]
 
 use std::time::Duration;
 
@@ -13,6 +9,7 @@ use kube::Api;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use pko_api::program::Program;
 use pko_api::stack::Stack;
+use pko_tests::fixtures::{self, config_map_program as program};
 use pko_tests::operator::{Operator, OperatorOptions, metric_value};
 use pko_tests::{ControlPlane, wait_for};
 use serde_json::{Value, json};
@@ -38,24 +35,9 @@ const FAMILIES: &[&str] = &[
     "pko_build",
 ];
 
-fn program(name: &str) -> Program {
-    serde_json::from_value(json!({
-        "apiVersion": "pulumi.com/v1",
-        "kind": "Program",
-        "metadata": {"name": name},
-        "program": {"resources": {"r": {"type": "kubernetes:core/v1:ConfigMap"}}},
-    }))
-    .expect("valid Program")
-}
-
+/// A Stack `name` for stack `dev/<name>`, which no operator here ever runs.
 fn stack(name: &str) -> Stack {
-    serde_json::from_value(json!({
-        "apiVersion": "pulumi.com/v1",
-        "kind": "Stack",
-        "metadata": {"name": name},
-        "spec": {"stack": format!("dev/{name}")},
-    }))
-    .expect("valid Stack")
+    fixtures::stack(name, json!({"stack": format!("dev/{name}")}))
 }
 
 /// Waits until the sample `series` reads `want` (`None`: the series is absent).
@@ -82,6 +64,7 @@ fn typed_families(text: &str) -> Vec<&str> {
 
 #[tokio::test]
 async fn metrics_follow_programs_reconciles_and_fetches() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("metrics-prog").await.expect("namespace");
     let op = Operator::start(
@@ -247,6 +230,7 @@ fn condition(type_: &str, status: &str) -> Value {
 
 #[tokio::test]
 async fn stack_gauges_follow_stacks_on_a_follower() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("metrics-stack").await.expect("namespace");
     foreign_lease(plane, &ns).await;

@@ -1,9 +1,5 @@
 //! Program → Stack → Workspace → Update → outputs, end to end on the real control plane with the
 //! harness as kubelet, the real agent and the real pulumi CLI.
-#![allow(
-    clippy::disallowed_methods,
-    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
-)]
 
 use std::time::Duration;
 
@@ -13,6 +9,7 @@ use pko_api::program::Program;
 use pko_api::stack::Stack;
 use pko_api::update::Update;
 use pko_tests::execution::Execution;
+use pko_tests::fixtures;
 use pko_tests::gitrepo::GitRepo;
 use pko_tests::kubelet::Kubelet;
 use pko_tests::operator::{Operator, OperatorOptions};
@@ -59,33 +56,11 @@ async fn create_program(
     program: Value,
 ) -> Api<Program> {
     let programs: Api<Program> = Api::namespaced(plane.client(), ns);
-    let p: Program = serde_json::from_value(json!({
-        "apiVersion": "pulumi.com/v1", "kind": "Program",
-        "metadata": {"name": name}, "program": program,
-    }))
-    .expect("program");
     programs
-        .create(&PostParams::default(), &p)
+        .create(&PostParams::default(), &fixtures::program(name, program))
         .await
         .expect("create program");
     programs
-}
-
-/// A Stack `name` on the file backend `backend` (stack `dev`, the test passphrase) with `spec`'s
-/// fields on top.
-fn stack_object(backend: &std::path::Path, name: &str, spec: Value) -> Stack {
-    let mut full = json!({
-        "stack": "dev",
-        "backend": format!("file://{}", backend.display()),
-        "envRefs": {"PULUMI_CONFIG_PASSPHRASE": {"type": "Literal", "literal": {"value": "pko-tests"}}},
-    });
-    if let (Value::Object(base), Value::Object(more)) = (&mut full, spec) {
-        base.extend(more);
-    }
-    serde_json::from_value(json!({
-        "apiVersion": "pulumi.com/v1", "kind": "Stack", "metadata": {"name": name}, "spec": full,
-    }))
-    .expect("stack")
 }
 
 /// The message of the Stack's `Stalled=True`/`SourceUnavailable` condition, once it has one.
@@ -102,16 +77,20 @@ async fn source_unavailable(stacks: &Api<Stack>, name: &str) -> String {
     .expect("stalled")
 }
 
-/// Creates [`stack_object`] through `stacks`.
+/// Creates [`fixtures::file_backend_stack`] through `stacks`.
 async fn create_stack(stacks: &Api<Stack>, backend: &std::path::Path, name: &str, spec: Value) {
     stacks
-        .create(&PostParams::default(), &stack_object(backend, name, spec))
+        .create(
+            &PostParams::default(),
+            &fixtures::file_backend_stack(name, backend, spec),
+        )
         .await
         .expect("create stack");
 }
 
 #[tokio::test]
 async fn program_to_stack_ready_with_outputs_then_edit_then_destroy_on_delete() {
+    let _machine = pko_tests::serial::shared().await;
     let Env {
         plane,
         ns,
@@ -250,6 +229,7 @@ async fn program_to_stack_ready_with_outputs_then_edit_then_destroy_on_delete() 
 #[tokio::test]
 async fn invalid_sources_and_references_stall_with_a_clear_reason_and_reclaim_deletes_the_workspace()
  {
+    let _machine = pko_tests::serial::shared().await;
     let Env {
         plane,
         ns,
@@ -265,7 +245,7 @@ async fn invalid_sources_and_references_stall_with_a_clear_reason_and_reclaim_de
         if let (Value::Object(base), Value::Object(more)) = (&mut spec, extra) {
             base.extend(more);
         }
-        stack_object(&backend, name, spec)
+        fixtures::file_backend_stack(name, &backend, spec)
     };
     let cross_ns = make(
         "cross-ns",
@@ -431,6 +411,7 @@ async fn install_flux_crd(client: kube::Client) {
 
 #[tokio::test]
 async fn a_flux_source_object_is_fetched_verified_and_deployed() {
+    let _machine = pko_tests::serial::shared().await;
     install_flux_crd(ControlPlane::shared().await.client()).await;
     let Env {
         plane,
@@ -515,6 +496,7 @@ fn git_program(message: &str) -> String {
 
 #[tokio::test]
 async fn a_git_branch_is_deployed_with_credentials_and_a_new_commit_redeploys() {
+    let _machine = pko_tests::serial::shared().await;
     let Env {
         plane,
         ns,
@@ -638,6 +620,7 @@ async fn a_git_branch_is_deployed_with_credentials_and_a_new_commit_redeploys() 
 
 #[tokio::test]
 async fn a_destroy_in_a_terminating_namespace_stalls_and_says_how_to_let_go() {
+    let _machine = pko_tests::serial::shared().await;
     let Env {
         plane,
         ns,
@@ -735,6 +718,7 @@ async fn a_destroy_in_a_terminating_namespace_stalls_and_says_how_to_let_go() {
 /// with `destroyOnFinalize`.
 #[tokio::test]
 async fn a_real_resource_is_created_updated_and_destroyed() {
+    let _machine = pko_tests::serial::shared().await;
     let Env {
         plane,
         ns,
@@ -851,6 +835,7 @@ async fn a_real_resource_is_created_updated_and_destroyed() {
 /// stalls after the fourth failure in a row, and a spec change runs it again.
 #[tokio::test]
 async fn repeated_failures_stall_the_stack_until_the_spec_changes() {
+    let _machine = pko_tests::serial::shared().await;
     let Env {
         plane,
         ns,
@@ -950,6 +935,7 @@ async fn repeated_failures_stall_the_stack_until_the_spec_changes() {
 /// `preview: true` runs previews only, and deleting such a stack destroys nothing.
 #[tokio::test]
 async fn a_preview_stack_previews_and_is_deleted_without_a_destroy() {
+    let _machine = pko_tests::serial::shared().await;
     let Env {
         plane,
         ns,
@@ -1020,6 +1006,7 @@ async fn a_preview_stack_previews_and_is_deleted_without_a_destroy() {
 /// connection; where it is allowed, a bad answer is named by its class, never repeated.
 #[tokio::test]
 async fn branch_lookups_refuse_forbidden_addresses_and_never_echo_an_answer() {
+    let _machine = pko_tests::serial::shared().await;
     const SECRET: &str = "METADATA-SECRET-4f1c";
     let plane = ControlPlane::shared().await;
     let server = pko_tests::agent::StaticServer::start(std::collections::HashMap::from([(

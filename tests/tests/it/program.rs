@@ -1,10 +1,6 @@
 //! Program controller and file server, on the real control plane with the real operator binary.
 //!
 //! Each test gets its own namespace and its own operator process watching only that namespace.
-#![allow(
-    clippy::disallowed_methods,
-    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
-)]
 
 use std::collections::BTreeMap;
 use std::io::Read;
@@ -13,22 +9,12 @@ use std::time::Duration;
 use kube::Api;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use pko_api::program::Program;
+use pko_tests::fixtures::{program, sha256, status_of};
 use pko_tests::operator::{Operator, OperatorOptions};
 use pko_tests::{ControlPlane, wait_for};
 use serde_json::{Value, json};
-use sha2::{Digest, Sha256};
 
 const WAIT: Duration = Duration::from_secs(60);
-
-fn program(name: &str, spec: Value) -> Program {
-    serde_json::from_value(json!({
-        "apiVersion": "pulumi.com/v1",
-        "kind": "Program",
-        "metadata": {"name": name},
-        "program": spec,
-    }))
-    .expect("valid Program")
-}
 
 fn pod_program(name: &str) -> Program {
     program(
@@ -47,13 +33,6 @@ async fn operator_for(plane: &ControlPlane, ns: &str, advertised: Option<&str>) 
     )
     .await
     .expect("operator starts")
-}
-
-fn status_of(p: &Program) -> Value {
-    p.status
-        .as_ref()
-        .map(|s| serde_json::to_value(s).expect("status json"))
-        .unwrap_or(Value::Null)
 }
 
 /// Wait until the Program's status reports an artifact for `generation`.
@@ -102,12 +81,9 @@ fn url_base(artifact: &Value) -> String {
     base.to_owned()
 }
 
-fn sha256(bytes: &[u8]) -> String {
-    format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
-}
-
 #[tokio::test]
 async fn artifact_fields_for_generation_1_and_2() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("prog-gen").await.expect("namespace");
     let _op = operator_for(plane, &ns, Some("http://fake-svc.fake-namespace")).await;
@@ -161,6 +137,7 @@ async fn artifact_fields_for_generation_1_and_2() {
 
 #[tokio::test]
 async fn advertised_https_is_kept_and_http_is_added() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     for (advertised, scheme_host) in [
         ("https://fake-address", "https://fake-address"),
@@ -183,6 +160,7 @@ async fn advertised_https_is_kept_and_http_is_added() {
 
 #[tokio::test]
 async fn served_artifact_matches_status_and_carries_the_spec() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("prog-serve").await.expect("namespace");
     let op = operator_for(plane, &ns, None).await;
@@ -280,6 +258,7 @@ async fn served_artifact_matches_status_and_carries_the_spec() {
 
 #[tokio::test]
 async fn file_server_rejects_bad_requests_clearly() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("prog-bad").await.expect("namespace");
     let op = operator_for(plane, &ns, None).await;
@@ -428,6 +407,7 @@ async fn file_server_rejects_bad_requests_clearly() {
 
 #[tokio::test]
 async fn two_operators_serve_identical_bytes() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("prog-two").await.expect("namespace");
     let first = operator_for(plane, &ns, None).await;
@@ -464,6 +444,7 @@ async fn two_operators_serve_identical_bytes() {
 
 #[tokio::test]
 async fn status_survives_label_edits_and_restarts_without_rewrites() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("prog-ssa").await.expect("namespace");
     // Same advertised address across the restart (the bound port changes).
@@ -528,6 +509,7 @@ async fn status_survives_label_edits_and_restarts_without_rewrites() {
 
 #[tokio::test]
 async fn program_near_the_etcd_size_limit_gets_an_artifact() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("prog-big").await.expect("namespace");
     let op = operator_for(plane, &ns, None).await;
@@ -561,6 +543,7 @@ async fn program_near_the_etcd_size_limit_gets_an_artifact() {
 
 #[tokio::test]
 async fn burst_of_random_paths_leaves_the_server_healthy() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("prog-burst").await.expect("namespace");
     let op = operator_for(plane, &ns, None).await;
@@ -633,6 +616,7 @@ fn random_path(i: u32, ns: &str) -> String {
 /// answer is 200 with the digest of the status. No retries: one 404 fails the test.
 #[tokio::test]
 async fn published_artifacts_are_served_at_once_by_the_leader_and_a_standby() {
+    let _machine = pko_tests::serial::shared().await;
     use futures::{StreamExt, TryStreamExt};
     use kube::runtime::{WatchStreamExt, watcher};
 
@@ -768,6 +752,7 @@ async fn published_artifacts_are_served_at_once_by_the_leader_and_a_standby() {
 /// examples/program.yaml fetched and verified, and examples/stack.yaml deployed to Ready.
 #[tokio::test]
 async fn the_make_run_path_works_end_to_end() {
+    let _machine = pko_tests::serial::shared().await;
     let output = tokio::task::spawn_blocking(|| {
         std::process::Command::new(env!("CARGO_BIN_EXE_pko-dev"))
             .arg("check")
@@ -830,6 +815,7 @@ fn agent_init(url: &str, digest: &str) -> (bool, String) {
 /// exactly the answer of a Program that does not exist, and is counted; B's own URL works.
 #[tokio::test]
 async fn a_tenant_cannot_fetch_another_tenants_artifact_by_any_url() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let (a, b) = (
         plane.namespace("tenant-a").await.expect("namespace a"),

@@ -3,10 +3,6 @@
 //! server keeps answering on the survivor, and SIGTERM releases the lease for a fast handover.
 //!
 //! Each test uses its own namespace for its Programs and its Lease.
-#![allow(
-    clippy::disallowed_methods,
-    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
-)]
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -16,6 +12,7 @@ use k8s_openapi::api::coordination::v1::Lease;
 use kube::Api;
 use kube::api::PostParams;
 use pko_api::program::Program;
+use pko_tests::fixtures::config_map_program as program;
 use pko_tests::operator::{Operator, OperatorOptions};
 use pko_tests::{ControlPlane, HarnessError, wait_for};
 use serde_json::json;
@@ -45,16 +42,6 @@ async fn start(plane: &ControlPlane, args: Vec<String>) -> Operator {
     )
     .await
     .expect("operator starts")
-}
-
-fn program(name: &str) -> Program {
-    serde_json::from_value(json!({
-        "apiVersion": "pulumi.com/v1",
-        "kind": "Program",
-        "metadata": {"name": name},
-        "program": {"resources": {"r": {"type": "kubernetes:core/v1:ConfigMap"}}},
-    }))
-    .expect("valid Program")
 }
 
 /// Waits until the Program's status carries the artifact of generation 1 (a leader wrote it).
@@ -174,6 +161,7 @@ impl Poller {
 
 #[tokio::test]
 async fn killed_leader_is_replaced_within_the_lease_duration_while_the_survivor_serves() {
+    let _machine = pko_tests::serial::shared().await;
     const LEASE_DURATION: Duration = Duration::from_secs(4);
     const RETRY_PERIOD: Duration = Duration::from_secs(1);
     let plane = ControlPlane::shared().await;
@@ -255,6 +243,7 @@ async fn killed_leader_is_replaced_within_the_lease_duration_while_the_survivor_
 
 #[tokio::test]
 async fn sigterm_drains_and_releases_the_lease_for_a_fast_handover() {
+    let _machine = pko_tests::serial::shared().await;
     // A lease long enough that only a released lease explains a quick takeover.
     const LEASE_DURATION: Duration = Duration::from_secs(60);
     const RENEW_DEADLINE: Duration = Duration::from_secs(30);
@@ -315,6 +304,7 @@ async fn sigterm_drains_and_releases_the_lease_for_a_fast_handover() {
 
 #[tokio::test]
 async fn invalid_election_settings_fail_at_start() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("leader-bad").await.expect("namespace");
     let result = Operator::start(
@@ -335,6 +325,7 @@ async fn invalid_election_settings_fail_at_start() {
 
 #[tokio::test]
 async fn a_lost_lease_stops_the_controllers_until_it_is_won_back() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("leader-lost").await.expect("namespace");
     let programs: Api<Program> = Api::namespaced(plane.client(), &ns);

@@ -3,12 +3,7 @@
 //! artifacts, the status of Programs and transforms, Events, and hostile guests.
 //!
 //! Needs the components built by `make plugins` (`$PKO_PLUGINS_DIR`).
-#![allow(
-    clippy::disallowed_methods,
-    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
-)]
 
-use std::collections::BTreeMap;
 use std::io::Read;
 use std::time::Duration;
 
@@ -20,11 +15,11 @@ use kube::api::{DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostPa
 use pko_api::program::Program;
 use pko_api::transform::{ClusterProgramTransform, ProgramTransform, TransformStatus};
 use pko_operator::controller::program::{METADATA_APPLIED, METADATA_CHAIN, METADATA_SKIPPED};
+use pko_tests::fixtures::{self, Modify, sha256, status_of};
 use pko_tests::operator::{Operator, OperatorOptions};
 use pko_tests::plugins::{PluginModule, module, plugins_dir, shared_cache_dir};
 use pko_tests::{ControlPlane, wait_for};
 use serde_json::{Value, json};
-use sha2::{Digest, Sha256};
 
 const WAIT: Duration = Duration::from_secs(120);
 /// Both operators of a test advertise this address, so they agree on `status.artifact.url`.
@@ -47,14 +42,7 @@ async fn operator(plane: &ControlPlane, ns: &str) -> Operator {
 }
 
 fn program(name: &str, labels: &[(&str, &str)], spec: Value) -> Program {
-    let labels: BTreeMap<&str, &str> = labels.iter().copied().collect();
-    serde_json::from_value(json!({
-        "apiVersion": "pulumi.com/v1",
-        "kind": "Program",
-        "metadata": {"name": name, "labels": labels},
-        "program": spec,
-    }))
-    .expect("valid Program")
+    fixtures::program(name, spec).labeled(labels)
 }
 
 fn bucket_spec() -> Value {
@@ -104,13 +92,6 @@ async fn config_map(plane: &ControlPlane, ns: &str, name: &str, modules: &[(&str
     api.create(&PostParams::default(), &cm)
         .await
         .expect("module ConfigMap");
-}
-
-fn status_of(p: &Program) -> Value {
-    p.status
-        .as_ref()
-        .map(|s| serde_json::to_value(s).expect("status json"))
-        .unwrap_or(Value::Null)
 }
 
 fn ready_of(p: &Program) -> Option<(String, String, String)> {
@@ -190,10 +171,6 @@ fn ready_condition(status: &TransformStatus) -> Option<(&str, &str, &str)> {
         .iter()
         .find(|c| c.type_ == "Ready")
         .map(|c| (c.status.as_str(), c.reason.as_str(), c.message.as_str()))
-}
-
-fn sha256(bytes: &[u8]) -> String {
-    format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
 }
 
 fn project(bytes: &[u8]) -> Value {
@@ -287,6 +264,7 @@ fn applied_ids(artifact: &Value) -> Vec<String> {
 
 #[tokio::test]
 async fn a_transform_changes_the_artifact_every_replica_serves_until_it_is_deleted() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("tf-basic").await.expect("namespace");
     let first = operator(plane, &ns).await;
@@ -435,6 +413,7 @@ async fn a_transform_changes_the_artifact_every_replica_serves_until_it_is_delet
 
 #[tokio::test]
 async fn transforms_run_in_priority_order_and_only_selected_programs_change() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("tf-order").await.expect("namespace");
     let op = operator(plane, &ns).await;
@@ -552,6 +531,7 @@ async fn transforms_run_in_priority_order_and_only_selected_programs_change() {
 
 #[tokio::test]
 async fn a_cluster_transform_applies_only_to_selected_namespaces() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let gold = plane.namespace("tf-gold").await.expect("namespace");
     let free = plane.namespace("tf-free").await.expect("namespace");
@@ -691,6 +671,7 @@ async fn a_cluster_transform_applies_only_to_selected_namespaces() {
 
 #[tokio::test]
 async fn hostile_guests_fail_only_their_own_program() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("tf-hostile").await.expect("namespace");
     let op = operator(plane, &ns).await;
@@ -962,6 +943,7 @@ async fn hostile_guests_fail_only_their_own_program() {
 
 #[tokio::test]
 async fn transform_status_explains_a_wrong_digest_an_invalid_config_and_a_missing_source() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("tf-status").await.expect("namespace");
     let op = operator(plane, &ns).await;
@@ -1207,6 +1189,7 @@ fn https_module(host: &str, path: &str, sha256: &str) -> Value {
 
 #[tokio::test]
 async fn a_module_is_fetched_from_an_https_url_trusting_the_configured_ca() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("tf-https").await.expect("namespace");
     let tags = module("default_tags").expect("module");
@@ -1273,6 +1256,7 @@ async fn a_module_is_fetched_from_an_https_url_trusting_the_configured_ca() {
 /// status names the class of address (never what a server answered).
 #[tokio::test]
 async fn a_module_url_on_a_refused_address_is_not_fetched() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("tf-egress").await.expect("namespace");
     let tags = module("default_tags").expect("module");
@@ -1305,6 +1289,7 @@ async fn a_module_url_on_a_refused_address_is_not_fetched() {
 
 #[tokio::test]
 async fn a_plugin_asking_more_memory_than_the_budget_fails_alone_and_nothing_restarts() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("tf-budget").await.expect("namespace");
     // 128 MiB for every plugin call together: a plugin asking 512 MiB can never run; before

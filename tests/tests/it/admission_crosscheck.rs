@@ -3,10 +3,6 @@
 //!
 //! Also checks, in-process, the engine's limits: an evaluation that runs past its deadline or
 //! its memory cap fails with the right error, and the engine keeps evaluating afterwards.
-#![allow(
-    clippy::disallowed_methods,
-    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
-)]
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -95,6 +91,7 @@ fn opa_eval(opa: &Path, dir: &Path, fixture: &Fixture) -> Value {
 
 #[tokio::test]
 async fn opa_wasm_agrees_with_opa_eval_on_every_fixture() {
+    let _machine = pko_tests::serial::shared().await;
     let bundle = Bundle::load(&policy_bundle().expect("policy bundle")).expect("bundle loads");
     let engine = PolicyEngine::new(&bundle, EngineLimits::default())
         .await
@@ -201,6 +198,7 @@ fn build_bundle(dir: &Path, rego: &str, entrypoint: &str) -> Bundle {
 // One thread: if an evaluation ran on it, nothing else could run until it ended.
 #[tokio::test(flavor = "current_thread")]
 async fn runaway_evaluations_are_stopped_and_the_engine_keeps_working() {
+    let _machine = pko_tests::serial::shared().await;
     let tmp = tempfile::tempdir().expect("tempdir");
     let bundle = build_bundle(tmp.path(), SLOW_POLICY, "slow/result");
     // Each limit test trips only its own limit: here the memory cap is far above anything the

@@ -1,9 +1,5 @@
 //! Our CRDs on the real apiserver: PKO's manifests accepted unchanged, CEL rules enforced with
 //! clear messages.
-#![allow(
-    clippy::disallowed_methods,
-    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
-)]
 
 use kube::api::{Api, DynamicObject, PostParams};
 use kube::core::{ApiResource, GroupVersionKind};
@@ -39,6 +35,7 @@ fn assert_rejected(result: Option<String>, needle: &str) {
 
 #[tokio::test]
 async fn program_configuration_needs_type_or_default() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("crd-cfg").await.expect("namespace");
     let bad = json!({
@@ -76,6 +73,7 @@ async fn program_configuration_needs_type_or_default() {
 
 #[tokio::test]
 async fn program_get_excludes_properties() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("crd-get").await.expect("namespace");
     let bad = json!({
@@ -107,6 +105,7 @@ async fn program_get_excludes_properties() {
 
 #[tokio::test]
 async fn stack_sources_are_mutually_exclusive_and_names_short() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("crd-stack").await.expect("namespace");
     for version in ["v1", "v1alpha1"] {
@@ -194,6 +193,7 @@ async fn stack_sources_are_mutually_exclusive_and_names_short() {
 /// Every PKO example and e2e manifest of our kinds is accepted unchanged (server-side dry run).
 #[tokio::test]
 async fn pko_examples_are_accepted_unchanged() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("crd-examples").await.expect("namespace");
     let dir = repo_root().join("tests/fixtures/pko-v2.9-examples");

@@ -1,9 +1,5 @@
 //! The workspace agent against the real `pulumi` CLI (offline `file://` backend): RPCs,
 //! streaming, auth, and `init`'s artifact checks.
-#![allow(
-    clippy::disallowed_methods,
-    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
-)]
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -107,6 +103,7 @@ async fn agent_with_dev_stack(
 
 #[tokio::test]
 async fn up_preview_destroy_with_config_and_outputs_over_tls() {
+    let _machine = pko_tests::serial::shared().await;
     let tmp = tempfile::tempdir().expect("tmp");
     let agent = start(tmp.path(), true, Some("t0ken-for-tests")).await;
     let mut client = agent.client().await.expect("client");
@@ -299,6 +296,7 @@ async fn up_preview_destroy_with_config_and_outputs_over_tls() {
 
 #[tokio::test]
 async fn failed_update_is_an_error_with_the_cli_diagnosis() {
+    let _machine = pko_tests::serial::shared().await;
     let tmp = tempfile::tempdir().expect("tmp");
     let agent = start(tmp.path(), false, None).await;
     let mut client = agent.client().await.expect("client");
@@ -333,6 +331,7 @@ async fn failed_update_is_an_error_with_the_cli_diagnosis() {
 
 #[tokio::test]
 async fn calls_without_the_token_are_refused() {
+    let _machine = pko_tests::serial::shared().await;
     let tmp = tempfile::tempdir().expect("tmp");
     let agent = start(tmp.path(), true, Some("right-token")).await;
     let mut target = agent.target();
@@ -411,6 +410,7 @@ async fn init(target: &Path, url: &str, digest: &str, link: &Path) -> std::proce
 
 #[tokio::test]
 async fn init_fetches_verifies_and_links_the_artifact() {
+    let _machine = pko_tests::serial::shared().await;
     let good = targz(&[
         ("proj/Pulumi.yaml", PROGRAM.as_bytes()),
         ("proj/extra.txt", b"x"),
@@ -434,6 +434,7 @@ async fn init_fetches_verifies_and_links_the_artifact() {
 
 #[tokio::test]
 async fn init_fails_clearly_on_a_digest_mismatch() {
+    let _machine = pko_tests::serial::shared().await;
     let good = targz(&[("proj/Pulumi.yaml", PROGRAM.as_bytes())]);
     let mut corrupted = good.clone();
     let last = corrupted.len() - 1;
@@ -455,6 +456,7 @@ async fn init_fails_clearly_on_a_digest_mismatch() {
 
 #[tokio::test]
 async fn init_rejects_path_traversal() {
+    let _machine = pko_tests::serial::shared().await;
     let evil = targz(&[
         ("proj/Pulumi.yaml", PROGRAM.as_bytes()),
         ("../escaped.txt", b"pwned"),
@@ -479,6 +481,7 @@ async fn init_rejects_path_traversal() {
 
 #[tokio::test]
 async fn init_reports_http_errors() {
+    let _machine = pko_tests::serial::shared().await;
     let server = StaticServer::start(HashMap::new()).await.expect("server");
     let tmp = tempfile::tempdir().expect("tmp");
     let (target, link) = (tmp.path().join("source"), tmp.path().join("workspace"));
@@ -510,6 +513,7 @@ outputs:
 
 #[tokio::test]
 async fn a_disconnected_client_cancels_its_operation_and_frees_the_workspace() {
+    let _machine = pko_tests::serial::shared().await;
     let tmp = tempfile::tempdir().expect("tmp");
     let ws = tmp.path().join("workspace");
     project(&ws, BLOCKING_PROGRAM);
@@ -603,6 +607,7 @@ async fn a_disconnected_client_cancels_its_operation_and_frees_the_workspace() {
 /// one every test here (and the image) runs.
 #[test]
 fn the_agent_under_test_is_statically_linked() {
+    let _machine = pko_tests::serial::shared_blocking();
     let binary = agent_binary().expect("agent binary");
     assert!(
         std::env::var_os(pko_tests::agent::AGENT_BINARY_ENV).is_some(),
@@ -638,6 +643,7 @@ outputs:
 /// file read as JSON, through the real CLI (`config set-all --json`).
 #[tokio::test]
 async fn structured_config_reaches_the_program_typed() {
+    let _machine = pko_tests::serial::shared().await;
     let tmp = tempfile::tempdir().expect("tmp");
     let ws = tmp.path().join("workspace");
     project(&ws, STRUCTURED_PROGRAM);
@@ -719,6 +725,7 @@ fn strings(value: &Value, out: &mut Vec<String>) {
 /// inside one): the output value, the engine events' strings, the CLI's output lines.
 #[tokio::test]
 async fn huge_outputs_and_lines_reach_the_client_cut_with_a_marker() {
+    let _machine = pko_tests::serial::shared().await;
     const LINE: usize = 4096;
     const VALUE: usize = 8192;
     let tmp = tempfile::tempdir().expect("tmp");

@@ -1,10 +1,6 @@
 //! deploy/webhook and the webhook's RBAC, applied to the real apiserver (`kubectl apply -k`):
 //! the operator may manage its own certificate Secret and its own webhook configurations, and
 //! nothing else of either kind.
-#![allow(
-    clippy::disallowed_methods,
-    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
-)]
 
 use std::process::Command;
 
@@ -77,7 +73,8 @@ async fn may(
 
 #[tokio::test]
 async fn webhook_manifests_and_least_privilege() {
-    let plane = ControlPlane::shared().await;
+    let _machine = pko_tests::serial::shared().await;
+    let plane = ControlPlane::shared_apart().await;
     tokio::task::spawn_blocking(move || apply(plane))
         .await
         .expect("apply");

@@ -5,10 +5,6 @@
 //! Every test registers its own webhook configurations, scoped to its own namespaces, and its
 //! own operator process. Every rule has an allowed and a denied case here; the rules themselves
 //! are specified in `policies/*_test.rego`.
-#![allow(
-    clippy::disallowed_methods,
-    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
-)]
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -333,6 +329,7 @@ fn pod_workspace(name: &str, pod: Value) -> Value {
 
 #[tokio::test]
 async fn restricted_rules_on_the_real_apiserver() {
+    let _machine = pko_tests::serial::shared().await;
     let env = Env::start(WebhookOptions::default(), &[]).await;
     let (a, b) = (env.a.clone(), env.b.clone());
     // Tenant b is exempt from the restricted policy, selected by its label.
@@ -634,6 +631,7 @@ async fn restricted_rules_on_the_real_apiserver() {
 
 #[tokio::test]
 async fn isolation_rules_on_the_real_apiserver() {
+    let _machine = pko_tests::serial::shared().await;
     let env = Env::start(WebhookOptions::default(), &[]).await;
     let (a, b) = (env.a.clone(), env.b.clone());
     env.apply_tenancy(
@@ -846,6 +844,7 @@ async fn isolation_rules_on_the_real_apiserver() {
 
 #[tokio::test]
 async fn defaults_are_stored_at_admission() {
+    let _machine = pko_tests::serial::shared().await;
     let env = Env::start(WebhookOptions::default(), &[]).await;
     let created = env
         .allowed(
@@ -898,6 +897,7 @@ async fn defaults_are_stored_at_admission() {
 
 #[tokio::test]
 async fn warn_dryrun_and_live_tenancy_changes() {
+    let _machine = pko_tests::serial::shared().await;
     let env = Env::start(WebhookOptions::default(), &[]).await;
     let (a, b) = (env.a.clone(), env.b.clone());
     let policy_a = format!("{}-a", env.id);
@@ -1042,6 +1042,7 @@ fn oversized_workspace(name: &str) -> Value {
 
 #[tokio::test]
 async fn failing_evaluation_follows_the_failure_policy() {
+    let _machine = pko_tests::serial::shared().await;
     // Only the memory cap may fail the evaluation: the evaluation budget and the apiserver's
     // webhook timeout (its maximum) are far above what the evaluation needs, so a slow machine
     // cannot turn the memory error into a timeout.
@@ -1104,6 +1105,7 @@ async fn failing_evaluation_follows_the_failure_policy() {
 
 #[tokio::test]
 async fn certificates_are_managed_and_rotated() {
+    let _machine = pko_tests::serial::shared().await;
     let env = Env::start(WebhookOptions::default(), &[]).await;
     let secrets: Api<Secret> = Api::namespaced(env.client(), &env.registration.system_namespace);
     let secret = secrets
@@ -1157,6 +1159,7 @@ async fn certificates_are_managed_and_rotated() {
 /// labels, following namespace changes), and a selector the webhook cannot use.
 #[tokio::test]
 async fn tenancy_policy_status_counts_namespaces_and_reports_a_bad_selector() {
+    let _machine = pko_tests::serial::shared().await;
     let env = Env::start(WebhookOptions::default(), &[]).await;
     let name = format!("{}-a", env.id);
     let label = format!("b-{}", env.id);
@@ -1233,6 +1236,7 @@ async fn tenancy_policy_status_counts_namespaces_and_reports_a_bad_selector() {
 /// apiserver's words tells it.
 #[tokio::test]
 async fn a_refused_tenancy_status_is_told_by_an_event() {
+    let _machine = pko_tests::serial::shared().await;
     use k8s_openapi::api::events::v1::Event;
     use pko_tests::refusal::{Refusal, Rule};
     let env = Env::start(WebhookOptions::default(), &[]).await;
@@ -1302,6 +1306,7 @@ async fn a_refused_tenancy_status_is_told_by_an_event() {
 /// webhook at all (`matchConditions`), so clean-up works with the operator stopped.
 #[tokio::test]
 async fn deleted_objects_are_checked_until_let_go_and_let_go_without_the_operator() {
+    let _machine = pko_tests::serial::shared().await;
     let mut env = Env::start(WebhookOptions::default(), &[]).await;
     let a = env.a.clone();
     env.apply_tenancy(

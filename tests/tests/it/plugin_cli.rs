@@ -1,9 +1,5 @@
 //! The offline commands of the real `pko-operator` binary: `plugin test` (the conformance kit)
 //! and `render`. Needs the components built by `make plugins`.
-#![allow(
-    clippy::disallowed_methods,
-    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
-)]
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -32,6 +28,7 @@ fn text(bytes: &[u8]) -> String {
 
 #[test]
 fn plugin_test_runs_the_fixtures_shipped_with_each_plugin() {
+    let _machine = pko_tests::serial::shared_blocking();
     for (dir, name) in [
         ("default-tags", "default_tags"),
         ("naming-policy", "naming_policy"),
@@ -158,6 +155,7 @@ fn manifests(dir: &Path, trap_policy: Option<&str>) -> std::path::PathBuf {
 
 #[test]
 fn render_prints_the_transformed_pulumi_yaml_or_a_diff() {
+    let _machine = pko_tests::serial::shared_blocking();
     let dir = tempfile::tempdir().expect("tempdir");
     let file = manifests(dir.path(), None);
     let root = plugins_dir().display().to_string();
@@ -205,6 +203,7 @@ fn render_prints_the_transformed_pulumi_yaml_or_a_diff() {
 
 #[test]
 fn render_reports_a_failing_transform_or_skips_it_under_ignore() {
+    let _machine = pko_tests::serial::shared_blocking();
     let dir = tempfile::tempdir().expect("tempdir");
     let root = plugins_dir().display().to_string();
 

@@ -1,17 +1,9 @@
 //! The chaos and hostile-load scenarios of `make chaos` at a short scale: each must keep its
 //! invariants (no crash, bounded memory, convergence, no error a client sees). Times are
 //! recorded in the printed report, never asserted.
-#![allow(
-    clippy::disallowed_methods,
-    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
-)]
 
 use pko_tests::ControlPlane;
 use pko_tests::chaos::{self, Scale, Section};
-
-/// One scenario at a time: each measures one operator's memory and latencies, and the others
-/// would load the same two cores.
-static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// A fixed seed: a failure here can be replayed with `pko-chaos --seed`.
 const SEED: u64 = 20_261_201;
@@ -28,7 +20,9 @@ fn holds(section: Section) {
 
 #[tokio::test]
 async fn the_webhook_survives_maximum_bodies_and_a_slow_client_storm() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    // Alone in the binary: each scenario measures one operator's memory and latencies, and
+    // any other test would load the same two cores.
+    let _alone = pko_tests::serial::alone().await;
     let plane = ControlPlane::shared().await;
     holds(
         chaos::webhook::storm(plane, &Scale::SHORT)
@@ -39,7 +33,9 @@ async fn the_webhook_survives_maximum_bodies_and_a_slow_client_storm() {
 
 #[tokio::test]
 async fn invented_methods_and_long_paths_add_no_metric_series() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    // Alone in the binary: each scenario measures one operator's memory and latencies, and
+    // any other test would load the same two cores.
+    let _alone = pko_tests::serial::alone().await;
     let plane = ControlPlane::shared().await;
     holds(
         chaos::fileserver::invented_methods(plane, &Scale::SHORT, SEED)
@@ -50,7 +46,9 @@ async fn invented_methods_and_long_paths_add_no_metric_series() {
 
 #[tokio::test]
 async fn programs_converge_with_one_status_write_across_operator_kills() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    // Alone in the binary: each scenario measures one operator's memory and latencies, and
+    // any other test would load the same two cores.
+    let _alone = pko_tests::serial::alone().await;
     let plane = ControlPlane::shared().await;
     holds(
         chaos::reconcile::kills(plane, &Scale::SHORT, SEED)
@@ -61,7 +59,9 @@ async fn programs_converge_with_one_status_write_across_operator_kills() {
 
 #[tokio::test]
 async fn programs_converge_across_an_apiserver_restart() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    // Alone in the binary: each scenario measures one operator's memory and latencies, and
+    // any other test would load the same two cores.
+    let _alone = pko_tests::serial::alone().await;
     holds(
         chaos::reconcile::apiserver_restart(&Scale::SHORT)
             .await
@@ -71,7 +71,9 @@ async fn programs_converge_across_an_apiserver_restart() {
 
 #[tokio::test]
 async fn the_standby_takes_over_and_serves_throughout_a_leader_kill() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    // Alone in the binary: each scenario measures one operator's memory and latencies, and
+    // any other test would load the same two cores.
+    let _alone = pko_tests::serial::alone().await;
     let plane = ControlPlane::shared().await;
     holds(
         chaos::leader::failover(plane, &Scale::SHORT)
@@ -82,7 +84,9 @@ async fn the_standby_takes_over_and_serves_throughout_a_leader_kill() {
 
 #[tokio::test]
 async fn a_hostile_agent_fails_its_update_cleanly_and_the_operator_stays_up() {
-    let _one = ONE_AT_A_TIME.lock().await;
+    // Alone in the binary: each scenario measures one operator's memory and latencies, and
+    // any other test would load the same two cores.
+    let _alone = pko_tests::serial::alone().await;
     let plane = ControlPlane::shared().await;
     holds(
         chaos::agent::section(plane, &Scale::SHORT)

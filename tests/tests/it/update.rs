@@ -1,9 +1,5 @@
 //! Update controller on the real control plane, with the harness as kubelet and the real agent
 //! and pulumi CLI: outputs Secret and PKO's conditions, failures, a killed agent mid-update.
-#![allow(
-    clippy::disallowed_methods,
-    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
-)]
 
 use std::path::Path;
 use std::time::Duration;
@@ -15,6 +11,7 @@ use pko_api::program::Program;
 use pko_api::update::Update;
 use pko_api::workspace::Workspace;
 use pko_tests::execution::Execution;
+use pko_tests::fixtures;
 use pko_tests::kubelet::Kubelet;
 use pko_tests::operator::{Operator, OperatorOptions};
 use pko_tests::{ControlPlane, fifo, wait_for};
@@ -60,11 +57,10 @@ impl Env {
 
     async fn program(&self) -> (String, String) {
         let api: Api<Program> = Api::namespaced(self.client(), &self.ns);
-        let program: Program = serde_json::from_value(json!({
-            "apiVersion": "pulumi.com/v1", "kind": "Program",
-            "metadata": {"name": "reader"}, "program": serde_json::from_str::<Value>(PROGRAM).expect("json"),
-        }))
-        .expect("program");
+        let program = fixtures::program(
+            "reader",
+            serde_json::from_str::<Value>(PROGRAM).expect("json"),
+        );
         api.create(&PostParams::default(), &program)
             .await
             .expect("create program");
@@ -114,11 +110,7 @@ impl Env {
                 .collect();
             spec["podTemplate"] = json!({"spec": {"containers": [{"name": "pulumi", "env": env}]}});
         }
-        let ws: Workspace = serde_json::from_value(json!({
-            "apiVersion": "auto.pulumi.com/v1alpha1", "kind": "Workspace",
-            "metadata": {"name": "reader"}, "spec": spec,
-        }))
-        .expect("workspace");
+        let ws = fixtures::workspace("reader", spec);
         api.create(&PostParams::default(), &ws)
             .await
             .expect("create workspace");
@@ -213,6 +205,7 @@ fn stack_locked(backend: &Path) -> bool {
 
 #[tokio::test]
 async fn up_preview_destroy_with_outputs_secret_and_pko_conditions() {
+    let _machine = pko_tests::serial::shared().await;
     let env = env("upd-ok").await;
     let (url, digest) = env.program().await;
     let plain = env.tmp.path().join("plain.txt");
@@ -290,6 +283,7 @@ async fn up_preview_destroy_with_outputs_secret_and_pko_conditions() {
 
 #[tokio::test]
 async fn a_failing_program_fails_the_update_with_the_cli_diagnosis() {
+    let _machine = pko_tests::serial::shared().await;
     let env = env("upd-fail").await;
     let (url, digest) = env.program().await;
     env.workspace(&url, &digest, &env.tmp.path().join("does-not-exist.txt"))
@@ -311,6 +305,7 @@ async fn a_failing_program_fails_the_update_with_the_cli_diagnosis() {
 
 #[tokio::test]
 async fn a_killed_agent_fails_the_update_clearly_and_the_workspace_recovers() {
+    let _machine = pko_tests::serial::shared().await;
     killed_agent_then_next_update(
         "upd-kill",
         false,
@@ -323,6 +318,7 @@ async fn a_killed_agent_fails_the_update_clearly_and_the_workspace_recovers() {
 /// are recognised in the CLI's refusal instead.
 #[tokio::test]
 async fn a_recreated_pod_releases_the_locks_of_its_predecessor() {
+    let _machine = pko_tests::serial::shared().await;
     killed_agent_then_next_update(
         "upd-recreated",
         true,
@@ -411,6 +407,7 @@ async fn killed_agent_then_next_update(prefix: &str, lose_marker: bool, released
 
 #[tokio::test]
 async fn an_update_in_flight_when_the_operator_restarts_is_resumed_not_aborted() {
+    let _machine = pko_tests::serial::shared().await;
     let mut env = env("upd-resume").await;
     let (url, digest) = env.program().await;
     let pipe = env.tmp.path().join("pipe");
@@ -483,6 +480,7 @@ async fn an_update_in_flight_when_the_operator_restarts_is_resumed_not_aborted()
 
 #[tokio::test]
 async fn a_completed_update_is_deleted_after_its_ttl() {
+    let _machine = pko_tests::serial::shared().await;
     let env = env("upd-ttl").await;
     let (url, digest) = env.program().await;
     let plain = env.tmp.path().join("plain.txt");
@@ -526,6 +524,7 @@ fn cut_at(text: &str, max: usize) -> Option<usize> {
 /// hold) is stored cut, with the marker, and the Update succeeds.
 #[tokio::test]
 async fn an_output_over_the_agent_bound_is_stored_cut_with_a_marker() {
+    let _machine = pko_tests::serial::shared().await;
     let env = env("upd-bigout").await;
     let (url, digest) = env.program().await;
     let big = env.tmp.path().join("big.txt");
@@ -566,6 +565,7 @@ async fn an_output_over_the_agent_bound_is_stored_cut_with_a_marker() {
 /// does not run the operation again.
 #[tokio::test]
 async fn an_answer_over_the_message_limit_fails_the_update_cleanly() {
+    let _machine = pko_tests::serial::shared().await;
     let env = env("upd-toolarge").await;
     let (url, digest) = env.program().await;
     let big = env.tmp.path().join("big.txt");
@@ -612,6 +612,7 @@ async fn an_answer_over_the_message_limit_fails_the_update_cleanly() {
 /// Queued) while the first runs, then runs when it ends; neither fails.
 #[tokio::test]
 async fn updates_beyond_the_in_flight_bound_wait_queued_then_run() {
+    let _machine = pko_tests::serial::shared().await;
     let env = env_with("upd-queue", &["--max-operations-in-flight=1"]).await;
     let (url, digest) = env.program().await;
     let pipe = env.tmp.path().join("pipe");
@@ -664,6 +665,7 @@ async fn updates_beyond_the_in_flight_bound_wait_queued_then_run() {
 /// controlled by the Update (left by an interrupted run) is replaced.
 #[tokio::test]
 async fn an_outputs_secret_is_replaced_only_when_it_is_the_updates_own() {
+    let _machine = pko_tests::serial::shared().await;
     let env = env("upd-owned").await;
     let (url, digest) = env.program().await;
     let pipe = env.tmp.path().join("pipe");

@@ -1,10 +1,6 @@
 //! Workspace controller on the real control plane, with the harness as kubelet running the real
 //! agent and pulumi CLI: the agent comes up, stacks are configured over RPC (a config change does
 //! not restart the pod), a corrupted artifact and a root pod template are reported.
-#![allow(
-    clippy::disallowed_methods,
-    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
-)]
 
 use std::time::Duration;
 
@@ -15,6 +11,7 @@ use kube::api::{Patch, PatchParams, PostParams};
 use pko_api::program::Program;
 use pko_api::workspace::Workspace;
 use pko_tests::execution::Execution;
+use pko_tests::fixtures;
 use pko_tests::kubelet::Kubelet;
 use pko_tests::operator::Operator;
 use pko_tests::{ControlPlane, wait_for};
@@ -42,12 +39,7 @@ async fn env(prefix: &str) -> Env {
 /// A Program's artifact (url, digest) once the operator has built it.
 async fn program_artifact(ns: &str, name: &str, spec: Value) -> (String, String) {
     let api: Api<Program> = Api::namespaced(ControlPlane::shared().await.client(), ns);
-    let program: Program = serde_json::from_value(json!({
-        "apiVersion": "pulumi.com/v1", "kind": "Program",
-        "metadata": {"name": name}, "program": spec,
-    }))
-    .expect("program");
-    api.create(&PostParams::default(), &program)
+    api.create(&PostParams::default(), &fixtures::program(name, spec))
         .await
         .expect("create program");
     wait_for("the program artifact", WAIT, || async {
@@ -64,19 +56,17 @@ async fn program_artifact(ns: &str, name: &str, spec: Value) -> (String, String)
 }
 
 fn workspace(name: &str, backend: &str, url: &str, digest: &str, greeting: &str) -> Workspace {
-    serde_json::from_value(json!({
-        "apiVersion": "auto.pulumi.com/v1alpha1", "kind": "Workspace",
-        "metadata": {"name": name},
-        "spec": {
+    fixtures::workspace(
+        name,
+        json!({
             "flux": {"url": url, "digest": digest},
             "env": [
                 {"name": "PULUMI_BACKEND_URL", "value": format!("file://{backend}")},
-                {"name": "PULUMI_CONFIG_PASSPHRASE", "value": "pko-tests"},
+                {"name": "PULUMI_CONFIG_PASSPHRASE", "value": fixtures::PASSPHRASE},
             ],
             "stacks": [{"name": "dev", "create": true, "config": [{"key": "greeting", "value": greeting}]}],
-        },
-    }))
-    .expect("workspace")
+        }),
+    )
 }
 
 fn ready(ws: &Workspace) -> Option<(String, String, String)> {
@@ -124,6 +114,7 @@ const PROGRAM: &str =
 
 #[tokio::test]
 async fn workspace_runs_the_agent_and_pushes_config_without_restarting_it() {
+    let _machine = pko_tests::serial::shared().await;
     let env = env("ws-ready").await;
     let plane = ControlPlane::shared().await;
     let (url, digest) = program_artifact(
@@ -274,6 +265,7 @@ async fn workspace_runs_the_agent_and_pushes_config_without_restarting_it() {
 
 #[tokio::test]
 async fn a_corrupted_artifact_fails_init_and_the_workspace_says_why() {
+    let _machine = pko_tests::serial::shared().await;
     let env = env("ws-digest").await;
     let plane = ControlPlane::shared().await;
     let (url, _) = program_artifact(
@@ -304,6 +296,7 @@ async fn a_corrupted_artifact_fails_init_and_the_workspace_says_why() {
 
 #[tokio::test]
 async fn a_root_pod_template_never_reaches_a_pod() {
+    let _machine = pko_tests::serial::shared().await;
     let env = env("ws-root").await;
     let plane = ControlPlane::shared().await;
     let api: Api<Workspace> = Api::namespaced(plane.client(), &env.ns);

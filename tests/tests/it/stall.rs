@@ -4,10 +4,6 @@
 //! with backoff until the spec is fixed; a Secret with a dot in its name gets a volume in a
 //! stack's workspace; a Stack whose Workspace name would be refused stalls saying why; a Stack
 //! whose finalizer is refused stalls once and backs off.
-#![allow(
-    clippy::disallowed_methods,
-    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
-)]
 
 use std::time::{Duration, Instant};
 
@@ -20,6 +16,7 @@ use pko_api::program::Program;
 use pko_api::stack::Stack;
 use pko_api::workspace::{self as ws_api, Workspace};
 use pko_tests::execution::Execution;
+use pko_tests::fixtures::{self, workspace};
 use pko_tests::kubelet::Kubelet;
 use pko_tests::operator::Operator;
 use pko_tests::{ControlPlane, wait_for};
@@ -46,14 +43,6 @@ async fn env(prefix: &str) -> Env {
     }
 }
 
-fn workspace(name: &str, spec: Value) -> Workspace {
-    serde_json::from_value(json!({
-        "apiVersion": "auto.pulumi.com/v1alpha1", "kind": "Workspace",
-        "metadata": {"name": name}, "spec": spec,
-    }))
-    .expect("workspace")
-}
-
 /// The apiserver's message when it refuses to create `ws`, or `None` if it accepts it.
 async fn refusal(api: &Api<Workspace>, ws: &Workspace) -> Option<(u16, String)> {
     let dry_run = PostParams {
@@ -69,6 +58,7 @@ async fn refusal(api: &Api<Workspace>, ws: &Workspace) -> Option<(u16, String)> 
 
 #[tokio::test]
 async fn workspace_names_that_would_make_invalid_objects_are_refused() {
+    let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("ws-names").await.expect("namespace");
     let api: Api<Workspace> = Api::namespaced(plane.client(), &ns);
@@ -119,6 +109,7 @@ fn stalled_and_ready(ws: &Workspace) -> (Found, Found) {
 
 #[tokio::test]
 async fn a_statefulset_the_apiserver_refuses_stalls_the_workspace_and_is_retried_with_backoff() {
+    let _machine = pko_tests::serial::shared().await;
     let env = env("ws-refused").await;
     let api: Api<Workspace> = Api::namespaced(env.plane.client(), &env.ns);
     // Valid for the Workspace schema, refused by StatefulSet validation (422): a mount of a
@@ -223,33 +214,24 @@ const PROGRAM: &str = r#"{"configuration": {"greeting": {"type": "String"}, "pas
     "outputs": {"message": "${greeting}-world", "token": {"fn::secret": "${password}"}}}"#;
 
 fn stack(env: &Env, name: &str, extra: Value) -> Stack {
-    let backend = env.tmp.path().join("backend");
-    let mut spec = json!({
-        "stack": "dev",
-        "backend": format!("file://{}", backend.display()),
-        "envRefs": {"PULUMI_CONFIG_PASSPHRASE": {"type": "Literal", "literal": {"value": "pko-tests"}}},
-        "programRef": {"name": "hello"},
-        "config": {"greeting": "hi"},
-    });
-    if let (Value::Object(base), Value::Object(more)) = (&mut spec, extra) {
-        base.extend(more);
-    }
-    serde_json::from_value(json!({
-        "apiVersion": "pulumi.com/v1", "kind": "Stack", "metadata": {"name": name}, "spec": spec,
-    }))
-    .expect("stack")
+    let spec = json!({"programRef": {"name": "hello"}, "config": {"greeting": "hi"}});
+    fixtures::file_backend_stack(
+        name,
+        &env.tmp.path().join("backend"),
+        fixtures::merged(spec, extra),
+    )
 }
 
 #[tokio::test]
 async fn a_dotted_secret_gets_a_volume_and_a_dotted_stack_name_stalls() {
+    let _machine = pko_tests::serial::shared().await;
     let env = env("stack-names").await;
     let client = env.plane.client();
     let programs: Api<Program> = Api::namespaced(client.clone(), &env.ns);
-    let program: Program = serde_json::from_value(json!({
-        "apiVersion": "pulumi.com/v1", "kind": "Program",
-        "metadata": {"name": "hello"}, "program": serde_json::from_str::<Value>(PROGRAM).expect("json"),
-    }))
-    .expect("program");
+    let program = fixtures::program(
+        "hello",
+        serde_json::from_str::<Value>(PROGRAM).expect("json"),
+    );
     programs
         .create(&PostParams::default(), &program)
         .await
@@ -350,6 +332,7 @@ async fn a_dotted_secret_gets_a_volume_and_a_dotted_stack_name_stalls() {
 /// once). Once the refusal is gone, the Stack goes.
 #[tokio::test]
 async fn a_stack_whose_finalizer_is_refused_stalls_once_and_backs_off() {
+    let _machine = pko_tests::serial::shared().await;
     use pko_tests::refusal::{Refusal, Rule};
     let env = env("stack-keep").await;
     let client = env.plane.client();

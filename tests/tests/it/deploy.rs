@@ -5,10 +5,6 @@
 //!
 //! This binary has its own control plane; the apply installs into `pko-rs-system` with its own
 //! field manager and `--force-conflicts`, so it never fights the harness over the CRDs.
-#![allow(
-    clippy::disallowed_methods,
-    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
-)]
 
 use std::collections::BTreeMap;
 use std::process::Command;
@@ -80,7 +76,8 @@ fn matches(selector: &Value, labels: &Value) -> bool {
 
 #[tokio::test]
 async fn kustomize_renders_a_complete_consistent_install() {
-    let plane = ControlPlane::shared().await;
+    let _machine = pko_tests::serial::shared().await;
+    let plane = ControlPlane::shared_apart().await;
     let objects = render(plane);
 
     // Every CRD in deploy/crds is part of the install.
@@ -279,6 +276,7 @@ fn grants_secret_list_or_watch(rule: &Value) -> bool {
 
 #[test]
 fn secret_rule_detector_catches_wildcards() {
+    let _machine = pko_tests::serial::shared_blocking();
     assert!(grants_secret_list_or_watch(
         &json!({"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "list"]})
     ));
@@ -295,7 +293,8 @@ fn secret_rule_detector_catches_wildcards() {
 
 #[tokio::test]
 async fn no_cluster_role_lists_or_watches_secrets() {
-    let plane = ControlPlane::shared().await;
+    let _machine = pko_tests::serial::shared().await;
+    let plane = ControlPlane::shared_apart().await;
     let objects = render(plane);
     let cluster_roles = of_kind(&objects, "ClusterRole");
     assert!(!cluster_roles.is_empty());
@@ -310,7 +309,7 @@ async fn no_cluster_role_lists_or_watches_secrets() {
     }
 }
 
-/// Applies deploy/ once per test binary (the tests below share the result).
+/// Applies deploy/ once to the plane apart (the tests below share the result).
 fn apply_once(plane: &ControlPlane) {
     static APPLIED: Mutex<bool> = Mutex::new(false);
     let mut applied = APPLIED.lock().unwrap_or_else(PoisonError::into_inner);
@@ -385,7 +384,8 @@ async fn may(
 
 #[tokio::test]
 async fn server_side_apply_gives_the_operator_least_privilege() {
-    let plane = ControlPlane::shared().await;
+    let _machine = pko_tests::serial::shared().await;
+    let plane = ControlPlane::shared_apart().await;
     apply(plane).await;
     let api: Api<SubjectAccessReview> = Api::all(plane.client());
     let lease = Some("pko-rs-operator");
@@ -472,7 +472,8 @@ async fn server_side_apply_gives_the_operator_least_privilege() {
 
 #[tokio::test]
 async fn operator_pod_passes_restricted_pod_security() {
-    let plane = ControlPlane::shared().await;
+    let _machine = pko_tests::serial::shared().await;
+    let plane = ControlPlane::shared_apart().await;
     apply(plane).await;
     let objects = render(plane);
     let deployment = named(&objects, "Deployment", "pko-rs-operator");
@@ -525,6 +526,7 @@ fn make_dry_run(target: &str, vars: &[String]) -> String {
 
 #[test]
 fn dockerfile_builds_with_make_and_copies_only_make_outputs() {
+    let _machine = pko_tests::serial::shared_blocking();
     let text = std::fs::read_to_string(repo_root().join("Dockerfile")).expect("Dockerfile");
     // Join continuation lines.
     let joined = text.replace("\\\n", " ");
@@ -608,6 +610,7 @@ fn dockerfile_builds_with_make_and_copies_only_make_outputs() {
 /// it on the real apiserver).
 #[test]
 fn webhooks_let_go_of_deleted_objects_without_the_operator() {
+    let _machine = pko_tests::serial::shared_blocking();
     for file in [
         "deploy/webhook/validating.yaml",
         "deploy/webhook/mutating.yaml",

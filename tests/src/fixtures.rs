@@ -1,0 +1,124 @@
+//! Builders of the objects the integration tests create: one per kind, taking what a test
+//! varies (a name, a spec) and filling in the rest, plus modifiers that return the object
+//! changed (`program(..).labeled(..)`).
+//!
+//! Test support only: a builder panics when its own JSON does not make a valid object, which is
+//! a bug in the test that called it, not a runtime condition.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use kube::Resource;
+use pko_api::program::Program;
+use pko_api::stack::Stack;
+use pko_api::workspace::Workspace;
+use serde::de::DeserializeOwned;
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+
+/// The passphrase of the stacks the tests create on a file backend.
+pub const PASSPHRASE: &str = "pko-tests";
+
+/// `json` as a `K`, panicking with the kind's name if it is not one.
+fn object<K: DeserializeOwned>(kind: &str, json: Value) -> K {
+    match serde_json::from_value(json) {
+        Ok(object) => object,
+        Err(e) => panic!("invalid {kind} fixture: {e}"),
+    }
+}
+
+/// A Program `name` whose Pulumi YAML is `spec` (the `program` field).
+pub fn program(name: &str, spec: Value) -> Program {
+    object(
+        "Program",
+        json!({
+            "apiVersion": "pulumi.com/v1",
+            "kind": "Program",
+            "metadata": {"name": name},
+            "program": spec,
+        }),
+    )
+}
+
+/// A Program `name` with one ConfigMap resource: the smallest one that gets an artifact.
+pub fn config_map_program(name: &str) -> Program {
+    program(
+        name,
+        json!({"resources": {"r": {"type": "kubernetes:core/v1:ConfigMap"}}}),
+    )
+}
+
+/// A Stack `name` with `spec`.
+pub fn stack(name: &str, spec: Value) -> Stack {
+    object(
+        "Stack",
+        json!({
+            "apiVersion": "pulumi.com/v1",
+            "kind": "Stack",
+            "metadata": {"name": name},
+            "spec": spec,
+        }),
+    )
+}
+
+/// A Stack `name` for stack `dev` on the file backend in folder `backend`, with the test
+/// passphrase, and `spec`'s fields on top.
+pub fn file_backend_stack(name: &str, backend: &Path, spec: Value) -> Stack {
+    let base = json!({
+        "stack": "dev",
+        "backend": format!("file://{}", backend.display()),
+        "envRefs": {"PULUMI_CONFIG_PASSPHRASE": {"type": "Literal", "literal": {"value": PASSPHRASE}}},
+    });
+    stack(name, merged(base, spec))
+}
+
+/// A Workspace `name` with `spec`.
+pub fn workspace(name: &str, spec: Value) -> Workspace {
+    object(
+        "Workspace",
+        json!({
+            "apiVersion": "auto.pulumi.com/v1alpha1",
+            "kind": "Workspace",
+            "metadata": {"name": name},
+            "spec": spec,
+        }),
+    )
+}
+
+/// `base` with the top-level fields of `more` added or replaced (both JSON objects; anything
+/// else in `more` is ignored).
+pub fn merged(mut base: Value, more: Value) -> Value {
+    if let (Value::Object(base), Value::Object(more)) = (&mut base, more) {
+        base.extend(more);
+    }
+    base
+}
+
+/// Modifiers of any built object.
+pub trait Modify: Resource + Sized {
+    /// The object with these labels (replacing any it had).
+    fn labeled(mut self, labels: &[(&str, &str)]) -> Self {
+        let labels: BTreeMap<String, String> = labels
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        self.meta_mut().labels = Some(labels);
+        self
+    }
+}
+
+impl<K: Resource> Modify for K {}
+
+/// A Program's status as JSON (`null` before the first one).
+pub fn status_of(p: &Program) -> Value {
+    match p.status.as_ref().map(serde_json::to_value) {
+        Some(Ok(status)) => status,
+        Some(Err(e)) => panic!("Program status as JSON: {e}"),
+        None => Value::Null,
+    }
+}
+
+/// `sha256:<hex>` of `bytes`, the form of an artifact digest.
+pub fn sha256(bytes: &[u8]) -> String {
+    format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
+}

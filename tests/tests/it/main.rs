@@ -1,0 +1,35 @@
+//! The integration tests: one test binary, one module per area, so the whole stack is linked
+//! once instead of once per file.
+//!
+//! All modules share this process, hence one shared control plane
+//! ([`pko_tests::ControlPlane::shared`]) and the test harness's threads. What only held while
+//! each file was a process of its own is made explicit:
+//! - every test holds [`pko_tests::serial::shared`] for its whole run, and the chaos scenarios
+//!   hold [`pko_tests::serial::alone`], so a scenario still has the machine to itself;
+//! - the tests that apply `deploy/` (its validating webhook refuses Stack and Workspace writes
+//!   in every other namespace, as no operator pod answers it) use a control plane of their own,
+//!   [`pko_tests::ControlPlane::shared_apart`];
+//! - no test sets an environment variable or relies on a fixed port, and every namespace has a
+//!   random name, so the modules' objects never meet.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
+)]
+
+mod admission;
+mod admission_crosscheck;
+mod agent;
+mod chaos;
+mod crds;
+mod deploy;
+mod deploy_webhook;
+mod harness_smoke;
+mod leader;
+mod metrics;
+mod plugin_cli;
+mod program;
+mod stack;
+mod stall;
+mod transforms;
+mod update;
+mod workspace;
