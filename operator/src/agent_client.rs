@@ -14,11 +14,8 @@ use pko_agent_api::client::{AgentClient, ConnectError, Target, connect};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
+use crate::controller::keys::DEV_PORT_ANNOTATION;
 use crate::controller::workspace::pod;
-
-/// Annotation the development "kubelet" (the test harness) puts on a workspace StatefulSet:
-/// the loopback port its agent listens on. Read only with `--workspace-localhost=<host>`.
-pub const DEV_PORT_ANNOTATION: &str = "pko-rs.dev/dev-agent-port";
 
 /// Failures to reach an agent.
 #[derive(Debug, thiserror::Error)]

@@ -32,11 +32,10 @@ use crate::capability::{ArtifactRef, KeyRing, unix_now};
 use crate::config::{AdvertisedAddress, artifact_path};
 use crate::controller::backoff::{self, Backoff, Verdict};
 use crate::controller::conditions::truncate;
+use crate::controller::keys::PROGRAM_STATUS_MANAGER;
 use crate::controller::kit::{self, Kit};
 use crate::metrics::Metrics;
 
-/// Field manager of the Program status (one per controller, as PKO).
-pub const STATUS_MANAGER: &str = "pko-rs/program-status";
 const CONTROLLER: &str = "program";
 const READY: &str = "Ready";
 /// `status.artifact.metadata` key: the fingerprint of the chain the artifact was built with.
@@ -313,7 +312,7 @@ async fn reconcile_inner(
     let api = Api::<Program>::namespaced(ctx.client.clone(), &namespace);
     api.patch_status(
         &name,
-        &PatchParams::apply(STATUS_MANAGER).force(),
+        &PatchParams::apply(PROGRAM_STATUS_MANAGER).force(),
         &Patch::Apply(&patch),
     )
     .await

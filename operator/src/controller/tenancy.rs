@@ -24,10 +24,10 @@ use tracing::warn;
 
 use crate::controller::backoff::{self, Backoff};
 use crate::controller::conditions;
+use crate::controller::keys::TENANCY_STATUS_MANAGER;
 use crate::controller::kit::{self, FromKube, Kit};
 use crate::metrics::Metrics;
 
-pub const STATUS_MANAGER: &str = "pko-rs/tenancy-status";
 const CONTROLLER: &str = "tenancy";
 
 #[derive(Debug, thiserror::Error)]
@@ -240,7 +240,7 @@ async fn reconcile_inner(
         Api::<TenancyPolicy>::all(ctx.client.clone())
             .patch_status(
                 &policy.name_any(),
-                &PatchParams::apply(STATUS_MANAGER).force(),
+                &PatchParams::apply(TENANCY_STATUS_MANAGER).force(),
                 &Patch::Apply(&patch),
             )
             .await

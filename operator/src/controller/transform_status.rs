@@ -20,12 +20,11 @@ use tracing::{debug, warn};
 
 use crate::controller::backoff::{self, Backoff};
 use crate::controller::conditions::truncate;
+use crate::controller::keys::TRANSFORM_STATUS_MANAGER;
 use crate::controller::kit::{self, Kit};
 use crate::metrics::ErrorLabels;
 use crate::transform::{LoadState, Snapshot, TransformKey, TransformKind, TransformRegistry};
 
-/// Field manager of transform status.
-pub const STATUS_MANAGER: &str = "pko-rs/transform-status";
 const CONTROLLER: &str = "transform";
 
 /// Failures of one status write.
@@ -168,7 +167,7 @@ async fn write(
             map.insert("plugin".into(), json!(plugin));
         }
     }
-    let params = PatchParams::apply(STATUS_MANAGER).force();
+    let params = PatchParams::apply(TRANSFORM_STATUS_MANAGER).force();
     let written = match (&key.kind, &key.namespace) {
         (TransformKind::Namespaced, Some(namespace)) => {
             let api: Api<ProgramTransform> = Api::namespaced(client.clone(), namespace);

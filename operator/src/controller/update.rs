@@ -36,19 +36,16 @@ use tracing::{info, warn};
 use crate::agent_client::{AgentError, Agents};
 use crate::controller::backoff::{self, Backoff, Verdict};
 use crate::controller::conditions;
+use crate::controller::keys::{SECRETS_ANNOTATION, UPDATE_NAME_LABEL, UPDATE_STATUS_MANAGER};
 use crate::controller::kit::{self, FromKube, Kit};
 use crate::metrics::Metrics;
 
-pub const STATUS_MANAGER: &str = "pko-rs/update-status";
 const CONTROLLER: &str = "update";
 const PROGRESSING: &str = "Progressing";
 const FAILED: &str = "Failed";
 const COMPLETE: &str = "Complete";
 /// Set only by [`report_stalled`]: the controller itself keeps failing on this Update.
 const STALLED: &str = "Stalled";
-/// Annotation of the outputs Secret listing its secret keys (PKO's).
-pub const SECRETS_ANNOTATION: &str = "pulumi.com/secrets";
-pub const UPDATE_NAME_LABEL: &str = "auto.pulumi.com/update-name";
 /// Default of `--max-operations-in-flight`.
 pub const DEFAULT_MAX_OPERATIONS_IN_FLIGHT: u32 = 64;
 /// Reason of an Update waiting for an operation slot.
@@ -1249,7 +1246,7 @@ async fn write_status(
     Api::<Update>::namespaced(client.clone(), namespace)
         .patch_status(
             name,
-            &PatchParams::apply(STATUS_MANAGER).force(),
+            &PatchParams::apply(UPDATE_STATUS_MANAGER).force(),
             &Patch::Apply(&patch),
         )
         .await

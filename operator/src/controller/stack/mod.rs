@@ -32,6 +32,7 @@ use pko_api::workspace::Workspace;
 use tracing::warn;
 
 use crate::controller::backoff::Backoff;
+use crate::controller::keys::{STACK_COMPONENT_LABEL, STACK_NAME_LABEL};
 use crate::controller::kit::{self, Kit};
 use crate::egress::EgressPolicy;
 use crate::gitremote;
@@ -45,12 +46,7 @@ mod update;
 mod workspace;
 
 pub use outcome::StackError;
-pub use sync::RECONCILE_REQUEST_ANNOTATION;
 
-pub const STATUS_MANAGER: &str = "pko-rs/stack-status";
-pub const FINALIZER: &str = "finalizer.stack.pulumi.com";
-pub const COMPONENT_LABEL: &str = "pulumi.com/component";
-pub const STACK_NAME_LABEL: &str = "pulumi.com/stack-name";
 const CONTROLLER: &str = "stack";
 
 /// What every reconcile needs.
@@ -125,7 +121,7 @@ pub async fn run(
             .zip(obj_ns)
             .map(|(name, ns)| ObjectRef::<Stack>::new(name).within(&ns))
     };
-    let stack_selector = format!("{COMPONENT_LABEL}=stack");
+    let stack_selector = format!("{STACK_COMPONENT_LABEL}=stack");
     controller
         .watches(
             api::<Workspace>(&client, ns),

@@ -21,16 +21,15 @@ use tracing::{info, warn};
 use super::outcome::{self, Outcome, StackError, Stop};
 use super::source::{self, Reader, Resolved, WorkspaceSource};
 use super::sync::{self, Prerequisite, UpdateState};
-use super::{
-    CONTROLLER, FINALIZER, RECONCILE_REQUEST_ANNOTATION, STACK_NAME_LABEL, STATUS_MANAGER,
-    StackContext, update, workspace,
-};
+use super::{CONTROLLER, StackContext, update, workspace};
 use crate::controller::backoff;
 use crate::controller::conditions;
+use crate::controller::keys::{
+    APPLY_MANAGER, RECONCILE_REQUEST_ANNOTATION, SECRETS_ANNOTATION, STACK_FINALIZER,
+    STACK_NAME_LABEL, STACK_STATUS_MANAGER,
+};
 use crate::controller::kit;
 use crate::controller::kit::FromKube;
-use crate::controller::update::SECRETS_ANNOTATION;
-use crate::controller::workspace::APPLY_MANAGER;
 
 /// While an Update runs, the stack is looked at again this often (its changes also trigger it).
 const UPDATE_POLL: Duration = Duration::from_secs(300);
@@ -123,7 +122,7 @@ impl StatusWriter {
         self.api
             .patch_status(
                 &self.name,
-                &PatchParams::apply(STATUS_MANAGER).force(),
+                &PatchParams::apply(STACK_STATUS_MANAGER).force(),
                 &Patch::Apply(&patch),
             )
             .await
@@ -202,7 +201,7 @@ impl<'a> Run<'a> {
     /// Phase 1: the finalizer is added first (the change brings the next reconcile); a stack
     /// being deleted without it is not ours any more.
     async fn finalizer(&self) -> Result<(), Stop> {
-        if self.stack.finalizers().iter().any(|f| f == FINALIZER) {
+        if self.stack.finalizers().iter().any(|f| f == STACK_FINALIZER) {
             return Ok(());
         }
         if !self.deleting {
@@ -549,14 +548,14 @@ fn processing() -> Outcome {
 
 async fn set_finalizer(ctx: &StackContext, stack: &Stack, present: bool) -> Result<(), StackError> {
     let mut finalizers = stack.finalizers().to_vec();
-    let has = finalizers.iter().any(|f| f == FINALIZER);
+    let has = finalizers.iter().any(|f| f == STACK_FINALIZER);
     if has == present {
         return Ok(());
     }
     if present {
-        finalizers.push(FINALIZER.into());
+        finalizers.push(STACK_FINALIZER.into());
     } else {
-        finalizers.retain(|f| f != FINALIZER);
+        finalizers.retain(|f| f != STACK_FINALIZER);
     }
     // The resource version makes this a compare-and-swap: other finalizers are never lost.
     let patch = json!({"metadata": {"finalizers": finalizers, "resourceVersion": stack.resource_version()}});
@@ -646,7 +645,7 @@ mod tests {
 
     fn stack(finalized: bool, status: Value) -> Stack {
         let finalizers = if finalized {
-            json!([FINALIZER])
+            json!([STACK_FINALIZER])
         } else {
             json!([])
         };
@@ -726,7 +725,7 @@ mod tests {
         );
         assert_eq!(
             patch,
-            json!({"metadata": {"finalizers": [FINALIZER], "resourceVersion": "7"}})
+            json!({"metadata": {"finalizers": [STACK_FINALIZER], "resourceVersion": "7"}})
         );
     }
 

@@ -13,12 +13,11 @@ use pko_api::update::{UpdateStatus, UpdateType};
 
 use super::outcome::Outcome;
 use crate::controller::conditions;
+use crate::controller::keys::RECONCILE_REQUEST_ANNOTATION;
 
 /// PKO's hard-coded limit: after this many consecutive failures the stack stalls.
 pub const MAX_FAILURES: i64 = 3;
 const DEFAULT_MAX_BACKOFF: i64 = 86_400;
-/// The Stack annotation whose change asks for a sync (PKO's reconcile request).
-pub const RECONCILE_REQUEST_ANNOTATION: &str = "pulumi.com/reconciliation-request";
 
 /// `lastUpdate.state`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -86,7 +86,7 @@ mod tests {
     use serde_json::json;
 
     use super::*;
-    use crate::controller::stack::{COMPONENT_LABEL, STACK_NAME_LABEL};
+    use crate::controller::keys::{STACK_COMPONENT_LABEL, STACK_NAME_LABEL};
 
     fn stack(spec: serde_json::Value) -> Stack {
         serde_json::from_value(json!({
@@ -125,7 +125,7 @@ mod tests {
                 "apiVersion": "auto.pulumi.com/v1alpha1", "kind": "Update",
                 "metadata": {
                     "name": "s-1", "namespace": "ns",
-                    "labels": {COMPONENT_LABEL: "stack", STACK_NAME_LABEL: "s"},
+                    "labels": {STACK_COMPONENT_LABEL: "stack", STACK_NAME_LABEL: "s"},
                     "ownerReferences": [
                         {"apiVersion": "auto.pulumi.com/v1alpha1", "kind": "Workspace", "name": "s", "uid": "ws-uid", "controller": true, "blockOwnerDeletion": true},
                         {"apiVersion": "pulumi.com/v1", "kind": "Stack", "name": "s", "uid": "stack-uid", "blockOwnerDeletion": true},

@@ -17,13 +17,13 @@ use serde_json::Value;
 
 use super::outcome::StackError;
 use super::source::{WorkspaceSource, own_secret};
-use super::{COMPONENT_LABEL, STACK_NAME_LABEL};
+use crate::controller::keys::{STACK_COMPONENT_LABEL, STACK_NAME_LABEL};
 use crate::controller::workspace::{merge, pod};
 
 /// The labels that tie a Workspace or Update to its stack (the controller watches by them).
 pub fn labels(name: &str) -> BTreeMap<String, String> {
     BTreeMap::from([
-        (COMPONENT_LABEL.to_owned(), "stack".to_owned()),
+        (STACK_COMPONENT_LABEL.to_owned(), "stack".to_owned()),
         (STACK_NAME_LABEL.to_owned(), name.to_owned()),
     ])
 }
@@ -405,7 +405,7 @@ mod tests {
         let mut s = stack();
         s.spec.workspace_template = Some(
             serde_json::from_value(json!({
-                "metadata": {"labels": {"team": "a", COMPONENT_LABEL: "hijack"}, "annotations": {"x": "y"}},
+                "metadata": {"labels": {"team": "a", STACK_COMPONENT_LABEL: "hijack"}, "annotations": {"x": "y"}},
                 "spec": {"image": "img", "podTemplate": {"spec": {"containers": [{"name": "pulumi", "image": "p"}]}}},
             }))
             .expect("template"),
@@ -420,7 +420,7 @@ mod tests {
         );
         assert_eq!(
             ws["metadata"]["labels"],
-            json!({"team": "a", COMPONENT_LABEL: "stack", STACK_NAME_LABEL: "s"})
+            json!({"team": "a", STACK_COMPONENT_LABEL: "stack", STACK_NAME_LABEL: "s"})
         );
         assert_eq!(ws["metadata"]["annotations"], json!({"x": "y"}));
         assert_eq!(ws["spec"]["image"], "img");

@@ -1,0 +1,36 @@
+//! Every label, annotation, finalizer and field manager the controllers write or match on, in
+//! one place: these names are what users, PKO tooling and `kubectl` see, so they change only
+//! deliberately (PKO's own where the object is PKO's).
+
+// Field managers: one per status writer, so `managedFields` tells who wrote what; objects the
+// operator owns (Workspace, Update, Service, StatefulSet) are applied by one manager.
+pub const APPLY_MANAGER: &str = "pko-rs";
+pub const PROGRAM_STATUS_MANAGER: &str = "pko-rs/program-status";
+pub const STACK_STATUS_MANAGER: &str = "pko-rs/stack-status";
+pub const WORKSPACE_STATUS_MANAGER: &str = "pko-rs/workspace-status";
+pub const UPDATE_STATUS_MANAGER: &str = "pko-rs/update-status";
+pub const TENANCY_STATUS_MANAGER: &str = "pko-rs/tenancy-status";
+pub const TRANSFORM_STATUS_MANAGER: &str = "pko-rs/transform-status";
+
+/// PKO's Stack finalizer: kept so a Stack handed over from PKO is cleaned up the same way.
+pub const STACK_FINALIZER: &str = "finalizer.stack.pulumi.com";
+
+/// On the Workspace and Update a Stack makes: `stack`.
+pub const STACK_COMPONENT_LABEL: &str = "pulumi.com/component";
+/// On the Workspace and Update a Stack makes: the Stack's name.
+pub const STACK_NAME_LABEL: &str = "pulumi.com/stack-name";
+/// On a Workspace's Service, StatefulSet and pod: `workspace`.
+pub const WORKSPACE_COMPONENT_LABEL: &str = "auto.pulumi.com/component";
+/// On a Workspace's Service, StatefulSet and pod: the Workspace's name.
+pub const WORKSPACE_NAME_LABEL: &str = "auto.pulumi.com/workspace-name";
+/// On the outputs Secret of an Update: the Update's name.
+pub const UPDATE_NAME_LABEL: &str = "auto.pulumi.com/update-name";
+
+/// A Stack annotation whose new value asks for a reconcile (PKO's, also set by prerequisites).
+pub const RECONCILE_REQUEST_ANNOTATION: &str = "pulumi.com/reconciliation-request";
+/// On an Update's outputs Secret: which outputs are secret (PKO's).
+pub const SECRETS_ANNOTATION: &str = "pulumi.com/secrets";
+/// On a workspace pod template: the digest of what the pod runs, so a change rolls the pod.
+pub const REVISION_HASH_ANNOTATION: &str = "auto.pulumi.com/revision-hash";
+/// Development only: the local port of an agent run outside the cluster (set by `pko-dev`).
+pub const DEV_PORT_ANNOTATION: &str = "pko-rs.dev/dev-agent-port";
