@@ -5,11 +5,17 @@
 //! the pod when exceeded. So the cache keeps at most `max_bytes`: the least recently used files
 //! go first (a read refreshes a file's modification time), folders of other engine builds (an
 //! upgraded operator cannot use them) and stale temporary files are removed at start.
+//!
+//! A cache file is the sha256 of the serialized component followed by the serialized
+//! component; a file that does not match its checksum is not loaded.
 
 use std::path::Path;
 use std::time::{Duration, SystemTime};
 
+use sha2::{Digest, Sha256};
 use tracing::{debug, warn};
+use wasmtime::Engine;
+use wasmtime::component::Component;
 
 /// Temporary files older than this are left over from a crash.
 const STALE_TMP: Duration = Duration::from_secs(3600);
@@ -110,6 +116,57 @@ pub fn prune(dir: &Path, max_bytes: u64, keep: &Path) -> u64 {
         }
     }
     freed
+}
+
+/// Reads the precompiled component at `path`: `None` when there is none, an error when the
+/// file is unusable (damaged, or from another engine).
+#[allow(
+    unsafe_code,
+    reason = "deserializes precompiled code this host wrote; see SAFETY"
+)]
+pub(crate) fn read_precompiled(engine: &Engine, path: &Path) -> Result<Option<Component>, String> {
+    let data = match std::fs::read(path) {
+        Ok(data) => data,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e.to_string()),
+    };
+    if data.len() < 32 {
+        return Err("truncated".into());
+    }
+    let (sum, body) = data.split_at(32);
+    if Sha256::digest(body).as_slice() != sum {
+        return Err("checksum mismatch".into());
+    }
+    // SAFETY: the bytes were produced by `Component::serialize` of this host (the folder is
+    // keyed by the engine's compatibility hash, and wasmtime checks its version and settings
+    // again) and are unchanged since (checksum above). The folder belongs to the operator;
+    // whoever can write it can already change the operator's own code.
+    unsafe { Component::deserialize(engine, body) }
+        .map(Some)
+        .map_err(|e| format!("{e:#}"))
+}
+
+/// Writes `component` to `path` in the format [`read_precompiled`] reads.
+pub(crate) fn write_precompiled(component: &Component, path: &Path) -> Result<(), String> {
+    let body = component.serialize().map_err(|e| format!("{e:#}"))?;
+    let dir = path.parent().ok_or("no parent folder")?;
+    std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+    let mut data = Vec::with_capacity(body.len() + 32);
+    data.extend_from_slice(&Sha256::digest(&body));
+    data.extend_from_slice(&body);
+    // Write then rename, so a reader never sees half a file.
+    let tmp = dir.join(format!(
+        ".{}.{}.tmp",
+        path.file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or("module"),
+        std::process::id()
+    ));
+    std::fs::write(&tmp, &data).map_err(|e| e.to_string())?;
+    std::fs::rename(&tmp, path).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        e.to_string()
+    })
 }
 
 #[cfg(test)]

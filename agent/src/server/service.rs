@@ -1,0 +1,357 @@
+//! The `AutomationService` RPCs: each checks its request, takes the workspace lock when it
+//! changes the workspace, and runs the CLI.
+
+use serde_json::Value;
+use tonic::{Request, Response, Status};
+use tracing::info;
+
+use super::config::{resolve_item, set_all_args};
+use super::operation::RpcStream;
+use super::status::{local_summary, permalink, to_status};
+use super::{Agent, args, check_name};
+use crate::proto as pb;
+use crate::proto::automation_service_server::AutomationService;
+use crate::pulumi::{Output, tail};
+
+#[tonic::async_trait]
+impl AutomationService for Agent {
+    async fn who_am_i(
+        &self,
+        _request: Request<pb::WhoAmIRequest>,
+    ) -> Result<Response<pb::WhoAmIResult>, Status> {
+        let who = self
+            .inner
+            .cli
+            .run_json(&args(["whoami", "--json"]))
+            .await
+            .map_err(|e| to_status("whoami", e))?;
+        Ok(self.respond(pb::WhoAmIResult {
+            user: who
+                .get("user")
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_owned(),
+            organizations: who
+                .get("organizations")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+                .filter_map(Value::as_str)
+                .map(str::to_owned)
+                .collect(),
+            url: who
+                .get("url")
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_owned(),
+        }))
+    }
+
+    async fn select_stack(
+        &self,
+        request: Request<pb::SelectStackRequest>,
+    ) -> Result<Response<pb::SelectStackResult>, Status> {
+        let req = request.into_inner();
+        self.select(
+            &req.stack_name,
+            req.create == Some(true),
+            req.secrets_provider.as_deref(),
+        )
+        .await?;
+        let summary = self.summary().await?;
+        Ok(self.respond(pb::SelectStackResult {
+            summary: Some(summary),
+        }))
+    }
+
+    async fn info(
+        &self,
+        _request: Request<pb::InfoRequest>,
+    ) -> Result<Response<pb::InfoResult>, Status> {
+        let summary = self.summary().await?;
+        Ok(self.respond(pb::InfoResult {
+            summary: Some(summary),
+        }))
+    }
+
+    async fn set_all_config(
+        &self,
+        request: Request<pb::SetAllConfigRequest>,
+    ) -> Result<Response<pb::SetAllConfigResult>, Status> {
+        let stack = self.require_stack()?;
+        let items = request
+            .into_inner()
+            .config
+            .iter()
+            .map(|item| resolve_item(item, |name| self.inner.cli.env_var(name)))
+            .collect::<Result<Vec<_>, _>>()?;
+        if items.is_empty() {
+            return Ok(self.respond(pb::SetAllConfigResult {}));
+        }
+        let project = self.project()?;
+        let mut cli_args = set_all_args(&project.name, &items)?;
+        cli_args.push(format!("--stack={stack}"));
+        let _guard = self.inner.lock.lock().await;
+        self.inner
+            .cli
+            .run(&cli_args)
+            .await
+            .map_err(|e| to_status("config set-all", e))?;
+        Ok(self.respond(pb::SetAllConfigResult {}))
+    }
+
+    async fn add_environments(
+        &self,
+        request: Request<pb::AddEnvironmentsRequest>,
+    ) -> Result<Response<pb::AddEnvironmentsResult>, Status> {
+        let stack = self.require_stack()?;
+        let envs = request.into_inner().environment;
+        if envs.is_empty() {
+            return Ok(self.respond(pb::AddEnvironmentsResult {}));
+        }
+        for env in &envs {
+            check_name("environment", env)?;
+        }
+        let mut cli_args = args(["config", "env", "add", "--yes"]);
+        cli_args.push(format!("--stack={stack}"));
+        cli_args.push("--".into());
+        cli_args.extend(envs);
+        let _guard = self.inner.lock.lock().await;
+        self.inner
+            .cli
+            .run(&cli_args)
+            .await
+            .map_err(|e| to_status("config env add", e))?;
+        Ok(self.respond(pb::AddEnvironmentsResult {}))
+    }
+
+    async fn set_environment_variables(
+        &self,
+        request: Request<pb::SetEnvironmentVariablesRequest>,
+    ) -> Result<Response<pb::SetEnvironmentVariablesResult>, Status> {
+        let env: std::collections::BTreeMap<String, String> =
+            request.into_inner().env.into_iter().collect();
+        if let Some(bad) = env
+            .keys()
+            .find(|k| k.is_empty() || k.contains('=') || k.contains('\0'))
+        {
+            return Err(Status::invalid_argument(format!(
+                "invalid environment variable name {bad:?}"
+            )));
+        }
+        if let Some((k, _)) = env.iter().find(|(_, v)| v.contains('\0')) {
+            return Err(Status::invalid_argument(format!(
+                "the value of {k} contains a NUL byte"
+            )));
+        }
+        // Waits for a running operation: its process keeps the variables it started with.
+        let _guard = self.inner.lock.lock().await;
+        let names: Vec<&String> = env.keys().collect();
+        info!(?names, "environment variables set");
+        self.inner.cli.set_pushed_env(env);
+        Ok(self.respond(pb::SetEnvironmentVariablesResult {}))
+    }
+
+    async fn install(
+        &self,
+        _request: Request<pb::InstallRequest>,
+    ) -> Result<Response<pb::InstallResult>, Status> {
+        let _guard = self.inner.lock.lock().await;
+        self.inner.cli.run(&args(["install"])).await.map_err(|e| {
+            Status::aborted(format!("install failed: {}", tail(&e.to_string(), 2000)))
+        })?;
+        Ok(self.respond(pb::InstallResult {}))
+    }
+
+    type PreviewStream = RpcStream<pb::PreviewStream>;
+
+    async fn preview(
+        &self,
+        request: Request<pb::PreviewRequest>,
+    ) -> Result<Response<Self::PreviewStream>, Status> {
+        let req = request.into_inner();
+        let mut a = args(["preview", "--diff"]);
+        push_opt(&mut a, "parallel", req.parallel);
+        push_opt(&mut a, "message", req.message.as_deref());
+        push_flag(&mut a, "expect-no-changes", req.expect_no_changes);
+        push_each(&mut a, "replace", &req.replace);
+        push_each(&mut a, "target", &req.target);
+        push_flag(&mut a, "target-dependents", req.target_dependents);
+        push_flag(&mut a, "refresh", req.refresh);
+        self.operation(
+            "preview",
+            a,
+            |s| pb::PreviewStream {
+                response: Some(pb::preview_stream::Response::Event(s)),
+            },
+            |agent: Agent, _stack, output: Output, times| async move {
+                Ok(pb::PreviewStream {
+                    response: Some(pb::preview_stream::Response::Result(pb::PreviewResult {
+                        summary: Some(local_summary(&times, "")),
+                        permalink: permalink(&output.stdout),
+                        project_info: agent.project().ok(),
+                        stdout: output.stdout,
+                        stderr: output.stderr,
+                    })),
+                })
+            },
+        )
+    }
+
+    type RefreshStream = RpcStream<pb::RefreshStream>;
+
+    async fn refresh(
+        &self,
+        request: Request<pb::RefreshRequest>,
+    ) -> Result<Response<Self::RefreshStream>, Status> {
+        let req = request.into_inner();
+        let mut a = args(["refresh", "--yes", "--skip-preview"]);
+        push_opt(&mut a, "parallel", req.parallel);
+        push_opt(&mut a, "message", req.message.as_deref());
+        push_flag(&mut a, "expect-no-changes", req.expect_no_changes);
+        push_each(&mut a, "target", &req.target);
+        push_flag(&mut a, "preview-only", req.preview_only);
+        push_flag(&mut a, "run-program", req.run_program);
+        self.operation(
+            "refresh",
+            a,
+            |s| pb::RefreshStream {
+                response: Some(pb::refresh_stream::Response::Event(s)),
+            },
+            |agent: Agent, stack, output: Output, times| async move {
+                let summary = agent.last_summary(&stack, &times).await;
+                Ok(pb::RefreshStream {
+                    response: Some(pb::refresh_stream::Response::Result(pb::RefreshResult {
+                        summary: Some(summary),
+                        permalink: permalink(&output.stdout),
+                        project_info: agent.project().ok(),
+                        stdout: output.stdout,
+                        stderr: output.stderr,
+                    })),
+                })
+            },
+        )
+    }
+
+    type UpStream = RpcStream<pb::UpStream>;
+
+    async fn up(
+        &self,
+        request: Request<pb::UpRequest>,
+    ) -> Result<Response<Self::UpStream>, Status> {
+        let req = request.into_inner();
+        let mut a = args([
+            "up",
+            "--yes",
+            "--skip-preview",
+            "--suppress-progress",
+            "--diff",
+        ]);
+        push_opt(&mut a, "parallel", req.parallel);
+        push_opt(&mut a, "message", req.message.as_deref());
+        push_flag(&mut a, "expect-no-changes", req.expect_no_changes);
+        push_each(&mut a, "replace", &req.replace);
+        push_each(&mut a, "target", &req.target);
+        push_flag(&mut a, "target-dependents", req.target_dependents);
+        push_flag(&mut a, "refresh", req.refresh);
+        push_flag(&mut a, "continue-on-error", req.continue_on_error);
+        self.operation(
+            "up",
+            a,
+            |s| pb::UpStream {
+                response: Some(pb::up_stream::Response::Event(s)),
+            },
+            |agent: Agent, stack, output: Output, times| async move {
+                let summary = agent.last_summary(&stack, &times).await;
+                let outputs = agent.outputs(&stack).await?;
+                Ok(pb::UpStream {
+                    response: Some(pb::up_stream::Response::Result(pb::UpResult {
+                        summary: Some(summary),
+                        permalink: permalink(&output.stdout),
+                        outputs,
+                        project_info: agent.project().ok(),
+                        stdout: output.stdout,
+                        stderr: output.stderr,
+                    })),
+                })
+            },
+        )
+    }
+
+    type DestroyStream = RpcStream<pb::DestroyStream>;
+
+    async fn destroy(
+        &self,
+        request: Request<pb::DestroyRequest>,
+    ) -> Result<Response<Self::DestroyStream>, Status> {
+        let req = request.into_inner();
+        let remove = req.remove == Some(true);
+        let mut a = args(["destroy", "--yes", "--skip-preview"]);
+        push_opt(&mut a, "parallel", req.parallel);
+        push_opt(&mut a, "message", req.message.as_deref());
+        push_each(&mut a, "target", &req.target);
+        push_flag(&mut a, "target-dependents", req.target_dependents);
+        push_flag(&mut a, "refresh", req.refresh);
+        push_flag(&mut a, "continue-on-error", req.continue_on_error);
+        push_flag(&mut a, "remove", req.remove);
+        push_flag(&mut a, "run-program", req.run_program);
+        self.operation(
+            "destroy",
+            a,
+            |s| pb::DestroyStream {
+                response: Some(pb::destroy_stream::Response::Event(s)),
+            },
+            move |agent: Agent, stack, output: Output, times| async move {
+                let summary = if remove {
+                    // The stack and its history are gone.
+                    agent.set_stack(None);
+                    local_summary(&times, "")
+                } else {
+                    agent.last_summary(&stack, &times).await
+                };
+                Ok(pb::DestroyStream {
+                    response: Some(pb::destroy_stream::Response::Result(pb::DestroyResult {
+                        summary: Some(summary),
+                        permalink: permalink(&output.stdout),
+                        project_info: agent.project().ok(),
+                        stdout: output.stdout,
+                        stderr: output.stderr,
+                    })),
+                })
+            },
+        )
+    }
+
+    async fn pulumi_version(
+        &self,
+        _request: Request<pb::PulumiVersionRequest>,
+    ) -> Result<Response<pb::PulumiVersionResult>, Status> {
+        let out = self
+            .inner
+            .cli
+            .run(&args(["version"]))
+            .await
+            .map_err(|e| to_status("version", e))?;
+        Ok(self.respond(pb::PulumiVersionResult {
+            version: out.stdout.trim().to_owned(),
+        }))
+    }
+}
+
+fn push_opt(out: &mut Vec<String>, flag: &str, value: Option<impl ToString>) {
+    if let Some(v) = value {
+        out.push(format!("--{flag}={}", v.to_string()));
+    }
+}
+
+fn push_flag(out: &mut Vec<String>, flag: &str, on: Option<bool>) {
+    if on == Some(true) {
+        out.push(format!("--{flag}"));
+    }
+}
+
+fn push_each(out: &mut Vec<String>, flag: &str, values: &[String]) {
+    for v in values {
+        out.push(format!("--{flag}={v}"));
+    }
+}

@@ -1,0 +1,337 @@
+//! Running one call: a slot and a share of the memory budget, a fresh store with its fuel and
+//! epoch deadline on a blocking thread under an outer timeout, then the failure named and the
+//! output checked.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::Semaphore;
+use tracing::{Instrument, debug, info_span, warn};
+use wasmtime::{Store, Trap};
+use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
+
+use super::bindings;
+use super::bindings::exports::pko::transform::transformer as wit;
+use super::engine::EPOCH_TICK;
+use super::sandbox::CallState;
+use super::{CallSite, Inner, Module, PluginHost, ProgramInput, TransformOutput, bounded};
+use crate::errors::PluginError;
+use crate::json;
+use crate::limits::Limits;
+
+/// Extra time the outer timeout gives the epoch deadline before declaring the call lost.
+const TIMEOUT_GRACE: Duration = Duration::from_millis(500);
+/// Warnings kept per call, and bytes per warning.
+const MAX_WARNINGS: usize = 32;
+const MAX_WARNING_BYTES: usize = 1024;
+
+impl PluginHost {
+    /// Runs `validate-config` on `config` (JSON; `null` when none is given).
+    pub async fn validate_config(
+        &self,
+        module: &Arc<Module>,
+        config: &serde_json::Value,
+        limits: Limits,
+        site: &CallSite,
+    ) -> Result<(), PluginError> {
+        let config_json = json::canonical_string(config);
+        self.call(
+            module,
+            limits,
+            site,
+            "validate-config",
+            move |plugin, store| {
+                plugin
+                    .pko_transform_transformer()
+                    .call_validate_config(store, &config_json)
+                    .map(|r| r.map_err(guest_error))
+            },
+        )
+        .await
+        .map(|_| ())
+    }
+
+    /// Runs `transform` and checks its output: size, JSON, an object.
+    pub async fn transform(
+        &self,
+        module: &Arc<Module>,
+        input: &ProgramInput,
+        config: &serde_json::Value,
+        limits: Limits,
+        site: &CallSite,
+    ) -> Result<TransformOutput, PluginError> {
+        let program = wit::Program {
+            namespace: input.namespace.clone(),
+            name: input.name.clone(),
+            labels: input
+                .labels
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+            spec_json: json::canonical_string(&input.spec),
+        };
+        let config_json = json::canonical_string(config);
+        // Checked inside the call, so a bad output counts as a failed call in the metrics.
+        let (mut output, fuel) = self
+            .call(module, limits, site, "transform", move |plugin, store| {
+                plugin
+                    .pko_transform_transformer()
+                    .call_transform(store, &program, &config_json)
+                    .map(|r| {
+                        r.map_err(guest_error)
+                            .and_then(|out| checked_output(out, limits))
+                    })
+            })
+            .await?;
+        output.fuel = fuel;
+        Ok(output)
+    }
+
+    /// One call on a fresh instance: waits for a slot, runs `f` on a blocking thread under the
+    /// limits, classifies failures, records metrics. Returns the result and the fuel consumed.
+    pub(super) async fn call<R, F>(
+        &self,
+        module: &Arc<Module>,
+        limits: Limits,
+        site: &CallSite,
+        function: &'static str,
+        f: F,
+    ) -> Result<(R, u64), PluginError>
+    where
+        R: Send + 'static,
+        F: FnOnce(
+                &bindings::Plugin,
+                &mut Store<CallState>,
+            ) -> wasmtime::Result<Result<R, PluginError>>
+            + Send
+            + 'static,
+    {
+        let started = Instant::now();
+        let span = info_span!(
+            "plugin.call",
+            transform = %site.transform,
+            plugin = %module.info.name,
+            digest = %module.digest,
+            function,
+            fuel = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+        );
+        let result = self
+            .call_inner(module.clone(), limits, site, function, f)
+            .instrument(span.clone())
+            .await;
+        let recorded = match &result {
+            Ok((_, fuel)) => {
+                span.record("fuel", fuel);
+                Ok(*fuel)
+            }
+            Err(err) => Err(err.kind().as_str()),
+        };
+        span.record("outcome", recorded.err().unwrap_or("ok"));
+        self.inner.metrics.record_call(
+            &site.transform,
+            &module.info.name,
+            function,
+            started.elapsed(),
+            recorded,
+        );
+        result
+    }
+
+    async fn call_inner<R, F>(
+        &self,
+        module: Arc<Module>,
+        limits: Limits,
+        site: &CallSite,
+        function: &'static str,
+        f: F,
+    ) -> Result<(R, u64), PluginError>
+    where
+        R: Send + 'static,
+        F: FnOnce(
+                &bindings::Plugin,
+                &mut Store<CallState>,
+            ) -> wasmtime::Result<Result<R, PluginError>>
+            + Send
+            + 'static,
+    {
+        // Waiting for a slot counts against the call's budget.
+        let deadline = tokio::time::Instant::now() + limits.timeout;
+        let permit = tokio::time::timeout_at(deadline, self.inner.slots.clone().acquire_owned())
+            .await
+            .map_err(|_| PluginError::Busy(limits.timeout))?
+            .map_err(|_| PluginError::Host("the plugin host is shutting down".into()))?;
+        // Then its memory cap, from the budget every running call shares.
+        let asked = mib_permits(limits.memory_bytes);
+        if asked as usize > budget_permits(self.inner.config.memory_budget_bytes) {
+            return Err(PluginError::OverMemoryBudget {
+                asked: limits.memory_bytes,
+                budget: self.inner.config.memory_budget_bytes,
+            });
+        }
+        let reserved = tokio::time::timeout_at(
+            deadline,
+            self.inner.memory.clone().acquire_many_owned(asked),
+        )
+        .await
+        .map_err(|_| PluginError::Busy(limits.timeout))?
+        .map_err(|_| PluginError::Host("the plugin host is shutting down".into()))?;
+        let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let inner = self.inner.clone();
+        let transform: Arc<str> = Arc::from(site.transform.as_str());
+        let span = tracing::Span::current();
+        let task = tokio::task::spawn_blocking(move || {
+            // The slot is held until the guest has really stopped, also after a timeout.
+            let _permit = permit;
+            let _reserved = reserved;
+            let _entered = span.enter();
+            run_blocking(&inner, &module, limits, remaining, transform, function, f)
+        });
+        match tokio::time::timeout(remaining + TIMEOUT_GRACE, task).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(join)) => Err(PluginError::Host(format!("plugin task failed: {join}"))),
+            Err(_) => {
+                warn!(function, "plugin call outlived its epoch deadline");
+                Err(PluginError::Timeout(limits.timeout))
+            }
+        }
+    }
+}
+
+/// MiB permits covering `bytes` (rounded up).
+fn mib_permits(bytes: u64) -> u32 {
+    u32::try_from(bytes.div_ceil(1 << 20)).unwrap_or(u32::MAX)
+}
+
+/// Permits of a budget of `bytes` (whole MiB), within what a semaphore can hold.
+pub(super) fn budget_permits(bytes: u64) -> usize {
+    usize::try_from(bytes >> 20)
+        .unwrap_or(usize::MAX)
+        .min(Semaphore::MAX_PERMITS)
+}
+
+fn run_blocking<R, F>(
+    inner: &Inner,
+    module: &Module,
+    limits: Limits,
+    budget: Duration,
+    transform: Arc<str>,
+    function: &'static str,
+    f: F,
+) -> Result<(R, u64), PluginError>
+where
+    F: FnOnce(&bindings::Plugin, &mut Store<CallState>) -> wasmtime::Result<Result<R, PluginError>>,
+{
+    let memory_bytes = usize::try_from(limits.memory_bytes).unwrap_or(usize::MAX);
+    let (state, stderr) = CallState::new(transform, memory_bytes);
+    let mut store = Store::new(&inner.engine, state);
+    store.limiter(|state| &mut state.limiter);
+    store
+        .set_fuel(limits.fuel)
+        .map_err(|e| PluginError::Host(format!("cannot set fuel: {e:#}")))?;
+    let ticks = budget.as_millis().div_ceil(EPOCH_TICK.as_millis()).max(1);
+    store.set_epoch_deadline(u64::try_from(ticks).unwrap_or(u64::MAX));
+    store.epoch_deadline_trap();
+
+    let outcome = module
+        .pre
+        .instantiate(&mut store)
+        .and_then(|plugin| f(&plugin, &mut store));
+    let fuel = limits.fuel.saturating_sub(store.get_fuel().unwrap_or(0));
+    match outcome {
+        Ok(Ok(value)) => Ok((value, fuel)),
+        Ok(Err(refused)) => Err(refused),
+        Err(err) => {
+            let err = classify(&err, &store, limits, &stderr);
+            debug!(function, error = %err, fuel, "plugin call failed");
+            Err(err)
+        }
+    }
+}
+
+/// Names the cause of a failed call: the memory cap (our flag), fuel and epoch traps, other
+/// traps (with what the guest wrote to stderr, e.g. a panic message).
+fn classify(
+    err: &wasmtime::Error,
+    store: &Store<CallState>,
+    limits: Limits,
+    stderr: &MemoryOutputPipe,
+) -> PluginError {
+    if store.data().limiter.hit {
+        return PluginError::MemoryLimit(limits.memory_bytes);
+    }
+    match err.downcast_ref::<Trap>() {
+        Some(Trap::OutOfFuel) => PluginError::FuelExhausted(limits.fuel),
+        Some(Trap::Interrupt) => PluginError::Timeout(limits.timeout),
+        Some(trap) => {
+            let said = String::from_utf8_lossy(&stderr.contents())
+                .trim()
+                .to_owned();
+            if said.is_empty() {
+                PluginError::Trap(trap.to_string())
+            } else {
+                PluginError::Trap(format!("{trap}; stderr: {}", bounded(said, 1024)))
+            }
+        }
+        None => PluginError::Trap(bounded(format!("{err:#}"), 2048)),
+    }
+}
+
+/// The output within its size limit, its spec a JSON object, its warnings bounded.
+fn checked_output(output: wit::Output, limits: Limits) -> Result<TransformOutput, PluginError> {
+    let size =
+        output.spec_json.len() as u64 + output.warnings.iter().map(|w| w.len() as u64).sum::<u64>();
+    if size > limits.output_bytes {
+        return Err(PluginError::OutputTooLarge {
+            size,
+            limit: limits.output_bytes,
+        });
+    }
+    let spec = match serde_json::from_str::<serde_json::Value>(&output.spec_json) {
+        Ok(serde_json::Value::Object(map)) => map,
+        Ok(other) => {
+            return Err(PluginError::InvalidOutput(format!(
+                "the spec must be a JSON object, not {}",
+                json::kind(&other)
+            )));
+        }
+        Err(e) => {
+            return Err(PluginError::InvalidOutput(format!(
+                "the spec is not JSON: {e}"
+            )));
+        }
+    };
+    let warnings = output
+        .warnings
+        .into_iter()
+        .take(MAX_WARNINGS)
+        .map(|w| bounded(w, MAX_WARNING_BYTES))
+        .collect();
+    Ok(TransformOutput {
+        spec,
+        warnings,
+        fuel: 0,
+    })
+}
+
+fn guest_error(err: wit::TransformError) -> PluginError {
+    match err {
+        wit::TransformError::InvalidConfig(m) => PluginError::InvalidConfig(bounded(m, 4096)),
+        wit::TransformError::Rejected(m) => PluginError::Rejected(bounded(m, 4096)),
+        wit::TransformError::Internal(m) => PluginError::Internal(bounded(m, 4096)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn budget_permits_round_caps_up_and_budgets_down() {
+        assert_eq!(mib_permits(1), 1);
+        assert_eq!(mib_permits(64 << 20), 64);
+        assert_eq!(mib_permits((64 << 20) + 1), 65);
+        assert_eq!(budget_permits((100 << 20) + 5), 100);
+        assert_eq!(budget_permits(u64::MAX), (u64::MAX >> 20) as usize);
+    }
+}

@@ -1,0 +1,400 @@
+//! The wasmtime host: one engine, compiled modules keyed by sha256, a fresh store per call.
+//!
+//! Every call gets a new `Store` from the pooling allocator with its own fuel, epoch deadline
+//! and memory cap, so nothing a plugin does survives the call, and a trap (which poisons an
+//! instance) never affects the next call. A semaphore bounds the calls running at once; a
+//! `tokio::time::timeout` around each call backs up the epoch deadline.
+
+mod call;
+mod engine;
+mod sandbox;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
+use tokio::sync::Semaphore;
+use tracing::debug;
+use wasmtime::Engine;
+use wasmtime::component::Linker;
+
+use crate::errors::PluginError;
+use crate::limits::Limits;
+use crate::metrics::{LoadLabels, PluginMetrics};
+use sandbox::CallState;
+
+mod bindings {
+    wasmtime::component::bindgen!({
+        path: "../../wit",
+        world: "plugin",
+    });
+}
+
+/// The WIT package this host implements.
+pub const WIT_PACKAGE: &str = "pko:transform@0.1.0";
+
+/// Host-wide settings.
+#[derive(Debug, Clone)]
+pub struct HostConfig {
+    /// Plugin calls running at once (also sizes the instance pool).
+    pub max_concurrent_calls: u32,
+    /// Limits of a plugin that sets none.
+    pub default_limits: Limits,
+    /// Highest limits a plugin may ask for.
+    pub ceiling: Limits,
+    /// Folder of precompiled modules (`None`: compile every module at every start).
+    pub cache_dir: Option<PathBuf>,
+    /// Bytes of precompiled modules kept there (least recently used evicted first).
+    pub cache_max_bytes: u64,
+    /// Largest module accepted, in bytes.
+    pub max_module_bytes: u64,
+    /// Memory every call running at once may use together: a call reserves its memory cap
+    /// from it before it starts, so calls with big caps run fewer at a time, and a cap larger
+    /// than the whole budget is refused.
+    pub memory_budget_bytes: u64,
+}
+
+impl Default for HostConfig {
+    fn default() -> Self {
+        Self {
+            max_concurrent_calls: 4,
+            default_limits: Limits::DEFAULT,
+            ceiling: Limits::CEILING,
+            cache_dir: None,
+            cache_max_bytes: 128 << 20,
+            max_module_bytes: 32 << 20,
+            memory_budget_bytes: 4 * Limits::CEILING.memory_bytes,
+        }
+    }
+}
+
+/// What a plugin says about itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PluginInfo {
+    pub name: String,
+    pub version: String,
+    pub description: String,
+}
+
+/// Where a module's machine code came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoadSource {
+    Compiled,
+    Cache,
+}
+
+impl LoadSource {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Compiled => "compiled",
+            Self::Cache => "cache",
+        }
+    }
+}
+
+/// A compiled, linked and identified plugin. Calls hold an `Arc` to it, so a module replaced
+/// while calls run stays alive until they finish.
+pub struct Module {
+    digest: String,
+    info: PluginInfo,
+    pre: bindings::PluginPre<CallState>,
+    source: LoadSource,
+    load_time: Duration,
+    size: u64,
+}
+
+impl std::fmt::Debug for Module {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Module")
+            .field("digest", &self.digest)
+            .field("info", &self.info)
+            .field("source", &self.source)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Module {
+    /// `sha256:<hex>` of the module bytes.
+    pub fn digest(&self) -> &str {
+        &self.digest
+    }
+
+    pub fn info(&self) -> &PluginInfo {
+        &self.info
+    }
+
+    /// Whether the machine code was compiled now or read from the precompiled cache.
+    pub fn source(&self) -> LoadSource {
+        self.source
+    }
+
+    /// Time spent compiling or deserializing.
+    pub fn load_time(&self) -> Duration {
+        self.load_time
+    }
+
+    /// Size of the module bytes.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+}
+
+/// The Program a plugin transforms.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProgramInput {
+    pub namespace: String,
+    pub name: String,
+    pub labels: BTreeMap<String, String>,
+    /// The `program` field as a JSON object.
+    pub spec: serde_json::Value,
+}
+
+/// A successful transform.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TransformOutput {
+    /// The new `program` field.
+    pub spec: serde_json::Map<String, serde_json::Value>,
+    pub warnings: Vec<String>,
+    /// Fuel the call consumed.
+    pub fuel: u64,
+}
+
+/// Who is calling: names the call in logs, spans and metrics.
+#[derive(Debug, Clone)]
+pub struct CallSite {
+    /// The transform object (`ProgramTransform/<ns>/<name>`), or any label outside the operator.
+    pub transform: String,
+}
+
+impl CallSite {
+    pub fn new(transform: impl Into<String>) -> Self {
+        Self {
+            transform: transform.into(),
+        }
+    }
+}
+
+/// The plugin host. Cheap to clone.
+#[derive(Clone)]
+pub struct PluginHost {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    engine: Engine,
+    linker: Linker<CallState>,
+    slots: Arc<Semaphore>,
+    /// The memory budget, one permit per MiB.
+    memory: Arc<Semaphore>,
+    config: HostConfig,
+    metrics: PluginMetrics,
+    /// Loaded modules by digest; weak so that modules no transform uses are freed.
+    modules: Mutex<HashMap<String, Weak<Module>>>,
+    /// `<cache_dir>/<engine compatibility hash>`.
+    cache_dir: Option<PathBuf>,
+    ticker: Arc<AtomicBool>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.ticker.store(true, Ordering::Release);
+    }
+}
+
+impl PluginHost {
+    /// Creates the engine, the instance pool, the linker and the epoch ticker.
+    pub fn new(config: HostConfig, metrics: PluginMetrics) -> Result<Self, PluginError> {
+        let engine = engine::engine(&config).map_err(|e| PluginError::Host(format!("{e:#}")))?;
+        let linker = sandbox::linker(&engine).map_err(|e| PluginError::Host(format!("{e:#}")))?;
+        let cache_dir = config
+            .cache_dir
+            .as_ref()
+            .map(|dir| engine::cache_folder(&engine, dir));
+        let ticker = engine::start_ticker(&engine)?;
+        let slots = Arc::new(Semaphore::new(config.max_concurrent_calls.max(1) as usize));
+        let memory = Arc::new(Semaphore::new(call::budget_permits(
+            config.memory_budget_bytes,
+        )));
+        Ok(Self {
+            inner: Arc::new(Inner {
+                engine,
+                linker,
+                slots,
+                memory,
+                config,
+                metrics,
+                modules: Mutex::new(HashMap::new()),
+                cache_dir,
+                ticker,
+            }),
+        })
+    }
+
+    /// Drops the metric series of `transform` (see [`PluginMetrics::forget`]).
+    pub fn forget_transform(&self, transform: &str) {
+        self.inner.metrics.forget(transform);
+    }
+
+    pub fn config(&self) -> &HostConfig {
+        &self.inner.config
+    }
+
+    /// The limits of a plugin with `overrides`, clamped to the host's ceiling.
+    pub fn limits(&self, overrides: &crate::limits::LimitOverrides) -> Limits {
+        self.inner
+            .config
+            .default_limits
+            .with(overrides, &self.inner.config.ceiling)
+    }
+
+    /// The loaded module with this digest, if any transform still holds it.
+    pub fn cached(&self, digest: &str) -> Option<Arc<Module>> {
+        lock(&self.inner.modules)
+            .get(digest)
+            .and_then(Weak::upgrade)
+    }
+
+    /// Loads a module: checks its sha256 against `expected_sha256` (hex, with or without a
+    /// `sha256:` prefix), compiles it (or reads it from the precompiled cache), checks its
+    /// imports and exports, links it and asks it for its [`PluginInfo`].
+    pub async fn load(
+        &self,
+        bytes: Vec<u8>,
+        expected_sha256: &str,
+        site: &CallSite,
+    ) -> Result<Arc<Module>, PluginError> {
+        let expected = normalize_digest(expected_sha256);
+        let size = bytes.len() as u64;
+        if size > self.inner.config.max_module_bytes {
+            return Err(PluginError::ModuleTooLarge {
+                size,
+                limit: self.inner.config.max_module_bytes,
+            });
+        }
+        let actual = format!("sha256:{}", hex::encode(Sha256::digest(&bytes)));
+        if actual != expected {
+            return Err(PluginError::DigestMismatch { expected, actual });
+        }
+        if let Some(module) = self.cached(&actual) {
+            return Ok(module);
+        }
+        let inner = self.inner.clone();
+        let digest = actual.clone();
+        // Compiling takes tens of milliseconds of CPU: keep it off the async workers.
+        let (component, source, load_time) =
+            tokio::task::spawn_blocking(move || engine::compile(&inner, &bytes, &digest))
+                .await
+                .map_err(|e| PluginError::Host(format!("compile task failed: {e}")))??;
+        let labels = LoadLabels {
+            source: source.as_str().to_owned(),
+        };
+        self.inner.metrics.loads.get_or_create(&labels).inc();
+        self.inner
+            .metrics
+            .load_duration
+            .get_or_create(&labels)
+            .observe(load_time.as_secs_f64());
+
+        sandbox::check_imports(&component, &self.inner.engine)?;
+        engine::check_exports(&component, &self.inner.engine)?;
+        let pre = self
+            .inner
+            .linker
+            .instantiate_pre(&component)
+            .map_err(|e| PluginError::NotAPlugin(format!("{e:#}")))?;
+        let pre =
+            bindings::PluginPre::new(pre).map_err(|e| PluginError::NotAPlugin(format!("{e:#}")))?;
+
+        let staged = Arc::new(Module {
+            digest: actual.clone(),
+            info: PluginInfo {
+                name: String::new(),
+                version: String::new(),
+                description: String::new(),
+            },
+            pre,
+            source,
+            load_time,
+            size,
+        });
+        let limits = self.inner.config.default_limits;
+        let (info, _) = self
+            .call(&staged, limits, site, "info", |plugin, store| {
+                plugin.pko_transform_transformer().call_info(store).map(Ok)
+            })
+            .await?;
+        let module = Arc::new(Module {
+            digest: actual.clone(),
+            info: PluginInfo {
+                name: bounded(info.name, 128),
+                version: bounded(info.version, 64),
+                description: bounded(info.description, 512),
+            },
+            pre: staged.pre.clone(),
+            source,
+            load_time,
+            size,
+        });
+        let mut modules = lock(&self.inner.modules);
+        modules.retain(|_, weak| weak.strong_count() > 0);
+        // Another task may have loaded the same bytes meanwhile: keep one.
+        if let Some(existing) = modules.get(&actual).and_then(Weak::upgrade) {
+            return Ok(existing);
+        }
+        modules.insert(actual, Arc::downgrade(&module));
+        debug!(digest = %module.digest, plugin = %module.info.name, source = source.as_str(), ?load_time, "plugin module loaded");
+        Ok(module)
+    }
+}
+
+/// `sha256:<lowercase hex>` from `<hex>` or `sha256:<hex>`.
+pub fn normalize_digest(raw: &str) -> String {
+    let hex = raw
+        .trim()
+        .trim_start_matches("sha256:")
+        .to_ascii_lowercase();
+    format!("sha256:{hex}")
+}
+
+fn bounded(mut s: String, max: usize) -> String {
+    if s.len() > max {
+        let mut end = max;
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        s.truncate(end);
+        s.push('…');
+    }
+    s
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // The maps stay consistent even if a holder panicked; keep going with them.
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn digests_are_normalized() {
+        assert_eq!(normalize_digest("ABcd"), "sha256:abcd");
+        assert_eq!(normalize_digest("sha256:abcd "), "sha256:abcd");
+    }
+
+    #[test]
+    fn bounded_keeps_char_boundaries() {
+        assert_eq!(bounded("héllo".into(), 2), "h…");
+        assert_eq!(bounded("abc".into(), 3), "abc");
+    }
+
+    #[test]
+    fn error_kind_transience() {
+        assert!(crate::ErrorKind::Timeout.is_transient());
+        assert!(!crate::ErrorKind::FuelExhausted.is_transient());
+    }
+}

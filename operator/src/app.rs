@@ -1,0 +1,547 @@
+//! The operator's run: [`App::build`] starts every part (watches, the file server, the probes,
+//! the admission webhook, the election and the controllers), [`App::run`] waits for a signal
+//! or the end of the election and shuts them down within the graceful timeout.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
+
+use kube::api::DynamicObject;
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::discovery::ApiResource;
+use kube::{Api, Client};
+use pko_api::program::Program;
+use pko_api::stack::Stack;
+use pko_operator::artifact::index::ProgramIndex;
+use pko_operator::capability::{self, KeyRing, KeySecret, KeySet, RotationPolicy};
+use pko_operator::config::AdvertisedAddress;
+use pko_operator::controller::kit::Kit;
+use pko_operator::controller::program::ProgramContext;
+use pko_operator::egress::EgressPolicy;
+use pko_operator::fileserver::{self, FileServer};
+use pko_operator::http;
+use pko_operator::leader;
+use pko_operator::memory;
+use pko_operator::metrics::Metrics;
+use pko_operator::probes::{self, Readiness};
+use pko_operator::stack_metrics;
+use pko_operator::transform::TransformRegistry;
+use tokio::task::{JoinHandle, JoinSet};
+use tokio_util::sync::CancellationToken;
+use tracing::info;
+
+use crate::RunArgs;
+use controllers::{Controllers, elect};
+
+mod controllers;
+
+/// Why the operator could not start, or stopped on its own.
+#[derive(Debug, thiserror::Error)]
+pub enum AppError {
+    #[error(transparent)]
+    Memory(#[from] memory::MemoryError),
+    #[error("reading kubeconfig {}", path.display())]
+    ReadKubeconfig {
+        path: PathBuf,
+        #[source]
+        source: kube::config::KubeconfigError,
+    },
+    #[error("loading kubeconfig {}", path.display())]
+    LoadKubeconfig {
+        path: PathBuf,
+        #[source]
+        source: kube::config::KubeconfigError,
+    },
+    #[error("no kubeconfig given and no in-cluster config found")]
+    InferConfig(#[source] kube::config::InferConfigError),
+    #[error("building the Kubernetes client")]
+    Client(#[source] kube::Error),
+    #[error(transparent)]
+    Transforms(#[from] pko_operator::transform::TransformError),
+    #[error("loading the artifact URL keys")]
+    Keys(#[source] capability::CapabilityError),
+    #[error(transparent)]
+    Listen(#[from] http::ServerError),
+    #[error(transparent)]
+    WebhookArgs(#[from] pko_admission::cli::CliError),
+    #[error(transparent)]
+    Webhook(#[from] pko_admission::StartError),
+    #[error("--leader-elect needs --leader-election-namespace (or $POD_NAMESPACE)")]
+    NoLeaseNamespace,
+    #[error(transparent)]
+    Election(#[from] leader::LeaderError),
+    #[error("installing the SIGTERM handler")]
+    SigtermHandler(#[source] std::io::Error),
+    #[error("waiting for Ctrl-C")]
+    CtrlC(#[source] std::io::Error),
+    #[error("leader election ended unexpectedly")]
+    ElectionEnded,
+}
+
+/// What the process environment says about the pod; main reads it.
+#[derive(Debug, Clone, Default)]
+pub struct PodEnv {
+    /// `$HOSTNAME`.
+    pub hostname: Option<String>,
+    /// `$POD_NAME`: Events and the leader identity report it.
+    pub pod_name: Option<String>,
+    /// `$POD_NAMESPACE`.
+    pub pod_namespace: Option<String>,
+}
+
+/// The started operator, waiting to be stopped.
+pub struct App {
+    shutdown: CancellationToken,
+    /// The lease is released only after the controllers stop, hence its own stop token.
+    election_stop: CancellationToken,
+    election_task: Option<JoinHandle<()>>,
+    controllers_task: JoinHandle<()>,
+    readiness: Readiness,
+    /// Watches and listeners, each ending after `shutdown`.
+    tasks: JoinSet<()>,
+    graceful_shutdown_timeout: Duration,
+}
+
+/// The watches every replica runs, and what the rest is built on.
+struct Watches {
+    egress: Arc<EgressPolicy>,
+    transforms: Option<Arc<TransformRegistry>>,
+    index: Arc<ProgramIndex>,
+    stacks_synced: Arc<AtomicBool>,
+}
+
+/// What the servers report to the controllers.
+struct Served {
+    readiness: Readiness,
+    file_server: pko_admission::tenancy::FileServerNames,
+    tenancy_status: bool,
+}
+
+impl App {
+    /// Starts every part; an error means the configuration cannot work (or the apiserver
+    /// stayed unreachable), before any controller ran.
+    pub async fn build(args: RunArgs, env: PodEnv) -> Result<Self, AppError> {
+        let memory = memory_plan(&args)?;
+        info!("{}", memory.describe());
+        // kube and rustls must agree on one crypto provider; ring is the only one linked.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+
+        let client = kube_client(&args, None).await?;
+        let admission_metrics = pko_admission::AdmissionMetrics::new();
+        let metrics = Metrics::with_extra(|registry| admission_metrics.register(registry));
+        let shutdown = CancellationToken::new();
+        let advertised = AdvertisedAddress::resolve(
+            &args.program_fs_addr,
+            args.program_fs_adv_addr.as_deref(),
+            env.hostname.as_deref(),
+        );
+        info!(advertised = advertised.as_str(), "artifact URLs");
+
+        let mut tasks = JoinSet::new();
+        let watches = Watches::start(&args, &client, &metrics, &memory, &shutdown, &mut tasks)?;
+        let (key_secret, keys) =
+            artifact_keys(&args, &client, &env, &watches.index, &shutdown, &mut tasks).await?;
+        let served = serve(
+            &args,
+            &env,
+            &client,
+            &metrics,
+            &admission_metrics,
+            &memory,
+            &advertised,
+            &watches,
+            &keys,
+            &shutdown,
+            &mut tasks,
+        )
+        .await?;
+
+        let kit = Kit::new(client.clone(), metrics.clone(), env.pod_name.clone());
+        let ctx = Arc::new(ProgramContext::new(
+            &kit,
+            advertised,
+            watches.index.clone(),
+            keys,
+        ));
+        let election_stop = CancellationToken::new();
+        let (leadership, election_task) = elect(&args, &env, &metrics, &election_stop).await?;
+        let controllers = Controllers {
+            kit,
+            ctx,
+            concurrency: args.max_concurrent_reconciles,
+            execution_args: args.execution.clone(),
+            namespace: args.watch_namespace.clone().filter(|n| !n.is_empty()),
+            egress: watches.egress,
+            file_server: served.file_server,
+            transforms: watches.transforms,
+            tenancy_status: served.tenancy_status,
+            key_secret,
+            rotation: RotationPolicy {
+                max_age: args.artifact_key_max_age,
+                overlap: args.artifact_key_overlap,
+            },
+        };
+        let controllers_task = tokio::spawn(leader::run_while_leader(
+            leadership,
+            shutdown.clone(),
+            args.graceful_shutdown_timeout,
+            move |stop| controllers.start(stop),
+        ));
+        Ok(Self {
+            shutdown,
+            election_stop,
+            election_task,
+            controllers_task,
+            readiness: served.readiness,
+            tasks,
+            graceful_shutdown_timeout: args.graceful_shutdown_timeout,
+        })
+    }
+
+    /// Runs until SIGTERM, Ctrl-C or the end of the election, then stops the controllers, the
+    /// election and the rest, each within the graceful shutdown timeout.
+    pub async fn run(mut self) -> Result<(), AppError> {
+        let election_died = tokio::select! {
+            signal = wait_for_signal() => { signal?; false }
+            () = task_ended(&mut self.election_task) => true,
+        };
+        info!("shutting down");
+        self.readiness.start_draining();
+        self.shutdown.cancel();
+        let deadline = tokio::time::Instant::now() + self.graceful_shutdown_timeout;
+        if tokio::time::timeout_at(deadline, self.controllers_task)
+            .await
+            .is_err()
+        {
+            tracing::warn!("controllers did not stop within the graceful shutdown timeout");
+        }
+        self.election_stop.cancel();
+        if let Some(task) = self.election_task {
+            // The election task bounds the release itself; this is the backstop.
+            let _ = tokio::time::timeout(Duration::from_secs(10), task).await;
+        }
+        // Listeners and watches drain within their own bounds; this is the backstop.
+        let mut tasks = self.tasks;
+        let drained = tokio::time::timeout_at(deadline, async {
+            while tasks.join_next().await.is_some() {}
+        })
+        .await;
+        if drained.is_err() {
+            tracing::warn!("shutdown timed out");
+        }
+        if election_died {
+            return Err(AppError::ElectionEnded);
+        }
+        Ok(())
+    }
+}
+
+/// Runs `fut` in `tasks` until it ends or `stop` is cancelled.
+fn spawn_until(
+    tasks: &mut JoinSet<()>,
+    stop: &CancellationToken,
+    fut: impl Future<Output = ()> + Send + 'static,
+) {
+    let stop = stop.clone();
+    tasks.spawn(async move {
+        tokio::select! {
+            () = fut => {},
+            () = stop.cancelled() => {},
+        }
+    });
+}
+
+impl Watches {
+    /// The Program watch (with the transforms it uses) and the Stack gauges, on every replica.
+    fn start(
+        args: &RunArgs,
+        client: &Client,
+        metrics: &Metrics,
+        memory: &memory::Plan,
+        shutdown: &CancellationToken,
+        tasks: &mut JoinSet<()>,
+    ) -> Result<Self, AppError> {
+        let namespace = args.watch_namespace.as_deref().filter(|n| !n.is_empty());
+        let programs: Api<Program> = match namespace {
+            Some(namespace) => Api::namespaced(client.clone(), namespace),
+            None => Api::all(client.clone()),
+        };
+        // Where the operator may connect for a tenant's URL (git refs, https modules).
+        let egress = Arc::new(EgressPolicy::from_args(&args.egress));
+        // Transform plugins, on every replica: each file server runs the chains too.
+        let transforms = if args.plugins.plugins_enabled {
+            Some(TransformRegistry::from_args(
+                &args.plugins,
+                client.clone(),
+                metrics.plugins.clone(),
+                egress.clone(),
+                memory.plugin_budget_bytes,
+            )?)
+        } else {
+            None
+        };
+        let (index, index_driver) = pko_operator::artifact::index::watch(
+            programs,
+            pko_operator::artifact::index::IndexOptions {
+                cache_bytes: memory.artifact_cache_bytes,
+                publish_wait: args.artifact_publish_wait,
+            },
+            metrics.clone(),
+            transforms.clone(),
+        );
+        if let Some(transforms) = &transforms {
+            let driver = transforms
+                .clone()
+                .run(client.clone(), namespace.map(str::to_owned));
+            spawn_until(tasks, shutdown, driver);
+        }
+        spawn_until(tasks, shutdown, index_driver);
+
+        // Stack gauges: a watch on every replica, like the Program watch above.
+        let stack_resource = ApiResource::erase::<Stack>(&());
+        let stacks: Api<DynamicObject> = match namespace {
+            Some(namespace) => Api::namespaced_with(client.clone(), namespace, &stack_resource),
+            None => Api::all_with(client.clone(), &stack_resource),
+        };
+        let (stacks_synced, stacks_driver) = stack_metrics::watch(stacks, metrics.clone());
+        spawn_until(tasks, shutdown, stacks_driver);
+        Ok(Self {
+            egress,
+            transforms,
+            index,
+            stacks_synced,
+        })
+    }
+}
+
+/// Artifact URL keys: read (or created) before the file server can verify a single URL, and
+/// kept fresh from their Secret when there is one.
+async fn artifact_keys(
+    args: &RunArgs,
+    client: &Client,
+    env: &PodEnv,
+    index: &Arc<ProgramIndex>,
+    shutdown: &CancellationToken,
+    tasks: &mut JoinSet<()>,
+) -> Result<(Option<KeySecret>, KeyRing), AppError> {
+    let key_secret = args
+        .artifact_keys_namespace
+        .clone()
+        .or_else(|| env.pod_namespace.clone())
+        .filter(|n| !n.is_empty())
+        .map(|namespace| KeySecret::new(client.clone(), &namespace, &args.artifact_keys_secret));
+    let keys = match &key_secret {
+        Some(secret) => KeyRing::new(load_keys(secret).await?),
+        None => {
+            tracing::warn!(
+                "no --artifact-keys-namespace or $POD_NAMESPACE: artifact URLs are signed with a key of this process only; run one replica"
+            );
+            KeyRing::new(KeySet::ephemeral(capability::unix_now()))
+        }
+    };
+    if let Some(secret) = key_secret.clone() {
+        let (ring, index, stop) = (keys.clone(), index.clone(), shutdown.clone());
+        tasks.spawn(capability::refresh(
+            secret,
+            ring,
+            move || index.resync(),
+            stop,
+        ));
+    }
+    Ok((key_secret, keys))
+}
+
+/// The file server, the admission webhook and the probe (and metrics) listeners, on every
+/// replica.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the parts built before; a struct of them would only rename the list"
+)]
+async fn serve(
+    args: &RunArgs,
+    env: &PodEnv,
+    client: &Client,
+    metrics: &Metrics,
+    admission_metrics: &pko_admission::AdmissionMetrics,
+    memory: &memory::Plan,
+    advertised: &AdvertisedAddress,
+    watches: &Watches,
+    keys: &KeyRing,
+    shutdown: &CancellationToken,
+    tasks: &mut JoinSet<()>,
+) -> Result<Served, AppError> {
+    let fs_listener = http::bind(&args.program_fs_addr).await?;
+    let fs_app = fileserver::router(FileServer {
+        index: watches.index.clone(),
+        metrics: metrics.clone(),
+        keys: keys.clone(),
+    });
+    tasks.spawn(http::serve(
+        "fileserver",
+        fs_listener,
+        fs_app,
+        http::ServerLimits::default(),
+        shutdown.clone().cancelled_owned(),
+    ));
+
+    let mut checks = vec![
+        ("program cache", watches.index.synced_flag()),
+        ("stack cache", watches.stacks_synced.clone()),
+    ];
+    if let Some(transforms) = &watches.transforms {
+        checks.push(("transforms", transforms.synced_flag()));
+    }
+    // Admission webhook, on every replica: policies, tenancy data and its own certificate.
+    let fs_host = advertised.as_str().split_once("://").map(|(_, host)| host);
+    let webhook_config = args.webhook.config(
+        fs_host,
+        env.pod_namespace.as_deref(),
+        memory.admission_slots,
+    )?;
+    // The Workspace controller judges flux URLs by the same file-server names as the webhook.
+    let (file_server, _) = args.webhook.file_server_names(fs_host)?;
+    // TenancyPolicies matter only to the webhook; their status is reported where it runs.
+    let tenancy_status = webhook_config.is_some();
+    if let Some(config) = webhook_config {
+        let started = pko_admission::start(
+            client.clone(),
+            config,
+            admission_metrics.clone(),
+            shutdown.clone(),
+        )
+        .await?;
+        checks.push(("tenancy policies", started.tenancy_synced));
+        checks.push(("admission webhook", started.serving));
+        for task in started.tasks {
+            tasks.spawn(task);
+        }
+    }
+    let readiness = Readiness::new(checks);
+    serve_probes(args, &readiness, metrics, shutdown, tasks).await?;
+    Ok(Served {
+        readiness,
+        file_server,
+        tenancy_status,
+    })
+}
+
+/// /healthz, /readyz and /metrics, and /metrics alone on its own address when one is given.
+async fn serve_probes(
+    args: &RunArgs,
+    readiness: &Readiness,
+    metrics: &Metrics,
+    shutdown: &CancellationToken,
+    tasks: &mut JoinSet<()>,
+) -> Result<(), AppError> {
+    let probe_app = probes::router(readiness.clone(), metrics.clone());
+    let probe_listener = http::bind(&args.health_probe_bind_address).await?;
+    tasks.spawn(http::serve(
+        "probes",
+        probe_listener,
+        probe_app.clone(),
+        http::ServerLimits::default(),
+        shutdown.clone().cancelled_owned(),
+    ));
+    if args.metrics_bind_address != "0"
+        && args.metrics_bind_address != args.health_probe_bind_address
+    {
+        let listener = http::bind(&args.metrics_bind_address).await?;
+        tasks.spawn(http::serve(
+            "metrics",
+            listener,
+            probe_app,
+            http::ServerLimits::default(),
+            shutdown.clone().cancelled_owned(),
+        ));
+    }
+    Ok(())
+}
+
+/// Shares the container's memory between the artifact cache, plugin calls and admission
+/// evaluations; refuses a configuration that cannot fit.
+fn memory_plan(args: &RunArgs) -> Result<memory::Plan, AppError> {
+    use memory::{AdmissionDemand, Demands};
+    let limit = args.memory_limit.or_else(memory::cgroup_limit);
+    let demands = Demands {
+        artifact_cache_bytes: args.artifact_cache_bytes,
+        plugin_budget_bytes: if args.plugins.plugins_enabled {
+            args.plugins.plugin_memory_budget_mib.map(|m| m << 20)
+        } else {
+            Some(0)
+        },
+        plugin_default_bytes: args.plugins.default_memory_bytes(),
+        plugin_unlimited_bytes: args.plugins.unlimited_memory_budget_bytes(),
+        admission: args.webhook.enabled().then(|| AdmissionDemand {
+            per_slot_bytes: args.webhook.per_slot_bytes(),
+            fixed_bytes: args.webhook.review_limits().body_budget_bytes as u64,
+            slots: args.webhook.policy_concurrency,
+        }),
+    };
+    Ok(memory::plan(limit, &demands)?)
+}
+
+/// The artifact URL keys, retried while the apiserver is not reachable yet.
+async fn load_keys(secret: &KeySecret) -> Result<KeySet, AppError> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let mut delay = Duration::from_millis(200);
+    loop {
+        match secret.load_or_create(capability::unix_now()).await {
+            Ok(keys) => return Ok(keys),
+            Err(err) if tokio::time::Instant::now() + delay < deadline => {
+                tracing::warn!(error = %err, "artifact URL keys not readable yet; retrying");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(5));
+            }
+            Err(err) => return Err(AppError::Keys(err)),
+        }
+    }
+}
+
+/// Resolves when `task` ends; never when there is none.
+async fn task_ended(task: &mut Option<JoinHandle<()>>) {
+    match task {
+        Some(handle) => {
+            let _ = handle.await;
+        }
+        None => std::future::pending().await,
+    }
+}
+
+/// A client for `args`; `read_timeout` bounds every response (not for watches).
+async fn kube_client(args: &RunArgs, read_timeout: Option<Duration>) -> Result<Client, AppError> {
+    let mut config = match &args.kubeconfig {
+        Some(path) => {
+            let kubeconfig =
+                Kubeconfig::read_from(path).map_err(|source| AppError::ReadKubeconfig {
+                    path: path.clone(),
+                    source,
+                })?;
+            kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+                .await
+                .map_err(|source| AppError::LoadKubeconfig {
+                    path: path.clone(),
+                    source,
+                })?
+        }
+        None => kube::Config::infer().await.map_err(AppError::InferConfig)?,
+    };
+    let timeout = Duration::from_secs(args.kube_api_timeout_seconds);
+    // No read timeout: watches stay open for minutes by design.
+    config.write_timeout = Some(timeout);
+    config.connect_timeout = Some(timeout);
+    if let Some(read_timeout) = read_timeout {
+        config.read_timeout = Some(read_timeout);
+    }
+    Client::try_from(config).map_err(AppError::Client)
+}
+
+async fn wait_for_signal() -> Result<(), AppError> {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(AppError::SigtermHandler)?;
+    tokio::select! {
+        _ = term.recv() => {},
+        result = tokio::signal::ctrl_c() => result.map_err(AppError::CtrlC)?,
+    }
+    Ok(())
+}
