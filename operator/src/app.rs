@@ -38,7 +38,7 @@ mod controllers;
 
 /// Why the operator could not start, or stopped on its own.
 #[derive(Debug, thiserror::Error)]
-pub enum AppError {
+pub(crate) enum AppError {
     #[error(transparent)]
     Memory(#[from] memory::MemoryError),
     #[error("reading kubeconfig {}", path.display())]
@@ -81,7 +81,7 @@ pub enum AppError {
 
 /// What the process environment says about the pod; main reads it.
 #[derive(Debug, Clone, Default)]
-pub struct PodEnv {
+pub(crate) struct PodEnv {
     /// `$HOSTNAME`.
     pub hostname: Option<String>,
     /// `$POD_NAME`: Events and the leader identity report it.
@@ -91,7 +91,7 @@ pub struct PodEnv {
 }
 
 /// The started operator, waiting to be stopped.
-pub struct App {
+pub(crate) struct App {
     shutdown: CancellationToken,
     /// The lease is released only after the controllers stop, hence its own stop token.
     election_stop: CancellationToken,
@@ -121,7 +121,7 @@ struct Served {
 impl App {
     /// Starts every part; an error means the configuration cannot work (or the apiserver
     /// stayed unreachable), before any controller ran.
-    pub async fn build(args: RunArgs, env: PodEnv) -> Result<Self, AppError> {
+    pub(crate) async fn build(args: RunArgs, env: PodEnv) -> Result<Self, AppError> {
         let memory = memory_plan(&args)?;
         info!("{}", memory.describe());
         // kube and rustls must agree on one crypto provider; ring is the only one linked.
@@ -201,7 +201,7 @@ impl App {
 
     /// Runs until SIGTERM, Ctrl-C or the end of the election, then stops the controllers, the
     /// election and the rest, each within the graceful shutdown timeout.
-    pub async fn run(mut self) -> Result<(), AppError> {
+    pub(crate) async fn run(mut self) -> Result<(), AppError> {
         let election_died = tokio::select! {
             signal = wait_for_signal() => { signal?; false }
             () = task_ended(&mut self.election_task) => true,

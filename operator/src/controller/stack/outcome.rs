@@ -60,7 +60,7 @@ impl kit::MetricLabel for StackError {
 /// What the status says at the end of a reconcile (kstatus: Ready, Reconciling, Stalled), and
 /// when to look again (`None`: on the next change).
 #[derive(Debug, Clone, PartialEq)]
-pub enum Outcome {
+pub(super) enum Outcome {
     /// Up to date.
     Ready { requeue: Option<Duration> },
     /// In progress, or waiting for something that will change by itself.
@@ -78,7 +78,7 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    pub fn reconciling(reason: &'static str, message: impl Into<String>) -> Self {
+    pub(super) fn reconciling(reason: &'static str, message: impl Into<String>) -> Self {
         Self::Reconciling {
             reason,
             message: message.into(),
@@ -86,7 +86,7 @@ impl Outcome {
         }
     }
 
-    pub fn stalled(reason: &'static str, message: impl Into<String>) -> Self {
+    pub(super) fn stalled(reason: &'static str, message: impl Into<String>) -> Self {
         Self::Stalled {
             reason,
             message: message.into(),
@@ -95,7 +95,7 @@ impl Outcome {
     }
 
     /// The same outcome, looked at again after `after`.
-    pub fn after(mut self, after: Duration) -> Self {
+    pub(super) fn after(mut self, after: Duration) -> Self {
         match &mut self {
             Self::Ready { requeue }
             | Self::Reconciling { requeue, .. }
@@ -105,7 +105,7 @@ impl Outcome {
     }
 
     /// Sets the conditions it stands for and says when to reconcile again.
-    pub fn apply(&self, status: &mut StackStatus, generation: Option<i64>) -> Action {
+    pub(super) fn apply(&self, status: &mut StackStatus, generation: Option<i64>) -> Action {
         let requeue = match self {
             Self::Ready { requeue } => {
                 ready(status, generation);
@@ -134,7 +134,7 @@ impl Outcome {
 
 /// Why the phases end before the last one.
 #[derive(Debug)]
-pub enum Stop {
+pub(super) enum Stop {
     /// The status says it: written, then requeued as the outcome says.
     Status(Outcome),
     /// Nothing to write (a finalizer was added or removed, or the stack is not ours to handle):
@@ -157,7 +157,12 @@ impl From<Outcome> for Stop {
 }
 
 // The ready protocol (kstatus), as PKO's helpers.
-pub fn reconciling(status: &mut StackStatus, generation: Option<i64>, reason: &str, message: &str) {
+pub(super) fn reconciling(
+    status: &mut StackStatus,
+    generation: Option<i64>,
+    reason: &str,
+    message: &str,
+) {
     conditions::remove(&mut status.conditions, "Stalled");
     conditions::set(
         &mut status.conditions,
@@ -177,7 +182,12 @@ pub fn reconciling(status: &mut StackStatus, generation: Option<i64>, reason: &s
     );
 }
 
-pub fn stalled(status: &mut StackStatus, generation: Option<i64>, reason: &str, message: &str) {
+pub(super) fn stalled(
+    status: &mut StackStatus,
+    generation: Option<i64>,
+    reason: &str,
+    message: &str,
+) {
     conditions::remove(&mut status.conditions, "Reconciling");
     conditions::set(
         &mut status.conditions,

@@ -25,14 +25,14 @@ use crate::gitremote::{self, HttpAuth};
 
 /// Where a Workspace gets the program.
 #[derive(Debug, Clone, PartialEq)]
-pub enum WorkspaceSource {
+pub(super) enum WorkspaceSource {
     Flux(FluxSource),
     // Boxed: its credentials make it much larger than a Flux source.
     Git(Box<GitSource>),
 }
 
 /// A usable source.
-pub struct Resolved {
+pub(super) struct Resolved {
     /// The Workspace's `flux` or `git`.
     pub workspace_source: WorkspaceSource,
     /// What identifies the program's content (commit SHA or artifact digest).
@@ -42,7 +42,7 @@ pub struct Resolved {
 }
 
 /// What a source needs to be read.
-pub struct Reader<'a> {
+pub(super) struct Reader<'a> {
     pub client: &'a Client,
     /// Branch → commit lookups.
     pub git: &'a gitremote::Resolver,
@@ -62,7 +62,7 @@ const UNAVAILABLE_RETRY: Duration = Duration::from_secs(30);
 
 /// The stack's source; `fresh` skips cached branch lookups (a sync the user asked for). A
 /// source that cannot be used ends the reconcile with `Stalled` ([`Stop::Status`]).
-pub async fn resolve(
+pub(super) async fn resolve(
     reader: &Reader<'_>,
     stack: &Stack,
     namespace: &str,
@@ -346,7 +346,7 @@ impl GitCredentials {
 
 /// The Secret a `type: Secret` reference names, refused when it lies in another namespace
 /// (PKO's deprecated `secret.namespace`). `what` names the field in the error.
-pub fn own_secret<'a>(
+pub(super) fn own_secret<'a>(
     what: &str,
     r: &'a ResourceRef,
     namespace: &str,

@@ -16,18 +16,18 @@ use crate::controller::conditions;
 use crate::controller::keys::RECONCILE_REQUEST_ANNOTATION;
 
 /// PKO's hard-coded limit: after this many consecutive failures the stack stalls.
-pub const MAX_FAILURES: i64 = 3;
+pub(super) const MAX_FAILURES: i64 = 3;
 const DEFAULT_MAX_BACKOFF: i64 = 86_400;
 
 /// `lastUpdate.state`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum UpdateState {
+pub(super) enum UpdateState {
     Succeeded,
     Failed,
 }
 
 impl UpdateState {
-    pub fn as_str(self) -> &'static str {
+    pub(super) fn as_str(self) -> &'static str {
         match self {
             Self::Succeeded => "succeeded",
             Self::Failed => "failed",
@@ -35,7 +35,7 @@ impl UpdateState {
     }
 
     /// The state a last update records, if it is one of ours.
-    pub fn of(last: &StackUpdateState) -> Option<Self> {
+    pub(super) fn of(last: &StackUpdateState) -> Option<Self> {
         match last.state.as_deref()? {
             "succeeded" => Some(Self::Succeeded),
             "failed" => Some(Self::Failed),
@@ -45,7 +45,7 @@ impl UpdateState {
 }
 
 /// `lastUpdate.type`, if it names an operation.
-pub fn update_type(last: &StackUpdateState) -> Option<UpdateType> {
+pub(super) fn update_type(last: &StackUpdateState) -> Option<UpdateType> {
     let recorded = last.type_.as_deref()?;
     [
         UpdateType::Preview,
@@ -57,7 +57,7 @@ pub fn update_type(last: &StackUpdateState) -> Option<UpdateType> {
     .find(|t| t.as_str() == recorded)
 }
 
-pub fn cooldown(stack: &Stack, failures: i64) -> Duration {
+pub(super) fn cooldown(stack: &Stack, failures: i64) -> Duration {
     let cap = stack
         .spec
         .retry_max_backoff_duration_seconds
@@ -69,17 +69,17 @@ pub fn cooldown(stack: &Stack, failures: i64) -> Duration {
     Duration::from_secs(secs.max(0) as u64)
 }
 
-pub fn resync_frequency(stack: &Stack) -> Duration {
+pub(super) fn resync_frequency(stack: &Stack) -> Duration {
     Duration::from_secs(stack.spec.resync_frequency_seconds.unwrap_or(60).max(60) as u64)
 }
 
-pub fn since(t: Option<&Time>) -> Duration {
+pub(super) fn since(t: Option<&Time>) -> Duration {
     t.map(|t| Duration::try_from(Timestamp::now().duration_since(t.0)).unwrap_or(Duration::ZERO))
         .unwrap_or(Duration::MAX)
 }
 
 /// The stack's reconcile request (the annotation's value).
-pub fn request(stack: &Stack) -> Option<String> {
+pub(super) fn request(stack: &Stack) -> Option<String> {
     stack
         .annotations()
         .get(RECONCILE_REQUEST_ANNOTATION)
@@ -88,7 +88,7 @@ pub fn request(stack: &Stack) -> Option<String> {
 
 /// PKO's `isSynced`: whether the last update covers the current spec, request and source.
 /// `Err(reason)` says why a new Update is needed.
-pub fn is_synced(
+pub(super) fn is_synced(
     stack: &Stack,
     status: &StackStatus,
     commit: &str,
@@ -146,7 +146,7 @@ pub fn is_synced(
 }
 
 /// The operation a new Update of the stack performs.
-pub fn operation(stack: &Stack, deleting: bool) -> UpdateType {
+pub(super) fn operation(stack: &Stack, deleting: bool) -> UpdateType {
     if deleting {
         UpdateType::Destroy
     } else if stack.spec.preview == Some(true) {
@@ -158,7 +158,7 @@ pub fn operation(stack: &Stack, deleting: bool) -> UpdateType {
 
 /// A finished Update, as `lastUpdate` records it. Consecutive failures of one run (generation
 /// and request) are counted; a success resets the count.
-pub fn finished(
+pub(super) fn finished(
     current: &CurrentStackUpdate,
     previous: Option<&StackUpdateState>,
     type_: Option<UpdateType>,
@@ -206,7 +206,7 @@ pub fn finished(
 /// What an up-to-date stack reports: ready, stalled after [`MAX_FAILURES`], or waiting for the
 /// cooldown before the next attempt. A polled source (`poll`) is looked at again on its own
 /// schedule unless the stack is being deleted.
-pub fn settled(
+pub(super) fn settled(
     stack: &Stack,
     last: &StackUpdateState,
     poll: Option<Duration>,
@@ -241,14 +241,14 @@ pub fn settled(
 }
 
 /// Whether the last update destroyed the stack.
-pub fn destroyed(last: &StackUpdateState) -> bool {
+pub(super) fn destroyed(last: &StackUpdateState) -> bool {
     update_type(last) == Some(UpdateType::Destroy)
         && UpdateState::of(last) == Some(UpdateState::Succeeded)
 }
 
 /// Where a prerequisite stands (PKO's rules).
 #[derive(Debug, PartialEq)]
-pub enum Prerequisite {
+pub(super) enum Prerequisite {
     Met,
     /// Not met, for this reason.
     Unmet(String),
@@ -263,7 +263,7 @@ pub enum Prerequisite {
 /// A prerequisite stack (`None`: not found) against its requirement: it exists and its last
 /// update, for its current generation and reconcile request, succeeded (within
 /// `succeededWithinDuration` if given).
-pub fn prerequisite(prerequisite: &PrerequisiteRef, other: Option<&Stack>) -> Prerequisite {
+pub(super) fn prerequisite(prerequisite: &PrerequisiteRef, other: Option<&Stack>) -> Prerequisite {
     let name = &prerequisite.name;
     let Some(other) = other else {
         return Prerequisite::Unmet(format!("prerequisite {name} not found"));

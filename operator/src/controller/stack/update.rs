@@ -14,7 +14,7 @@ use crate::controller::workspace::merge;
 const TTL_AFTER_COMPLETED: &str = "24h";
 
 /// What an Update is made of.
-pub struct Request<'a> {
+pub(super) struct Request<'a> {
     pub stack: &'a Stack,
     /// The stack's Workspace, as applied (its uid owns the Update).
     pub workspace: &'a Workspace,
@@ -47,7 +47,7 @@ fn spec(stack: &Stack, workspace: &str, type_: UpdateType, why: &str) -> UpdateS
 
 /// The Update, controlled by the Workspace and also owned by the Stack (so deleting either
 /// collects it).
-pub fn object(request: &Request<'_>) -> Result<Update, StackError> {
+pub(super) fn object(request: &Request<'_>) -> Result<Update, StackError> {
     let Request {
         stack,
         workspace,

@@ -21,7 +21,7 @@ use crate::controller::keys::{STACK_COMPONENT_LABEL, STACK_NAME_LABEL};
 use crate::controller::workspace::{merge, pod};
 
 /// The labels that tie a Workspace or Update to its stack (the controller watches by them).
-pub fn labels(name: &str) -> BTreeMap<String, String> {
+pub(super) fn labels(name: &str) -> BTreeMap<String, String> {
     BTreeMap::from([
         (STACK_COMPONENT_LABEL.to_owned(), "stack".to_owned()),
         (STACK_NAME_LABEL.to_owned(), name.to_owned()),
@@ -192,7 +192,7 @@ fn env(stack: &Stack, namespace: &str) -> Result<Vec<EnvVar>, String> {
 }
 
 /// The Workspace spec of a stack, before its template, or a reason the stack's spec is invalid.
-pub fn spec(
+pub(super) fn spec(
     stack: &Stack,
     namespace: &str,
     source: WorkspaceSource,
@@ -257,7 +257,11 @@ pub fn spec(
 /// The Workspace to apply, named after the stack and controlled by it: the typed object, its
 /// spec merged with the stack's `workspaceTemplate` (labels and annotations from the template's
 /// metadata; the stack's own labels always win).
-pub fn object(stack: &Stack, namespace: &str, spec: WorkspaceSpec) -> Result<Value, StackError> {
+pub(super) fn object(
+    stack: &Stack,
+    namespace: &str,
+    spec: WorkspaceSpec,
+) -> Result<Value, StackError> {
     let name = stack.name_any();
     let mut owner = stack
         .controller_owner_ref(&())
@@ -287,7 +291,7 @@ pub fn object(stack: &Stack, namespace: &str, spec: WorkspaceSpec) -> Result<Val
 }
 
 /// Drops `null` members: what a template's `null` (a deletion) or an unset config value leaves.
-pub fn strip_nulls(v: &mut Value) {
+pub(super) fn strip_nulls(v: &mut Value) {
     match v {
         Value::Object(map) => {
             map.retain(|_, v| !v.is_null());
