@@ -15,6 +15,8 @@ pub mod pod;
 mod reconcile;
 mod rules;
 mod status;
+#[cfg(test)]
+mod tests;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
