@@ -7,6 +7,10 @@
 //! is initialized again without touching the pod; a pod template that would make a restricted
 //! workspace run as root is refused with a Stalled condition; a failed init container (bad
 //! artifact digest, …) is reported in the Ready condition.
+//!
+//! Layout: `reconcile` runs the `phases` in order and writes the status they draft once
+//! (`status`, the one writer); `rules` holds the decisions that need no apiserver or agent;
+//! `pod` builds the Service and StatefulSet, `env` the variables pushed to the agent.
 
 pub mod env;
 pub mod merge;
