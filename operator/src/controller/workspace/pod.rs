@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use pko_api::workspace::{SecurityProfile, Workspace};
+use pko_api::workspace::{SecurityProfile, Workspace, WorkspaceSpec};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
@@ -305,7 +305,59 @@ pub fn desired_statefulset(
         .clone()
         .filter(|i| !i.is_empty())
         .unwrap_or_else(|| default_image(profile).to_owned());
-    let container_security = if restricted {
+    let (container_security, pod_security) = security_contexts(restricted);
+    let share_mount = json!({"name": "share", "mountPath": SHARE});
+    let init_containers = init_containers(ws, settings, &image, &share_mount, &container_security);
+    let pulumi = pulumi_container(spec, &image, &share_mount, &container_security)?;
+    let mut template = json!({
+        "metadata": {"labels": labels(name)},
+        "spec": {
+            "serviceAccountName": spec.service_account_name.as_deref().filter(|s| !s.is_empty()).unwrap_or(pko_api::workspace::DEFAULT_SERVICE_ACCOUNT_NAME),
+            "securityContext": pod_security,
+            "terminationGracePeriodSeconds": 600,
+            "initContainers": init_containers,
+            "containers": [pulumi],
+            "volumes": [
+                {"name": "share", "emptyDir": {}},
+                {"name": "agent-credentials", "secret": {"secretName": credentials_name(name), "defaultMode": 0o440}},
+            ],
+        },
+    });
+    strip_nulls(&mut template);
+    overlay_template(&mut template, spec, name)?;
+    if restricted {
+        check_restricted(&template).map_err(PodError::Restricted)?;
+    }
+    let hash = {
+        let mut h = Sha256::new();
+        h.update(serde_json::to_vec(&template)?);
+        h.update(credentials_fingerprint.as_bytes());
+        hex::encode(h.finalize())[..16].to_owned()
+    };
+    template["metadata"]["annotations"] = json!({REVISION_HASH_ANNOTATION: hash});
+
+    Ok(json!({
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {
+            "name": workload_name(name),
+            "namespace": namespace,
+            "labels": labels(name),
+            "ownerReferences": [owner],
+        },
+        "spec": {
+            "replicas": 1,
+            "podManagementPolicy": "Parallel",
+            "serviceName": workload_name(name),
+            "selector": {"matchLabels": labels(name)},
+            "template": template,
+        },
+    }))
+}
+
+/// The containers' and the pod's security contexts of a workspace pod.
+fn security_contexts(restricted: bool) -> (Value, Value) {
+    let container = if restricted {
         json!({
             "allowPrivilegeEscalation": false,
             "runAsNonRoot": true,
@@ -315,7 +367,7 @@ pub fn desired_statefulset(
     } else {
         json!({})
     };
-    let pod_security = if restricted {
+    let pod = if restricted {
         json!({
             "runAsNonRoot": true,
             "runAsUser": RESTRICTED_UID,
@@ -327,8 +379,19 @@ pub fn desired_statefulset(
     } else {
         json!({"seccompProfile": {"type": "RuntimeDefault"}})
     };
-    let share_mount = json!({"name": "share", "mountPath": SHARE});
+    (container, pod)
+}
 
+/// The init containers: the agent copied to the shared volume, then the program fetched (when
+/// the workspace has a source).
+fn init_containers(
+    ws: &Workspace,
+    settings: &PodSettings,
+    image: &str,
+    share_mount: &Value,
+    container_security: &Value,
+) -> Vec<Value> {
+    let spec = &ws.spec;
     let mut init_containers = vec![json!({
         "name": "bootstrap",
         "image": settings.agent_image,
@@ -353,7 +416,16 @@ pub fn desired_statefulset(
             "terminationMessagePolicy": "FallbackToLogsOnError",
         }));
     }
+    init_containers
+}
 
+/// The container running the agent (and Pulumi).
+fn pulumi_container(
+    spec: &WorkspaceSpec,
+    image: &str,
+    share_mount: &Value,
+    container_security: &Value,
+) -> Result<Value, PodError> {
     let mut command = vec![
         AGENT_IN_SHARE.to_owned(),
         "serve".into(),
@@ -412,24 +484,19 @@ pub fn desired_statefulset(
     if !spec.env_from.is_empty() {
         pulumi["envFrom"] = serde_json::to_value(&spec.env_from)?;
     }
-    let mut template = json!({
-        "metadata": {"labels": labels(name)},
-        "spec": {
-            "serviceAccountName": spec.service_account_name.as_deref().filter(|s| !s.is_empty()).unwrap_or(pko_api::workspace::DEFAULT_SERVICE_ACCOUNT_NAME),
-            "securityContext": pod_security,
-            "terminationGracePeriodSeconds": 600,
-            "initContainers": init_containers,
-            "containers": [pulumi],
-            "volumes": [
-                {"name": "share", "emptyDir": {}},
-                {"name": "agent-credentials", "secret": {"secretName": credentials_name(name), "defaultMode": 0o440}},
-            ],
-        },
-    });
-    strip_nulls(&mut template);
+    Ok(pulumi)
+}
+
+/// Merges the Workspace's pod template over `template`, then puts back what the operator
+/// needs whatever the template says.
+fn overlay_template(
+    template: &mut Value,
+    spec: &WorkspaceSpec,
+    name: &str,
+) -> Result<(), PodError> {
     if let Some(overlay) = &spec.pod_template {
         let overlay = serde_json::to_value(overlay)?;
-        merge::merge(&mut template, &overlay);
+        merge::merge(template, &overlay);
     }
     // System labels win over the template's, so the Service keeps selecting the pod.
     if let Some(obj) = template["metadata"]["labels"].as_object_mut() {
@@ -451,34 +518,7 @@ pub fn desired_statefulset(
             }
         }
     }
-    if restricted {
-        check_restricted(&template).map_err(PodError::Restricted)?;
-    }
-    let hash = {
-        let mut h = Sha256::new();
-        h.update(serde_json::to_vec(&template)?);
-        h.update(credentials_fingerprint.as_bytes());
-        hex::encode(h.finalize())[..16].to_owned()
-    };
-    template["metadata"]["annotations"] = json!({REVISION_HASH_ANNOTATION: hash});
-
-    Ok(json!({
-        "apiVersion": "apps/v1",
-        "kind": "StatefulSet",
-        "metadata": {
-            "name": workload_name(name),
-            "namespace": namespace,
-            "labels": labels(name),
-            "ownerReferences": [owner],
-        },
-        "spec": {
-            "replicas": 1,
-            "podManagementPolicy": "Parallel",
-            "serviceName": workload_name(name),
-            "selector": {"matchLabels": labels(name)},
-            "template": template,
-        },
-    }))
+    Ok(())
 }
 
 fn strip_nulls(v: &mut Value) {

@@ -1,0 +1,448 @@
+//! The phases of a Workspace reconcile, in order: apply the Service and StatefulSet, wait for
+//! the pod, connect to the agent and check its Pulumi version, resolve the environment and
+//! initialise the agent, configure the stacks. Each phase either continues with what it found
+//! or ends the reconcile; the status it drafted is written once, by the caller.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::core::v1::{Pod, Service};
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::controller::Action;
+use kube::runtime::events::EventType;
+use kube::{Client, ResourceExt};
+use pko_agent_api::client::AgentClient;
+use pko_agent_api::proto as pb;
+use pko_api::workspace::{Workspace, WorkspaceStatus};
+use serde_json::Value;
+use tracing::info;
+
+use super::rules::{self, Initialization, Initialized};
+use super::status::{self, STALLED};
+use super::{
+    APPLY_MANAGER, WorkspaceContext, WorkspaceError, env, kube_err, owner_reference, pod,
+    to_pb_item,
+};
+use crate::agent_client::{AgentError, Credentials};
+use crate::controller::conditions;
+
+/// No pod watch: look again this soon for an init container failure or for readiness.
+pub(super) const POD_NOT_READY_REQUEUE: Duration = Duration::from_secs(10);
+/// The development kubelet annotates the agent's port right after it starts the pod.
+pub(super) const DEV_PORT_REQUEUE: Duration = Duration::from_secs(2);
+/// Like a pod whose Secret is missing: look again for the Secret or ConfigMap to appear.
+pub(super) const ENV_UNAVAILABLE_REQUEUE: Duration = Duration::from_secs(15);
+/// A failed install or stack initialisation is stalled: retry now and then, not in a loop.
+pub(super) const INITIALIZATION_RETRY: Duration = Duration::from_secs(60);
+/// Notices an agent that restarted without a StatefulSet change.
+pub(super) const READY_RECHECK: Duration = Duration::from_secs(60);
+
+/// Where a phase leaves the reconcile.
+#[derive(Debug)]
+pub(super) enum Phase<T> {
+    /// On to the next phase with what this one found.
+    Continue(T),
+    /// The reconcile ends here.
+    Done(End),
+}
+
+/// How a reconcile ends.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum End {
+    /// The drafted status is written, then the action.
+    Report(Action),
+    /// Nothing learned: the status is left as it is.
+    Quiet(Action),
+}
+
+/// The value of a phase that continues; from one that does not, returns its end.
+macro_rules! proceed {
+    ($phase:expr) => {
+        match $phase {
+            $crate::controller::workspace::phases::Phase::Continue(value) => value,
+            $crate::controller::workspace::phases::Phase::Done(end) => return Ok(end),
+        }
+    };
+}
+pub(super) use proceed;
+
+/// One reconcile of a Workspace: what every phase reads, and the status they draft.
+pub(super) struct Run<'a> {
+    pub(super) ws: &'a Workspace,
+    pub(super) ctx: &'a WorkspaceContext,
+    pub(super) namespace: String,
+    pub(super) name: String,
+    pub(super) uid: String,
+    pub(super) generation: Option<i64>,
+    /// The status as read.
+    pub(super) before: WorkspaceStatus,
+    /// The status to write.
+    pub(super) status: WorkspaceStatus,
+}
+
+impl<'a> Run<'a> {
+    pub(super) fn new(
+        ws: &'a Workspace,
+        ctx: &'a WorkspaceContext,
+    ) -> Result<Self, WorkspaceError> {
+        Ok(Self {
+            ws,
+            ctx,
+            namespace: ws.namespace().ok_or(WorkspaceError::NoNamespace)?,
+            name: ws.name_any(),
+            uid: ws.metadata.uid.clone().unwrap_or_default(),
+            generation: ws.metadata.generation,
+            before: ws.status.clone().unwrap_or_default(),
+            status: status::draft(ws),
+        })
+    }
+
+    async fn warn(&self, reason: &str, note: String) {
+        self.ctx
+            .event(self.ws, EventType::Warning, reason, note)
+            .await;
+    }
+
+    /// Ends the reconcile `Stalled=True`/`Ready=False` for `reason`, with a Warning Event
+    /// (`event_reason`) unless the workspace is already stalled.
+    async fn stall_on_spec(&mut self, event_reason: &str, reason: &str, message: String) -> End {
+        if !conditions::is_true(&self.status.conditions, STALLED) {
+            self.warn(event_reason, message.clone()).await;
+        }
+        status::mark_not_ready(&mut self.status, true, reason, &message, self.generation);
+        End::Report(Action::await_change())
+    }
+
+    /// Ends the reconcile `Stalled=True`/`Ready=False` after a failed agent call, always
+    /// with a Warning Event, retried after [`INITIALIZATION_RETRY`].
+    async fn stall_on_agent(&mut self, event_reason: &str, reason: &str, message: String) -> End {
+        self.warn(event_reason, message.clone()).await;
+        status::mark_not_ready(&mut self.status, true, reason, &message, self.generation);
+        End::Report(Action::requeue(INITIALIZATION_RETRY))
+    }
+}
+
+/// The Workspace is being deleted: the agent is forgotten and the status says so.
+pub(super) fn deleting(run: &mut Run<'_>) -> End {
+    status::mark_deleting(&mut run.status, run.generation);
+    run.ctx.set_initialized(&run.uid, None);
+    End::Report(Action::await_change())
+}
+
+/// What the apply phase made.
+#[derive(Debug)]
+pub(super) struct Applied {
+    pub(super) credentials: Credentials,
+    pub(super) statefulset: StatefulSet,
+}
+
+/// Ensures the agent credentials, then applies the Service and the StatefulSet; a pod
+/// template that cannot be run stalls the workspace.
+pub(super) async fn apply(run: &mut Run<'_>) -> Result<Phase<Applied>, WorkspaceError> {
+    let owner = owner_reference(run.ws);
+    let credentials = run
+        .ctx
+        .agents
+        .ensure_credentials(&run.name, &run.namespace, &owner)
+        .await?;
+    let desired = match pod::desired_statefulset(
+        run.ws,
+        &run.name,
+        &run.namespace,
+        &owner,
+        &run.ctx.settings,
+        &credentials.fingerprint,
+    ) {
+        Ok(sts) => sts,
+        Err(
+            e @ (pod::PodError::Restricted(_)
+            | pod::PodError::CrossNamespaceProgram { .. }
+            | pod::PodError::InvalidFluxUrl(_)),
+        ) => {
+            run.status.address = None;
+            let end = run
+                .stall_on_spec("SpecInvalid", "SpecInvalid", e.to_string())
+                .await;
+            return Ok(Phase::Done(end));
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let service = pod::desired_service(run.ws, &run.name, &run.namespace, &owner);
+    let statefulset = apply_workload(
+        &run.ctx.client,
+        &run.namespace,
+        &run.name,
+        &service,
+        &desired,
+    )
+    .await?;
+    Ok(Phase::Continue(Applied {
+        credentials,
+        statefulset,
+    }))
+}
+
+/// Server-side applies the Service, then the StatefulSet (returned as the apiserver has it).
+async fn apply_workload(
+    client: &Client,
+    namespace: &str,
+    workspace: &str,
+    service: &Value,
+    statefulset: &Value,
+) -> Result<StatefulSet, WorkspaceError> {
+    let apply = PatchParams::apply(APPLY_MANAGER).force();
+    let name = pod::workload_name(workspace);
+    let services: Api<Service> = Api::namespaced(client.clone(), namespace);
+    services
+        .patch(&name, &apply, &Patch::Apply(service))
+        .await
+        .map_err(kube_err("applying the workspace Service"))?;
+    let statefulsets: Api<StatefulSet> = Api::namespaced(client.clone(), namespace);
+    statefulsets
+        .patch(&name, &apply, &Patch::Apply(statefulset))
+        .await
+        .map_err(kube_err("applying the workspace StatefulSet"))
+}
+
+/// Continues once the StatefulSet is ready; until then `Ready=False` says why, naming a
+/// failed init container (with a Warning Event when that is news).
+pub(super) async fn pod_ready(
+    run: &mut Run<'_>,
+    sts: &StatefulSet,
+) -> Result<Phase<()>, WorkspaceError> {
+    let Some((reason, mut message)) = rules::not_ready(sts) else {
+        return Ok(Phase::Continue(()));
+    };
+    if let Some(failure) = init_failure(&run.ctx.client, &run.namespace, &run.name).await {
+        let known = conditions::get(&run.status.conditions, status::READY)
+            .is_some_and(|c| c.message == failure);
+        if !known {
+            run.warn("InitializationFailure", failure.clone()).await;
+        }
+        message = failure;
+    }
+    status::mark_pod_not_ready(&mut run.status, reason, &message, run.generation);
+    Ok(Phase::Done(End::Report(Action::requeue(
+        POD_NOT_READY_REQUEUE,
+    ))))
+}
+
+/// A failed init container of the workspace pod (none when the pod cannot be read).
+async fn init_failure(client: &Client, namespace: &str, workspace: &str) -> Option<String> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    let pod = pods
+        .get_opt(&format!("{}-0", pod::workload_name(workspace)))
+        .await
+        .ok()??;
+    rules::init_failure(&pod)
+}
+
+/// A connected agent and what it said of itself.
+pub(super) struct Agent {
+    pub(super) client: AgentClient,
+    /// Changes when the agent restarts.
+    pub(super) instance: String,
+    /// Its Pulumi CLI version.
+    pub(super) version: String,
+}
+
+/// Connects to the agent and asks its Pulumi version; the address and the version go to the
+/// status.
+pub(super) async fn connect(
+    run: &mut Run<'_>,
+    applied: &Applied,
+) -> Result<Phase<Agent>, WorkspaceError> {
+    let agents = &run.ctx.agents;
+    let address = match agents.address(&run.name, &run.namespace, &applied.statefulset) {
+        Ok(a) => a,
+        Err(AgentError::NoDevPort(_)) => {
+            return Ok(Phase::Done(End::Quiet(Action::requeue(DEV_PORT_REQUEUE))));
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let connected = agents
+        .client(&run.name, &run.namespace, &address, &applied.credentials)
+        .await;
+    let mut client = match connected {
+        Ok(c) => c,
+        Err(e) => {
+            let message = format!("cannot connect to the workspace agent at {address}: {e}");
+            run.warn("ConnectionFailure", message.clone()).await;
+            return Err(WorkspaceError::AgentUnavailable {
+                reason: "ConnectionFailed".into(),
+                message,
+            });
+        }
+    };
+    let answer = match client.pulumi_version(pb::PulumiVersionRequest {}).await {
+        Ok(v) => v,
+        Err(s) => {
+            agents.forget(&run.name, &run.namespace);
+            return Err(WorkspaceError::AgentUnavailable {
+                reason: format!("{:?}", s.code()),
+                message: format!("PulumiVersion failed: {}", s.message()),
+            });
+        }
+    };
+    let instance = answer
+        .metadata()
+        .get(pko_agent_api::INSTANCE_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    let version = answer.into_inner().version;
+    run.status.pulumi_version = Some(version.clone());
+    run.status.address = Some(address);
+    Ok(Phase::Continue(Agent {
+        client,
+        instance,
+        version,
+    }))
+}
+
+/// Stalls the workspace when the agent's Pulumi cannot take the stacks' config.
+pub(super) async fn check_version(run: &mut Run<'_>, agent: &Agent) -> Phase<()> {
+    match rules::unsupported_config(&run.ws.spec, &agent.version) {
+        None => Phase::Continue(()),
+        Some(message) => Phase::Done(
+            run.stall_on_spec(
+                "StackInitializationFailure",
+                "IncompatibleConfiguration",
+                message,
+            )
+            .await,
+        ),
+    }
+}
+
+/// Resolves the variables pushed to the agent; a missing source makes the workspace not
+/// ready (not stalled) until it appears.
+pub(super) async fn environment(run: &mut Run<'_>) -> Phase<BTreeMap<String, String>> {
+    match env::resolve(&run.ctx.client, &run.namespace, &run.ws.spec.env).await {
+        Ok(e) => Phase::Continue(e),
+        Err(message) => {
+            status::clear_failure_stall(&mut run.status);
+            status::mark_not_ready(
+                &mut run.status,
+                false,
+                "EnvironmentUnavailable",
+                &message,
+                run.generation,
+            );
+            Phase::Done(End::Report(Action::requeue(ENV_UNAVAILABLE_REQUEUE)))
+        }
+    }
+}
+
+/// What the stacks phase still has to do once the agent has its environment.
+pub(super) struct Pending {
+    wanted: Initialized,
+    fresh: bool,
+}
+
+/// Pushes the environment (first, as every later command may need it) and installs the
+/// program's dependencies on a fresh agent; nothing when the agent knows it all.
+pub(super) async fn initialise(
+    run: &mut Run<'_>,
+    agent: &mut Agent,
+    env: BTreeMap<String, String>,
+) -> Result<Phase<Option<Pending>>, WorkspaceError> {
+    let wanted = Initialized {
+        instance: agent.instance.clone(),
+        generation: run.generation.unwrap_or(0),
+        env_digest: env::digest(&env),
+    };
+    let done = run.ctx.initialized_for(&run.uid);
+    let fresh = match rules::initialization(done.as_ref(), &wanted) {
+        Initialization::UpToDate => return Ok(Phase::Continue(None)),
+        Initialization::Fresh => true,
+        Initialization::Reconfigure => false,
+    };
+    let request = pb::SetEnvironmentVariablesRequest {
+        env: env.into_iter().collect(),
+    };
+    if let Err(s) = agent.client.set_environment_variables(request).await {
+        run.ctx.agents.forget(&run.name, &run.namespace);
+        return Err(WorkspaceError::AgentUnavailable {
+            reason: "InitializationFailed".into(),
+            message: format!("Failed to set the environment: {}", s.message()),
+        });
+    }
+    if fresh && let Err(s) = agent.client.install(pb::InstallRequest {}).await {
+        let message = format!("Installation failed: {}", s.message());
+        let end = run
+            .stall_on_agent("InstallationFailure", "InstallationFailed", message)
+            .await;
+        return Ok(Phase::Done(end));
+    }
+    Ok(Phase::Continue(Some(Pending { wanted, fresh })))
+}
+
+/// Selects and configures every stack, then remembers what the agent was told.
+pub(super) async fn stacks(
+    run: &mut Run<'_>,
+    agent: &mut Agent,
+    pending: Option<Pending>,
+) -> Phase<()> {
+    let Some(Pending { wanted, fresh }) = pending else {
+        return Phase::Continue(());
+    };
+    if let Err(message) = initialize_stacks(&mut agent.client, run.ws).await {
+        let end = run
+            .stall_on_agent(
+                "StackInitializationFailure",
+                "InitializationFailed",
+                message,
+            )
+            .await;
+        return Phase::Done(end);
+    }
+    let generation = wanted.generation;
+    run.ctx.set_initialized(&run.uid, Some(wanted));
+    info!(instance = %agent.instance, generation, "workspace initialized");
+    let note = rules::initialized_note(fresh, &run.name, generation);
+    run.ctx
+        .event(run.ws, EventType::Normal, "Initialized", note)
+        .await;
+    Phase::Continue(())
+}
+
+/// Selects and configures every stack of the workspace.
+async fn initialize_stacks(client: &mut AgentClient, ws: &Workspace) -> Result<(), String> {
+    for stack in &ws.spec.stacks {
+        let failed =
+            |what: &str, s: tonic::Status| format!("{what} {}: {}", stack.name, s.message());
+        client
+            .select_stack(pb::SelectStackRequest {
+                stack_name: stack.name.clone(),
+                create: stack.create,
+                secrets_provider: stack.secrets_provider.clone(),
+            })
+            .await
+            .map_err(|s| failed("Failed to initialize stack", s))?;
+        if !stack.config.is_empty() {
+            client
+                .set_all_config(pb::SetAllConfigRequest {
+                    config: stack.config.iter().map(to_pb_item).collect(),
+                })
+                .await
+                .map_err(|s| failed("Failed to set config of stack", s))?;
+        }
+        if !stack.environment.is_empty() {
+            client
+                .add_environments(pb::AddEnvironmentsRequest {
+                    environment: stack.environment.clone(),
+                })
+                .await
+                .map_err(|s| failed("Failed to add environments to stack", s))?;
+        }
+    }
+    Ok(())
+}
+
+/// The agent knows the workspace: ready, looked at again after [`READY_RECHECK`].
+pub(super) fn ready(run: &mut Run<'_>) -> End {
+    status::mark_ready(&mut run.status, run.generation);
+    End::Report(Action::requeue(READY_RECHECK))
+}

@@ -1,0 +1,89 @@
+//! One reconcile of a Workspace: the phases in order, the drafted status written once, and a
+//! failure reported once retrying stops helping.
+
+use std::sync::Arc;
+
+use kube::runtime::controller::Action;
+use kube::runtime::events::EventType;
+use kube::{Resource, ResourceExt};
+use pko_api::workspace::Workspace;
+use tracing::{instrument, warn};
+
+use super::phases::{self, End, Run, proceed};
+use super::status::{self, write_status};
+use super::{CONTROLLER, WorkspaceContext, WorkspaceError};
+use crate::controller::{backoff, kit};
+
+#[instrument(skip_all, fields(workspace = %format!("{}/{}", ws.namespace().unwrap_or_default(), ws.name_any())))]
+pub(super) async fn reconcile(
+    ws: Arc<Workspace>,
+    ctx: Arc<WorkspaceContext>,
+) -> Result<Action, WorkspaceError> {
+    let _measure = kit::measure(&ctx.metrics, CONTROLLER);
+    let result = reconcile_inner(&ws, &ctx).await;
+    let failure = ctx
+        .backoff
+        .record(&ws.metadata, &result, WorkspaceError::verdict);
+    if let (Some(failure), Err(err)) = (failure, &result) {
+        report_failure(&ws, &ctx, err, failure.stall).await;
+    }
+    result
+}
+
+pub(super) async fn reconcile_inner(
+    ws: &Workspace,
+    ctx: &WorkspaceContext,
+) -> Result<Action, WorkspaceError> {
+    let mut run = Run::new(ws, ctx)?;
+    match run_phases(&mut run).await? {
+        End::Report(action) => {
+            write_status(
+                &ctx.client,
+                &run.namespace,
+                &run.name,
+                &run.before,
+                &run.status,
+            )
+            .await?;
+            Ok(action)
+        }
+        End::Quiet(action) => Ok(action),
+    }
+}
+
+/// The phases in order, up to the first that ends the reconcile.
+async fn run_phases(run: &mut Run<'_>) -> Result<End, WorkspaceError> {
+    if run.ws.meta().deletion_timestamp.is_some() {
+        return Ok(phases::deleting(run));
+    }
+    let applied = proceed!(phases::apply(run).await?);
+    proceed!(phases::pod_ready(run, &applied.statefulset).await?);
+    let mut agent = proceed!(phases::connect(run, &applied).await?);
+    proceed!(phases::check_version(run, &agent).await);
+    let env = proceed!(phases::environment(run).await);
+    let pending = proceed!(phases::initialise(run, &mut agent, env).await?);
+    proceed!(phases::stacks(run, &mut agent, pending).await);
+    Ok(phases::ready(run))
+}
+
+/// Reports a failed reconcile (see [`status::failure_report`]): the Warning Event first when
+/// that is news, then the status. The status is derived from the error alone, so the same
+/// failure again writes nothing (and triggers no reconcile of its own).
+async fn report_failure(ws: &Workspace, ctx: &WorkspaceContext, err: &WorkspaceError, stall: bool) {
+    let Some(namespace) = ws.namespace() else {
+        return;
+    };
+    let before = ws.status.clone().unwrap_or_default();
+    let Some(report) = status::failure_report(&before, ws.metadata.generation, err, stall) else {
+        return;
+    };
+    if let Some(note) = report.event {
+        ctx.event(ws, EventType::Warning, backoff::REASON, note)
+            .await;
+    }
+    let name = ws.name_any();
+    let written = write_status(&ctx.client, &namespace, &name, &before, &report.status);
+    if let Err(e) = written.await {
+        warn!(error = %e, "cannot report the stalled workspace");
+    }
+}

@@ -1,0 +1,268 @@
+//! The reconcile's decisions that need no apiserver and no agent: whether the StatefulSet is
+//! ready, what a failed init container says, whether the agent's Pulumi can take the config,
+//! and whether the agent must be told the workspace again.
+
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::core::v1::Pod;
+use pko_api::workspace::{ConfigItem, WorkspaceSpec};
+use serde_json::Value;
+
+use super::pod;
+
+/// Structured config (objects, arrays, JSON values) needs `config set-all --json`.
+pub(super) const STRUCTURED_CONFIG_MIN_VERSION: (u64, u64, u64) = (3, 202, 0);
+
+/// Why a StatefulSet is not ready yet, or `None` when it is (PKO's rule).
+pub(super) fn not_ready(sts: &StatefulSet) -> Option<(&'static str, String)> {
+    let generation = sts.metadata.generation;
+    let Some(status) = &sts.status else {
+        return Some((
+            "RollingUpdate",
+            "waiting for the StatefulSet to be observed".into(),
+        ));
+    };
+    if status.observed_generation != generation
+        || status.update_revision.is_some() && status.update_revision != status.current_revision
+    {
+        return Some(("RollingUpdate", "the workspace pod is being updated".into()));
+    }
+    if status.available_replicas.unwrap_or(0) < 1 {
+        return Some((
+            "WaitingForReplicas",
+            "waiting for the workspace pod to be ready".into(),
+        ));
+    }
+    None
+}
+
+/// A failed init container of `pod`, as the kubelet reports it.
+pub(super) fn init_failure(pod: &Pod) -> Option<String> {
+    let statuses = pod.status.as_ref()?.init_container_statuses.as_ref()?;
+    statuses.iter().find_map(|s| {
+        let state = s.state.as_ref()?;
+        let terminated = state
+            .terminated
+            .as_ref()
+            .or_else(|| s.last_state.as_ref()?.terminated.as_ref())
+            .filter(|t| t.exit_code != 0)?;
+        let message = terminated
+            .message
+            .as_deref()
+            .map(str::trim)
+            .filter(|m| !m.is_empty())
+            .unwrap_or("no message");
+        Some(format!(
+            "init container {} failed (exit code {}): {}",
+            s.name, terminated.exit_code, message
+        ))
+    })
+}
+
+pub(super) fn parse_version(v: &str) -> Option<(u64, u64, u64)> {
+    let core = v.trim().trim_start_matches('v');
+    let core = core.split(['-', '+']).next()?;
+    let mut parts = core.split('.').map(|p| p.parse::<u64>().ok());
+    Some((
+        parts.next()??,
+        parts.next()??,
+        parts.next().flatten().unwrap_or(0),
+    ))
+}
+
+fn structured(item: &ConfigItem) -> bool {
+    matches!(item.value, Some(Value::Object(_) | Value::Array(_)))
+        || item
+            .value_from
+            .as_ref()
+            .is_some_and(|f| f.json == Some(true))
+}
+
+/// Why the agent's Pulumi `version` cannot take the stacks' config, or `None` when it can.
+pub(super) fn unsupported_config(spec: &WorkspaceSpec, version: &str) -> Option<String> {
+    let needs_structured = spec.stacks.iter().flat_map(|s| &s.config).any(structured);
+    if !needs_structured
+        || parse_version(version).is_some_and(|v| v >= STRUCTURED_CONFIG_MIN_VERSION)
+    {
+        return None;
+    }
+    Some(format!(
+        "structured configuration needs Pulumi CLI v{}.{}.{} or later; the workspace has {version}",
+        STRUCTURED_CONFIG_MIN_VERSION.0,
+        STRUCTURED_CONFIG_MIN_VERSION.1,
+        STRUCTURED_CONFIG_MIN_VERSION.2
+    ))
+}
+
+/// What an agent was told: it is told again when any part changes (a restarted agent has a new
+/// instance id and remembers nothing).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Initialized {
+    pub(super) instance: String,
+    pub(super) generation: i64,
+    pub(super) env_digest: String,
+}
+
+/// What the agent still has to be told.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Initialization {
+    /// It was told all of it.
+    UpToDate,
+    /// A new agent: the environment, the install, the stacks.
+    Fresh,
+    /// The same agent, told something else before: the environment and the stacks.
+    Reconfigure,
+}
+
+/// Compares what the agent was last told (`done`) with what it should know (`wanted`).
+pub(super) fn initialization(done: Option<&Initialized>, wanted: &Initialized) -> Initialization {
+    match done {
+        Some(d) if d == wanted => Initialization::UpToDate,
+        Some(d) if d.instance == wanted.instance => Initialization::Reconfigure,
+        _ => Initialization::Fresh,
+    }
+}
+
+/// The note of the Event that says the agent was told the workspace.
+pub(super) fn initialized_note(fresh: bool, workspace: &str, generation: i64) -> String {
+    if fresh {
+        format!(
+            "Initialized workspace pod {}-0",
+            pod::workload_name(workspace)
+        )
+    } else {
+        format!(
+            "Configured the environment and stacks of generation {generation} without restarting the pod"
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn sts(status: Value) -> StatefulSet {
+        serde_json::from_value(json!({"metadata": {"generation": 2}, "status": status}))
+            .expect("statefulset")
+    }
+
+    #[test]
+    fn versions_compare() {
+        assert_eq!(parse_version("v3.274.1"), Some((3, 274, 1)));
+        assert!(parse_version("v3.197.0").is_some_and(|v| v < STRUCTURED_CONFIG_MIN_VERSION));
+        assert!(
+            parse_version("3.202.0-alpha.1").is_some_and(|v| v >= STRUCTURED_CONFIG_MIN_VERSION)
+        );
+        assert_eq!(parse_version("garbage"), None);
+    }
+
+    #[test]
+    fn a_statefulset_is_ready_once_observed_rolled_and_available() {
+        let unobserved: StatefulSet =
+            serde_json::from_value(json!({"metadata": {"generation": 1}})).expect("statefulset");
+        assert_eq!(
+            not_ready(&unobserved),
+            Some((
+                "RollingUpdate",
+                "waiting for the StatefulSet to be observed".into()
+            ))
+        );
+        let old = sts(json!({"replicas": 1, "observedGeneration": 1}));
+        assert_eq!(not_ready(&old).map(|r| r.0), Some("RollingUpdate"));
+        let rolling = sts(json!({"replicas": 1, "observedGeneration": 2,
+            "updateRevision": "b", "currentRevision": "a", "availableReplicas": 1}));
+        assert_eq!(
+            not_ready(&rolling),
+            Some(("RollingUpdate", "the workspace pod is being updated".into()))
+        );
+        let waiting = sts(json!({"replicas": 1, "observedGeneration": 2}));
+        assert_eq!(not_ready(&waiting).map(|r| r.0), Some("WaitingForReplicas"));
+        let ready = sts(json!({"replicas": 1, "observedGeneration": 2,
+            "updateRevision": "a", "currentRevision": "a", "availableReplicas": 1}));
+        assert_eq!(not_ready(&ready), None);
+    }
+
+    #[test]
+    fn a_failed_init_container_is_named_with_its_exit_code() {
+        let pod: Pod = serde_json::from_value(json!({"status": {"initContainerStatuses": [
+            {"name": "ok", "image": "i", "imageID": "", "ready": true, "restartCount": 0,
+             "state": {"terminated": {"exitCode": 0}}},
+            {"name": "fetch", "image": "i", "imageID": "", "ready": false, "restartCount": 2,
+             "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+             "lastState": {"terminated": {"exitCode": 3, "message": " bad digest\n"}}},
+        ]}}))
+        .expect("pod");
+        assert_eq!(
+            init_failure(&pod).as_deref(),
+            Some("init container fetch failed (exit code 3): bad digest")
+        );
+        let silent: Pod = serde_json::from_value(json!({"status": {"initContainerStatuses": [
+            {"name": "fetch", "image": "i", "imageID": "", "ready": false, "restartCount": 0,
+             "state": {"terminated": {"exitCode": 1, "message": "  "}}},
+        ]}}))
+        .expect("pod");
+        assert_eq!(
+            init_failure(&silent).as_deref(),
+            Some("init container fetch failed (exit code 1): no message")
+        );
+        assert_eq!(init_failure(&Pod::default()), None);
+    }
+
+    #[test]
+    fn structured_config_needs_a_recent_pulumi() {
+        let spec = |config: Value| -> WorkspaceSpec {
+            serde_json::from_value(json!({"stacks": [{"name": "dev", "config": config}]}))
+                .expect("spec")
+        };
+        let plain = spec(json!([{"key": "a", "value": "x"}]));
+        let object = spec(json!([{"key": "a", "value": {"b": 1}}]));
+        let json_from = spec(json!([{"key": "a", "valueFrom": {"env": "A", "json": true}}]));
+        assert_eq!(unsupported_config(&plain, "v3.100.0"), None);
+        assert_eq!(unsupported_config(&object, "v3.202.0"), None);
+        assert_eq!(
+            unsupported_config(&object, "v3.201.9").as_deref(),
+            Some(
+                "structured configuration needs Pulumi CLI v3.202.0 or later; the workspace has v3.201.9"
+            )
+        );
+        assert!(unsupported_config(&json_from, "unknown").is_some());
+    }
+
+    #[test]
+    fn the_agent_is_told_again_when_anything_it_knows_changes() {
+        let wanted = Initialized {
+            instance: "a".into(),
+            generation: 3,
+            env_digest: "d".into(),
+        };
+        assert_eq!(initialization(None, &wanted), Initialization::Fresh);
+        assert_eq!(
+            initialization(Some(&wanted.clone()), &wanted),
+            Initialization::UpToDate
+        );
+        let older = Initialized {
+            generation: 2,
+            ..wanted.clone()
+        };
+        assert_eq!(
+            initialization(Some(&older), &wanted),
+            Initialization::Reconfigure
+        );
+        let restarted = Initialized {
+            instance: "b".into(),
+            ..wanted.clone()
+        };
+        assert_eq!(
+            initialization(Some(&restarted), &wanted),
+            Initialization::Fresh
+        );
+        assert_eq!(
+            initialized_note(true, "ws", 3),
+            format!("Initialized workspace pod {}-0", pod::workload_name("ws"))
+        );
+        assert_eq!(
+            initialized_note(false, "ws", 3),
+            "Configured the environment and stacks of generation 3 without restarting the pod"
+        );
+    }
+}

@@ -1,0 +1,293 @@
+//! The Workspace status: what each outcome of a reconcile sets on the drafted status, and the
+//! one writer that sends it.
+
+use kube::Client;
+use kube::api::{Api, Patch, PatchParams};
+use pko_api::workspace::{Workspace, WorkspaceStatus};
+use serde_json::json;
+
+use super::{STATUS_MANAGER, WorkspaceError, kube_err};
+use crate::controller::{backoff, conditions};
+
+pub(super) const READY: &str = "Ready";
+pub(super) const STALLED: &str = "Stalled";
+
+/// The status a reconcile of `ws` starts from: the current one, for this generation.
+pub(super) fn draft(ws: &Workspace) -> WorkspaceStatus {
+    let mut status = ws.status.clone().unwrap_or_default();
+    status.observed_generation = ws.metadata.generation;
+    status
+}
+
+/// A stall reported after failed attempts holds until an attempt gets further: the outcomes
+/// that write a status of their own clear it.
+pub(super) fn clear_failure_stall(status: &mut WorkspaceStatus) {
+    if conditions::get(&status.conditions, STALLED).is_some_and(|c| c.reason == backoff::REASON) {
+        conditions::remove(&mut status.conditions, STALLED);
+    }
+}
+
+/// `Ready=False` for `reason`; with `stalled`, also `Stalled=True` (a state that retrying soon
+/// will not fix).
+pub(super) fn mark_not_ready(
+    status: &mut WorkspaceStatus,
+    stalled: bool,
+    reason: &str,
+    message: &str,
+    generation: Option<i64>,
+) {
+    if stalled {
+        conditions::set(
+            &mut status.conditions,
+            STALLED,
+            true,
+            reason,
+            message,
+            generation,
+        );
+    }
+    conditions::set(
+        &mut status.conditions,
+        READY,
+        false,
+        reason,
+        message,
+        generation,
+    );
+}
+
+/// The Workspace is going away: no address, not ready.
+pub(super) fn mark_deleting(status: &mut WorkspaceStatus, generation: Option<i64>) {
+    clear_failure_stall(status);
+    status.address = None;
+    conditions::set(
+        &mut status.conditions,
+        READY,
+        false,
+        "Deleting",
+        "Workspace is being deleted",
+        generation,
+    );
+}
+
+/// The pod (or its rollout) is not ready: not stalled, whatever stalled it before.
+pub(super) fn mark_pod_not_ready(
+    status: &mut WorkspaceStatus,
+    reason: &str,
+    message: &str,
+    generation: Option<i64>,
+) {
+    status.address = None;
+    conditions::remove(&mut status.conditions, STALLED);
+    conditions::set(
+        &mut status.conditions,
+        READY,
+        false,
+        reason,
+        message,
+        generation,
+    );
+}
+
+/// The agent was told the workspace: ready, nothing stalled.
+pub(super) fn mark_ready(status: &mut WorkspaceStatus, generation: Option<i64>) {
+    conditions::remove(&mut status.conditions, STALLED);
+    conditions::set(
+        &mut status.conditions,
+        READY,
+        true,
+        "Succeeded",
+        "",
+        generation,
+    );
+}
+
+/// Whether writing `after` over `before` would change nothing the operator owns.
+pub(super) fn unchanged(before: &WorkspaceStatus, after: &WorkspaceStatus) -> bool {
+    before.observed_generation == after.observed_generation
+        && before.address == after.address
+        && before.pulumi_version == after.pulumi_version
+        && conditions::same(&before.conditions, &after.conditions)
+}
+
+/// What a failed reconcile reports: the status, and the Warning Event's note when that is news.
+#[derive(Debug)]
+pub(super) struct FailureReport {
+    pub(super) status: WorkspaceStatus,
+    pub(super) event: Option<String>,
+}
+
+/// The report of `err` (`stall`: retrying stopped helping), or `None` when the failure is
+/// not reported yet. Derived from the error alone, so the same failure again changes nothing.
+pub(super) fn failure_report(
+    before: &WorkspaceStatus,
+    generation: Option<i64>,
+    err: &WorkspaceError,
+    stall: bool,
+) -> Option<FailureReport> {
+    let mut status = before.clone();
+    status.observed_generation = generation;
+    let message = conditions::truncate(&err.message(), conditions::MESSAGE_LIMIT);
+    if let WorkspaceError::AgentUnavailable { reason, .. } = err {
+        status.address = None;
+        if !stall {
+            mark_not_ready(&mut status, false, reason, &message, generation);
+        }
+    } else if !stall {
+        return None;
+    }
+    let mut event = None;
+    if stall {
+        let known = conditions::get(&before.conditions, STALLED).is_some_and(|c| {
+            c.status == "True" && c.reason == backoff::REASON && c.message == message
+        });
+        if !known {
+            event = Some(message.clone());
+        }
+        mark_not_ready(&mut status, true, backoff::REASON, &message, generation);
+    }
+    Some(FailureReport { status, event })
+}
+
+/// Writes `after` as the Workspace status (server-side apply of the whole status), unless it
+/// says what `before` says.
+pub(super) async fn write_status(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+    before: &WorkspaceStatus,
+    after: &WorkspaceStatus,
+) -> Result<(), WorkspaceError> {
+    if unchanged(before, after) {
+        return Ok(());
+    }
+    let patch = json!({
+        "apiVersion": "auto.pulumi.com/v1alpha1",
+        "kind": "Workspace",
+        "status": after,
+    });
+    let api: Api<Workspace> = Api::namespaced(client.clone(), namespace);
+    api.patch_status(
+        name,
+        &PatchParams::apply(STATUS_MANAGER).force(),
+        &Patch::Apply(&patch),
+    )
+    .await
+    .map_err(kube_err("writing the Workspace status"))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ready(status: &WorkspaceStatus) -> Option<(String, String, String)> {
+        conditions::get(&status.conditions, READY)
+            .map(|c| (c.status.clone(), c.reason.clone(), c.message.clone()))
+    }
+
+    fn failure_stalled() -> WorkspaceStatus {
+        let mut status = WorkspaceStatus::default();
+        mark_not_ready(&mut status, true, backoff::REASON, "boom", Some(1));
+        status
+    }
+
+    #[test]
+    fn deleting_clears_a_failure_stall_and_the_address() {
+        let mut status = failure_stalled();
+        status.address = Some("a:1".into());
+        mark_deleting(&mut status, Some(2));
+        assert_eq!(status.address, None);
+        assert!(conditions::get(&status.conditions, STALLED).is_none());
+        assert_eq!(
+            ready(&status),
+            Some((
+                "False".into(),
+                "Deleting".into(),
+                "Workspace is being deleted".into()
+            ))
+        );
+    }
+
+    #[test]
+    fn only_a_failure_stall_is_cleared_by_progress() {
+        let mut spec_invalid = WorkspaceStatus::default();
+        mark_not_ready(&mut spec_invalid, true, "SpecInvalid", "bad", Some(1));
+        clear_failure_stall(&mut spec_invalid);
+        assert!(conditions::is_true(&spec_invalid.conditions, STALLED));
+        let mut failed = failure_stalled();
+        clear_failure_stall(&mut failed);
+        assert!(conditions::get(&failed.conditions, STALLED).is_none());
+    }
+
+    #[test]
+    fn a_pod_not_ready_and_a_ready_workspace_are_not_stalled() {
+        let mut status = WorkspaceStatus::default();
+        mark_not_ready(&mut status, true, "SpecInvalid", "bad", Some(1));
+        status.address = Some("a:1".into());
+        mark_pod_not_ready(&mut status, "WaitingForReplicas", "waiting", Some(1));
+        assert_eq!(status.address, None);
+        assert!(conditions::get(&status.conditions, STALLED).is_none());
+        mark_not_ready(&mut status, true, "InstallationFailed", "no", Some(1));
+        mark_ready(&mut status, Some(1));
+        assert!(conditions::get(&status.conditions, STALLED).is_none());
+        assert_eq!(
+            ready(&status),
+            Some(("True".into(), "Succeeded".into(), String::new()))
+        );
+    }
+
+    #[test]
+    fn only_owned_fields_count_as_a_change() {
+        let before = failure_stalled();
+        let mut after = before.clone();
+        assert!(unchanged(&before, &after));
+        after.pulumi_version = Some("v3".into());
+        assert!(!unchanged(&before, &after));
+    }
+
+    #[test]
+    fn an_unavailable_agent_is_reported_before_it_stalls() {
+        let err = WorkspaceError::AgentUnavailable {
+            reason: "ConnectionFailed".into(),
+            message: "no answer".into(),
+        };
+        let mut before = WorkspaceStatus {
+            address: Some("a:1".into()),
+            ..Default::default()
+        };
+        let report = failure_report(&before, Some(1), &err, false).expect("reported");
+        assert_eq!(report.event, None);
+        assert_eq!(report.status.address, None);
+        assert_eq!(
+            ready(&report.status),
+            Some((
+                "False".into(),
+                "ConnectionFailed".into(),
+                "no answer".into()
+            ))
+        );
+
+        let stalled = failure_report(&before, Some(1), &err, true).expect("reported");
+        assert_eq!(stalled.event.as_deref(), Some("no answer"));
+        assert!(conditions::is_true(&stalled.status.conditions, STALLED));
+        // Already stalled with the same message: no second Event.
+        before = stalled.status;
+        let again = failure_report(&before, Some(1), &err, true).expect("reported");
+        assert_eq!(again.event, None);
+        assert!(unchanged(&before, &again.status));
+    }
+
+    #[test]
+    fn other_failures_are_reported_only_once_stalled() {
+        let err = WorkspaceError::NoNamespace;
+        assert!(failure_report(&WorkspaceStatus::default(), Some(1), &err, false).is_none());
+        let report =
+            failure_report(&WorkspaceStatus::default(), Some(1), &err, true).expect("reported");
+        assert_eq!(report.event.as_deref(), Some("workspace has no namespace"));
+        assert_eq!(
+            ready(&report.status).map(|r| r.1),
+            Some(backoff::REASON.to_owned())
+        );
+    }
+}
