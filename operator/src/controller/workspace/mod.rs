@@ -39,16 +39,13 @@ use tracing::warn;
 
 use crate::agent_client::{AgentError, Agents};
 use crate::controller::backoff::{self, Backoff, Verdict};
+use crate::controller::keys::WORKSPACE_COMPONENT_LABEL;
 use crate::controller::kit::{self, Kit};
-use crate::metrics::{ErrorLabels, Metrics};
+use crate::metrics::Metrics;
 use rules::Initialized;
 
 pub use pod::PodSettings;
 
-/// Field manager of the Workspace status.
-pub const STATUS_MANAGER: &str = "pko-rs/workspace-status";
-/// Field manager of the objects the operator applies.
-pub const APPLY_MANAGER: &str = "pko-rs";
 const CONTROLLER: &str = "workspace";
 
 /// Failures of one reconcile (retried with backoff).
@@ -73,8 +70,14 @@ pub enum WorkspaceError {
     AgentUnavailable { reason: String, message: String },
 }
 
-impl WorkspaceError {
-    fn kind(&self) -> &'static str {
+impl kit::FromKube for WorkspaceError {
+    fn from_kube(what: String, source: kube::Error) -> Self {
+        Self::Kube { what, source }
+    }
+}
+
+impl kit::MetricLabel for WorkspaceError {
+    fn metric_label(&self) -> &'static str {
         match self {
             Self::NoNamespace => "no_namespace",
             Self::Kube { .. } => "kube",
@@ -84,7 +87,9 @@ impl WorkspaceError {
             Self::AgentUnavailable { .. } => "agent_unavailable",
         }
     }
+}
 
+impl WorkspaceError {
     /// Whether retrying may help (see [`backoff`]).
     fn verdict(&self) -> Verdict {
         match self {
@@ -107,11 +112,6 @@ impl WorkspaceError {
             other => other.to_string(),
         }
     }
-}
-
-fn kube_err(what: impl Into<String>) -> impl FnOnce(kube::Error) -> WorkspaceError {
-    let what = what.into();
-    move |source| WorkspaceError::Kube { what, source }
 }
 
 /// What every reconcile needs.
@@ -173,7 +173,8 @@ pub async fn run(
     concurrency: u16,
     shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
 ) {
-    let owned = watcher::Config::default().labels(&format!("{}=workspace", pod::COMPONENT_LABEL));
+    let owned =
+        watcher::Config::default().labels(&format!("{}=workspace", WORKSPACE_COMPONENT_LABEL));
     Controller::new(api, watcher::Config::default().any_semantic())
         .owns(statefulsets, owned)
         .with_config(controller::Config::default().concurrency(concurrency))
@@ -188,15 +189,7 @@ pub async fn run(
 }
 
 fn error_policy(ws: Arc<Workspace>, err: &WorkspaceError, ctx: Arc<WorkspaceContext>) -> Action {
-    warn!(workspace = %ws.name_any(), error = %err, "reconcile failed");
-    ctx.metrics
-        .reconcile_errors
-        .get_or_create(&ErrorLabels {
-            controller: CONTROLLER.into(),
-            error: err.kind().into(),
-        })
-        .inc();
-    Action::requeue(ctx.backoff.delay(&backoff::key(&ws.metadata)))
+    kit::error_policy(CONTROLLER, &*ws, err, &ctx.metrics, &ctx.backoff)
 }
 
 /// The controller owner reference to put on every object made for `ws`.

@@ -20,12 +20,11 @@ use tracing::info;
 
 use super::rules::{self, Initialization, Initialized};
 use super::status::{self, STALLED};
-use super::{
-    APPLY_MANAGER, WorkspaceContext, WorkspaceError, env, kube_err, owner_reference, pod,
-    to_pb_item,
-};
+use super::{WorkspaceContext, WorkspaceError, env, owner_reference, pod, to_pb_item};
 use crate::agent_client::{AgentError, Credentials};
 use crate::controller::conditions;
+use crate::controller::keys::APPLY_MANAGER;
+use crate::controller::kit::FromKube;
 
 /// No pod watch: look again this soon for an init container failure or for readiness.
 pub(super) const POD_NOT_READY_REQUEUE: Duration = Duration::from_secs(10);
@@ -197,12 +196,12 @@ async fn apply_workload(
     services
         .patch(&name, &apply, &Patch::Apply(service))
         .await
-        .map_err(kube_err("applying the workspace Service"))?;
+        .map_err(WorkspaceError::kube("applying the workspace Service"))?;
     let statefulsets: Api<StatefulSet> = Api::namespaced(client.clone(), namespace);
     statefulsets
         .patch(&name, &apply, &Patch::Apply(statefulset))
         .await
-        .map_err(kube_err("applying the workspace StatefulSet"))
+        .map_err(WorkspaceError::kube("applying the workspace StatefulSet"))
 }
 
 /// Continues once the StatefulSet is ready; until then `Ready=False` says why, naming a

@@ -8,11 +8,10 @@ use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
 use super::merge;
+use crate::controller::keys::{
+    REVISION_HASH_ANNOTATION, WORKSPACE_COMPONENT_LABEL, WORKSPACE_NAME_LABEL,
+};
 
-pub const COMPONENT_LABEL: &str = "auto.pulumi.com/component";
-pub const WORKSPACE_NAME_LABEL: &str = "auto.pulumi.com/workspace-name";
-/// Pod annotation: hash of the pod template, so only changes to what the pod runs roll it.
-pub const REVISION_HASH_ANNOTATION: &str = "auto.pulumi.com/revision-hash";
 pub const AGENT_PORT: u16 = pko_agent_api::DEFAULT_PORT;
 const SHARE: &str = "/share";
 const CREDENTIALS_DIR: &str = "/var/run/pko-agent";
@@ -78,7 +77,7 @@ pub fn volume_name(prefix: &str, name: &str) -> String {
 /// Labels of every object of one workspace (also the Service's selector).
 pub fn labels(workspace: &str) -> BTreeMap<String, String> {
     BTreeMap::from([
-        (COMPONENT_LABEL.to_owned(), "workspace".to_owned()),
+        (WORKSPACE_COMPONENT_LABEL.to_owned(), "workspace".to_owned()),
         (WORKSPACE_NAME_LABEL.to_owned(), workspace.to_owned()),
     ])
 }
@@ -872,11 +871,14 @@ mod tests {
     #[test]
     fn service_template_labels_do_not_override_system_labels() {
         let w = ws(json!({"serviceTemplate": {"metadata": {
-            "labels": {"team": "a", COMPONENT_LABEL: "hijack"},
+            "labels": {"team": "a", WORKSPACE_COMPONENT_LABEL: "hijack"},
             "annotations": {"x": "y"},
         }}}));
         let svc = desired_service(&w, "w", "ns", &json!({}));
-        assert_eq!(svc["metadata"]["labels"][COMPONENT_LABEL], "workspace");
+        assert_eq!(
+            svc["metadata"]["labels"][WORKSPACE_COMPONENT_LABEL],
+            "workspace"
+        );
         assert_eq!(svc["metadata"]["labels"]["team"], "a");
         assert_eq!(svc["metadata"]["annotations"]["x"], "y");
         assert_eq!(svc["spec"]["selector"], json!(labels("w")));

@@ -6,7 +6,9 @@ use kube::api::{Api, Patch, PatchParams};
 use pko_api::workspace::{Workspace, WorkspaceStatus};
 use serde_json::json;
 
-use super::{STATUS_MANAGER, WorkspaceError, kube_err};
+use super::WorkspaceError;
+use crate::controller::keys::WORKSPACE_STATUS_MANAGER;
+use crate::controller::kit::FromKube;
 use crate::controller::{backoff, conditions};
 
 pub(super) const READY: &str = "Ready";
@@ -169,11 +171,11 @@ pub(super) async fn write_status(
     let api: Api<Workspace> = Api::namespaced(client.clone(), namespace);
     api.patch_status(
         name,
-        &PatchParams::apply(STATUS_MANAGER).force(),
+        &PatchParams::apply(WORKSPACE_STATUS_MANAGER).force(),
         &Patch::Apply(&patch),
     )
     .await
-    .map_err(kube_err("writing the Workspace status"))?;
+    .map_err(WorkspaceError::kube("writing the Workspace status"))?;
     Ok(())
 }
 
