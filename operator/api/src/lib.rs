@@ -12,6 +12,7 @@
 //! with `kube::Api`, controllers and reflectors as usual.
 
 pub mod common;
+mod crd;
 pub mod crdgen;
 pub mod duration;
 pub mod program;

@@ -2,12 +2,15 @@
 
 use std::collections::BTreeMap;
 
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::Error;
 use crate::common::{Condition, custom_resource};
+use crate::crd::{RootSchema, column, crd, root_schema, version};
 
 custom_resource! {
     /// Program is the schema for the inline YAML program API.
@@ -23,7 +26,7 @@ custom_resource! {
         #[serde(default)]
         program: ProgramSpec,
         status: ProgramStatus,
-        crd: crate::crdgen::program_crd,
+        crd: program_crd,
     }
 }
 
@@ -233,4 +236,29 @@ pub struct Artifact {
     /// Metadata holds upstream information such as OCI annotations.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub metadata: Option<BTreeMap<String, String>>,
+}
+
+/// The `programs.pulumi.com` CRD. Panics only if schema generation is broken (tested).
+pub fn program_crd() -> CustomResourceDefinition {
+    try_program_crd().unwrap_or_else(|e| panic!("pko-api CRD generation is broken: {e}"))
+}
+
+/// The `programs.pulumi.com` CRD.
+pub fn try_program_crd() -> Result<CustomResourceDefinition, Error> {
+    let schema = root_schema::<ProgramSpec, ProgramStatus>(RootSchema {
+        description: "Program is the schema for the inline YAML program API.",
+        spec_key: "program",
+        spec_required: false,
+        validations: vec![],
+    })?;
+    let version = version(
+        "v1",
+        true,
+        vec![
+            column("Age", "date", ".metadata.creationTimestamp", None),
+            column("URL", "string", ".status.artifact.url", None),
+        ],
+        schema,
+    );
+    Ok(crd("pulumi.com", "Program", "programs", vec![version]))
 }

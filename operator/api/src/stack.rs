@@ -3,14 +3,17 @@
 
 use std::collections::BTreeMap;
 
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
+use serde_json::{Value, json};
 
+use crate::Error;
 use crate::common::{
     Condition, ConditionApply, ObjectMetaApply, ProjectInfo, ResourceRef, custom_resource,
 };
+use crate::crd::{RootSchema, column, crd, root_schema, version};
 use crate::update::UpdateSpecApply;
 use crate::workspace::{WorkspaceSpecApply, WorkspaceStatusApply};
 
@@ -24,7 +27,7 @@ custom_resource! {
         /// Desired state of the stack.
         spec: StackSpec,
         status: StackStatus,
-        crd: crate::crdgen::stack_crd,
+        crd: stack_crd,
     }
 }
 
@@ -568,7 +571,7 @@ pub mod v1alpha1 {
             /// Desired state of the stack.
             spec: StackSpec,
             status: StackStatus,
-            crd: crate::crdgen::stack_crd,
+            crd: super::stack_crd,
         }
     }
 
@@ -584,4 +587,79 @@ pub mod v1alpha1 {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         pub last_update: Option<StackUpdateState>,
     }
+}
+
+/// The `stacks.pulumi.com` CRD (`v1` storage + `v1alpha1`). Panics only if schema generation
+/// is broken (tested).
+pub fn stack_crd() -> CustomResourceDefinition {
+    try_stack_crd().unwrap_or_else(|e| panic!("pko-api CRD generation is broken: {e}"))
+}
+
+/// The `stacks.pulumi.com` CRD (`v1` storage + `v1alpha1`).
+pub fn try_stack_crd() -> Result<CustomResourceDefinition, Error> {
+    let v1 = root_schema::<StackSpec, StackStatus>(RootSchema {
+        description: "Stack is the Schema for the stacks API",
+        spec_key: "spec",
+        spec_required: true,
+        validations: vec![json!({
+            "rule": NAME_LENGTH_RULE,
+            "message": NAME_LENGTH_MESSAGE,
+        })],
+    })?;
+    let v1 = version(
+        "v1",
+        true,
+        vec![
+            column("Stack", "string", ".spec.stack", Some(10)),
+            column("Last Update", "string", ".status.lastUpdate.state", None),
+            column("Age", "date", ".status.lastUpdate.lastResyncTime", None),
+            column(
+                "Last Commit",
+                "string",
+                ".status.lastUpdate.lastAttemptedCommit",
+                Some(10),
+            ),
+            column(
+                "Ready",
+                "string",
+                ".status.conditions[?(@.type==\"Ready\")].status",
+                None,
+            ),
+            column(
+                "Reconciling",
+                "string",
+                ".status.conditions[?(@.type==\"Reconciling\")].reason",
+                None,
+            ),
+            column(
+                "Stalled",
+                "string",
+                ".status.conditions[?(@.type==\"Stalled\")].reason",
+                None,
+            ),
+            column("Permalink", "string", ".status.lastUpdate.permalink", None),
+        ],
+        v1,
+    );
+
+    let v1alpha1 = root_schema::<StackSpec, v1alpha1::StackStatus>(RootSchema {
+        description: "Stack is the Schema for the stacks API.\nDeprecated: Note Stacks from pulumi.com/v1alpha1 is deprecated in favor of pulumi.com/v1.\nIt is completely backward compatible. Users are strongly encouraged to switch to pulumi.com/v1.",
+        spec_key: "spec",
+        spec_required: true,
+        validations: vec![],
+    })?;
+    let mut v1alpha1 = version("v1alpha1", false, vec![], v1alpha1);
+    v1alpha1.deprecated = Some(true);
+    v1alpha1.deprecation_warning =
+        Some("pulumi.com/v1alpha1 Stack is deprecated; use pulumi.com/v1 Stack".to_owned());
+
+    // One CRD per version, merged the way kube does it for derived kinds.
+    let merged = kube::core::crd::merge_crds(
+        vec![
+            crd("pulumi.com", "Stack", "stacks", vec![v1]),
+            crd("pulumi.com", "Stack", "stacks", vec![v1alpha1]),
+        ],
+        "v1",
+    )?;
+    Ok(merged)
 }

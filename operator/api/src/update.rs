@@ -1,11 +1,14 @@
 //! `updates.auto.pulumi.com/v1alpha1`: one Pulumi operation (preview, up, destroy, refresh) run
 //! in a Workspace.
 
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use crate::Error;
 use crate::common::{Condition, ProjectInfo, custom_resource};
+use crate::crd::{RootSchema, column, crd, root_schema, version};
 
 custom_resource! {
     /// Update is the Schema for the updates API
@@ -17,7 +20,7 @@ custom_resource! {
         /// Desired operation.
         spec: UpdateSpec,
         status: UpdateStatus,
-        crd: crate::crdgen::update_crd,
+        crd: update_crd,
     }
 }
 
@@ -150,3 +153,35 @@ pub struct UpdateStatus {
 /// Update spec fields of a Stack's update template. `UpdateSpec` is already all-optional and
 /// default-free, so the same type serves.
 pub type UpdateSpecApply = UpdateSpec;
+
+/// The `updates.auto.pulumi.com` CRD. Panics only if schema generation is broken (tested).
+pub fn update_crd() -> CustomResourceDefinition {
+    try_update_crd().unwrap_or_else(|e| panic!("pko-api CRD generation is broken: {e}"))
+}
+
+/// The `updates.auto.pulumi.com` CRD.
+pub fn try_update_crd() -> Result<CustomResourceDefinition, Error> {
+    let schema = root_schema::<UpdateSpec, UpdateStatus>(RootSchema {
+        description: "Update is the Schema for the updates API",
+        spec_key: "spec",
+        spec_required: true,
+        validations: vec![],
+    })?;
+    let condition = |t: &str| format!(".status.conditions[?(@.type==\"{t}\")].status");
+    let version = version(
+        "v1alpha1",
+        true,
+        vec![
+            column("Workspace", "string", ".spec.workspaceName", None),
+            column("Type", "string", ".spec.type", Some(10)),
+            column("Start Time", "date", ".status.startTime", Some(10)),
+            column("End Time", "date", ".status.endTime", Some(10)),
+            column("Progressing", "string", &condition("Progressing"), None),
+            column("Failed", "string", &condition("Failed"), None),
+            column("Complete", "string", &condition("Complete"), None),
+            column("URL", "string", ".status.permalink", None),
+        ],
+        schema,
+    );
+    Ok(crd("auto.pulumi.com", "Update", "updates", vec![version]))
+}

@@ -4,13 +4,16 @@
 use k8s_openapi::api::core::v1::{
     EnvFromSource, EnvVar, PodSpec, ResourceRequirements, SecretKeySelector,
 };
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
+use serde_json::{Value, json};
 
+use crate::Error;
 use crate::common::{
     Condition, ConditionApply, EmbeddedObjectMeta, ProjectInfo, ProjectInfoApply, custom_resource,
 };
+use crate::crd::{RootSchema, column, crd, root_schema, version};
 
 custom_resource! {
     /// Workspace is the Schema for the workspaces API
@@ -24,7 +27,7 @@ custom_resource! {
         /// Desired state of the workspace.
         spec: WorkspaceSpec,
         status: WorkspaceStatus,
-        crd: crate::crdgen::workspace_crd,
+        crd: workspace_crd,
     }
 }
 
@@ -537,6 +540,51 @@ pub struct WorkspaceStatusApply {
     /// Conditions.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<ConditionApply>,
+}
+
+/// The `workspaces.auto.pulumi.com` CRD. Panics only if schema generation is broken (tested).
+pub fn workspace_crd() -> CustomResourceDefinition {
+    try_workspace_crd().unwrap_or_else(|e| panic!("pko-api CRD generation is broken: {e}"))
+}
+
+/// The `workspaces.auto.pulumi.com` CRD.
+pub fn try_workspace_crd() -> Result<CustomResourceDefinition, Error> {
+    let schema = root_schema::<WorkspaceSpec, WorkspaceStatus>(RootSchema {
+        description: "Workspace is the Schema for the workspaces API\nA Workspace is an execution context containing a single Pulumi project, a program, and multiple stacks.",
+        spec_key: "spec",
+        spec_required: true,
+        validations: vec![
+            json!({
+                "rule": NAME_LENGTH_RULE,
+                "message": NAME_LENGTH_MESSAGE,
+            }),
+            json!({
+                "rule": NAME_FORMAT_RULE,
+                "message": NAME_FORMAT_MESSAGE,
+            }),
+        ],
+    })?;
+    let version = version(
+        "v1alpha1",
+        true,
+        vec![
+            column("Image", "string", ".spec.image", None),
+            column(
+                "Ready",
+                "string",
+                ".status.conditions[?(@.type==\"Ready\")].status",
+                None,
+            ),
+            column("Address", "string", ".status.address", None),
+        ],
+        schema,
+    );
+    Ok(crd(
+        "auto.pulumi.com",
+        "Workspace",
+        "workspaces",
+        vec![version],
+    ))
 }
 
 #[cfg(test)]
