@@ -13,7 +13,7 @@ pub use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 /// trait impls that `#[derive(CustomResource)]` would generate.
 ///
 /// Written by hand because PKO's `Program` keeps its desired state under `program` instead of
-/// `spec`, and because the CRD of every kind is built by [`crate::crdgen`] (which adds PKO's
+/// `spec`, and because the CRD of every kind is built from [`crate::crd`] (with PKO's
 /// Kubernetes list/map markers), so `CustomResourceExt::crd()` must return that CRD too.
 macro_rules! custom_resource {
     (
