@@ -97,6 +97,25 @@ pub async fn publish(
     }
 }
 
+/// Tells a stall by one Warning Event ([`backoff::REASON`]): for the kinds whose status is
+/// what cannot be written, so no condition can carry it.
+pub async fn publish_stall(
+    recorder: &Recorder,
+    object: &ObjectReference,
+    action: &str,
+    note: &str,
+) {
+    publish(
+        recorder,
+        object,
+        EventType::Warning,
+        backoff::REASON,
+        action,
+        note,
+    )
+    .await;
+}
+
 /// A reconcile error as `pko_reconcile_errors_total` labels it: one of a small fixed set per
 /// controller, so a tenant's input never becomes a series.
 pub trait MetricLabel {

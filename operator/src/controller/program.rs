@@ -222,16 +222,7 @@ async fn reconcile(
         && failure.first_stall
     {
         let object = program.object_ref(&());
-        let note = err.message();
-        kit::publish(
-            &ctx.recorder,
-            &object,
-            EventType::Warning,
-            backoff::REASON,
-            "Reconcile",
-            &note,
-        )
-        .await;
+        kit::publish_stall(&ctx.recorder, &object, "Reconcile", &err.message()).await;
     }
     result
 }

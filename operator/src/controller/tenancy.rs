@@ -159,16 +159,7 @@ async fn reconcile(
         && failure.first_stall
     {
         let object = policy.object_ref(&());
-        let note = err.to_string();
-        kit::publish(
-            &ctx.recorder,
-            &object,
-            EventType::Warning,
-            backoff::REASON,
-            "WriteStatus",
-            &note,
-        )
-        .await;
+        kit::publish_stall(&ctx.recorder, &object, "WriteStatus", &err.to_string()).await;
     }
     result
 }

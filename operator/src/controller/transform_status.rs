@@ -79,15 +79,7 @@ pub async fn run(
                 // The status is what cannot be written: a stall is told by an Event, once.
                 if failure.first_stall {
                     let note = format!("cannot write the status: {}", backoff::describe(source));
-                    kit::publish(
-                        &recorder,
-                        &object_ref(&key),
-                        EventType::Warning,
-                        backoff::REASON,
-                        "WriteStatus",
-                        &note,
-                    )
-                    .await;
+                    kit::publish_stall(&recorder, &object_ref(&key), "WriteStatus", &note).await;
                 }
                 metrics
                     .reconcile_errors
