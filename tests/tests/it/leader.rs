@@ -4,14 +4,13 @@
 //!
 //! Each test uses its own namespace for its Programs and its Lease.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::Api;
 use kube::api::PostParams;
 use pko_api::program::Program;
+use pko_tests::chaos::{Polled, Poller};
 use pko_tests::fixtures::config_map_program as program;
 use pko_tests::operator::{Operator, OperatorOptions};
 use pko_tests::{ControlPlane, HarnessError, wait_for};
@@ -87,78 +86,6 @@ async fn holder(leases: &Api<Lease>) -> Option<String> {
     leases.get(LEASE).await.ok()?.spec?.holder_identity
 }
 
-/// Fetches one artifact from `url` in a loop until stopped; counts answers that are not 200.
-struct Poller {
-    stop: Arc<AtomicBool>,
-    ok: Arc<AtomicU64>,
-    failed: Arc<AtomicU64>,
-    task: tokio::task::JoinHandle<Vec<String>>,
-}
-
-impl Poller {
-    fn start(url: String) -> Self {
-        let stop = Arc::new(AtomicBool::new(false));
-        let ok = Arc::new(AtomicU64::new(0));
-        let failed = Arc::new(AtomicU64::new(0));
-        let task = tokio::spawn({
-            let (stop, ok, failed) = (stop.clone(), ok.clone(), failed.clone());
-            async move {
-                let client = reqwest::Client::builder()
-                    .timeout(Duration::from_secs(2))
-                    .build()
-                    .expect("http client");
-                let mut errors = Vec::new();
-                while !stop.load(Ordering::Acquire) {
-                    match client.get(&url).send().await {
-                        Ok(resp) if resp.status() == 200 => {
-                            ok.fetch_add(1, Ordering::Relaxed);
-                        }
-                        Ok(resp) => {
-                            failed.fetch_add(1, Ordering::Relaxed);
-                            errors.push(format!("status {}", resp.status()));
-                        }
-                        Err(e) => {
-                            failed.fetch_add(1, Ordering::Relaxed);
-                            errors.push(e.to_string());
-                        }
-                    }
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-                errors
-            }
-        });
-        Self {
-            stop,
-            ok,
-            failed,
-            task,
-        }
-    }
-
-    /// Requests answered with 200 so far.
-    fn ok(&self) -> u64 {
-        self.ok.load(Ordering::Relaxed)
-    }
-
-    /// Waits until more than `count` requests were answered with 200.
-    async fn until_ok_above(&self, count: u64) {
-        let what = format!("more than {count} file server answers");
-        wait_for(&what, WAIT, || async { (self.ok() > count).then_some(()) })
-            .await
-            .expect("the file server answers");
-    }
-
-    async fn finish(self) -> (u64, u64, Vec<String>) {
-        self.stop.store(true, Ordering::Release);
-        let errors = self.task.await.expect("poller");
-        (
-            self.ok.load(Ordering::Relaxed),
-            self.failed.load(Ordering::Relaxed),
-            errors,
-        )
-    }
-}
-
 #[tokio::test]
 async fn killed_leader_is_replaced_within_the_lease_duration_while_the_survivor_serves() {
     let _machine = pko_tests::serial::shared().await;
@@ -189,9 +116,12 @@ async fn killed_leader_is_replaced_within_the_lease_duration_while_the_survivor_
     assert!(first.metric(RECONCILES).await.unwrap_or(0.0) >= 1.0);
 
     let url = second.fs_url_of(&artifact_url(&programs, "before").await);
-    let poller = Poller::start(url);
+    let poller = Poller::start(vec![url], Duration::from_millis(20));
     // The survivor's file server answers before the kill (waited for, not slept for).
-    poller.until_ok_above(0).await;
+    poller
+        .until_ok_above(0, WAIT)
+        .await
+        .expect("the file server answers");
 
     let renewed = leases
         .get(LEASE)
@@ -229,8 +159,12 @@ async fn killed_leader_is_replaced_within_the_lease_duration_while_the_survivor_
 
     // The survivor kept answering through the failover (no failure at any time) and still
     // answers after it; how many requests fit in between depends on the machine.
-    poller.until_ok_above(ok_at_takeover).await;
-    let (ok, failed, errors) = poller.finish().await;
+    poller
+        .until_ok_above(ok_at_takeover, WAIT)
+        .await
+        .expect("the file server answers");
+    let Polled { ok, errors, .. } = poller.finish().await;
+    let failed = errors.len();
     eprintln!(
         "failover: survivor leader {:.2}s after kill -9 (lease last renewed {:.2}s before the \
          kill; lease duration {}s); survivor file server: {ok} requests OK, {failed} failed",
