@@ -373,14 +373,8 @@ async fn main() -> anyhow::Result<()> {
     drop(engine);
 
     // Latency added to a create on a real apiserver.
-    let state = tempfile::Builder::new()
-        .prefix("pko-rs-bench-admission-")
-        .tempdir()?;
-    let plane = ControlPlane::start(StartOptions {
-        dir: Some(state.path().to_path_buf()),
-        crds_dir: None,
-    })
-    .await?;
+    // A private plane in a temporary folder of its own, removed when it stops.
+    let plane = ControlPlane::start(StartOptions::default()).await?;
     let port = free_port()?;
     let validate_only = Registration::create_on(
         &plane,

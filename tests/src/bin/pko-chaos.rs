@@ -68,12 +68,8 @@ fn parse_args() -> anyhow::Result<Args> {
 async fn main() -> anyhow::Result<()> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let args = parse_args()?;
-    let state = tempfile::Builder::new().prefix("pko-rs-chaos-").tempdir()?;
-    let plane = ControlPlane::start(StartOptions {
-        dir: Some(state.path().to_path_buf()),
-        crds_dir: None,
-    })
-    .await?;
+    // A private plane in a temporary folder of its own, removed when it stops.
+    let plane = ControlPlane::start(StartOptions::default()).await?;
     let started = Instant::now();
     let mut sections: Vec<Section> = Vec::new();
     for name in &args.only {
