@@ -14,7 +14,7 @@ use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{Api, Patch, PatchParams};
 use kube::core::{PartialObjectMeta, Selector};
 use kube::runtime::controller::{self, Action, Controller};
-use kube::runtime::events::{EventType, Recorder};
+use kube::runtime::events::Recorder;
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
