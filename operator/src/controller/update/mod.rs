@@ -1,0 +1,538 @@
+//! Update controller: runs one Pulumi operation (preview, up, destroy, refresh) through the
+//! workspace's agent.
+//!
+//! Beyond PKO: the operation runs in its own task, so a reconcile worker is never held for the
+//! length of a Pulumi run (PKO caps all Updates cluster-wide at its worker count); engine events
+//! become Events and a bounded summary in `status.message` (PKO drops them); an Update found
+//! `Progressing` after an operator restart is resumed (run again: the agent interrupted the
+//! first run when the connection went away) instead of being marked `Aborted`; a lost agent
+//! connection fails the Update with a reason that says so.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use futures::StreamExt;
+use futures::channel::mpsc::{UnboundedReceiver, UnboundedSender, unbounded};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::Api;
+use kube::runtime::controller::{self, Action, Controller};
+use kube::runtime::events::{EventType, Recorder};
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::watcher;
+use kube::{Client, Resource, ResourceExt};
+use pko_agent_api::client::AgentClient;
+use pko_api::duration::DurationError;
+use pko_api::update::{Update, UpdateStatus};
+use pko_api::workspace::Workspace;
+use tokio_util::sync::CancellationToken;
+use tracing::warn;
+
+use crate::agent_client::Agents;
+use crate::controller::backoff::{self, Backoff, Verdict};
+use crate::controller::conditions;
+use crate::controller::kit::{self, FromKube, Kit};
+use crate::metrics::Metrics;
+
+mod expire;
+mod operate;
+mod outcome;
+mod slots;
+
+use expire::expire;
+use operate::{connect, operate};
+pub use outcome::sanitize_key;
+use outcome::{Outcome, apply_outcome, finish, store_result, write_status};
+use slots::Slot;
+
+const CONTROLLER: &str = "update";
+const PROGRESSING: &str = "Progressing";
+const FAILED: &str = "Failed";
+const COMPLETE: &str = "Complete";
+/// Set only by [`report_stalled`]: the controller itself keeps failing on this Update.
+const STALLED: &str = "Stalled";
+/// Default of `--max-operations-in-flight`.
+pub const DEFAULT_MAX_OPERATIONS_IN_FLIGHT: u32 = 64;
+/// Reason of an Update waiting for an operation slot.
+pub const QUEUED: &str = "Queued";
+/// Reason of an Update failed because an answer of the agent was over the message limit.
+pub const RESPONSE_TOO_LARGE: &str = pko_agent_api::errors::RESPONSE_TOO_LARGE;
+/// Default of `--max-event-bytes-per-operation`: far more than the events of a large stack (the
+/// agent cuts every string of an event at 64 KiB), far less than an agent can stream forever.
+pub const DEFAULT_MAX_EVENT_BYTES_PER_OPERATION: u64 = 512 << 20;
+/// Reason of an Update failed because its operation streamed more event bytes than allowed.
+pub const EVENTS_TOO_LARGE: &str = "EventsTooLarge";
+/// A queued Update is looked at again after this long even when no slot frees (it is woken as
+/// soon as one does).
+const QUEUED_RECHECK: Duration = Duration::from_secs(30);
+/// Resource-change Events published per Update at most.
+const MAX_RESOURCE_EVENTS: usize = 25;
+const MESSAGE_LIMIT: usize = 2000;
+
+/// Failures of one reconcile.
+#[derive(Debug, thiserror::Error)]
+pub enum UpdateError {
+    #[error("update has no namespace")]
+    NoNamespace,
+    #[error("{what}: {source}")]
+    Kube {
+        what: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("invalid ttlAfterCompleted: {0}")]
+    BadTtl(#[source] DurationError),
+    /// The workspace agent cannot be reached; already reported in the Progressing condition.
+    #[error("{0}")]
+    AgentUnavailable(String),
+}
+
+impl UpdateError {
+    /// Whether retrying may help (see [`backoff`]).
+    fn verdict(&self) -> Verdict {
+        match self {
+            Self::Kube { source, .. } => backoff::classify(source),
+            Self::NoNamespace | Self::BadTtl(_) => Verdict::Permanent,
+            Self::AgentUnavailable(_) => Verdict::Transient,
+        }
+    }
+
+    /// What the status and the Event say: the apiserver's own message for its refusals.
+    fn message(&self) -> String {
+        match self {
+            Self::Kube { what, source } => format!("{what}: {}", backoff::describe(source)),
+            other => other.to_string(),
+        }
+    }
+}
+
+impl kit::FromKube for UpdateError {
+    fn from_kube(what: String, source: kube::Error) -> Self {
+        Self::Kube { what, source }
+    }
+}
+
+impl kit::MetricLabel for UpdateError {
+    fn metric_label(&self) -> &'static str {
+        "reconcile"
+    }
+}
+
+/// What every reconcile needs.
+pub struct UpdateContext {
+    pub client: Client,
+    pub recorder: Recorder,
+    pub agents: Arc<Agents>,
+    pub metrics: Metrics,
+    /// Failed reconciles per Update.
+    pub backoff: Backoff,
+    /// Updates whose operation runs in this process: uid → cancel token.
+    running: Mutex<HashMap<String, CancellationToken>>,
+    /// Operations that may run at once (`--max-operations-in-flight`).
+    max_in_flight: usize,
+    /// Engine-event bytes one operation may stream (`--max-event-bytes-per-operation`).
+    max_event_bytes: u64,
+    /// Updates waiting for an operation slot: uid → reference, woken when a slot frees.
+    queued: Mutex<HashMap<String, ObjectRef<Update>>>,
+    wake: UnboundedSender<ObjectRef<Update>>,
+    /// Taken by [`run`], which reconciles what is sent on `wake`.
+    woken: Mutex<Option<UnboundedReceiver<ObjectRef<Update>>>>,
+}
+
+impl UpdateContext {
+    /// `max_in_flight`: operations that may run at once (at least one is always allowed);
+    /// `max_event_bytes`: engine-event bytes one operation may stream.
+    pub fn new(kit: &Kit, agents: Arc<Agents>, max_in_flight: usize, max_event_bytes: u64) -> Self {
+        let (wake, woken) = unbounded();
+        Self {
+            client: kit.client.clone(),
+            recorder: kit.recorder(CONTROLLER),
+            agents,
+            metrics: kit.metrics.clone(),
+            backoff: Backoff::default(),
+            running: Mutex::new(HashMap::new()),
+            max_in_flight: max_in_flight.max(1),
+            max_event_bytes,
+            queued: Mutex::new(HashMap::new()),
+            wake,
+            woken: Mutex::new(Some(woken)),
+        }
+    }
+
+    fn running(&self) -> std::sync::MutexGuard<'_, HashMap<String, CancellationToken>> {
+        self.running.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    async fn event(&self, update: &Update, type_: EventType, reason: &str, note: String) {
+        let object = update.object_ref(&());
+        kit::publish(&self.recorder, &object, type_, reason, "Update", &note).await;
+    }
+}
+
+/// Runs the controller until `shutdown` resolves.
+pub async fn run(
+    api: Api<Update>,
+    workspaces: Api<Workspace>,
+    ctx: Arc<UpdateContext>,
+    concurrency: u16,
+    shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
+) {
+    let controller = Controller::new(api, watcher::Config::default().any_semantic());
+    let store = controller.store();
+    let woken = ctx
+        .woken
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .take();
+    let controller = match woken {
+        Some(woken) => controller.reconcile_on(woken),
+        None => controller,
+    };
+    controller
+        // A Workspace becoming ready starts the Updates waiting for it.
+        .watches(
+            workspaces,
+            watcher::Config::default(),
+            move |ws: Workspace| {
+                let ns = ws.namespace();
+                let name = ws.name_any();
+                store
+                    .state()
+                    .into_iter()
+                    .filter(|u| {
+                        u.namespace() == ns
+                            && u.spec.workspace_name.as_deref() == Some(name.as_str())
+                            && !u
+                                .status
+                                .as_ref()
+                                .is_some_and(|s| conditions::is_true(&s.conditions, COMPLETE))
+                    })
+                    .map(|u| ObjectRef::from_obj(&*u))
+                    .collect::<Vec<_>>()
+            },
+        )
+        .with_config(controller::Config::default().concurrency(concurrency))
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, ctx)
+        .for_each(|result| async move {
+            if let Err(err) = result {
+                warn!(controller = CONTROLLER, error = %err, "controller event");
+            }
+        })
+        .await;
+}
+
+fn error_policy(update: Arc<Update>, err: &UpdateError, ctx: Arc<UpdateContext>) -> Action {
+    kit::error_policy(CONTROLLER, &*update, err, &ctx.metrics, &ctx.backoff)
+}
+
+fn stack_name(update: &Update) -> String {
+    update.spec.stack_name.clone().unwrap_or_default()
+}
+
+async fn reconcile(update: Arc<Update>, ctx: Arc<UpdateContext>) -> Result<Action, UpdateError> {
+    let _measure = kit::measure(&ctx.metrics, CONTROLLER);
+    let result = reconcile_inner(update.clone(), ctx.clone()).await;
+    let failure = ctx
+        .backoff
+        .record(&update.metadata, &result, UpdateError::verdict);
+    if let (Some(failure), Err(err)) = (failure, &result)
+        && failure.stall
+    {
+        report_stalled(&update, &ctx, err).await;
+    }
+    result
+}
+
+/// `Stalled=True` ([`backoff::REASON`]) with the error's message, and a Warning Event when that
+/// is news; written only when it changes the status.
+async fn report_stalled(update: &Update, ctx: &UpdateContext, err: &UpdateError) {
+    let Some(namespace) = update.namespace() else {
+        return;
+    };
+    let before = update.status.clone().unwrap_or_default();
+    let mut status = before.clone();
+    let message = conditions::truncate(&err.message(), conditions::MESSAGE_LIMIT);
+    let known = conditions::get(&before.conditions, STALLED)
+        .is_some_and(|c| c.status == "True" && c.reason == backoff::REASON && c.message == message);
+    if !known {
+        ctx.event(update, EventType::Warning, backoff::REASON, message.clone())
+            .await;
+    }
+    conditions::set(
+        &mut status.conditions,
+        STALLED,
+        true,
+        backoff::REASON,
+        &message,
+        update.metadata.generation,
+    );
+    if let Err(e) = write_status(
+        &ctx.client,
+        &namespace,
+        &update.name_any(),
+        &before,
+        &status,
+    )
+    .await
+    {
+        warn!(error = %e, "cannot report the stalled update");
+    }
+}
+
+/// The Update being reconciled and the status it had when read.
+struct Current {
+    namespace: String,
+    name: String,
+    uid: String,
+    generation: Option<i64>,
+    before: UpdateStatus,
+}
+
+impl Current {
+    /// Writes `status` (nothing when it equals what was read).
+    async fn write(&self, ctx: &UpdateContext, status: &UpdateStatus) -> Result<(), UpdateError> {
+        write_status(
+            &ctx.client,
+            &self.namespace,
+            &self.name,
+            &self.before,
+            status,
+        )
+        .await
+    }
+
+    /// `Progressing=False` with why the operation cannot start yet.
+    fn waiting(&self, reason: &str, message: &str) -> UpdateStatus {
+        let mut s = self.before.clone();
+        s.observed_generation = self.generation;
+        conditions::set(
+            &mut s.conditions,
+            PROGRESSING,
+            false,
+            reason,
+            message,
+            self.generation,
+        );
+        s
+    }
+}
+
+/// The phases in order: a finished, deleted or running Update → its Workspace ready → a slot
+/// among the operations in flight → the agent connected → the operation started.
+async fn reconcile_inner(
+    update: Arc<Update>,
+    ctx: Arc<UpdateContext>,
+) -> Result<Action, UpdateError> {
+    let current = Current {
+        namespace: update.namespace().ok_or(UpdateError::NoNamespace)?,
+        name: update.name_any(),
+        uid: update.metadata.uid.clone().unwrap_or_default(),
+        generation: update.metadata.generation,
+        before: update.status.clone().unwrap_or_default(),
+    };
+    if let Some(action) = settled(&update, &ctx, &current).await? {
+        return Ok(action);
+    }
+    let (ws, address) = match ready_workspace(&update, &ctx, &current).await? {
+        Ok(ready) => ready,
+        Err(waiting) => {
+            // A stall reported after failed attempts holds until an attempt gets further: a
+            // failing one keeps it, so it writes nothing new (and triggers no reconcile of its
+            // own).
+            let mut s = waiting;
+            conditions::remove(&mut s.conditions, STALLED);
+            current.write(&ctx, &s).await?;
+            return Ok(Action::await_change());
+        }
+    };
+    let Some(slot) = ctx.acquire(&current.uid, &update) else {
+        let s = current.waiting(
+            QUEUED,
+            &format!(
+                "queued: {} operations are in flight, the most allowed (--max-operations-in-flight); it starts when one ends",
+                ctx.max_in_flight
+            ),
+        );
+        current.write(&ctx, &s).await?;
+        return Ok(Action::requeue(QUEUED_RECHECK));
+    };
+    let ws_name = ws.name_any();
+    let client = match connect(&ctx, &ws, &ws_name, &current.namespace, &address).await {
+        Ok(c) => c,
+        Err(e) => {
+            let message = format!("cannot reach the workspace agent: {e}");
+            let s = current.waiting("TransientFailure", &message);
+            current.write(&ctx, &s).await?;
+            return Err(UpdateError::AgentUnavailable(message));
+        }
+    };
+    let status = start(&update, &ctx, &current).await?;
+    launch(ctx, update, current, status, slot, client);
+    Ok(Action::await_change())
+}
+
+/// What to do with an Update that will not start an operation here: expire a completed one,
+/// cancel or mark canceled a deleted one, wait for a running one.
+async fn settled(
+    update: &Update,
+    ctx: &UpdateContext,
+    current: &Current,
+) -> Result<Option<Action>, UpdateError> {
+    if conditions::is_true(&current.before.conditions, COMPLETE) {
+        let api: Api<Update> = Api::namespaced(ctx.client.clone(), &current.namespace);
+        return expire(update, ctx, &api, &current.before).await.map(Some);
+    }
+    if update.meta().deletion_timestamp.is_some() {
+        if let Some(token) = ctx.running().get(&current.uid) {
+            token.cancel();
+            return Ok(Some(Action::await_change()));
+        }
+        let mut status = current.before.clone();
+        finish(
+            &mut status,
+            current.generation,
+            false,
+            "Canceled",
+            "the update was deleted before it completed",
+        );
+        current.write(ctx, &status).await?;
+        return Ok(Some(Action::await_change()));
+    }
+    if ctx.running().contains_key(&current.uid) {
+        return Ok(Some(Action::await_change()));
+    }
+    if update.spec.workspace_name.is_none() {
+        let mut status = current.before.clone();
+        status.observed_generation = current.generation;
+        finish(
+            &mut status,
+            current.generation,
+            false,
+            "InvalidSpec",
+            "spec.workspaceName is required",
+        );
+        current.write(ctx, &status).await?;
+        return Ok(Some(Action::await_change()));
+    }
+    Ok(None)
+}
+
+/// The Update's Workspace and its agent's address once it is ready, or the status saying what
+/// the Update waits for.
+async fn ready_workspace(
+    update: &Update,
+    ctx: &UpdateContext,
+    current: &Current,
+) -> Result<Result<(Workspace, String), UpdateStatus>, UpdateError> {
+    let ws_name = update.spec.workspace_name.clone().unwrap_or_default();
+    let workspaces: Api<Workspace> = Api::namespaced(ctx.client.clone(), &current.namespace);
+    let Some(ws) = workspaces
+        .get_opt(&ws_name)
+        .await
+        .map_err(UpdateError::kube("reading the Workspace"))?
+    else {
+        let message = format!("workspace {ws_name} not found");
+        return Ok(Err(current.waiting("WorkspaceNotFound", &message)));
+    };
+    let ws_status = ws.status.clone().unwrap_or_default();
+    let ws_ready = ws.meta().deletion_timestamp.is_none()
+        && ws_status.observed_generation == ws.metadata.generation
+        && conditions::is_true(&ws_status.conditions, "Ready");
+    match ws_status.address.filter(|_| ws_ready) {
+        Some(address) => Ok(Ok((ws, address))),
+        None => {
+            let message = format!("waiting for workspace {ws_name} to be ready");
+            Ok(Err(current.waiting("WorkspaceNotReady", &message)))
+        }
+    }
+}
+
+/// Marks the operation started (`Progressing=True`, a new start time) and says so when it
+/// resumes one the operator was running when it stopped.
+async fn start(
+    update: &Update,
+    ctx: &UpdateContext,
+    current: &Current,
+) -> Result<UpdateStatus, UpdateError> {
+    let resumed = conditions::is_true(&current.before.conditions, PROGRESSING);
+    let generation = current.generation;
+    let mut status = current.before.clone();
+    status.observed_generation = generation;
+    let message = if resumed {
+        "resumed after an operator restart"
+    } else {
+        ""
+    };
+    conditions::set(
+        &mut status.conditions,
+        PROGRESSING,
+        true,
+        "Progressing",
+        message,
+        generation,
+    );
+    conditions::set(
+        &mut status.conditions,
+        FAILED,
+        false,
+        "Progressing",
+        "",
+        generation,
+    );
+    conditions::set(
+        &mut status.conditions,
+        COMPLETE,
+        false,
+        "Progressing",
+        "",
+        generation,
+    );
+    conditions::remove(&mut status.conditions, STALLED);
+    status.start_time = Some(Time(Timestamp::now()));
+    status.end_time = None;
+    current.write(ctx, &status).await?;
+    if resumed {
+        ctx.event(
+            update,
+            EventType::Normal,
+            "Resumed",
+            "the operation was in flight when the operator stopped; running it again".into(),
+        )
+        .await;
+    }
+    Ok(status)
+}
+
+/// Runs the operation in its own task, holding `slot` until its result is stored.
+fn launch(
+    ctx: Arc<UpdateContext>,
+    update: Arc<Update>,
+    current: Current,
+    mut status: UpdateStatus,
+    slot: Slot,
+    client: AgentClient,
+) {
+    let token = slot.token.clone();
+    tokio::spawn(async move {
+        let started = std::time::Instant::now();
+        let outcome = tokio::select! {
+            outcome = operate(&ctx, &update, client) => outcome,
+            () = token.cancelled() => Outcome::failed("Canceled", "the update was canceled".into()),
+        };
+        apply_outcome(&ctx, &update, &mut status, outcome).await;
+        let Current {
+            namespace,
+            name,
+            before,
+            ..
+        } = &current;
+        store_result(&ctx, &update, namespace, name, before, &status).await;
+        drop(slot);
+        ctx.metrics
+            .reconcile_duration
+            .get_or_create(&ctx.metrics.controller("update-operation"))
+            .observe(started.elapsed().as_secs_f64());
+    });
+}

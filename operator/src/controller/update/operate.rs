@@ -1,0 +1,409 @@
+//! Running one operation against the workspace's agent: connecting, streaming the engine
+//! events (resource-change Events, the summary, the byte budget) and reading a failed RPC.
+
+use std::collections::BTreeMap;
+
+use kube::ResourceExt;
+use kube::runtime::events::EventType;
+use pko_agent_api::client::AgentClient;
+use pko_agent_api::proto as pb;
+use pko_api::update::{Update, UpdateType};
+use pko_api::workspace::Workspace;
+use serde_json::Value;
+
+use super::outcome::Outcome;
+use super::{
+    EVENTS_TOO_LARGE, MAX_RESOURCE_EVENTS, MESSAGE_LIMIT, RESPONSE_TOO_LARGE, UpdateContext,
+    stack_name,
+};
+use crate::agent_client::AgentError;
+use crate::controller::conditions;
+
+pub(super) async fn connect(
+    ctx: &UpdateContext,
+    ws: &Workspace,
+    ws_name: &str,
+    namespace: &str,
+    address: &str,
+) -> Result<AgentClient, AgentError> {
+    let owner = crate::controller::workspace::owner_reference(ws);
+    let credentials = ctx
+        .agents
+        .ensure_credentials(ws_name, namespace, &owner)
+        .await?;
+    ctx.agents
+        .client(ws_name, namespace, address, &credentials)
+        .await
+}
+
+/// Counts of resource operations and the errors the engine reported.
+#[derive(Default)]
+struct EventDigest {
+    ops: BTreeMap<String, u64>,
+    errors: Vec<String>,
+    published: usize,
+    /// Encoded bytes of the events received.
+    bytes: u64,
+    /// The bytes allowed (`--max-event-bytes-per-operation`).
+    budget: u64,
+}
+
+impl EventDigest {
+    fn new(budget: u64) -> Self {
+        Self {
+            budget,
+            ..Self::default()
+        }
+    }
+
+    /// Counts an event's bytes; whether the operation is still within its budget.
+    fn admit(&mut self, event: &prost_types::Struct) -> bool {
+        self.bytes = self
+            .bytes
+            .saturating_add(prost::Message::encoded_len(event) as u64);
+        over_event_budget(self.bytes, self.budget).is_none()
+    }
+
+    async fn observe(&mut self, ctx: &UpdateContext, update: &Update, event: &prost_types::Struct) {
+        let event = Value::Object(pko_agent_api::values::from_struct(event));
+        if let Some(meta) = event.pointer("/resOutputsEvent/metadata") {
+            let op = meta["op"].as_str().unwrap_or("same").to_owned();
+            if op != "same" && self.published < MAX_RESOURCE_EVENTS {
+                self.published += 1;
+                let note = format!(
+                    "{op} {} ({})",
+                    meta["urn"].as_str().unwrap_or_default(),
+                    meta["type"].as_str().unwrap_or_default()
+                );
+                ctx.event(update, EventType::Normal, "ResourceChanged", note)
+                    .await;
+            }
+            *self.ops.entry(op).or_default() += 1;
+        }
+        if let Some(diag) = event.get("diagnosticEvent")
+            && diag["severity"] == "error"
+        {
+            let message = diag["message"]
+                .as_str()
+                .unwrap_or_default()
+                .trim()
+                .to_owned();
+            if !message.is_empty() && self.errors.len() < 5 {
+                self.errors.push(message);
+            }
+        }
+    }
+
+    fn summary(&self) -> String {
+        if self.ops.is_empty() {
+            return "no resource changes".into();
+        }
+        self.ops
+            .iter()
+            .map(|(op, n)| format!("{op}: {n}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+macro_rules! stream_op {
+    ($ctx:expr, $update:expr, $digest:expr, $call:expr, $module:ident) => {{
+        let mut stream = match $call.await {
+            Ok(s) => s.into_inner(),
+            Err(s) => return Err(s),
+        };
+        let mut result = None;
+        while let Some(msg) = stream.message().await? {
+            match msg.response {
+                // Past the budget the call is dropped, which stops the operation in the agent.
+                Some(pb::$module::Response::Event(e)) if !$digest.admit(&e) => {
+                    return Err(tonic::Status::resource_exhausted(
+                        "engine events over budget",
+                    ));
+                }
+                Some(pb::$module::Response::Event(e)) => $digest.observe($ctx, $update, &e).await,
+                Some(pb::$module::Response::Result(r)) => result = Some(r),
+                None => {}
+            }
+        }
+        result
+            .ok_or_else(|| tonic::Status::unknown("the agent closed the stream without a result"))?
+    }};
+}
+
+pub(super) async fn operate(
+    ctx: &UpdateContext,
+    update: &Update,
+    mut client: AgentClient,
+) -> Outcome {
+    let stack = stack_name(update);
+    if let Err(s) = client
+        .select_stack(pb::SelectStackRequest {
+            stack_name: stack.clone(),
+            create: Some(true),
+            secrets_provider: None,
+        })
+        .await
+    {
+        return status_outcome(ctx, update, &s);
+    }
+    let mut digest = EventDigest::new(ctx.max_event_bytes);
+    let result = run_operation(ctx, update, &mut client, &mut digest).await;
+    match result {
+        Ok(mut outcome) => {
+            let changes = digest.summary();
+            outcome.message = match &outcome.summary {
+                Some(s) if !s.message.is_empty() => format!("{}: {changes}", s.message),
+                _ => changes,
+            };
+            outcome
+        }
+        Err(s) => {
+            let mut outcome = over_event_budget(digest.bytes, digest.budget)
+                .unwrap_or_else(|| status_outcome(ctx, update, &s));
+            if !digest.errors.is_empty() {
+                outcome.message =
+                    format!("{} (engine: {})", outcome.message, digest.errors.join("; "));
+            }
+            outcome.message = conditions::truncate(&outcome.message, MESSAGE_LIMIT);
+            outcome
+        }
+    }
+}
+
+async fn run_operation(
+    ctx: &UpdateContext,
+    update: &Update,
+    client: &mut AgentClient,
+    digest: &mut EventDigest,
+) -> Result<Outcome, tonic::Status> {
+    let spec = &update.spec;
+    let ok = |summary: Option<pb::UpdateSummary>, permalink, project| {
+        let succeeded = summary.as_ref().is_none_or(|s| s.result == "succeeded");
+        Outcome {
+            succeeded,
+            reason: if succeeded {
+                "UpdateSucceeded".into()
+            } else {
+                "UpdateFailed".into()
+            },
+            message: String::new(),
+            summary,
+            permalink,
+            project,
+            outputs: None,
+        }
+    };
+    match spec.type_.unwrap_or(UpdateType::Up) {
+        UpdateType::Preview => {
+            let r = stream_op!(
+                ctx,
+                update,
+                digest,
+                client.preview(pb::PreviewRequest {
+                    parallel: spec.parallel,
+                    message: spec.message.clone(),
+                    expect_no_changes: spec.expect_no_changes,
+                    replace: spec.replace.clone(),
+                    target: spec.target.clone(),
+                    target_dependents: spec.target_dependents,
+                    policy_pack: vec![],
+                    refresh: spec.refresh,
+                }),
+                preview_stream
+            );
+            Ok(ok(r.summary, r.permalink, r.project_info))
+        }
+        UpdateType::Up => {
+            let r = stream_op!(
+                ctx,
+                update,
+                digest,
+                client.up(pb::UpRequest {
+                    parallel: spec.parallel,
+                    message: spec.message.clone(),
+                    expect_no_changes: spec.expect_no_changes,
+                    replace: spec.replace.clone(),
+                    target: spec.target.clone(),
+                    target_dependents: spec.target_dependents,
+                    policy_pack: vec![],
+                    refresh: spec.refresh,
+                    continue_on_error: spec.continue_on_error,
+                }),
+                up_stream
+            );
+            let mut outcome = ok(r.summary, r.permalink, r.project_info);
+            outcome.outputs = Some(r.outputs);
+            Ok(outcome)
+        }
+        UpdateType::Refresh => {
+            let r = stream_op!(
+                ctx,
+                update,
+                digest,
+                client.refresh(pb::RefreshRequest {
+                    parallel: spec.parallel,
+                    message: spec.message.clone(),
+                    expect_no_changes: spec.expect_no_changes,
+                    target: spec.target.clone(),
+                    preview_only: None,
+                    run_program: spec.run_program,
+                }),
+                refresh_stream
+            );
+            Ok(ok(r.summary, r.permalink, r.project_info))
+        }
+        UpdateType::Destroy => {
+            let r = stream_op!(
+                ctx,
+                update,
+                digest,
+                client.destroy(pb::DestroyRequest {
+                    parallel: spec.parallel,
+                    message: spec.message.clone(),
+                    target: spec.target.clone(),
+                    target_dependents: spec.target_dependents,
+                    refresh: spec.refresh,
+                    continue_on_error: spec.continue_on_error,
+                    remove: spec.remove,
+                    run_program: spec.run_program,
+                }),
+                destroy_stream
+            );
+            Ok(ok(r.summary, r.permalink, r.project_info))
+        }
+    }
+}
+
+/// A failed RPC as an outcome: PKO's `PulumiErrorInfo` reason when attached, a clear reason when
+/// the agent went away, `Unknown` otherwise.
+fn status_outcome(ctx: &UpdateContext, update: &Update, s: &tonic::Status) -> Outcome {
+    if let Some(info) = pko_agent_api::errors::error_info(s) {
+        return Outcome::failed(&info.reason, s.message().to_owned());
+    }
+    if let Some(outcome) = too_large(s) {
+        return outcome;
+    }
+    let text = s.message().to_ascii_lowercase();
+    let lost = matches!(s.code(), tonic::Code::Unavailable | tonic::Code::Cancelled)
+        || [
+            "transport",
+            "connection",
+            "broken pipe",
+            "stream closed",
+            "h2 protocol",
+            "error reading a body",
+        ]
+        .iter()
+        .any(|p| text.contains(p));
+    if lost {
+        if let Some(ws) = &update.spec.workspace_name
+            && let Some(ns) = update.namespace()
+        {
+            ctx.agents.forget(ws, &ns);
+        }
+        return Outcome::failed(
+            "AgentUnavailable",
+            format!(
+                "the connection to the workspace agent was lost during the operation ({:?}: {})",
+                s.code(),
+                s.message()
+            ),
+        );
+    }
+    let message = if s.message().is_empty() {
+        "An unknown error occurred".to_owned()
+    } else {
+        s.message().to_owned()
+    };
+    Outcome::failed("Unknown", message)
+}
+
+/// An answer the transport refused for its size (over 16 MiB, either end): the operation may
+/// have run, but its result cannot be had, so running it again would not help.
+fn too_large(s: &tonic::Status) -> Option<Outcome> {
+    let refused =
+        s.code() == tonic::Code::OutOfRange || s.message().contains("message length too large");
+    refused.then(|| {
+        Outcome::failed(
+            RESPONSE_TOO_LARGE,
+            format!(
+                "an answer of the workspace agent is over the {} MiB message limit: {}",
+                pko_agent_api::MAX_MESSAGE_BYTES / (1024 * 1024),
+                s.message()
+            ),
+        )
+    })
+}
+
+/// An operation whose engine events came to `received` bytes, over the `budget` of one
+/// operation: an agent streaming without end (each event under the message limit) would hold
+/// an operation slot and the operator's CPU for as long as it likes.
+fn over_event_budget(received: u64, budget: u64) -> Option<Outcome> {
+    (received > budget).then(|| {
+        Outcome::failed(
+            EVENTS_TOO_LARGE,
+            format!(
+                "the workspace agent streamed over {} MiB ({budget} bytes) of engine events in one operation, the most allowed (--max-event-bytes-per-operation); the operation was stopped",
+                budget / (1024 * 1024)
+            ),
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_answer_over_the_message_limit_is_response_too_large() {
+        for status in [
+            tonic::Status::out_of_range(
+                "Error, decoded message length too large: found 17000000 bytes, the limit is: 16777216 bytes",
+            ),
+            tonic::Status::internal("Error, encoded message length too large: found 1 bytes"),
+        ] {
+            let outcome = too_large(&status).expect("too large");
+            assert!(!outcome.succeeded);
+            assert_eq!(outcome.reason, "ResponseTooLarge");
+            assert!(
+                outcome.message.contains("16 MiB") && outcome.message.contains(status.message()),
+                "{}",
+                outcome.message
+            );
+        }
+        assert!(too_large(&tonic::Status::unavailable("connection reset")).is_none());
+        assert!(too_large(&tonic::Status::unknown("up failed")).is_none());
+    }
+
+    #[test]
+    fn events_past_the_budget_of_an_operation_fail_it() {
+        assert!(over_event_budget(0, 1).is_none());
+        assert!(over_event_budget(32 << 20, 32 << 20).is_none());
+        let outcome = over_event_budget((32 << 20) + 1, 32 << 20).expect("over");
+        assert!(!outcome.succeeded);
+        assert_eq!(outcome.reason, "EventsTooLarge");
+        assert!(
+            outcome.message.contains("32 MiB (33554432 bytes)")
+                && outcome.message.contains("--max-event-bytes-per-operation"),
+            "{}",
+            outcome.message
+        );
+
+        // Each event encodes to 55 bytes.
+        let mut digest = EventDigest::new(120);
+        let event = prost_types::Struct {
+            fields: [(
+                "message".to_owned(),
+                prost_types::Value {
+                    kind: Some(prost_types::value::Kind::StringValue("x".repeat(40))),
+                },
+            )]
+            .into_iter()
+            .collect(),
+        };
+        assert!(digest.admit(&event));
+        assert!(digest.admit(&event));
+        assert!(!digest.admit(&event), "{} bytes", digest.bytes);
+    }
+}
