@@ -12,26 +12,30 @@
 //! `Ignore` leaves the Program served without it, with a Warning event. When a transform changes,
 //! the Programs whose chain changed are reconciled again (see `crate::transform`).
 
+use std::borrow::Cow;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::{self, Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder};
 use kube::runtime::reflector::ObjectRef;
 use kube::{Api, Client, Resource, ResourceExt};
-use pko_api::program::Program;
-use serde_json::{Value, json};
+use pko_api::program::{Artifact, Program, ProgramStatus};
+use pko_plugin_host::chain::{Applied, Skipped};
+use serde::Serialize;
 use tokio::sync::broadcast;
 use tracing::{info, instrument, warn};
 
-use crate::artifact::index::{BuildError, BuildResult, Built, ProgramIndex};
+use crate::artifact::index::{BuildError, BuildResult, Built, ChainReport, ProgramIndex};
 use crate::capability::{ArtifactRef, KeyRing, unix_now};
 use crate::config::{AdvertisedAddress, artifact_path};
 use crate::controller::backoff::{self, Backoff, Verdict};
-use crate::controller::conditions::truncate;
+use crate::controller::conditions::{self, truncate};
 use crate::controller::keys::PROGRAM_STATUS_MANAGER;
 use crate::controller::kit::{self, Kit};
 use crate::metrics::Metrics;
@@ -48,6 +52,9 @@ pub const METADATA_APPLIED: &str = "transforms.pko-rs.dev/applied";
 pub const METADATA_SKIPPED: &str = "transforms.pko-rs.dev/skipped";
 /// Delay before building again after a failure that may not recur (a timeout, a busy host).
 const TRANSIENT_REQUEUE: Duration = Duration::from_secs(30);
+/// Delay before looking again while the transforms are not known yet (their watch has not
+/// listed them): there is nothing true to report meanwhile, and they usually arrive in seconds.
+const TRANSFORMS_UNKNOWN_REQUEUE: Duration = Duration::from_secs(5);
 
 /// Failures of one reconcile.
 #[derive(Debug, thiserror::Error)]
@@ -56,7 +63,7 @@ pub enum ProgramError {
     NoNamespace,
     #[error("cannot write program status: {0}")]
     Status(#[source] kube::Error),
-    #[error("cannot encode program status: {0}")]
+    #[error("cannot encode the transforms of the artifact metadata: {0}")]
     Encode(#[source] serde_json::Error),
 }
 
@@ -141,19 +148,32 @@ impl ProgramContext {
     }
 }
 
-/// The status fields this controller owns, computed for one Program.
-#[derive(Debug, PartialEq)]
-struct Desired {
-    generation: i64,
-    artifact: Option<Value>,
-    ready: Condition,
-}
-
-#[derive(Debug, PartialEq)]
-struct Condition {
-    status: &'static str,
+/// The `Ready` condition a build result calls for.
+#[derive(Debug, Clone, PartialEq)]
+struct Ready {
+    status: bool,
     reason: String,
     message: String,
+}
+
+/// A status-only apply body: a typed Program would carry `program:`, which this field manager
+/// must not own.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+struct StatusPatch<'a> {
+    api_version: Cow<'static, str>,
+    kind: Cow<'static, str>,
+    status: &'a ProgramStatus,
+}
+
+impl<'a> StatusPatch<'a> {
+    fn new(status: &'a ProgramStatus) -> Self {
+        Self {
+            api_version: Program::api_version(&()),
+            kind: Program::kind(&()),
+            status,
+        }
+    }
 }
 
 /// Run the controller until `shutdown` resolves.
@@ -237,14 +257,15 @@ async fn reconcile_inner(
     let namespace = program.namespace().ok_or(ProgramError::NoNamespace)?;
     let name = program.name_any();
     let generation = program.metadata.generation.unwrap_or(0);
-    let current = current_status(program)?;
+    let none = ProgramStatus::default();
+    let current = program.status.as_ref().unwrap_or(&none);
 
     let built = ctx.index.artifact_for(program.clone()).await;
     if let Err(err) = &built
         && matches!(**err, BuildError::Transforms(_))
     {
-        // The transforms are not known yet: nothing true to report; look again shortly.
-        return Ok(Action::requeue(Duration::from_secs(5)));
+        // Nothing true to report yet: look again shortly.
+        return Ok(Action::requeue(TRANSFORMS_UNKNOWN_REQUEUE));
     }
     // A result shaped by a timeout or a busy host is built again later.
     let next = match &built {
@@ -252,59 +273,18 @@ async fn reconcile_inner(
         Err(e) if e.is_transient() => Action::requeue(TRANSIENT_REQUEUE),
         _ => Action::await_change(),
     };
-    let desired = desired_status(ctx, &namespace, &name, generation, &built, &current);
-    if current.matches(&desired) {
+    let now = Time(Timestamp::now());
+    let (artifact, ready) = outcome(ctx, &namespace, &name, generation, &built, current, now)?;
+    let desired = desired_status(current, generation, artifact, &ready);
+    if unchanged(current, &desired) {
         return Ok(next);
     }
 
-    let now = Timestamp::now().to_string();
-    let artifact = desired.artifact.clone().map(|mut artifact| {
-        // lastUpdateTime moves only when the artifact itself changes (a URL re-signed with a
-        // new key is the same artifact).
-        let unchanged = current
-            .artifact
-            .as_ref()
-            .is_some_and(|old| same_bytes(old, &artifact));
-        let time = match (&current.artifact, unchanged) {
-            (Some(old), true) => old
-                .get("lastUpdateTime")
-                .cloned()
-                .unwrap_or_else(|| json!(now)),
-            _ => json!(now),
-        };
-        if let Value::Object(map) = &mut artifact {
-            map.insert("lastUpdateTime".into(), time);
-        }
-        artifact
-    });
-    let transition = match &current.ready {
-        Some((status, _, _, time)) if *status == desired.ready.status => time.clone(),
-        _ => now.clone(),
-    };
-    let mut status = json!({
-        "observedGeneration": generation,
-        "conditions": [{
-            "type": READY,
-            "status": desired.ready.status,
-            "reason": desired.ready.reason,
-            "message": desired.ready.message,
-            "observedGeneration": generation,
-            "lastTransitionTime": transition,
-        }],
-    });
-    if let (Some(artifact), Value::Object(map)) = (artifact, &mut status) {
-        map.insert("artifact".into(), artifact);
-    }
-    let patch = json!({
-        "apiVersion": "pulumi.com/v1",
-        "kind": "Program",
-        "status": status,
-    });
     let api = Api::<Program>::namespaced(ctx.client.clone(), &namespace);
     api.patch_status(
         &name,
         &PatchParams::apply(PROGRAM_STATUS_MANAGER).force(),
-        &Patch::Apply(&patch),
+        &Patch::Apply(&StatusPatch::new(&desired)),
     )
     .await
     .map_err(ProgramError::Status)?;
@@ -391,197 +371,480 @@ fn error_policy(program: Arc<Program>, err: &ProgramError, ctx: Arc<ProgramConte
     kit::error_policy(CONTROLLER, &*program, err, &ctx.metrics, &ctx.backoff)
 }
 
-/// The status fields as they are now.
-#[derive(Debug, Default)]
-struct Current {
-    observed_generation: Option<i64>,
-    artifact: Option<Value>,
-    /// (status, reason, message, lastTransitionTime) of the Ready condition.
-    ready: Option<(String, String, String, String)>,
-    ready_generation: Option<i64>,
-}
-
-impl Current {
-    fn matches(&self, desired: &Desired) -> bool {
-        let artifact_same = match (&self.artifact, &desired.artifact) {
-            (Some(old), Some(new)) => same_artifact(old, new),
-            (None, None) => true,
-            _ => false,
-        };
-        artifact_same
-            && self.observed_generation == Some(desired.generation)
-            && self.ready_generation == Some(desired.generation)
-            && self
-                .ready
-                .as_ref()
-                .is_some_and(|(status, reason, message, _)| {
-                    status == desired.ready.status
-                        && *reason == desired.ready.reason
-                        && *message == desired.ready.message
-                })
-    }
-}
-
-fn current_status(program: &Program) -> Result<Current, ProgramError> {
-    let Some(status) = &program.status else {
-        return Ok(Current::default());
-    };
-    let status = serde_json::to_value(status).map_err(ProgramError::Encode)?;
-    let ready = status
-        .get("conditions")
-        .and_then(Value::as_array)
-        .and_then(|conditions| {
-            conditions
-                .iter()
-                .find(|c| c.get("type").and_then(Value::as_str) == Some(READY))
-        });
-    let field = |c: &Value, k: &str| {
-        c.get(k)
-            .and_then(Value::as_str)
-            .unwrap_or_default()
-            .to_owned()
-    };
-    Ok(Current {
-        observed_generation: status.get("observedGeneration").and_then(Value::as_i64),
-        artifact: status.get("artifact").filter(|a| !a.is_null()).cloned(),
-        ready: ready.map(|c| {
-            (
-                field(c, "status"),
-                field(c, "reason"),
-                field(c, "message"),
-                field(c, "lastTransitionTime"),
-            )
-        }),
-        ready_generation: ready
-            .and_then(|c| c.get("observedGeneration"))
-            .and_then(Value::as_i64),
-    })
-}
-
-fn desired_status(
+/// The artifact and the `Ready` condition of a build result. A fresh artifact is dated `now`
+/// ([`desired_status`] keeps the old date when the bytes did not change); a failed build keeps
+/// the last good artifact visible, so workspaces already using it keep working.
+fn outcome(
     ctx: &ProgramContext,
     namespace: &str,
     name: &str,
     generation: i64,
     built: &BuildResult,
-    current: &Current,
-) -> Desired {
+    current: &ProgramStatus,
+    now: Time,
+) -> Result<(Option<Artifact>, Ready), ProgramError> {
     match built {
         Ok(built) => {
             let artifact = &built.artifact;
-            let mut value = json!({
-                "path": artifact_path(namespace, name, generation),
-                "url": ctx.artifact_url(namespace, name, generation, &artifact.digest),
-                "revision": generation.to_string(),
-                "digest": artifact.digest,
-                "size": artifact.size(),
-            });
-            if let (Some(metadata), Value::Object(map)) = (chain_metadata(built), &mut value) {
-                map.insert("metadata".into(), metadata);
-            }
-            let mut message = format!("artifact of generation {generation} is available");
-            if !built.chain.applied.is_empty() {
-                let ids: Vec<&str> = built.chain.applied.iter().map(|a| a.id.as_str()).collect();
-                message.push_str(&format!("; transformed by {}", ids.join(", ")));
-            }
-            if !built.chain.skipped.is_empty() {
-                let skipped: Vec<String> = built
-                    .chain
-                    .skipped
-                    .iter()
-                    .map(|s| format!("{} ({})", s.id, s.error.kind().camel()))
-                    .collect();
-                message.push_str(&format!("; skipped {}", skipped.join(", ")));
-            }
-            Desired {
-                generation,
-                artifact: Some(value),
-                ready: Condition {
-                    status: "True",
-                    reason: "ArtifactReady".into(),
-                    message: truncate(&message, 1000),
-                },
-            }
-        }
-        Err(err) => {
-            let (reason, message) = match &**err {
-                BuildError::Transform(failure) => (
-                    format!("Transform{}", failure.error.kind().camel()),
-                    format!(
-                        "artifact of generation {generation} is not served: transform {failure} (failurePolicy Fail)"
-                    ),
-                ),
-                other => (
-                    "ArtifactFailed".to_owned(),
-                    format!("artifact of generation {generation} cannot be built: {other}"),
-                ),
+            let fresh = Artifact {
+                path: artifact_path(namespace, name, generation),
+                url: ctx.artifact_url(namespace, name, generation, &artifact.digest),
+                revision: generation.to_string(),
+                digest: Some(artifact.digest.clone()),
+                last_update_time: now,
+                // An artifact is far smaller than i64::MAX bytes.
+                size: Some(i64::try_from(artifact.size()).unwrap_or(i64::MAX)),
+                metadata: chain_metadata(&built.chain)?,
             };
-            Desired {
-                generation,
-                // Keep the last good artifact visible: workspaces already using it keep working.
-                artifact: current.artifact.clone(),
-                ready: Condition {
-                    status: "False",
-                    reason,
-                    message: truncate(&message, 1000),
-                },
-            }
+            Ok((Some(fresh), ready_of_build(generation, built)))
         }
+        Err(err) => Ok((current.artifact.clone(), ready_of_failure(generation, err))),
     }
+}
+
+fn ready_of_build(generation: i64, built: &Built) -> Ready {
+    let mut message = format!("artifact of generation {generation} is available");
+    if !built.chain.applied.is_empty() {
+        let ids: Vec<&str> = built.chain.applied.iter().map(|a| a.id.as_str()).collect();
+        message.push_str(&format!("; transformed by {}", ids.join(", ")));
+    }
+    if !built.chain.skipped.is_empty() {
+        let skipped: Vec<String> = built
+            .chain
+            .skipped
+            .iter()
+            .map(|s| format!("{} ({})", s.id, s.error.kind().camel()))
+            .collect();
+        message.push_str(&format!("; skipped {}", skipped.join(", ")));
+    }
+    Ready {
+        status: true,
+        reason: "ArtifactReady".into(),
+        message: truncate(&message, 1000),
+    }
+}
+
+fn ready_of_failure(generation: i64, err: &BuildError) -> Ready {
+    let (reason, message) = match err {
+        BuildError::Transform(failure) => (
+            format!("Transform{}", failure.error.kind().camel()),
+            format!(
+                "artifact of generation {generation} is not served: transform {failure} (failurePolicy Fail)"
+            ),
+        ),
+        other => (
+            "ArtifactFailed".to_owned(),
+            format!("artifact of generation {generation} cannot be built: {other}"),
+        ),
+    };
+    Ready {
+        status: false,
+        reason,
+        message: truncate(&message, 1000),
+    }
+}
+
+/// The status this controller writes: `observedGeneration`, the artifact and the `Ready`
+/// condition, with their times kept from `current` when nothing they date changed.
+fn desired_status(
+    current: &ProgramStatus,
+    generation: i64,
+    artifact: Option<Artifact>,
+    ready: &Ready,
+) -> ProgramStatus {
+    let artifact = artifact.map(|mut artifact| {
+        // lastUpdateTime moves only when the artifact itself changes (a URL re-signed with a
+        // new key is the same artifact).
+        if let Some(old) = &current.artifact
+            && same_bytes(old, &artifact)
+        {
+            artifact.last_update_time = old.last_update_time.clone();
+        }
+        artifact
+    });
+    // Only Ready is this field manager's: other conditions stay out of the apply.
+    let mut list: Vec<Condition> = conditions::get(&current.conditions, READY)
+        .cloned()
+        .into_iter()
+        .collect();
+    conditions::set(
+        &mut list,
+        READY,
+        ready.status,
+        &ready.reason,
+        &ready.message,
+        Some(generation),
+    );
+    ProgramStatus {
+        observed_generation: Some(generation),
+        artifact,
+        conditions: list,
+    }
+}
+
+/// Whether writing `desired` would change nothing but timestamps (then nothing is written, so a
+/// restart rewrites no Program).
+fn unchanged(current: &ProgramStatus, desired: &ProgramStatus) -> bool {
+    let artifact_same = match (&current.artifact, &desired.artifact) {
+        (Some(old), Some(new)) => same_artifact(old, new),
+        (None, None) => true,
+        _ => false,
+    };
+    artifact_same
+        && current.observed_generation == desired.observed_generation
+        && conditions::same(
+            ready_only(&current.conditions),
+            ready_only(&desired.conditions),
+        )
+}
+
+/// The `Ready` condition alone (other conditions are not this controller's).
+fn ready_only(list: &[Condition]) -> &[Condition] {
+    conditions::get(list, READY)
+        .map(std::slice::from_ref)
+        .unwrap_or_default()
+}
+
+/// One applied transform in [`METADATA_APPLIED`] (field order is the wire order).
+#[derive(Serialize)]
+struct AppliedEntry<'a> {
+    transform: &'a str,
+    plugin: &'a str,
+    module: &'a str,
+    config: &'a str,
+}
+
+/// One skipped transform in [`METADATA_SKIPPED`] (field order is the wire order).
+#[derive(Serialize)]
+struct SkippedEntry<'a> {
+    transform: &'a str,
+    reason: &'a str,
+    message: String,
 }
 
 /// `status.artifact.metadata` for an artifact built through transforms (`None` without).
-fn chain_metadata(built: &Built) -> Option<Value> {
-    let chain = &built.chain;
+fn chain_metadata(chain: &ChainReport) -> Result<Option<BTreeMap<String, String>>, ProgramError> {
     if chain.fingerprint.is_empty() {
-        return None;
+        return Ok(None);
     }
-    let applied: Vec<Value> = chain
-        .applied
+    let mut map = BTreeMap::new();
+    map.insert(METADATA_CHAIN.to_owned(), chain.fingerprint.clone());
+    map.insert(METADATA_APPLIED.to_owned(), applied_json(&chain.applied)?);
+    if !chain.skipped.is_empty() {
+        map.insert(METADATA_SKIPPED.to_owned(), skipped_json(&chain.skipped)?);
+    }
+    Ok(Some(map))
+}
+
+fn applied_json(applied: &[Applied]) -> Result<String, ProgramError> {
+    let entries: Vec<AppliedEntry<'_>> = applied
         .iter()
-        .map(|a| {
-            json!({
-                "transform": a.id,
-                "plugin": a.plugin,
-                "module": a.module,
-                "config": a.config,
-            })
+        .map(|a| AppliedEntry {
+            transform: &a.id,
+            plugin: &a.plugin,
+            module: &a.module,
+            config: &a.config,
         })
         .collect();
-    let mut map = serde_json::Map::new();
-    map.insert(METADATA_CHAIN.into(), json!(chain.fingerprint));
-    map.insert(
-        METADATA_APPLIED.into(),
-        json!(Value::Array(applied).to_string()),
-    );
-    if !chain.skipped.is_empty() {
-        let skipped: Vec<Value> = chain
-            .skipped
-            .iter()
-            .map(|s| {
-                json!({
-                    "transform": s.id,
-                    "reason": s.error.kind().camel(),
-                    "message": truncate(&s.error.to_string(), 300),
-                })
-            })
-            .collect();
-        map.insert(
-            METADATA_SKIPPED.into(),
-            json!(Value::Array(skipped).to_string()),
-        );
-    }
-    Some(Value::Object(map))
+    serde_json::to_string(&entries).map_err(ProgramError::Encode)
+}
+
+fn skipped_json(skipped: &[Skipped]) -> Result<String, ProgramError> {
+    let entries: Vec<SkippedEntry<'_>> = skipped
+        .iter()
+        .map(|s| SkippedEntry {
+            transform: &s.id,
+            reason: s.error.kind().camel(),
+            message: truncate(&s.error.to_string(), 300),
+        })
+        .collect();
+    serde_json::to_string(&entries).map_err(ProgramError::Encode)
 }
 
 /// Equal in every field except `lastUpdateTime`.
-fn same_artifact(old: &Value, new: &Value) -> bool {
-    same_bytes(old, new) && old.get("url") == new.get("url")
+fn same_artifact(old: &Artifact, new: &Artifact) -> bool {
+    same_bytes(old, new) && old.url == new.url
 }
 
 /// The same artifact, whatever its URL's token.
-fn same_bytes(old: &Value, new: &Value) -> bool {
-    ["path", "revision", "digest", "size", "metadata"]
-        .iter()
-        .all(|k| old.get(*k) == new.get(*k))
+fn same_bytes(old: &Artifact, new: &Artifact) -> bool {
+    old.path == new.path
+        && old.revision == new.revision
+        && old.digest == new.digest
+        && old.size == new.size
+        && old.metadata == new.metadata
+}
+
+#[cfg(test)]
+mod tests {
+    use pko_plugin_host::errors::PluginError;
+    use serde_json::json;
+
+    use super::*;
+
+    fn time(text: &str) -> Time {
+        Time(text.parse().unwrap())
+    }
+
+    fn artifact(digest: &str, url: &str, updated: &str) -> Artifact {
+        Artifact {
+            path: "programs/ns/p/3.tar.gz".into(),
+            url: url.into(),
+            revision: "3".into(),
+            digest: Some(digest.into()),
+            last_update_time: time(updated),
+            size: Some(42),
+            metadata: None,
+        }
+    }
+
+    fn ready(status: bool, reason: &str) -> Ready {
+        Ready {
+            status,
+            reason: reason.into(),
+            message: format!("{reason} message"),
+        }
+    }
+
+    fn condition(status: &str, reason: &str, generation: i64, since: &str) -> Condition {
+        Condition {
+            type_: READY.into(),
+            status: status.into(),
+            reason: reason.into(),
+            message: format!("{reason} message"),
+            observed_generation: Some(generation),
+            last_transition_time: time(since),
+        }
+    }
+
+    /// A status as this controller last wrote it for generation 3.
+    fn written() -> ProgramStatus {
+        ProgramStatus {
+            observed_generation: Some(3),
+            artifact: Some(artifact(
+                "sha256:a",
+                "http://x/a?t=1",
+                "2025-01-01T00:00:00Z",
+            )),
+            conditions: vec![condition(
+                "True",
+                "ArtifactReady",
+                3,
+                "2025-01-01T00:00:00Z",
+            )],
+        }
+    }
+
+    #[test]
+    fn the_same_outcome_again_is_unchanged_whatever_the_times() {
+        let current = written();
+        let fresh = artifact("sha256:a", "http://x/a?t=1", "2026-06-06T00:00:00Z");
+        let desired = desired_status(&current, 3, Some(fresh), &ready(true, "ArtifactReady"));
+        assert!(unchanged(&current, &desired));
+        // Nothing it dates changed: both times are the old ones.
+        assert_eq!(desired, current);
+    }
+
+    #[test]
+    fn a_resigned_url_is_written_but_keeps_the_artifact_time() {
+        let current = written();
+        let fresh = artifact("sha256:a", "http://x/a?t=2", "2026-06-06T00:00:00Z");
+        let desired = desired_status(&current, 3, Some(fresh), &ready(true, "ArtifactReady"));
+        assert!(!unchanged(&current, &desired));
+        let artifact = desired.artifact.as_ref().unwrap();
+        assert_eq!(artifact.url, "http://x/a?t=2");
+        assert_eq!(artifact.last_update_time, time("2025-01-01T00:00:00Z"));
+    }
+
+    #[test]
+    fn new_bytes_are_dated_now() {
+        let current = written();
+        let fresh = artifact("sha256:b", "http://x/b?t=1", "2026-06-06T00:00:00Z");
+        let desired = desired_status(&current, 3, Some(fresh), &ready(true, "ArtifactReady"));
+        assert!(!unchanged(&current, &desired));
+        let artifact = desired.artifact.as_ref().unwrap();
+        assert_eq!(artifact.last_update_time, time("2026-06-06T00:00:00Z"));
+        // Ready stayed True: its transition time is kept.
+        assert_eq!(
+            desired.conditions[0].last_transition_time,
+            time("2025-01-01T00:00:00Z")
+        );
+    }
+
+    #[test]
+    fn a_failure_keeps_the_artifact_and_moves_the_transition_time() {
+        let current = written();
+        let desired = desired_status(
+            &current,
+            4,
+            current.artifact.clone(),
+            &ready(false, "ArtifactFailed"),
+        );
+        assert!(!unchanged(&current, &desired));
+        assert_eq!(desired.artifact, current.artifact);
+        assert_eq!(desired.observed_generation, Some(4));
+        let ready = &desired.conditions[0];
+        assert_eq!(
+            (ready.status.as_str(), ready.reason.as_str()),
+            ("False", "ArtifactFailed")
+        );
+        assert_eq!(ready.observed_generation, Some(4));
+        assert!(ready.last_transition_time > time("2025-01-01T00:00:00Z"));
+    }
+
+    #[test]
+    fn a_first_status_has_every_field() {
+        let current = ProgramStatus::default();
+        let fresh = artifact("sha256:a", "http://x/a?t=1", "2026-06-06T00:00:00Z");
+        let desired = desired_status(&current, 1, Some(fresh), &ready(true, "ArtifactReady"));
+        assert!(!unchanged(&current, &desired));
+        assert_eq!(desired.observed_generation, Some(1));
+        assert_eq!(desired.conditions.len(), 1);
+        assert_eq!(desired.conditions[0].observed_generation, Some(1));
+    }
+
+    #[test]
+    fn unchanged_needs_every_owned_field_current() {
+        let base = written();
+        let desired = base.clone();
+        assert!(unchanged(&base, &desired));
+
+        let mut stale = base.clone();
+        stale.observed_generation = Some(2);
+        assert!(!unchanged(&stale, &desired));
+
+        let mut stale = base.clone();
+        stale.conditions[0].observed_generation = Some(2);
+        assert!(!unchanged(&stale, &desired));
+
+        let mut stale = base.clone();
+        stale.conditions[0].message = "other".into();
+        assert!(!unchanged(&stale, &desired));
+
+        let mut stale = base.clone();
+        stale.conditions.clear();
+        assert!(!unchanged(&stale, &desired));
+
+        let mut stale = base.clone();
+        stale.artifact = None;
+        assert!(!unchanged(&stale, &desired));
+        assert!(!unchanged(&base, &stale));
+
+        let mut stale = base.clone();
+        if let Some(a) = stale.artifact.as_mut() {
+            a.metadata = Some(BTreeMap::from([(METADATA_CHAIN.into(), "f".into())]));
+        }
+        assert!(!unchanged(&stale, &desired));
+
+        // Only times differ: nothing to write.
+        let mut older = base.clone();
+        older.conditions[0].last_transition_time = time("2020-01-01T00:00:00Z");
+        if let Some(a) = older.artifact.as_mut() {
+            a.last_update_time = time("2020-01-01T00:00:00Z");
+        }
+        assert!(unchanged(&older, &desired));
+
+        // A condition of another type is not this controller's to compare (or to write).
+        let mut other = base.clone();
+        other.conditions.insert(
+            0,
+            Condition {
+                type_: "Other".into(),
+                ..condition("False", "X", 1, "2020-01-01T00:00:00Z")
+            },
+        );
+        assert!(unchanged(&other, &desired));
+        let rewritten = desired_status(
+            &other,
+            3,
+            base.artifact.clone(),
+            &ready(true, "ArtifactReady"),
+        );
+        assert_eq!(rewritten.conditions.len(), 1);
+        assert_eq!(rewritten.conditions[0].type_, READY);
+    }
+
+    #[test]
+    fn the_patch_sets_what_it_set_before() {
+        let status = written();
+        let body = serde_json::to_value(StatusPatch::new(&status)).unwrap();
+        assert_eq!(
+            body,
+            json!({
+                "apiVersion": "pulumi.com/v1",
+                "kind": "Program",
+                "status": {
+                    "observedGeneration": 3,
+                    "conditions": [{
+                        "type": "Ready",
+                        "status": "True",
+                        "reason": "ArtifactReady",
+                        "message": "ArtifactReady message",
+                        "observedGeneration": 3,
+                        "lastTransitionTime": "2025-01-01T00:00:00Z",
+                    }],
+                    "artifact": {
+                        "path": "programs/ns/p/3.tar.gz",
+                        "url": "http://x/a?t=1",
+                        "revision": "3",
+                        "digest": "sha256:a",
+                        "size": 42,
+                        "lastUpdateTime": "2025-01-01T00:00:00Z",
+                    },
+                },
+            })
+        );
+        // Without an artifact, none is sent (the field stays the previous owner's business).
+        let bare = ProgramStatus {
+            artifact: None,
+            ..written()
+        };
+        let body = serde_json::to_value(StatusPatch::new(&bare)).unwrap();
+        assert!(body["status"].get("artifact").is_none());
+    }
+
+    #[test]
+    fn chain_metadata_strings_keep_their_format() {
+        let chain = ChainReport {
+            fingerprint: "fp".into(),
+            applied: vec![Applied {
+                id: "ns/t".into(),
+                plugin: "p 1.0".into(),
+                module: "sha256:m".into(),
+                config: "sha256:c".into(),
+                warnings: vec!["w".into()],
+                fuel: 7,
+            }],
+            skipped: vec![Skipped {
+                id: "ns/u".into(),
+                error: PluginError::Rejected("no".into()),
+            }],
+        };
+        let metadata = chain_metadata(&chain).unwrap().unwrap();
+        assert_eq!(metadata[METADATA_CHAIN], "fp");
+        // Compared byte for byte on every reconcile: any change rewrites every Program.
+        assert_eq!(
+            metadata[METADATA_APPLIED],
+            r#"[{"transform":"ns/t","plugin":"p 1.0","module":"sha256:m","config":"sha256:c"}]"#
+        );
+        assert_eq!(
+            metadata[METADATA_SKIPPED],
+            r#"[{"transform":"ns/u","reason":"Rejected","message":"rejected: no"}]"#
+        );
+        // The same text as the json! form it replaced.
+        let a = &chain.applied[0];
+        let old = serde_json::Value::Array(vec![json!({
+            "transform": a.id, "plugin": a.plugin, "module": a.module, "config": a.config,
+        })]);
+        assert_eq!(metadata[METADATA_APPLIED], old.to_string());
+
+        let plain = ChainReport::default();
+        assert_eq!(chain_metadata(&plain).unwrap(), None);
+        let nothing_skipped = ChainReport {
+            skipped: vec![],
+            ..chain
+        };
+        let metadata = chain_metadata(&nothing_skipped).unwrap().unwrap();
+        assert!(!metadata.contains_key(METADATA_SKIPPED));
+    }
 }

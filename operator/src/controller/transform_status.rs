@@ -5,21 +5,22 @@
 //! controllers run (the leader) and turns each settled state into the object's status, only
 //! when it differs from what the object already says, with an Event on each Ready transition.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
-use k8s_openapi::jiff::Timestamp;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::events::{Event, EventType, Recorder};
-use kube::{Api, Client};
+use kube::{Api, Client, Resource};
 use pko_api::transform::{
     ClusterProgramTransform, PluginStatus, ProgramTransform, READY, TransformStatus,
 };
-use serde_json::json;
+use serde::Serialize;
 use tokio::sync::broadcast;
 use tracing::{debug, warn};
 
 use crate::controller::backoff::{self, Backoff};
-use crate::controller::conditions::truncate;
+use crate::controller::conditions::{self, truncate};
 use crate::controller::keys::TRANSFORM_STATUS_MANAGER;
 use crate::controller::kit::{self, Kit};
 use crate::metrics::ErrorLabels;
@@ -47,6 +48,26 @@ struct Desired {
     message: String,
     digest: Option<String>,
     plugin: Option<PluginStatus>,
+}
+
+/// A status-only apply body: a typed transform would carry a `spec` this field manager must not
+/// own.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+struct StatusPatch<'a> {
+    api_version: Cow<'static, str>,
+    kind: Cow<'static, str>,
+    status: &'a TransformStatus,
+}
+
+impl<'a> StatusPatch<'a> {
+    fn new<K: Resource<DynamicType = ()>>(status: &'a TransformStatus) -> Self {
+        Self {
+            api_version: K::api_version(&()),
+            kind: K::kind(&()),
+            status,
+        }
+    }
 }
 
 /// Writes transform status until `shutdown` resolves.
@@ -128,49 +149,23 @@ async fn write(
         return Ok(());
     };
     let current = snapshot.status.clone().unwrap_or_default();
-    if matches(&current, &desired) {
+    let status = desired_status(&current, &desired);
+    if unchanged(&current, &status) {
         return Ok(());
     }
     let was_ready = ready_of(&current);
-    let now = Timestamp::now().to_string();
-    let transition = current
-        .conditions
-        .iter()
-        .find(|c| c.type_ == READY)
-        .filter(|c| (c.status == "True") == desired.ready)
-        .map(|c| c.last_transition_time.0.to_string())
-        .unwrap_or(now);
-    let mut status = json!({
-        "observedGeneration": desired.generation,
-        "conditions": [{
-            "type": READY,
-            "status": if desired.ready { "True" } else { "False" },
-            "reason": desired.reason,
-            "message": desired.message,
-            "observedGeneration": desired.generation,
-            "lastTransitionTime": transition,
-        }],
-    });
-    if let Some(map) = status.as_object_mut() {
-        if let Some(digest) = &desired.digest {
-            map.insert("digest".into(), json!(digest));
-        }
-        if let Some(plugin) = &desired.plugin {
-            map.insert("plugin".into(), json!(plugin));
-        }
-    }
     let params = PatchParams::apply(TRANSFORM_STATUS_MANAGER).force();
     let written = match (&key.kind, &key.namespace) {
         (TransformKind::Namespaced, Some(namespace)) => {
             let api: Api<ProgramTransform> = Api::namespaced(client.clone(), namespace);
-            let patch = json!({"apiVersion": "pko-rs.dev/v1alpha1", "kind": "ProgramTransform", "status": status});
+            let patch = StatusPatch::new::<ProgramTransform>(&status);
             api.patch_status(&key.name, &params, &Patch::Apply(&patch))
                 .await
                 .map(|_| ())
         }
         _ => {
             let api: Api<ClusterProgramTransform> = Api::all(client.clone());
-            let patch = json!({"apiVersion": "pko-rs.dev/v1alpha1", "kind": "ClusterProgramTransform", "status": status});
+            let patch = StatusPatch::new::<ClusterProgramTransform>(&status);
             api.patch_status(&key.name, &params, &Patch::Apply(&patch))
                 .await
                 .map(|_| ())
@@ -265,17 +260,46 @@ fn ready_of(status: &TransformStatus) -> Option<bool> {
         .map(|c| c.status == "True")
 }
 
-fn matches(current: &TransformStatus, desired: &Desired) -> bool {
-    let Some(ready) = current.conditions.iter().find(|c| c.type_ == READY) else {
-        return false;
-    };
-    current.observed_generation == Some(desired.generation)
-        && ready.observed_generation == Some(desired.generation)
-        && (ready.status == "True") == desired.ready
-        && ready.reason == desired.reason
-        && ready.message == desired.message
+/// The status written for `desired`: the Ready condition keeps its transition time while its
+/// status does not change.
+fn desired_status(current: &TransformStatus, desired: &Desired) -> TransformStatus {
+    // Only Ready is this field manager's: other conditions stay out of the apply.
+    let mut list: Vec<Condition> = conditions::get(&current.conditions, READY)
+        .cloned()
+        .into_iter()
+        .collect();
+    conditions::set(
+        &mut list,
+        READY,
+        desired.ready,
+        &desired.reason,
+        &desired.message,
+        Some(desired.generation),
+    );
+    TransformStatus {
+        observed_generation: Some(desired.generation),
+        conditions: list,
+        digest: desired.digest.clone(),
+        plugin: desired.plugin.clone(),
+    }
+}
+
+/// Whether writing `desired` would change nothing but the transition time.
+fn unchanged(current: &TransformStatus, desired: &TransformStatus) -> bool {
+    current.observed_generation == desired.observed_generation
+        && conditions::same(
+            ready_only(&current.conditions),
+            ready_only(&desired.conditions),
+        )
         && current.digest == desired.digest
         && current.plugin == desired.plugin
+}
+
+/// The `Ready` condition alone (other conditions are not this writer's).
+fn ready_only(list: &[Condition]) -> &[Condition] {
+    conditions::get(list, READY)
+        .map(std::slice::from_ref)
+        .unwrap_or_default()
 }
 
 fn object_ref(key: &TransformKey) -> k8s_openapi::api::core::v1::ObjectReference {
@@ -286,5 +310,164 @@ fn object_ref(key: &TransformKey) -> k8s_openapi::api::core::v1::ObjectReference
         name: Some(key.name.clone()),
         namespace: key.namespace.clone(),
         ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+    use serde_json::json;
+
+    use super::*;
+
+    fn time(text: &str) -> Time {
+        Time(text.parse().unwrap())
+    }
+
+    fn loaded(generation: i64) -> Desired {
+        Desired {
+            generation,
+            ready: true,
+            reason: "Loaded".into(),
+            message: "plugin p 1.0 loaded".into(),
+            digest: Some("sha256:m".into()),
+            plugin: Some(PluginStatus {
+                name: "p".into(),
+                version: "1.0".into(),
+                description: String::new(),
+            }),
+        }
+    }
+
+    fn failed(generation: i64) -> Desired {
+        Desired {
+            generation,
+            ready: false,
+            reason: "Compile".into(),
+            message: "cannot compile the module: x".into(),
+            digest: None,
+            plugin: None,
+        }
+    }
+
+    /// The status of generation 2 as written an hour ago.
+    fn written() -> TransformStatus {
+        let mut status = desired_status(&TransformStatus::default(), &loaded(2));
+        status.conditions[0].last_transition_time = time("2025-01-01T00:00:00Z");
+        status
+    }
+
+    #[test]
+    fn the_same_state_again_is_unchanged_and_keeps_its_time() {
+        let current = written();
+        let status = desired_status(&current, &loaded(2));
+        assert!(unchanged(&current, &status));
+        assert_eq!(status, current);
+    }
+
+    #[test]
+    fn a_new_generation_is_written_with_the_old_transition_time() {
+        let current = written();
+        let status = desired_status(&current, &loaded(3));
+        assert!(!unchanged(&current, &status));
+        assert_eq!(status.observed_generation, Some(3));
+        assert_eq!(status.conditions[0].observed_generation, Some(3));
+        assert_eq!(
+            status.conditions[0].last_transition_time,
+            time("2025-01-01T00:00:00Z")
+        );
+    }
+
+    #[test]
+    fn a_failure_drops_digest_and_plugin_and_moves_the_transition_time() {
+        let current = written();
+        let status = desired_status(&current, &failed(2));
+        assert!(!unchanged(&current, &status));
+        assert_eq!((status.digest.clone(), status.plugin.clone()), (None, None));
+        let ready = &status.conditions[0];
+        assert_eq!(
+            (ready.status.as_str(), ready.reason.as_str()),
+            ("False", "Compile")
+        );
+        assert!(ready.last_transition_time > time("2025-01-01T00:00:00Z"));
+    }
+
+    #[test]
+    fn unchanged_needs_every_owned_field_current() {
+        let base = written();
+        for stale in [
+            TransformStatus {
+                observed_generation: Some(1),
+                ..base.clone()
+            },
+            TransformStatus {
+                digest: Some("sha256:other".into()),
+                ..base.clone()
+            },
+            TransformStatus {
+                plugin: None,
+                ..base.clone()
+            },
+            TransformStatus {
+                conditions: vec![],
+                ..base.clone()
+            },
+            TransformStatus {
+                conditions: vec![Condition {
+                    message: "other".into(),
+                    ..base.conditions[0].clone()
+                }],
+                ..base.clone()
+            },
+            TransformStatus {
+                conditions: vec![Condition {
+                    observed_generation: Some(1),
+                    ..base.conditions[0].clone()
+                }],
+                ..base.clone()
+            },
+        ] {
+            assert!(!unchanged(&stale, &base), "{stale:?}");
+        }
+        // A condition of another type is neither compared nor written.
+        let mut other = base.clone();
+        other.conditions.push(Condition {
+            type_: "Other".into(),
+            ..base.conditions[0].clone()
+        });
+        assert!(unchanged(&other, &base));
+        assert_eq!(desired_status(&other, &loaded(2)).conditions.len(), 1);
+    }
+
+    #[test]
+    fn the_patch_sets_what_it_set_before() {
+        let status = written();
+        let body = serde_json::to_value(StatusPatch::new::<ProgramTransform>(&status)).unwrap();
+        assert_eq!(
+            body,
+            json!({
+                "apiVersion": "pko-rs.dev/v1alpha1",
+                "kind": "ProgramTransform",
+                "status": {
+                    "observedGeneration": 2,
+                    "conditions": [{
+                        "type": "Ready",
+                        "status": "True",
+                        "reason": "Loaded",
+                        "message": "plugin p 1.0 loaded",
+                        "observedGeneration": 2,
+                        "lastTransitionTime": "2025-01-01T00:00:00Z",
+                    }],
+                    "digest": "sha256:m",
+                    "plugin": {"name": "p", "version": "1.0"},
+                },
+            })
+        );
+        let failed = desired_status(&TransformStatus::default(), &failed(1));
+        let body =
+            serde_json::to_value(StatusPatch::new::<ClusterProgramTransform>(&failed)).unwrap();
+        assert_eq!(body["kind"], "ClusterProgramTransform");
+        assert!(body["status"].get("digest").is_none());
+        assert!(body["status"].get("plugin").is_none());
     }
 }
