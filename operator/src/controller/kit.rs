@@ -3,6 +3,7 @@
 //! reconcile and records how long it took, best-effort Event publishing, the mapping of a
 //! failed apiserver call into a controller's error, and the error policy.
 
+use std::borrow::Cow;
 use std::fmt::Display;
 use std::time::Instant;
 
@@ -10,6 +11,7 @@ use k8s_openapi::api::core::v1::ObjectReference;
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::{Client, Resource};
+use serde::Serialize;
 use tracing::warn;
 
 use crate::controller::backoff::{self, Backoff};
@@ -114,6 +116,26 @@ pub async fn publish_stall(
         note,
     )
     .await;
+}
+
+/// The body of a status-only server-side apply of kind `K`: `apiVersion`, `kind` and `status`,
+/// nothing else, so the status field manager never owns (or clears) any of the spec.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StatusPatch<'a, S> {
+    api_version: Cow<'static, str>,
+    kind: Cow<'static, str>,
+    status: &'a S,
+}
+
+impl<'a, S: Serialize> StatusPatch<'a, S> {
+    pub fn new<K: Resource<DynamicType = ()>>(status: &'a S) -> Self {
+        Self {
+            api_version: K::api_version(&()),
+            kind: K::kind(&()),
+            status,
+        }
+    }
 }
 
 /// A reconcile error as `pko_reconcile_errors_total` labels it: one of a small fixed set per

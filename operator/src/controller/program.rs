@@ -12,7 +12,6 @@
 //! `Ignore` leaves the Program served without it, with a Warning event. When a transform changes,
 //! the Programs whose chain changed are reconciled again (see `crate::transform`).
 
-use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -156,26 +155,6 @@ struct Ready {
     message: String,
 }
 
-/// A status-only apply body: a typed Program would carry `program:`, which this field manager
-/// must not own.
-#[derive(Debug, Serialize)]
-#[serde(rename_all = "camelCase")]
-struct StatusPatch<'a> {
-    api_version: Cow<'static, str>,
-    kind: Cow<'static, str>,
-    status: &'a ProgramStatus,
-}
-
-impl<'a> StatusPatch<'a> {
-    fn new(status: &'a ProgramStatus) -> Self {
-        Self {
-            api_version: Program::api_version(&()),
-            kind: Program::kind(&()),
-            status,
-        }
-    }
-}
-
 /// Run the controller until `shutdown` resolves.
 ///
 /// The controller has no watch of its own: it is driven from the replica's one Program store
@@ -284,7 +263,7 @@ async fn reconcile_inner(
     api.patch_status(
         &name,
         &PatchParams::apply(PROGRAM_STATUS_MANAGER).force(),
-        &Patch::Apply(&StatusPatch::new(&desired)),
+        &Patch::Apply(&kit::StatusPatch::new::<Program>(&desired)),
     )
     .await
     .map_err(ProgramError::Status)?;
@@ -767,7 +746,7 @@ mod tests {
     #[test]
     fn the_patch_sets_what_it_set_before() {
         let status = written();
-        let body = serde_json::to_value(StatusPatch::new(&status)).unwrap();
+        let body = serde_json::to_value(kit::StatusPatch::new::<Program>(&status)).unwrap();
         assert_eq!(
             body,
             json!({
@@ -799,7 +778,7 @@ mod tests {
             artifact: None,
             ..written()
         };
-        let body = serde_json::to_value(StatusPatch::new(&bare)).unwrap();
+        let body = serde_json::to_value(kit::StatusPatch::new::<Program>(&bare)).unwrap();
         assert!(body["status"].get("artifact").is_none());
     }
 

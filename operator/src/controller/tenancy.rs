@@ -19,7 +19,6 @@ use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
 use pko_api::tenancy::{TenancyPolicy, TenancyPolicyStatus};
-use serde_json::json;
 use tracing::warn;
 
 use crate::controller::backoff::{self, Backoff};
@@ -225,9 +224,7 @@ async fn reconcile_inner(
         && before.selected_namespaces == status.selected_namespaces
         && conditions::same(&before.conditions, &status.conditions);
     if !same {
-        let patch = json!({
-            "apiVersion": "pko-rs.dev/v1alpha1", "kind": "TenancyPolicy", "status": status,
-        });
+        let patch = kit::StatusPatch::new::<TenancyPolicy>(&status);
         Api::<TenancyPolicy>::all(ctx.client.clone())
             .patch_status(
                 &policy.name_any(),
@@ -244,6 +241,7 @@ async fn reconcile_inner(
 mod tests {
     use super::*;
     use serde_json::Value;
+    use serde_json::json;
 
     fn ns(name: &str, labels: Value) -> PartialObjectMeta<Namespace> {
         serde_json::from_value(json!({

@@ -5,17 +5,15 @@
 //! controllers run (the leader) and turns each settled state into the object's status, only
 //! when it differs from what the object already says, with an Event on each Ready transition.
 
-use std::borrow::Cow;
 use std::sync::Arc;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::events::{Event, EventType, Recorder};
-use kube::{Api, Client, Resource};
+use kube::{Api, Client};
 use pko_api::transform::{
     ClusterProgramTransform, PluginStatus, ProgramTransform, READY, TransformStatus,
 };
-use serde::Serialize;
 use tokio::sync::broadcast;
 use tracing::{debug, warn};
 
@@ -48,26 +46,6 @@ struct Desired {
     message: String,
     digest: Option<String>,
     plugin: Option<PluginStatus>,
-}
-
-/// A status-only apply body: a typed transform would carry a `spec` this field manager must not
-/// own.
-#[derive(Debug, Serialize)]
-#[serde(rename_all = "camelCase")]
-struct StatusPatch<'a> {
-    api_version: Cow<'static, str>,
-    kind: Cow<'static, str>,
-    status: &'a TransformStatus,
-}
-
-impl<'a> StatusPatch<'a> {
-    fn new<K: Resource<DynamicType = ()>>(status: &'a TransformStatus) -> Self {
-        Self {
-            api_version: K::api_version(&()),
-            kind: K::kind(&()),
-            status,
-        }
-    }
 }
 
 /// Writes transform status until `shutdown` resolves.
@@ -158,14 +136,14 @@ async fn write(
     let written = match (&key.kind, &key.namespace) {
         (TransformKind::Namespaced, Some(namespace)) => {
             let api: Api<ProgramTransform> = Api::namespaced(client.clone(), namespace);
-            let patch = StatusPatch::new::<ProgramTransform>(&status);
+            let patch = kit::StatusPatch::new::<ProgramTransform>(&status);
             api.patch_status(&key.name, &params, &Patch::Apply(&patch))
                 .await
                 .map(|_| ())
         }
         _ => {
             let api: Api<ClusterProgramTransform> = Api::all(client.clone());
-            let patch = StatusPatch::new::<ClusterProgramTransform>(&status);
+            let patch = kit::StatusPatch::new::<ClusterProgramTransform>(&status);
             api.patch_status(&key.name, &params, &Patch::Apply(&patch))
                 .await
                 .map(|_| ())
@@ -442,7 +420,8 @@ mod tests {
     #[test]
     fn the_patch_sets_what_it_set_before() {
         let status = written();
-        let body = serde_json::to_value(StatusPatch::new::<ProgramTransform>(&status)).unwrap();
+        let body =
+            serde_json::to_value(kit::StatusPatch::new::<ProgramTransform>(&status)).unwrap();
         assert_eq!(
             body,
             json!({
@@ -464,8 +443,8 @@ mod tests {
             })
         );
         let failed = desired_status(&TransformStatus::default(), &failed(1));
-        let body =
-            serde_json::to_value(StatusPatch::new::<ClusterProgramTransform>(&failed)).unwrap();
+        let body = serde_json::to_value(kit::StatusPatch::new::<ClusterProgramTransform>(&failed))
+            .unwrap();
         assert_eq!(body["kind"], "ClusterProgramTransform");
         assert!(body["status"].get("digest").is_none());
         assert!(body["status"].get("plugin").is_none());

@@ -117,8 +117,7 @@ impl StatusWriter {
         if same {
             return Ok(());
         }
-        // A status-only apply: a typed Stack would carry a spec this field manager must not own.
-        let patch = json!({"apiVersion": "pulumi.com/v1", "kind": "Stack", "status": after});
+        let patch = kit::StatusPatch::new::<Stack>(after);
         self.api
             .patch_status(
                 &self.name,

@@ -21,6 +21,7 @@ use super::{
 use crate::controller::backoff::{self, Verdict};
 use crate::controller::conditions;
 use crate::controller::keys::{SECRETS_ANNOTATION, UPDATE_NAME_LABEL, UPDATE_STATUS_MANAGER};
+use crate::controller::kit;
 use crate::controller::kit::FromKube;
 
 /// The result of one operation.
@@ -311,11 +312,7 @@ pub(super) async fn write_status(
     if before == after {
         return Ok(());
     }
-    let patch = json!({
-        "apiVersion": "auto.pulumi.com/v1alpha1",
-        "kind": "Update",
-        "status": after,
-    });
+    let patch = kit::StatusPatch::new::<Update>(after);
     Api::<Update>::namespaced(client.clone(), namespace)
         .patch_status(
             name,

@@ -4,10 +4,10 @@
 use kube::Client;
 use kube::api::{Api, Patch, PatchParams};
 use pko_api::workspace::{Workspace, WorkspaceStatus};
-use serde_json::json;
 
 use super::WorkspaceError;
 use crate::controller::keys::WORKSPACE_STATUS_MANAGER;
+use crate::controller::kit;
 use crate::controller::kit::FromKube;
 use crate::controller::{backoff, conditions};
 
@@ -163,11 +163,7 @@ pub(super) async fn write_status(
     if unchanged(before, after) {
         return Ok(());
     }
-    let patch = json!({
-        "apiVersion": "auto.pulumi.com/v1alpha1",
-        "kind": "Workspace",
-        "status": after,
-    });
+    let patch = kit::StatusPatch::new::<Workspace>(after);
     let api: Api<Workspace> = Api::namespaced(client.clone(), namespace);
     api.patch_status(
         name,
