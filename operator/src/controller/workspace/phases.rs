@@ -15,7 +15,6 @@ use kube::{Client, ResourceExt};
 use pko_agent_api::client::AgentClient;
 use pko_agent_api::proto as pb;
 use pko_api::workspace::{Workspace, WorkspaceStatus};
-use serde_json::Value;
 use tracing::info;
 
 use super::rules::{self, Initialization, Initialized};
@@ -145,11 +144,12 @@ pub(super) async fn apply(run: &mut Run<'_>) -> Result<Phase<Applied>, Workspace
         .agents
         .ensure_credentials(&run.name, &run.namespace, &owner)
         .await?;
+    let workload_owner = pod::controller_owner(run.ws)?;
     let desired = match pod::desired_statefulset(
         run.ws,
         &run.name,
         &run.namespace,
-        &owner,
+        &workload_owner,
         &run.ctx.settings,
         &credentials.fingerprint,
     ) {
@@ -167,7 +167,7 @@ pub(super) async fn apply(run: &mut Run<'_>) -> Result<Phase<Applied>, Workspace
         }
         Err(e) => return Err(e.into()),
     };
-    let service = pod::desired_service(run.ws, &run.name, &run.namespace, &owner);
+    let service = pod::desired_service(run.ws, &run.name, &run.namespace, &workload_owner);
     let statefulset = apply_workload(
         &run.ctx.client,
         &run.namespace,
@@ -187,8 +187,8 @@ async fn apply_workload(
     client: &Client,
     namespace: &str,
     workspace: &str,
-    service: &Value,
-    statefulset: &Value,
+    service: &Service,
+    statefulset: &StatefulSet,
 ) -> Result<StatefulSet, WorkspaceError> {
     let apply = PatchParams::apply(APPLY_MANAGER).force();
     let name = pod::workload_name(workspace);

@@ -3,6 +3,17 @@
 
 use std::collections::BTreeMap;
 
+use k8s_openapi::api::apps::v1::{StatefulSet, StatefulSetSpec};
+use k8s_openapi::api::core::v1::{
+    Capabilities, Container, ContainerPort, EmptyDirVolumeSource, EnvVar, EnvVarSource,
+    ObjectFieldSelector, PodSecurityContext, PodSpec, PodTemplateSpec, Probe, SeccompProfile,
+    SecretKeySelector, SecretVolumeSource, SecurityContext, Service, ServicePort, ServiceSpec,
+    TCPSocketAction, Volume, VolumeMount,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kube::Resource;
 use pko_api::workspace::{SecurityProfile, Workspace, WorkspaceSpec};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
@@ -110,6 +121,15 @@ pub enum PodError {
     InvalidFluxUrl(String),
     #[error("cannot encode the pod template: {0}")]
     Encode(#[from] serde_json::Error),
+    #[error("the Workspace has no uid to own its Service and StatefulSet")]
+    NoUid,
+}
+
+/// The reference that makes the Workspace the controller of its Service and StatefulSet.
+pub fn controller_owner(ws: &Workspace) -> Result<OwnerReference, PodError> {
+    let mut owner = ws.controller_owner_ref(&()).ok_or(PodError::NoUid)?;
+    owner.block_owner_deletion = Some(true);
+    Ok(owner)
 }
 
 /// A flux URL on the operator's file server names a Program of the Workspace's namespace, read
@@ -140,7 +160,12 @@ pub fn default_image(profile: SecurityProfile) -> &'static str {
     }
 }
 
-pub fn desired_service(ws: &Workspace, name: &str, namespace: &str, owner: &Value) -> Value {
+pub fn desired_service(
+    ws: &Workspace,
+    name: &str,
+    namespace: &str,
+    owner: &OwnerReference,
+) -> Service {
     let system = labels(name);
     let template = ws
         .spec
@@ -151,41 +176,75 @@ pub fn desired_service(ws: &Workspace, name: &str, namespace: &str, owner: &Valu
         template.map(|m| m.labels.clone()).unwrap_or_default();
     // System labels win: the selector must keep matching.
     all_labels.extend(system.clone());
-    let mut metadata = json!({
-        "name": workload_name(name),
-        "namespace": namespace,
-        "labels": all_labels,
-        "ownerReferences": [owner],
-    });
-    if let Some(annotations) = template.map(|m| &m.annotations).filter(|a| !a.is_empty()) {
-        metadata["annotations"] = json!(annotations);
-    }
-    json!({
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": metadata,
-        "spec": {
-            "clusterIP": "None",
-            "selector": system,
-            "ports": [{"name": "grpc", "port": AGENT_PORT, "targetPort": "grpc", "protocol": "TCP"}],
+    let annotations = template
+        .map(|m| &m.annotations)
+        .filter(|a| !a.is_empty())
+        .cloned();
+    Service {
+        metadata: ObjectMeta {
+            name: Some(workload_name(name)),
+            namespace: Some(namespace.to_owned()),
+            labels: Some(all_labels),
+            annotations,
+            owner_references: Some(vec![owner.clone()]),
+            ..ObjectMeta::default()
         },
-    })
+        spec: Some(ServiceSpec {
+            cluster_ip: Some("None".into()),
+            selector: Some(system),
+            ports: Some(vec![ServicePort {
+                name: Some("grpc".into()),
+                port: i32::from(AGENT_PORT),
+                target_port: Some(IntOrString::String("grpc".into())),
+                protocol: Some("TCP".into()),
+                ..ServicePort::default()
+            }]),
+            ..ServiceSpec::default()
+        }),
+        status: None,
+    }
 }
 
 /// Key, in the Secret holding a Workspace's SSH key, of the git server's known_hosts lines.
 pub const KNOWN_HOSTS_KEY: &str = "knownHosts";
 
-fn env(name: &str, value: &str) -> Value {
-    json!({"name": name, "value": value})
+fn env(name: &str, value: &str) -> EnvVar {
+    EnvVar {
+        name: name.to_owned(),
+        value: Some(value.to_owned()),
+        value_from: None,
+    }
 }
 
-fn secret_env(name: &str, selector: &impl serde::Serialize) -> Value {
-    json!({"name": name, "valueFrom": {"secretKeyRef": selector}})
+fn secret_env(name: &str, selector: &SecretKeySelector) -> EnvVar {
+    EnvVar {
+        name: name.to_owned(),
+        value: None,
+        value_from: Some(EnvVarSource {
+            secret_key_ref: Some(selector.clone()),
+            ..EnvVarSource::default()
+        }),
+    }
+}
+
+/// A variable the kubelet fills from a field of the pod.
+fn field_env(name: &str, field_path: &str) -> EnvVar {
+    EnvVar {
+        name: name.to_owned(),
+        value: None,
+        value_from: Some(EnvVarSource {
+            field_ref: Some(ObjectFieldSelector {
+                field_path: field_path.to_owned(),
+                api_version: None,
+            }),
+            ..EnvVarSource::default()
+        }),
+    }
 }
 
 /// The fetch init container's env and args for the Workspace's source (git > flux > local >
 /// project info, as PKO); `None` when it has no source.
-fn fetch_step(ws: &Workspace, settings: &PodSettings) -> Option<(Vec<Value>, Vec<String>)> {
+fn fetch_step(ws: &Workspace, settings: &PodSettings) -> Option<(Vec<EnvVar>, Vec<String>)> {
     let spec = &ws.spec;
     let link = format!("--link={SHARE}/workspace");
     if let Some(git) = &spec.git {
@@ -217,7 +276,11 @@ fn fetch_step(ws: &Workspace, settings: &PodSettings) -> Option<(Vec<Value>, Vec
             if let Some(key) = &auth.ssh_private_key {
                 e.push(secret_env(
                     "GIT_SSH_KNOWN_HOSTS",
-                    &json!({"name": key.name, "key": KNOWN_HOSTS_KEY, "optional": true}),
+                    &SecretKeySelector {
+                        name: key.name.clone(),
+                        key: KNOWN_HOSTS_KEY.to_owned(),
+                        optional: Some(true),
+                    },
                 ));
             }
             if let Some(app) = &auth.github_app {
@@ -287,10 +350,10 @@ pub fn desired_statefulset(
     ws: &Workspace,
     name: &str,
     namespace: &str,
-    owner: &Value,
+    owner: &OwnerReference,
     settings: &PodSettings,
     credentials_fingerprint: &str,
-) -> Result<Value, PodError> {
+) -> Result<StatefulSet, PodError> {
     let spec = &ws.spec;
     check_flux_url(
         spec.flux.as_ref().and_then(|f| f.url.as_deref()),
@@ -299,84 +362,142 @@ pub fn desired_statefulset(
     )?;
     let profile = spec.security_profile.unwrap_or_default();
     let restricted = profile == SecurityProfile::Restricted;
-    let image = spec
-        .image
-        .clone()
-        .filter(|i| !i.is_empty())
-        .unwrap_or_else(|| default_image(profile).to_owned());
-    let (container_security, pod_security) = security_contexts(restricted);
-    let share_mount = json!({"name": "share", "mountPath": SHARE});
-    let init_containers = init_containers(ws, settings, &image, &share_mount, &container_security);
-    let pulumi = pulumi_container(spec, &image, &share_mount, &container_security)?;
-    let mut template = json!({
-        "metadata": {"labels": labels(name)},
-        "spec": {
-            "serviceAccountName": spec.service_account_name.as_deref().filter(|s| !s.is_empty()).unwrap_or(pko_api::workspace::DEFAULT_SERVICE_ACCOUNT_NAME),
-            "securityContext": pod_security,
-            "terminationGracePeriodSeconds": 600,
-            "initContainers": init_containers,
-            "containers": [pulumi],
-            "volumes": [
-                {"name": "share", "emptyDir": {}},
-                {"name": "agent-credentials", "secret": {"secretName": credentials_name(name), "defaultMode": 0o440}},
-            ],
-        },
-    });
-    strip_nulls(&mut template);
-    overlay_template(&mut template, spec, name)?;
+    let base = base_template(ws, name, settings, profile);
+    let mut template = overlay_template(&base, spec, name)?;
     if restricted {
-        check_restricted(&template).map_err(PodError::Restricted)?;
+        let merged = serde_json::to_value(&template)?;
+        check_restricted(&merged).map_err(PodError::Restricted)?;
     }
+    // A SHA-256 of the typed template as serde_json writes it: fields in the structs' order,
+    // maps sorted by key, so the same Workspace hashes alike in any process, and the hash moves
+    // exactly when what the pod runs moves (or the credentials do).
     let hash = {
         let mut h = Sha256::new();
         h.update(serde_json::to_vec(&template)?);
         h.update(credentials_fingerprint.as_bytes());
         hex::encode(h.finalize())[..16].to_owned()
     };
-    template["metadata"]["annotations"] = json!({REVISION_HASH_ANNOTATION: hash});
+    template.metadata.get_or_insert_default().annotations = Some(BTreeMap::from([(
+        REVISION_HASH_ANNOTATION.to_owned(),
+        hash,
+    )]));
 
-    Ok(json!({
-        "apiVersion": "apps/v1",
-        "kind": "StatefulSet",
-        "metadata": {
-            "name": workload_name(name),
-            "namespace": namespace,
-            "labels": labels(name),
-            "ownerReferences": [owner],
+    Ok(StatefulSet {
+        metadata: ObjectMeta {
+            name: Some(workload_name(name)),
+            namespace: Some(namespace.to_owned()),
+            labels: Some(labels(name)),
+            owner_references: Some(vec![owner.clone()]),
+            ..ObjectMeta::default()
         },
-        "spec": {
-            "replicas": 1,
-            "podManagementPolicy": "Parallel",
-            "serviceName": workload_name(name),
-            "selector": {"matchLabels": labels(name)},
-            "template": template,
-        },
-    }))
+        spec: Some(StatefulSetSpec {
+            replicas: Some(1),
+            pod_management_policy: Some("Parallel".into()),
+            service_name: Some(workload_name(name)),
+            selector: LabelSelector {
+                match_labels: Some(labels(name)),
+                match_expressions: None,
+            },
+            template,
+            ..StatefulSetSpec::default()
+        }),
+        status: None,
+    })
+}
+
+/// The pod template the operator generates, before the Workspace's own template.
+fn base_template(
+    ws: &Workspace,
+    name: &str,
+    settings: &PodSettings,
+    profile: SecurityProfile,
+) -> PodTemplateSpec {
+    let spec = &ws.spec;
+    let image = spec
+        .image
+        .clone()
+        .filter(|i| !i.is_empty())
+        .unwrap_or_else(|| default_image(profile).to_owned());
+    let (container_security, pod_security) =
+        security_contexts(profile == SecurityProfile::Restricted);
+    let share_mount = VolumeMount {
+        name: "share".into(),
+        mount_path: SHARE.into(),
+        ..VolumeMount::default()
+    };
+    let init_containers = init_containers(ws, settings, &image, &share_mount, &container_security);
+    let pulumi = pulumi_container(spec, &image, &share_mount, &container_security);
+    let service_account = spec
+        .service_account_name
+        .as_deref()
+        .filter(|s| !s.is_empty())
+        .unwrap_or(pko_api::workspace::DEFAULT_SERVICE_ACCOUNT_NAME);
+    PodTemplateSpec {
+        metadata: Some(ObjectMeta {
+            labels: Some(labels(name)),
+            ..ObjectMeta::default()
+        }),
+        spec: Some(PodSpec {
+            service_account_name: Some(service_account.to_owned()),
+            security_context: Some(pod_security),
+            termination_grace_period_seconds: Some(600),
+            init_containers: Some(init_containers),
+            containers: vec![pulumi],
+            volumes: Some(vec![
+                Volume {
+                    name: "share".into(),
+                    empty_dir: Some(EmptyDirVolumeSource::default()),
+                    ..Volume::default()
+                },
+                Volume {
+                    name: "agent-credentials".into(),
+                    secret: Some(SecretVolumeSource {
+                        secret_name: Some(credentials_name(name)),
+                        default_mode: Some(0o440),
+                        ..SecretVolumeSource::default()
+                    }),
+                    ..Volume::default()
+                },
+            ]),
+            ..PodSpec::default()
+        }),
+    }
+}
+
+fn runtime_default_seccomp() -> Option<SeccompProfile> {
+    Some(SeccompProfile {
+        type_: "RuntimeDefault".into(),
+        localhost_profile: None,
+    })
 }
 
 /// The containers' and the pod's security contexts of a workspace pod.
-fn security_contexts(restricted: bool) -> (Value, Value) {
-    let container = if restricted {
-        json!({
-            "allowPrivilegeEscalation": false,
-            "runAsNonRoot": true,
-            "capabilities": {"drop": ["ALL"]},
-            "seccompProfile": {"type": "RuntimeDefault"},
-        })
-    } else {
-        json!({})
+fn security_contexts(restricted: bool) -> (SecurityContext, PodSecurityContext) {
+    if !restricted {
+        let pod = PodSecurityContext {
+            seccomp_profile: runtime_default_seccomp(),
+            ..PodSecurityContext::default()
+        };
+        return (SecurityContext::default(), pod);
+    }
+    let container = SecurityContext {
+        allow_privilege_escalation: Some(false),
+        run_as_non_root: Some(true),
+        capabilities: Some(Capabilities {
+            drop: Some(vec!["ALL".into()]),
+            add: None,
+        }),
+        seccomp_profile: runtime_default_seccomp(),
+        ..SecurityContext::default()
     };
-    let pod = if restricted {
-        json!({
-            "runAsNonRoot": true,
-            "runAsUser": RESTRICTED_UID,
-            "runAsGroup": RESTRICTED_UID,
-            // Lets the non-root user read the mounted credentials and write volumes.
-            "fsGroup": RESTRICTED_UID,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        })
-    } else {
-        json!({"seccompProfile": {"type": "RuntimeDefault"}})
+    let pod = PodSecurityContext {
+        run_as_non_root: Some(true),
+        run_as_user: Some(RESTRICTED_UID),
+        run_as_group: Some(RESTRICTED_UID),
+        // Lets the non-root user read the mounted credentials and write volumes.
+        fs_group: Some(RESTRICTED_UID),
+        seccomp_profile: runtime_default_seccomp(),
+        ..PodSecurityContext::default()
     };
     (container, pod)
 }
@@ -387,33 +508,39 @@ fn init_containers(
     ws: &Workspace,
     settings: &PodSettings,
     image: &str,
-    share_mount: &Value,
-    container_security: &Value,
-) -> Vec<Value> {
+    share_mount: &VolumeMount,
+    container_security: &SecurityContext,
+) -> Vec<Container> {
     let spec = &ws.spec;
-    let mut init_containers = vec![json!({
-        "name": "bootstrap",
-        "image": settings.agent_image,
-        "imagePullPolicy": settings.agent_image_pull_policy,
-        "command": [AGENT_IN_IMAGE, "install-self", AGENT_IN_SHARE],
-        "volumeMounts": [share_mount],
-        "securityContext": container_security,
-    })];
+    let mut init_containers = vec![Container {
+        name: "bootstrap".into(),
+        image: Some(settings.agent_image.clone()),
+        image_pull_policy: Some(settings.agent_image_pull_policy.clone()),
+        command: Some(vec![
+            AGENT_IN_IMAGE.into(),
+            "install-self".into(),
+            AGENT_IN_SHARE.into(),
+        ]),
+        volume_mounts: Some(vec![share_mount.clone()]),
+        security_context: Some(container_security.clone()),
+        ..Container::default()
+    }];
     if let Some((fetch_env, args)) = fetch_step(ws, settings) {
         let mut command = vec![AGENT_IN_SHARE.to_owned()];
         command.extend(args);
-        init_containers.push(json!({
-            "name": "fetch",
-            "image": image,
-            "imagePullPolicy": spec.image_pull_policy,
-            "command": command,
-            "env": fetch_env,
-            "volumeMounts": [share_mount],
-            "securityContext": container_security,
+        init_containers.push(Container {
+            name: "fetch".into(),
+            image: Some(image.to_owned()),
+            image_pull_policy: spec.image_pull_policy.clone(),
+            command: Some(command),
+            env: Some(fetch_env),
+            volume_mounts: Some(vec![share_mount.clone()]),
+            security_context: Some(container_security.clone()),
             // The kubelet keeps the end of the log as the termination message: a failed fetch
             // (digest mismatch, …) then explains itself in the pod status.
-            "terminationMessagePolicy": "FallbackToLogsOnError",
-        }));
+            termination_message_policy: Some("FallbackToLogsOnError".into()),
+            ..Container::default()
+        });
     }
     init_containers
 }
@@ -422,9 +549,9 @@ fn init_containers(
 fn pulumi_container(
     spec: &WorkspaceSpec,
     image: &str,
-    share_mount: &Value,
-    container_security: &Value,
-) -> Result<Value, PodError> {
+    share_mount: &VolumeMount,
+    container_security: &SecurityContext,
+) -> Container {
     let mut command = vec![
         AGENT_IN_SHARE.to_owned(),
         "serve".into(),
@@ -439,96 +566,94 @@ fn pulumi_container(
         command.push(format!("--pulumi-log-level={level}"));
     }
     // The rest of `env` is pushed to the agent (see `env.rs`): changing it restarts nothing.
-    let mut pulumi_env: Vec<Value> = spec
+    let mut pulumi_env: Vec<EnvVar> = spec
         .env
         .iter()
         .filter(|v| !super::env::is_pushed(v))
-        .map(serde_json::to_value)
-        .collect::<Result<_, _>>()?;
-    pulumi_env.push(json!({"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}));
-    pulumi_env.push(json!({"name": "POD_SA_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.serviceAccountName"}}}));
-    let mut resources = match &spec.resources {
-        Some(r) => serde_json::to_value(r)?,
-        None => json!({}),
-    };
-    let no_requests = resources
-        .get("requests")
-        .and_then(Value::as_object)
-        .is_none_or(|r| r.is_empty());
-    if no_requests {
-        resources["requests"] = json!({"cpu": "100m", "memory": "64Mi"});
+        .cloned()
+        .collect();
+    pulumi_env.push(field_env("POD_NAMESPACE", "metadata.namespace"));
+    pulumi_env.push(field_env("POD_SA_NAME", "spec.serviceAccountName"));
+    let mut resources = spec.resources.clone().unwrap_or_default();
+    if resources.requests.as_ref().is_none_or(BTreeMap::is_empty) {
+        resources.requests = Some(BTreeMap::from([
+            ("cpu".to_owned(), Quantity("100m".into())),
+            ("memory".to_owned(), Quantity("64Mi".into())),
+        ]));
     }
-    let mut pulumi = json!({
-        "name": "pulumi",
-        "image": image,
-        "imagePullPolicy": spec.image_pull_policy,
-        "command": command,
-        "workingDir": format!("{SHARE}/workspace"),
-        "ports": [{"name": "grpc", "containerPort": AGENT_PORT, "protocol": "TCP"}],
-        "env": pulumi_env,
-        "resources": resources,
-        "volumeMounts": [
-            share_mount,
-            {"name": "agent-credentials", "mountPath": CREDENTIALS_DIR, "readOnly": true},
-        ],
-        "securityContext": container_security,
+    Container {
+        name: "pulumi".into(),
+        image: Some(image.to_owned()),
+        image_pull_policy: spec.image_pull_policy.clone(),
+        command: Some(command),
+        working_dir: Some(format!("{SHARE}/workspace")),
+        ports: Some(vec![ContainerPort {
+            name: Some("grpc".into()),
+            container_port: i32::from(AGENT_PORT),
+            protocol: Some("TCP".into()),
+            ..ContainerPort::default()
+        }]),
+        env: Some(pulumi_env),
+        env_from: Some(spec.env_from.clone()).filter(|e| !e.is_empty()),
+        resources: Some(resources),
+        volume_mounts: Some(vec![
+            share_mount.clone(),
+            VolumeMount {
+                name: "agent-credentials".into(),
+                mount_path: CREDENTIALS_DIR.into(),
+                read_only: Some(true),
+                ..VolumeMount::default()
+            },
+        ]),
+        security_context: Some(container_security.clone()),
         // Ready once the agent listens (PKO has no probe, so the operator dials too early).
-        "readinessProbe": {
-            "tcpSocket": {"port": "grpc"},
-            "periodSeconds": 5,
-            "timeoutSeconds": 2,
-            "failureThreshold": 3,
-        },
-    });
-    if !spec.env_from.is_empty() {
-        pulumi["envFrom"] = serde_json::to_value(&spec.env_from)?;
+        readiness_probe: Some(Probe {
+            tcp_socket: Some(TCPSocketAction {
+                port: IntOrString::String("grpc".into()),
+                host: None,
+            }),
+            period_seconds: Some(5),
+            timeout_seconds: Some(2),
+            failure_threshold: Some(3),
+            ..Probe::default()
+        }),
+        ..Container::default()
     }
-    Ok(pulumi)
 }
 
-/// Merges the Workspace's pod template over `template`, then puts back what the operator
-/// needs whatever the template says.
+/// Merges the Workspace's pod template over `base`, then puts back what the operator needs
+/// whatever the template says. The merge itself is a strategic merge on JSON (`merge.rs`):
+/// the typed base goes out to JSON once and the merged result comes back typed.
 fn overlay_template(
-    template: &mut Value,
+    base: &PodTemplateSpec,
     spec: &WorkspaceSpec,
     name: &str,
-) -> Result<(), PodError> {
-    if let Some(overlay) = &spec.pod_template {
-        let overlay = serde_json::to_value(overlay)?;
-        merge::merge(template, &overlay);
-    }
+) -> Result<PodTemplateSpec, PodError> {
+    let mut template = match &spec.pod_template {
+        Some(overlay) => {
+            let mut merged = serde_json::to_value(base)?;
+            merge::merge(&mut merged, &serde_json::to_value(overlay)?);
+            serde_json::from_value(merged)?
+        }
+        None => base.clone(),
+    };
     // System labels win over the template's, so the Service keeps selecting the pod.
-    if let Some(obj) = template["metadata"]["labels"].as_object_mut() {
-        for (k, v) in labels(name) {
-            obj.insert(k, Value::String(v));
-        }
-    }
+    template
+        .metadata
+        .get_or_insert_default()
+        .labels
+        .get_or_insert_default()
+        .extend(labels(name));
     // Lets user init containers hand variables to the agent (PKO's PULUMI_ENV).
-    for list in ["initContainers", "containers"] {
-        if let Some(containers) = template["spec"][list].as_array_mut() {
-            for c in containers {
-                let env_list = c
-                    .as_object_mut()
-                    .map(|o| o.entry("env").or_insert_with(|| json!([])));
-                if let Some(Value::Array(e)) = env_list {
-                    e.retain(|v| v.get("name").and_then(Value::as_str) != Some("PULUMI_ENV"));
-                    e.push(env("PULUMI_ENV", &format!("{SHARE}/.env")));
-                }
-            }
+    if let Some(pod) = template.spec.as_mut() {
+        let init = pod.init_containers.iter_mut().flatten();
+        for c in init.chain(pod.containers.iter_mut()) {
+            let e = c.env.get_or_insert_default();
+            e.retain(|v| v.name != "PULUMI_ENV");
+            e.push(env("PULUMI_ENV", &format!("{SHARE}/.env")));
         }
     }
-    Ok(())
-}
-
-fn strip_nulls(v: &mut Value) {
-    match v {
-        Value::Object(map) => {
-            map.retain(|_, v| !v.is_null());
-            map.values_mut().for_each(strip_nulls);
-        }
-        Value::Array(items) => items.iter_mut().for_each(strip_nulls),
-        _ => {}
-    }
+    Ok(template)
 }
 
 /// What the restricted profile (Pod Security Standards "restricted") rules out, checked on the
@@ -620,7 +745,14 @@ mod tests {
         };
         let build = |url: &str| {
             let spec = json!({"flux": {"url": url, "digest": "sha256:00"}});
-            desired_statefulset(&ws(spec), "w", "ns", &json!({}), &settings, "fp")
+            desired_statefulset(
+                &ws(spec),
+                "w",
+                "ns",
+                &OwnerReference::default(),
+                &settings,
+                "fp",
+            )
         };
         for url in [
             "http://fs.sys/programs/other/p/1",
@@ -648,7 +780,16 @@ mod tests {
     }
 
     fn sts(spec: Value) -> Value {
-        desired_statefulset(&ws(spec), "w", "ns", &json!({}), &settings(), "fp").expect("sts")
+        let sts = desired_statefulset(
+            &ws(spec),
+            "w",
+            "ns",
+            &OwnerReference::default(),
+            &settings(),
+            "fp",
+        )
+        .expect("sts");
+        serde_json::to_value(sts).expect("json")
     }
 
     fn pod(spec: Value) -> Value {
@@ -789,8 +930,16 @@ mod tests {
             git_ssh_accept_new_host_keys: true,
             ..settings()
         };
-        let sts = desired_statefulset(&ws(spec), "w", "ns", &json!({}), &settings, "fp")
-            .expect("statefulset");
+        let sts = desired_statefulset(
+            &ws(spec),
+            "w",
+            "ns",
+            &OwnerReference::default(),
+            &settings,
+            "fp",
+        )
+        .expect("statefulset");
+        let sts = serde_json::to_value(sts).expect("json");
         let p = &sts["spec"]["template"]["spec"];
         assert_eq!(
             env_of(
@@ -874,7 +1023,8 @@ mod tests {
             "labels": {"team": "a", WORKSPACE_COMPONENT_LABEL: "hijack"},
             "annotations": {"x": "y"},
         }}}));
-        let svc = desired_service(&w, "w", "ns", &json!({}));
+        let svc = serde_json::to_value(desired_service(&w, "w", "ns", &OwnerReference::default()))
+            .expect("json");
         assert_eq!(
             svc["metadata"]["labels"][WORKSPACE_COMPONENT_LABEL],
             "workspace"
@@ -929,7 +1079,7 @@ mod tests {
                 &ws(json!({"podTemplate": template})),
                 "w",
                 "ns",
-                &json!({}),
+                &OwnerReference::default(),
                 &settings(),
                 "fp",
             )
@@ -939,7 +1089,7 @@ mod tests {
         // The baseline profile allows root.
         desired_statefulset(
             &ws(json!({"securityProfile": "baseline", "podTemplate": {"spec": {"securityContext": {"runAsUser": 0}}}})),
-            "w", "ns", &json!({}), &settings(), "fp",
+            "w", "ns", &OwnerReference::default(), &settings(), "fp",
         )
         .expect("baseline");
     }
