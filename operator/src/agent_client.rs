@@ -8,10 +8,10 @@ use std::time::Duration;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Api, PostParams};
 use kube::{Client, ResourceExt};
 use pko_agent_api::client::{AgentClient, ConnectError, Target, connect};
-use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 use crate::controller::keys::DEV_PORT_ANNOTATION;
@@ -68,7 +68,7 @@ impl Agents {
         &self,
         workspace: &str,
         namespace: &str,
-        owner: &Value,
+        owner: Option<&OwnerReference>,
     ) -> Result<Credentials, AgentError> {
         let name = pod::credentials_name(workspace);
         let api: Api<Secret> = Api::namespaced(self.client.clone(), namespace);
@@ -167,7 +167,11 @@ impl Agents {
 
 /// A new credentials Secret: a random 256-bit token and a self-signed certificate for the
 /// workspace's Service name.
-fn mint(workspace: &str, namespace: &str, owner: &Value) -> Result<Secret, AgentError> {
+fn mint(
+    workspace: &str,
+    namespace: &str,
+    owner: Option<&OwnerReference>,
+) -> Result<Secret, AgentError> {
     let service = pod::workload_name(workspace);
     let names = vec![
         pod::server_name(workspace, namespace),
@@ -176,13 +180,12 @@ fn mint(workspace: &str, namespace: &str, owner: &Value) -> Result<Secret, Agent
     ];
     let cert = rcgen::generate_simple_self_signed(names)?;
     let token = hex::encode(rand::random::<[u8; 32]>());
-    let owner_ref = serde_json::from_value(owner.clone()).ok();
     Ok(Secret {
         metadata: kube::api::ObjectMeta {
             name: Some(pod::credentials_name(workspace)),
             namespace: Some(namespace.to_owned()),
             labels: Some(pod::labels(workspace)),
-            owner_references: owner_ref.map(|o| vec![o]),
+            owner_references: owner.map(|o| vec![o.clone()]),
             ..Default::default()
         },
         type_: Some("Opaque".into()),

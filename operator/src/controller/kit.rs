@@ -8,6 +8,7 @@ use std::fmt::Display;
 use std::time::Instant;
 
 use k8s_openapi::api::core::v1::ObjectReference;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::{Client, Resource};
@@ -116,6 +117,15 @@ pub async fn publish_stall(
         note,
     )
     .await;
+}
+
+/// The controller reference to put on an object made for `owner`, blocking the owner's
+/// foreground deletion until the object is gone; `None` for an object without a uid (one the
+/// apiserver never returned).
+pub fn controller_owner<K: Resource<DynamicType = ()>>(owner: &K) -> Option<OwnerReference> {
+    let mut reference = owner.controller_owner_ref(&())?;
+    reference.block_owner_deletion = Some(true);
+    Some(reference)
 }
 
 /// The body of a status-only server-side apply of kind `K`: `apiVersion`, `kind` and `status`,

@@ -8,6 +8,7 @@ use pko_api::workspace::Workspace;
 
 use super::outcome::StackError;
 use super::workspace::{labels, strip_nulls};
+use crate::controller::kit;
 use crate::controller::workspace::merge;
 
 /// Completed Updates are deleted after this long.
@@ -56,10 +57,8 @@ pub(super) fn object(request: &Request<'_>) -> Result<Update, StackError> {
         why,
     } = request;
     let stack_name = stack.name_any();
-    let mut by_workspace = workspace
-        .controller_owner_ref(&())
-        .ok_or(StackError::NoUid("the Workspace"))?;
-    by_workspace.block_owner_deletion = Some(true);
+    let by_workspace =
+        kit::controller_owner(*workspace).ok_or(StackError::NoUid("the Workspace"))?;
     let mut by_stack = stack.owner_ref(&()).ok_or(StackError::NoUid("the Stack"))?;
     by_stack.block_owner_deletion = Some(true);
     let mut update = Update::new(name, spec(stack, &stack_name, *type_, why));

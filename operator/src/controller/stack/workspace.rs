@@ -7,7 +7,7 @@ use k8s_openapi::api::core::v1::{
     ConfigMapEnvSource, ConfigMapVolumeSource, Container, EnvFromSource, EnvVar, EnvVarSource,
     PodSpec, SecretEnvSource, SecretKeySelector, SecretVolumeSource, Volume, VolumeMount,
 };
-use kube::{Resource, ResourceExt};
+use kube::ResourceExt;
 use pko_api::common::{ResourceRef, ResourceSelectorType};
 use pko_api::stack::Stack;
 use pko_api::workspace::{
@@ -18,6 +18,7 @@ use serde_json::Value;
 use super::outcome::StackError;
 use super::source::{WorkspaceSource, own_secret};
 use crate::controller::keys::{STACK_COMPONENT_LABEL, STACK_NAME_LABEL};
+use crate::controller::kit;
 use crate::controller::workspace::{merge, pod};
 
 /// The labels that tie a Workspace or Update to its stack (the controller watches by them).
@@ -263,10 +264,7 @@ pub(super) fn object(
     spec: WorkspaceSpec,
 ) -> Result<Value, StackError> {
     let name = stack.name_any();
-    let mut owner = stack
-        .controller_owner_ref(&())
-        .ok_or(StackError::NoUid("the Stack"))?;
-    owner.block_owner_deletion = Some(true);
+    let owner = kit::controller_owner(stack).ok_or(StackError::NoUid("the Stack"))?;
     let mut ws = Workspace::new(&name, spec);
     ws.metadata.namespace = Some(namespace.to_owned());
     ws.metadata.labels = Some(labels(&name));

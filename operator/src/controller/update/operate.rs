@@ -26,10 +26,10 @@ pub(super) async fn connect(
     namespace: &str,
     address: &str,
 ) -> Result<AgentClient, AgentError> {
-    let owner = crate::controller::workspace::owner_reference(ws);
+    let owner = crate::controller::kit::controller_owner(ws);
     let credentials = ctx
         .agents
-        .ensure_credentials(ws_name, namespace, &owner)
+        .ensure_credentials(ws_name, namespace, owner.as_ref())
         .await?;
     ctx.agents
         .client(ws_name, namespace, address, &credentials)

@@ -12,7 +12,6 @@ use kube::{Client, ResourceExt};
 use pko_agent_api::proto as pb;
 use pko_api::common::ProjectInfo;
 use pko_api::update::{Update, UpdateStatus, UpdateType};
-use serde_json::json;
 use tracing::{info, warn};
 
 use super::{
@@ -232,14 +231,6 @@ async fn write_outputs(
         .iter()
         .map(|(k, v)| (sanitize_key(k), k8s_openapi::ByteString(v.value.clone())))
         .collect();
-    let owner = json!({
-        "apiVersion": "auto.pulumi.com/v1alpha1",
-        "kind": "Update",
-        "name": update.name_any(),
-        "uid": uid,
-        "controller": true,
-        "blockOwnerDeletion": true,
-    });
     let secret = Secret {
         metadata: kube::api::ObjectMeta {
             name: Some(name.clone()),
@@ -252,7 +243,7 @@ async fn write_outputs(
                 SECRETS_ANNOTATION.to_owned(),
                 serde_json::to_string(&secret_keys).unwrap_or_else(|_| "[]".into()),
             )])),
-            owner_references: serde_json::from_value(json!([owner])).ok(),
+            owner_references: kit::controller_owner(update).map(|o| vec![o]),
             ..Default::default()
         },
         immutable: Some(true),
@@ -327,6 +318,7 @@ pub(super) async fn write_status(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn only_a_secret_this_update_controls_is_replaced() {

@@ -31,10 +31,9 @@ use kube::api::Api;
 use kube::runtime::controller::{self, Action, Controller};
 use kube::runtime::events::{EventType, Recorder};
 use kube::runtime::watcher;
-use kube::{Client, Resource, ResourceExt};
+use kube::{Client, Resource};
 use pko_agent_api::proto as pb;
 use pko_api::workspace::{ConfigItem, Workspace};
-use serde_json::{Value, json};
 use tracing::warn;
 
 use crate::agent_client::{AgentError, Agents};
@@ -190,18 +189,6 @@ pub async fn run(
 
 fn error_policy(ws: Arc<Workspace>, err: &WorkspaceError, ctx: Arc<WorkspaceContext>) -> Action {
     kit::error_policy(CONTROLLER, &*ws, err, &ctx.metrics, &ctx.backoff)
-}
-
-/// The controller owner reference to put on every object made for `ws`.
-pub fn owner_reference(ws: &Workspace) -> Value {
-    json!({
-        "apiVersion": "auto.pulumi.com/v1alpha1",
-        "kind": "Workspace",
-        "name": ws.name_any(),
-        "uid": ws.metadata.uid.clone().unwrap_or_default(),
-        "controller": true,
-        "blockOwnerDeletion": true,
-    })
 }
 
 /// A Workspace config item as the agent's.

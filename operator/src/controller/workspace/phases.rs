@@ -19,7 +19,7 @@ use tracing::info;
 
 use super::rules::{self, Initialization, Initialized};
 use super::status::{self, STALLED};
-use super::{WorkspaceContext, WorkspaceError, env, owner_reference, pod, to_pb_item};
+use super::{WorkspaceContext, WorkspaceError, env, pod, to_pb_item};
 use crate::agent_client::{AgentError, Credentials};
 use crate::controller::conditions;
 use crate::controller::keys::APPLY_MANAGER;
@@ -138,13 +138,12 @@ pub(super) struct Applied {
 /// Ensures the agent credentials, then applies the Service and the StatefulSet; a pod
 /// template that cannot be run stalls the workspace.
 pub(super) async fn apply(run: &mut Run<'_>) -> Result<Phase<Applied>, WorkspaceError> {
-    let owner = owner_reference(run.ws);
+    let workload_owner = pod::controller_owner(run.ws)?;
     let credentials = run
         .ctx
         .agents
-        .ensure_credentials(&run.name, &run.namespace, &owner)
+        .ensure_credentials(&run.name, &run.namespace, Some(&workload_owner))
         .await?;
-    let workload_owner = pod::controller_owner(run.ws)?;
     let desired = match pod::desired_statefulset(
         run.ws,
         &run.name,

@@ -13,7 +13,6 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use kube::Resource;
 use pko_api::workspace::{SecurityProfile, Workspace, WorkspaceSpec};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
@@ -127,9 +126,7 @@ pub enum PodError {
 
 /// The reference that makes the Workspace the controller of its Service and StatefulSet.
 pub fn controller_owner(ws: &Workspace) -> Result<OwnerReference, PodError> {
-    let mut owner = ws.controller_owner_ref(&()).ok_or(PodError::NoUid)?;
-    owner.block_owner_deletion = Some(true);
-    Ok(owner)
+    crate::controller::kit::controller_owner(ws).ok_or(PodError::NoUid)
 }
 
 /// A flux URL on the operator's file server names a Program of the Workspace's namespace, read
