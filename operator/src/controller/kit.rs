@@ -7,6 +7,7 @@ use std::borrow::Cow;
 use std::fmt::Display;
 use std::time::Instant;
 
+use futures::{Stream, StreamExt};
 use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::runtime::controller::Action;
@@ -47,6 +48,21 @@ impl Kit {
             },
         )
     }
+}
+
+/// Drives a controller's stream until the controller shuts down, logging what the runtime
+/// reports there (watch and queue errors; reconcile errors are logged by the error policy).
+pub async fn drive<T, E: Display>(
+    controller: &'static str,
+    stream: impl Stream<Item = Result<T, E>>,
+) {
+    stream
+        .for_each(|result| async move {
+            if let Err(err) = result {
+                warn!(controller, error = %err, "controller event");
+            }
+        })
+        .await;
 }
 
 /// One reconcile of a controller: counted when made, its duration recorded when dropped, so

@@ -193,17 +193,11 @@ pub async fn run(
         }
         None => controller,
     };
-    controller
+    let events = controller
         .with_config(controller::Config::default().concurrency(concurrency))
         .graceful_shutdown_on(shutdown)
-        .run(reconcile, error_policy, ctx)
-        .for_each(|result| async move {
-            if let Err(err) = result {
-                // Reconcile errors are logged in error_policy; these are queue/watch errors.
-                warn!(controller = CONTROLLER, error = %err, "controller event");
-            }
-        })
-        .await;
+        .run(reconcile, error_policy, ctx);
+    kit::drive(CONTROLLER, events).await;
 }
 
 #[instrument(skip_all, fields(program = %format!("{}/{}", program.namespace().unwrap_or_default(), program.name_any())))]

@@ -9,7 +9,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::StreamExt;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{Api, Patch, PatchParams};
 use kube::core::{PartialObjectMeta, Selector};
@@ -19,7 +18,6 @@ use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
 use pko_api::tenancy::{TenancyPolicy, TenancyPolicyStatus};
-use tracing::warn;
 
 use crate::controller::backoff::{self, Backoff};
 use crate::controller::conditions;
@@ -110,7 +108,7 @@ pub async fn run(
     .default_backoff()
     .reflect(writer)
     .touched_objects();
-    controller
+    let events = controller
         // Any namespace change may change any policy's count.
         .watches_stream(namespace_changes, move |_| {
             policies
@@ -125,13 +123,8 @@ pub async fn run(
             reconcile,
             error_policy,
             Arc::new(Shared { ctx, namespaces }),
-        )
-        .for_each(|result| async move {
-            if let Err(err) = result {
-                warn!(controller = CONTROLLER, error = %err, "controller event");
-            }
-        })
-        .await;
+        );
+    kit::drive(CONTROLLER, events).await;
 }
 
 fn error_policy(

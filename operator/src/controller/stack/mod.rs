@@ -18,7 +18,6 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::StreamExt;
 use kube::api::Api;
 use kube::runtime::controller::{self, Action, Controller};
 use kube::runtime::events::{EventType, Recorder};
@@ -29,7 +28,6 @@ use pko_api::program::Program;
 use pko_api::stack::Stack;
 use pko_api::update::Update;
 use pko_api::workspace::Workspace;
-use tracing::warn;
 
 use crate::controller::backoff::Backoff;
 use crate::controller::keys::{STACK_COMPONENT_LABEL, STACK_NAME_LABEL};
@@ -122,7 +120,7 @@ pub async fn run(
             .map(|(name, ns)| ObjectRef::<Stack>::new(name).within(&ns))
     };
     let stack_selector = format!("{STACK_COMPONENT_LABEL}=stack");
-    controller
+    let events = controller
         .watches(
             api::<Workspace>(&client, ns),
             watcher::Config::default().labels(&stack_selector),
@@ -170,13 +168,8 @@ pub async fn run(
         )
         .with_config(controller::Config::default().concurrency(concurrency))
         .graceful_shutdown_on(shutdown)
-        .run(reconcile::reconcile, error_policy, ctx)
-        .for_each(|result| async move {
-            if let Err(err) = result {
-                warn!(controller = CONTROLLER, error = %err, "controller event");
-            }
-        })
-        .await;
+        .run(reconcile::reconcile, error_policy, ctx);
+    kit::drive(CONTROLLER, events).await;
 }
 
 fn error_policy(stack: Arc<Stack>, err: &StackError, ctx: Arc<StackContext>) -> Action {

@@ -12,7 +12,6 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use futures::StreamExt;
 use futures::channel::mpsc::{UnboundedReceiver, UnboundedSender, unbounded};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
@@ -189,7 +188,7 @@ pub async fn run(
         Some(woken) => controller.reconcile_on(woken),
         None => controller,
     };
-    controller
+    let events = controller
         // A Workspace becoming ready starts the Updates waiting for it.
         .watches(
             workspaces,
@@ -214,13 +213,8 @@ pub async fn run(
         )
         .with_config(controller::Config::default().concurrency(concurrency))
         .graceful_shutdown_on(shutdown)
-        .run(reconcile, error_policy, ctx)
-        .for_each(|result| async move {
-            if let Err(err) = result {
-                warn!(controller = CONTROLLER, error = %err, "controller event");
-            }
-        })
-        .await;
+        .run(reconcile, error_policy, ctx);
+    kit::drive(CONTROLLER, events).await;
 }
 
 fn error_policy(update: Arc<Update>, err: &UpdateError, ctx: Arc<UpdateContext>) -> Action {

@@ -25,7 +25,6 @@ mod tests;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use futures::StreamExt;
 use k8s_openapi::api::apps::v1::StatefulSet;
 use kube::api::Api;
 use kube::runtime::controller::{self, Action, Controller};
@@ -34,7 +33,6 @@ use kube::runtime::watcher;
 use kube::{Client, Resource};
 use pko_agent_api::proto as pb;
 use pko_api::workspace::{ConfigItem, Workspace};
-use tracing::warn;
 
 use crate::agent_client::{AgentError, Agents};
 use crate::controller::backoff::{self, Backoff, Verdict};
@@ -174,17 +172,12 @@ pub async fn run(
 ) {
     let owned =
         watcher::Config::default().labels(&format!("{}=workspace", WORKSPACE_COMPONENT_LABEL));
-    Controller::new(api, watcher::Config::default().any_semantic())
+    let events = Controller::new(api, watcher::Config::default().any_semantic())
         .owns(statefulsets, owned)
         .with_config(controller::Config::default().concurrency(concurrency))
         .graceful_shutdown_on(shutdown)
-        .run(reconcile::reconcile, error_policy, ctx)
-        .for_each(|result| async move {
-            if let Err(err) = result {
-                warn!(controller = CONTROLLER, error = %err, "controller event");
-            }
-        })
-        .await;
+        .run(reconcile::reconcile, error_policy, ctx);
+    kit::drive(CONTROLLER, events).await;
 }
 
 fn error_policy(ws: Arc<Workspace>, err: &WorkspaceError, ctx: Arc<WorkspaceContext>) -> Action {
