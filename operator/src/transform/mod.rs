@@ -7,11 +7,13 @@
 //! recomputed in memory and exactly the Programs whose chain fingerprint changed are sent to the
 //! Program controller.
 
+mod args;
+mod selection;
 pub mod source;
+mod watches;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
@@ -30,13 +32,15 @@ use pko_api::transform::{
 };
 use pko_plugin_host::chain::{Chain, FailurePolicy, Step};
 use pko_plugin_host::{
-    CallSite, HostConfig, LimitOverrides, Limits, Module, PluginError, PluginHost, PluginMetrics,
+    CallSite, LimitOverrides, Limits, Module, PluginError, PluginHost, PluginMetrics,
 };
 use serde_json::Value;
 use tokio::sync::{broadcast, watch};
 use tokio::task::AbortHandle;
 use tracing::{debug, info, warn};
 
+pub use args::PluginArgs;
+use selection::{matching, overrides, resolve, selectors};
 pub use source::ModuleFetcher;
 
 use crate::egress::EgressPolicy;
@@ -51,88 +55,6 @@ const RETRY_FIRST: Duration = Duration::from_secs(5);
 const RETRY_MAX: Duration = Duration::from_secs(300);
 /// Buffered triggers; a lagging receiver gets a full resync instead.
 const TRIGGER_CAPACITY: usize = 4096;
-
-/// Plugin settings of the operator.
-#[derive(clap::Args, Debug, Clone)]
-pub struct PluginArgs {
-    /// Run transform plugins (false: ProgramTransforms are ignored and no wasm runs).
-    #[arg(
-        long = "plugins",
-        env = "PLUGINS_ENABLED",
-        default_value_t = true,
-        action = clap::ArgAction::Set
-    )]
-    pub plugins_enabled: bool,
-    /// The folder `file:///` module URLs may point into (unset: file URLs are refused).
-    #[arg(long, env = "PLUGIN_FILE_ROOT")]
-    pub plugin_file_root: Option<PathBuf>,
-    /// Folder of precompiled modules, reused across restarts (unset: compile at every start).
-    #[arg(long, env = "PLUGIN_CACHE_DIR")]
-    pub plugin_cache_dir: Option<PathBuf>,
-    /// Bytes of precompiled modules kept in --plugin-cache-dir; the least recently used are
-    /// evicted (keep it below the volume's size).
-    #[arg(long, env = "PLUGIN_CACHE_MAX_BYTES", default_value_t = 128 << 20)]
-    pub plugin_cache_max_bytes: u64,
-    /// Extra PEM CA certificates for https module URLs (the OS's roots are always trusted).
-    #[arg(long, env = "PLUGIN_CA_FILE")]
-    pub plugin_ca_file: Option<PathBuf>,
-    /// Plugin calls running at once.
-    #[arg(long, env = "PLUGIN_MAX_CONCURRENT_CALLS", default_value_t = 4)]
-    pub plugin_max_concurrent_calls: u32,
-    /// Fuel per call of a plugin that sets no limit.
-    #[arg(long, env = "PLUGIN_DEFAULT_FUEL", default_value_t = Limits::DEFAULT.fuel)]
-    pub plugin_default_fuel: u64,
-    /// Wall-clock budget per call, in milliseconds, of a plugin that sets no limit.
-    #[arg(long, env = "PLUGIN_DEFAULT_TIMEOUT_MILLIS", default_value_t = 2000)]
-    pub plugin_default_timeout_millis: u64,
-    /// Linear memory, in MiB, of a plugin that sets no limit.
-    #[arg(long, env = "PLUGIN_DEFAULT_MEMORY_MIB", default_value_t = 64)]
-    pub plugin_default_memory_mib: u64,
-    /// Output size, in KiB, of a plugin that sets no limit.
-    #[arg(long, env = "PLUGIN_DEFAULT_OUTPUT_KIB", default_value_t = 4096)]
-    pub plugin_default_output_kib: u64,
-    /// Largest module accepted, in bytes.
-    #[arg(long, env = "PLUGIN_MAX_MODULE_BYTES", default_value_t = 32 << 20)]
-    pub plugin_max_module_bytes: u64,
-    /// Memory, in MiB, every plugin call running at once may use together; each call reserves
-    /// its memory cap from it. Unset: half of what the container's memory limit leaves (see
-    /// docs/operations.md), or every slot at the ceiling when no limit is known.
-    #[arg(long, env = "PLUGIN_MEMORY_BUDGET_MIB")]
-    pub plugin_memory_budget_mib: Option<u64>,
-}
-
-impl PluginArgs {
-    /// The memory cap of a plugin that sets none, as the host will apply it.
-    pub fn default_memory_bytes(&self) -> u64 {
-        (self.plugin_default_memory_mib << 20).min(Limits::CEILING.memory_bytes)
-    }
-
-    /// The budget when nothing limits memory: every slot at the ceiling.
-    pub fn unlimited_memory_budget_bytes(&self) -> u64 {
-        u64::from(self.plugin_max_concurrent_calls.max(1)) * Limits::CEILING.memory_bytes
-    }
-
-    /// The host settings these flags describe (defaults are capped by the host's ceilings),
-    /// with the memory budget the start-up plan decided.
-    pub fn host_config(&self, memory_budget_bytes: u64) -> HostConfig {
-        let ceiling = Limits::CEILING;
-        HostConfig {
-            memory_budget_bytes,
-            max_concurrent_calls: self.plugin_max_concurrent_calls.max(1),
-            default_limits: Limits {
-                fuel: self.plugin_default_fuel,
-                timeout: Duration::from_millis(self.plugin_default_timeout_millis),
-                memory_bytes: self.plugin_default_memory_mib << 20,
-                output_bytes: self.plugin_default_output_kib << 10,
-            }
-            .with(&LimitOverrides::default(), &ceiling),
-            ceiling,
-            cache_dir: self.plugin_cache_dir.clone(),
-            cache_max_bytes: self.plugin_cache_max_bytes,
-            max_module_bytes: self.plugin_max_module_bytes,
-        }
-    }
-}
 
 /// Failures starting the transform machinery.
 #[derive(Debug, thiserror::Error)]
@@ -448,381 +370,6 @@ impl TransformRegistry {
             self.mark_synced(part);
         }
     }
-
-    /// Runs the watches of both kinds and of namespaces until the stream ends. With
-    /// `namespace`, only that namespace's ProgramTransforms and labels are watched.
-    pub async fn run(self: Arc<Self>, client: Client, namespace: Option<String>) {
-        let config = watcher::Config::default().any_semantic();
-        let (transforms, namespaces): (Api<ProgramTransform>, Api<Namespace>) = match &namespace {
-            Some(ns) => (
-                Api::namespaced(client.clone(), ns),
-                Api::all(client.clone()),
-            ),
-            None => (Api::all(client.clone()), Api::all(client.clone())),
-        };
-        let ns_config = match &namespace {
-            Some(ns) => config.clone().fields(&format!("metadata.name={ns}")),
-            None => config.clone(),
-        };
-        let clusters: Api<ClusterProgramTransform> = Api::all(client);
-        tokio::join!(
-            self.clone().watch_transforms(transforms, config.clone(), 0),
-            self.clone().watch_transforms(clusters, config, 1),
-            self.clone().watch_namespaces(namespaces, ns_config),
-        );
-    }
-
-    async fn watch_transforms<K>(self: Arc<Self>, api: Api<K>, config: watcher::Config, part: usize)
-    where
-        K: TransformObject,
-    {
-        let events = watcher(api, config).default_backoff();
-        let mut events = std::pin::pin!(events);
-        while let Some(event) = events.next().await {
-            match event {
-                Ok(watcher::Event::Init) => {
-                    lock(&self.state).relist[part] = Some(HashSet::new());
-                }
-                Ok(watcher::Event::InitApply(obj)) => {
-                    if let Some(seen) = lock(&self.state).relist[part].as_mut() {
-                        seen.insert(obj.key());
-                    }
-                    self.apply(&obj);
-                }
-                Ok(watcher::Event::Apply(obj)) => self.apply(&obj),
-                Ok(watcher::Event::Delete(obj)) => self.remove(&obj.key()),
-                Ok(watcher::Event::InitDone) => {
-                    // Objects deleted while the watch was down are gone from the new list.
-                    let stale: Vec<TransformKey> = {
-                        let mut state = lock(&self.state);
-                        let seen = state.relist[part].take().unwrap_or_default();
-                        state
-                            .entries
-                            .keys()
-                            .filter(|k| k.kind == K::KIND && !seen.contains(k))
-                            .cloned()
-                            .collect()
-                    };
-                    for key in stale {
-                        self.remove(&key);
-                    }
-                    self.mark_synced(part);
-                }
-                Err(err) => {
-                    warn!(kind = K::KIND.as_str(), error = %err, "transform watch failed; retrying")
-                }
-            }
-        }
-    }
-
-    async fn watch_namespaces(self: Arc<Self>, api: Api<Namespace>, config: watcher::Config) {
-        let events = watcher(api, config).default_backoff();
-        let mut events = std::pin::pin!(events);
-        while let Some(event) = events.next().await {
-            match event {
-                Ok(watcher::Event::Apply(ns) | watcher::Event::InitApply(ns)) => {
-                    let name = ns.name_any();
-                    let labels = ns.labels().clone();
-                    let changed = {
-                        let mut state = lock(&self.state);
-                        state.namespaces.insert(name.clone(), labels.clone()) != Some(labels)
-                    };
-                    if changed {
-                        self.recompute(Some(&name));
-                    }
-                }
-                Ok(watcher::Event::Delete(ns)) => {
-                    lock(&self.state).namespaces.remove(&ns.name_any());
-                }
-                Ok(watcher::Event::InitDone) => self.mark_synced(2),
-                Ok(watcher::Event::Init) => {}
-                Err(err) => warn!(error = %err, "namespace watch failed; retrying"),
-            }
-        }
-    }
-
-    fn mark_synced(&self, part: usize) {
-        let all = {
-            let mut state = lock(&self.state);
-            state.synced[part] = true;
-            state.synced.iter().all(|s| *s)
-        };
-        if all && !self.synced_flag.swap(true, Ordering::AcqRel) {
-            info!("transforms synced");
-            self.synced.send_replace(true);
-        }
-    }
-
-    /// Adds or updates a transform; starts loading its module when what it loads changed.
-    fn apply<K: TransformObject>(self: &Arc<Self>, obj: &K) {
-        let key = obj.key();
-        // An object being deleted is gone for the chains: its finalizers may keep it around,
-        // and whoever holds one could otherwise change its module after admission let go of it.
-        if obj.meta().deletion_timestamp.is_some() {
-            self.remove(&key);
-            return;
-        }
-        let view = obj.view();
-        let uid = obj.meta().uid.clone().unwrap_or_default();
-        let generation = obj.meta().generation.unwrap_or(0);
-        let (namespace_selector, program_selector, selector_error) = selectors(&view);
-        let limits = self.host.limits(&overrides(&view));
-        let load = LoadSpec {
-            source: view.source.clone(),
-            sha256: view.sha256.to_owned(),
-            config: view.common.config.clone().unwrap_or(Value::Null),
-            limits,
-        };
-        let policy = match view.common.failure_policy {
-            ApiPolicy::Fail => FailurePolicy::Fail,
-            ApiPolicy::Ignore => FailurePolicy::Ignore,
-        };
-        let priority = view.common.priority;
-        let status = obj.status().cloned();
-
-        let mut state = lock(&self.state);
-        let reuse = state
-            .entries
-            .get(&key)
-            .is_some_and(|e| e.uid == uid && e.load == load);
-        let relevant = if reuse {
-            let Some(entry) = state.entries.get_mut(&key) else {
-                return;
-            };
-            let relevant = entry.priority != priority
-                || entry.policy != policy
-                || entry.namespace_selector != namespace_selector
-                || entry.program_selector != program_selector
-                || entry.selector_error != selector_error;
-            entry.generation = generation;
-            entry.priority = priority;
-            entry.policy = policy;
-            entry.namespace_selector = namespace_selector;
-            entry.program_selector = program_selector;
-            entry.selector_error = selector_error;
-            entry.status = status;
-            relevant
-        } else {
-            // Another module (or a new object of the name): its old series go.
-            if state.entries.contains_key(&key) {
-                self.host.forget_transform(&key.to_string());
-            }
-            let (tx, _) = watch::channel(LoadState::Loading);
-            let task = self.spawn_load(key.clone(), load.clone(), tx.clone());
-            debug!(transform = %key, generation, "loading transform");
-            state.entries.insert(
-                key.clone(),
-                Entry {
-                    uid,
-                    generation,
-                    priority,
-                    policy,
-                    namespace_selector,
-                    program_selector,
-                    selector_error,
-                    load,
-                    state: tx,
-                    task: Some(task),
-                    status,
-                },
-            );
-            // Programs are re-checked when the load settles.
-            false
-        };
-        drop(state);
-        if relevant {
-            self.recompute(key.namespace.as_deref());
-        }
-        let _ = self.status_triggers.send(key);
-    }
-
-    fn remove(&self, key: &TransformKey) {
-        let removed = lock(&self.state).entries.remove(key).is_some();
-        if removed {
-            self.host.forget_transform(&key.to_string());
-            debug!(transform = %key, "transform removed");
-            self.recompute(key.namespace.as_deref());
-        }
-    }
-
-    fn spawn_load(
-        self: &Arc<Self>,
-        key: TransformKey,
-        load: LoadSpec,
-        tx: watch::Sender<LoadState>,
-    ) -> AbortHandle {
-        let this = Arc::downgrade(self);
-        tokio::spawn(async move {
-            let mut delay = RETRY_FIRST;
-            loop {
-                let Some(registry) = this.upgrade() else {
-                    return;
-                };
-                let result = registry.load(&key, &load).await;
-                let retry = match &result {
-                    Ok(_) => false,
-                    Err(e) => {
-                        e.kind().is_transient()
-                            || e.kind() == pko_plugin_host::ErrorKind::DigestMismatch
-                    }
-                };
-                let next = match result {
-                    Ok(module) => {
-                        info!(transform = %key, plugin = %module.info().name, digest = %module.digest(), "transform ready");
-                        LoadState::Ready(module)
-                    }
-                    Err(err) => {
-                        warn!(transform = %key, error = %err, "transform not ready");
-                        LoadState::Failed(err)
-                    }
-                };
-                let changed = !tx.borrow().same(&next);
-                tx.send_replace(next);
-                if changed {
-                    registry.recompute(key.namespace.as_deref());
-                    let _ = registry.status_triggers.send(key.clone());
-                }
-                drop(registry);
-                if !retry {
-                    return;
-                }
-                tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(RETRY_MAX);
-            }
-        })
-        .abort_handle()
-    }
-
-    async fn load(&self, key: &TransformKey, load: &LoadSpec) -> Result<Arc<Module>, PluginError> {
-        let site = CallSite::new(key.to_string());
-        // Always read the source, even when a module with this digest is already loaded: a
-        // transform is ready only if its own source holds the pinned bytes (a digest alone does
-        // not grant another namespace's module). Loading known bytes costs only their sha256.
-        let source = load
-            .source
-            .as_ref()
-            .ok_or_else(|| PluginError::Source("set exactly one of configMap and url".into()))?;
-        let bytes = self.fetcher.fetch(source, &load.sha256).await?;
-        let module = self.host.load(bytes, &load.sha256, &site).await?;
-        self.host
-            .validate_config(&module, &load.config, load.limits, &site)
-            .await?;
-        Ok(module)
-    }
-
-    /// Recomputes the chains of the Programs in `namespace` (all when `None`) and sends those
-    /// whose fingerprint differs from the one they were last built with.
-    fn recompute(&self, namespace: Option<&str>) {
-        let Some(store) = self.programs.get() else {
-            return;
-        };
-        let programs = store.state();
-        let changed: Vec<ObjectRef<Program>> = {
-            let state = lock(&self.state);
-            programs
-                .iter()
-                .filter(|p| namespace.is_none_or(|ns| p.namespace().as_deref() == Some(ns)))
-                .filter_map(|p| {
-                    let r = ObjectRef::from_obj(p.as_ref());
-                    let old = state.fingerprints.get(&r)?;
-                    let now = resolve(&state, &p.namespace().unwrap_or_default(), p.labels())
-                        .fingerprint();
-                    (*old != now).then_some(r)
-                })
-                .collect()
-        };
-        for program in changed {
-            debug!(program = %program, "transform chain changed");
-            let _ = self.program_triggers.send(program);
-        }
-    }
-}
-
-/// The transforms selecting a Program, in chain order.
-fn matching<'a>(
-    state: &'a State,
-    namespace: &str,
-    labels: &BTreeMap<String, String>,
-) -> Vec<(&'a TransformKey, &'a Entry)> {
-    let default_labels;
-    let namespace_labels = match state.namespaces.get(namespace) {
-        Some(labels) => labels,
-        None => {
-            // The apiserver sets this label on every namespace; assume it before the watch
-            // has seen the namespace.
-            default_labels = BTreeMap::from([(
-                "kubernetes.io/metadata.name".to_owned(),
-                namespace.to_owned(),
-            )]);
-            &default_labels
-        }
-    };
-    let mut selected: Vec<(&TransformKey, &Entry)> = state
-        .entries
-        .iter()
-        .filter(|(key, entry)| entry.selects(key, namespace, namespace_labels, labels))
-        .collect();
-    selected.sort_by(|(ka, a), (kb, b)| {
-        (a.priority, &ka.name, ka.kind, &ka.namespace).cmp(&(
-            b.priority,
-            &kb.name,
-            kb.kind,
-            &kb.namespace,
-        ))
-    });
-    selected
-}
-
-/// The chain of a Program from the current states (a module still loading fails its step
-/// with a transient error).
-fn resolve(state: &State, namespace: &str, labels: &BTreeMap<String, String>) -> Chain {
-    let steps = matching(state, namespace, labels)
-        .into_iter()
-        .map(|(key, entry)| Step {
-            id: key.to_string(),
-            priority: entry.priority,
-            policy: entry.policy,
-            module: match &*entry.state.borrow() {
-                LoadState::Ready(module) => Ok(module.clone()),
-                LoadState::Failed(err) => Err(err.clone()),
-                LoadState::Loading => {
-                    Err(PluginError::Source("the module is still loading".into()))
-                }
-            },
-            config: entry.load.config.clone(),
-            limits: entry.load.limits,
-        })
-        .collect();
-    Chain { steps }
-}
-
-fn selectors(view: &TransformView<'_>) -> (Option<Selector>, Option<Selector>, Option<String>) {
-    let parse = |s: Option<&LabelSelector>, what: &str| -> Result<Option<Selector>, String> {
-        s.cloned()
-            .map(Selector::try_from)
-            .transpose()
-            .map_err(|e| format!("{what}: {e}"))
-    };
-    match (
-        parse(view.namespace_selector, "namespaceSelector"),
-        parse(view.program_selector, "programSelector"),
-    ) {
-        (Ok(ns), Ok(program)) => (ns, program, None),
-        (Err(e), _) | (_, Err(e)) => (None, None, Some(e)),
-    }
-}
-
-fn overrides(view: &TransformView<'_>) -> LimitOverrides {
-    let positive = |v: Option<i64>| v.and_then(|v| u64::try_from(v).ok()).filter(|v| *v > 0);
-    match view.common.limits {
-        Some(limits) => LimitOverrides {
-            fuel: positive(limits.fuel),
-            timeout: positive(limits.timeout_millis).map(Duration::from_millis),
-            memory_bytes: positive(limits.memory_mib).map(|m| m << 20),
-            output_bytes: positive(limits.output_kib).map(|k| k << 10),
-        },
-        None => LimitOverrides::default(),
-    }
 }
 
 /// What the registry needs from either kind.
@@ -891,6 +438,7 @@ mod tests {
     use serde_json::json;
 
     use super::*;
+    use pko_plugin_host::HostConfig;
 
     fn entry(priority: i32, program_selector: Option<Selector>, ns: Option<Selector>) -> Entry {
         Entry {

@@ -1,0 +1,88 @@
+//! The operator's plugin flags.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use pko_plugin_host::{HostConfig, LimitOverrides, Limits};
+
+/// Plugin settings of the operator.
+#[derive(clap::Args, Debug, Clone)]
+pub struct PluginArgs {
+    /// Run transform plugins (false: ProgramTransforms are ignored and no wasm runs).
+    #[arg(
+        long = "plugins",
+        env = "PLUGINS_ENABLED",
+        default_value_t = true,
+        action = clap::ArgAction::Set
+    )]
+    pub plugins_enabled: bool,
+    /// The folder `file:///` module URLs may point into (unset: file URLs are refused).
+    #[arg(long, env = "PLUGIN_FILE_ROOT")]
+    pub plugin_file_root: Option<PathBuf>,
+    /// Folder of precompiled modules, reused across restarts (unset: compile at every start).
+    #[arg(long, env = "PLUGIN_CACHE_DIR")]
+    pub plugin_cache_dir: Option<PathBuf>,
+    /// Bytes of precompiled modules kept in --plugin-cache-dir; the least recently used are
+    /// evicted (keep it below the volume's size).
+    #[arg(long, env = "PLUGIN_CACHE_MAX_BYTES", default_value_t = 128 << 20)]
+    pub plugin_cache_max_bytes: u64,
+    /// Extra PEM CA certificates for https module URLs (the OS's roots are always trusted).
+    #[arg(long, env = "PLUGIN_CA_FILE")]
+    pub plugin_ca_file: Option<PathBuf>,
+    /// Plugin calls running at once.
+    #[arg(long, env = "PLUGIN_MAX_CONCURRENT_CALLS", default_value_t = 4)]
+    pub plugin_max_concurrent_calls: u32,
+    /// Fuel per call of a plugin that sets no limit.
+    #[arg(long, env = "PLUGIN_DEFAULT_FUEL", default_value_t = Limits::DEFAULT.fuel)]
+    pub plugin_default_fuel: u64,
+    /// Wall-clock budget per call, in milliseconds, of a plugin that sets no limit.
+    #[arg(long, env = "PLUGIN_DEFAULT_TIMEOUT_MILLIS", default_value_t = 2000)]
+    pub plugin_default_timeout_millis: u64,
+    /// Linear memory, in MiB, of a plugin that sets no limit.
+    #[arg(long, env = "PLUGIN_DEFAULT_MEMORY_MIB", default_value_t = 64)]
+    pub plugin_default_memory_mib: u64,
+    /// Output size, in KiB, of a plugin that sets no limit.
+    #[arg(long, env = "PLUGIN_DEFAULT_OUTPUT_KIB", default_value_t = 4096)]
+    pub plugin_default_output_kib: u64,
+    /// Largest module accepted, in bytes.
+    #[arg(long, env = "PLUGIN_MAX_MODULE_BYTES", default_value_t = 32 << 20)]
+    pub plugin_max_module_bytes: u64,
+    /// Memory, in MiB, every plugin call running at once may use together; each call reserves
+    /// its memory cap from it. Unset: half of what the container's memory limit leaves (see
+    /// docs/operations.md), or every slot at the ceiling when no limit is known.
+    #[arg(long, env = "PLUGIN_MEMORY_BUDGET_MIB")]
+    pub plugin_memory_budget_mib: Option<u64>,
+}
+
+impl PluginArgs {
+    /// The memory cap of a plugin that sets none, as the host will apply it.
+    pub fn default_memory_bytes(&self) -> u64 {
+        (self.plugin_default_memory_mib << 20).min(Limits::CEILING.memory_bytes)
+    }
+
+    /// The budget when nothing limits memory: every slot at the ceiling.
+    pub fn unlimited_memory_budget_bytes(&self) -> u64 {
+        u64::from(self.plugin_max_concurrent_calls.max(1)) * Limits::CEILING.memory_bytes
+    }
+
+    /// The host settings these flags describe (defaults are capped by the host's ceilings),
+    /// with the memory budget the start-up plan decided.
+    pub fn host_config(&self, memory_budget_bytes: u64) -> HostConfig {
+        let ceiling = Limits::CEILING;
+        HostConfig {
+            memory_budget_bytes,
+            max_concurrent_calls: self.plugin_max_concurrent_calls.max(1),
+            default_limits: Limits {
+                fuel: self.plugin_default_fuel,
+                timeout: Duration::from_millis(self.plugin_default_timeout_millis),
+                memory_bytes: self.plugin_default_memory_mib << 20,
+                output_bytes: self.plugin_default_output_kib << 10,
+            }
+            .with(&LimitOverrides::default(), &ceiling),
+            ceiling,
+            cache_dir: self.plugin_cache_dir.clone(),
+            cache_max_bytes: self.plugin_cache_max_bytes,
+            max_module_bytes: self.plugin_max_module_bytes,
+        }
+    }
+}
