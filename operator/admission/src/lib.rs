@@ -15,7 +15,9 @@
 pub mod bundle;
 pub mod cli;
 pub mod engine;
+mod errors;
 pub mod metrics;
+mod review;
 pub mod server;
 pub mod tenancy;
 pub mod tls;

@@ -1,0 +1,126 @@
+//! An AdmissionReview as the handlers read it: the raw JSON for the policies (fetched URLs
+//! annotated with their parsed form) and the few fields of `request` the handlers need, with
+//! the body's JSON values counted before any tree is built.
+
+use std::sync::Arc;
+
+use kube::core::admission::AdmissionResponse;
+use kube::core::{GroupVersionKind, Status};
+use serde::Deserialize;
+use serde_json::Value;
+
+use crate::errors::WebhookError;
+
+/// What the handlers read of a review's `request`; the rest stays in the policies' input.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RequestHead {
+    pub uid: String,
+    pub kind: GroupVersionKind,
+    #[serde(default)]
+    pub name: String,
+    #[serde(default)]
+    pub namespace: Option<String>,
+    #[serde(default)]
+    pub object: Option<ObjectHead>,
+}
+
+impl RequestHead {
+    /// An allowing answer to this request.
+    pub(crate) fn response(&self) -> AdmissionResponse {
+        // The struct is non-exhaustive: start from kube's blank answer (v1 types) and allow.
+        let mut response = AdmissionResponse::invalid("");
+        response.uid = self.uid.clone();
+        response.allowed = true;
+        response.result = Status::default();
+        response
+    }
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct ObjectHead {
+    #[serde(default)]
+    pub metadata: MetaHead,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MetaHead {
+    #[serde(default)]
+    pub generate_name: Option<String>,
+}
+
+/// A parsed review: the raw JSON (the policies' input, URLs annotated) and its request head.
+#[derive(Clone, Debug)]
+pub struct Review {
+    pub input: Arc<Value>,
+    pub request: RequestHead,
+}
+
+/// Parses a webhook body: the raw JSON (the policies' input) and the request head.
+pub fn parse_review(body: &[u8]) -> Result<Review, WebhookError> {
+    parse_review_bounded(body, usize::MAX)
+}
+
+/// [`parse_review`], refusing bodies of more than `max_values` JSON values before building
+/// their tree.
+pub fn parse_review_bounded(body: &[u8], max_values: usize) -> Result<Review, WebhookError> {
+    if json_values_upper_bound(body) > max_values {
+        return Err(WebhookError::TooManyValues { max: max_values });
+    }
+    let mut input: Value = serde_json::from_slice(body)
+        .map_err(|e| WebhookError::InvalidReview(format!("the body is not JSON: {e}")))?;
+    let api_version = input.get("apiVersion").and_then(Value::as_str);
+    let kind = input.get("kind").and_then(Value::as_str);
+    if kind != Some("AdmissionReview") || api_version != Some("admission.k8s.io/v1") {
+        return Err(WebhookError::InvalidReview(format!(
+            "expected an admission.k8s.io/v1 AdmissionReview, got apiVersion {:?} kind {:?}",
+            api_version.unwrap_or_default(),
+            kind.unwrap_or_default()
+        )));
+    }
+    let request = match input.get("request") {
+        None | Some(Value::Null) => {
+            return Err(WebhookError::InvalidReview(
+                "the AdmissionReview has no request".into(),
+            ));
+        }
+        // Read in place: the object is not copied.
+        Some(request) => RequestHead::deserialize(request)
+            .map_err(|e| WebhookError::InvalidReview(format!("malformed AdmissionReview: {e}")))?,
+    };
+    if request.uid.is_empty() {
+        return Err(WebhookError::InvalidReview(
+            "the AdmissionReview request has no uid".into(),
+        ));
+    }
+    // The policies judge fetched URLs by what the fetcher will parse, never by their spelling.
+    crate::urls::annotate(&mut input);
+    Ok(Review {
+        input: Arc::new(input),
+        request,
+    })
+}
+
+/// An upper bound on the JSON values (and keys) in `body`, from one pass over its bytes:
+/// every value but the first follows a `[`, a `,` or a `:` outside a string.
+pub fn json_values_upper_bound(body: &[u8]) -> usize {
+    let (mut count, mut in_string, mut escaped) = (1usize, false, false);
+    for &b in body {
+        if in_string {
+            match (escaped, b) {
+                (true, _) => escaped = false,
+                (false, b'\\') => escaped = true,
+                (false, b'"') => in_string = false,
+                _ => {}
+            }
+        } else {
+            match b {
+                b'"' => in_string = true,
+                b'[' | b',' | b':' => count += 1,
+                _ => {}
+            }
+        }
+    }
+    count
+}
