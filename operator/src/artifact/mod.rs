@@ -86,7 +86,7 @@ pub fn render_project(name: &str, spec: &Value) -> Result<String, ArtifactError>
             return Err(ArtifactError::ReservedKey(key.clone()));
         }
         if let Some(value) = fields.get(key) {
-            project.insert(key.clone(), canonical(value));
+            project.insert(key.clone(), pko_plugin_host::json::canonical(value));
         }
     }
     yaml_serde::to_string(&Value::Object(project)).map_err(ArtifactError::Yaml)
@@ -127,25 +127,6 @@ pub fn pack(pulumi_yaml: &[u8]) -> Result<Artifact, ArtifactError> {
         bytes: Bytes::from(bytes),
         digest,
     })
-}
-
-/// A copy of `value` whose object keys are sorted at every depth (arrays keep their order).
-fn canonical(value: &Value) -> Value {
-    match value {
-        Value::Object(map) => {
-            let mut keys: Vec<&String> = map.keys().collect();
-            keys.sort();
-            let mut out = Map::with_capacity(map.len());
-            for key in keys {
-                if let Some(v) = map.get(key) {
-                    out.insert(key.clone(), canonical(v));
-                }
-            }
-            Value::Object(out)
-        }
-        Value::Array(items) => Value::Array(items.iter().map(canonical).collect()),
-        other => other.clone(),
-    }
 }
 
 fn json_kind(value: &Value) -> &'static str {
