@@ -175,13 +175,15 @@ impl ProgramIndex {
                         break;
                     }
                 }
-                store.state()
+                oldest_first(store.state())
             })
         };
         let updates = futures::stream::unfold((changes, store), |(mut rx, store)| async move {
             let programs = match rx.recv().await {
                 Ok(Change::Applied(key)) => store.get(&key).into_iter().collect(),
-                Ok(Change::Resynced) | Err(broadcast::error::RecvError::Lagged(_)) => store.state(),
+                Ok(Change::Resynced) | Err(broadcast::error::RecvError::Lagged(_)) => {
+                    oldest_first(store.state())
+                }
                 Err(broadcast::error::RecvError::Closed) => return None,
             };
             Some((programs, (rx, store)))
@@ -347,8 +349,27 @@ impl ProgramIndex {
         MAX_WAITERS - self.waiters.available_permits()
     }
 
-    /// Takes note of a watch event the store has just applied.
+    /// Whether the controller must see `event`, judged before the store applies it (so the
+    /// store still holds the previous version). See [`reconcile_needed`].
+    fn needs_reconcile(&self, event: &watcher::Event<Program>) -> bool {
+        match event {
+            watcher::Event::Apply(program) => {
+                let old = self.store.get(&ObjectRef::from_obj(program));
+                reconcile_needed(old.as_deref(), program)
+            }
+            _ => true,
+        }
+    }
+
+    /// Takes note of a watch event the store has just applied (tests feed the index by hand).
+    #[cfg(test)]
     pub(crate) fn observe(&self, event: &watcher::Event<Program>) {
+        self.observe_judged(event, true);
+    }
+
+    /// [`Self::observe`], with the verdict of [`Self::needs_reconcile`]: an applied Program
+    /// reaches the controller only when it must.
+    fn observe_judged(&self, event: &watcher::Event<Program>, needs_reconcile: bool) {
         // The store already holds this event (the reflector wrote it before us).
         match event {
             watcher::Event::Delete(program) => {
@@ -367,7 +388,7 @@ impl ProgramIndex {
                     lock(&self.failures).retain(|k, _| k.uid != uid || k.generation == generation);
                 }
                 // Objects of a (re)list reach the controller with `InitDone`, all at once.
-                if matches!(event, watcher::Event::Apply(_)) {
+                if matches!(event, watcher::Event::Apply(_)) && needs_reconcile {
                     let _ = self
                         .changes
                         .send(Change::Applied(ObjectRef::from_obj(program)));
@@ -388,6 +409,36 @@ impl ProgramIndex {
         // Last: whoever wakes on it sees the store and the synced flag of this event.
         self.version.send_modify(|v| *v = v.wrapping_add(1));
     }
+}
+
+/// Programs in the order they were created (then by name), so a controller serving them first
+/// come, first served after a (re)list makes no Program wait behind later ones.
+fn oldest_first(mut programs: Vec<Arc<Program>>) -> Vec<Arc<Program>> {
+    fn key(
+        p: &Program,
+    ) -> (
+        Option<k8s_openapi::jiff::Timestamp>,
+        Option<&str>,
+        Option<&str>,
+    ) {
+        let meta = &p.metadata;
+        let created = meta.creation_timestamp.as_ref().map(|t| t.0);
+        (created, meta.namespace.as_deref(), meta.name.as_deref())
+    }
+    programs.sort_by(|a, b| key(a).cmp(&key(b)));
+    programs
+}
+
+/// Whether a change of a Program, from `old` (as the store held it) to `new`, can change what the
+/// controller writes: another object under the same name, a new generation (the spec), labels
+/// (they select transforms), or deletion. Status and other metadata are left out, so the
+/// controller's own status writes never re-queue their Program.
+pub(crate) fn reconcile_needed(old: Option<&Program>, new: &Program) -> bool {
+    let Some(old) = old else { return true };
+    old.metadata.uid != new.metadata.uid
+        || old.metadata.generation != new.metadata.generation
+        || old.metadata.labels != new.metadata.labels
+        || old.metadata.deletion_timestamp != new.metadata.deletion_timestamp
 }
 
 /// The one function that turns a Program into its artifact, used by the controller (for the
@@ -477,14 +528,31 @@ pub fn watch(
     let driver = {
         let index = index.clone();
         async move {
+            // Judged before the store applies an event, used after: one task runs both.
+            let needs = Arc::new(AtomicBool::new(true));
             let events = watcher(api, watcher::Config::default().any_semantic())
                 .default_backoff()
                 // managedFields are often the largest part of a small object and nothing here
                 // reads them: drop them before they reach the store.
                 .modify(|program| program.managed_fields_mut().clear())
+                .inspect_ok({
+                    let (index, needs) = (index.clone(), needs.clone());
+                    move |event| needs.store(index.needs_reconcile(event), Ordering::Relaxed)
+                })
                 .reflect(writer)
-                .inspect_ok(|event| index.observe(event))
-                .applied_objects();
+                .inspect_ok({
+                    let (index, needs) = (index.clone(), needs.clone());
+                    move |event| index.observe_judged(event, needs.load(Ordering::Relaxed))
+                })
+                // A status write changes no artifact: nothing to pre-build.
+                .try_filter_map(|event| {
+                    let program = match event {
+                        watcher::Event::Apply(p) if needs.load(Ordering::Relaxed) => Some(p),
+                        watcher::Event::InitApply(p) => Some(p),
+                        _ => None,
+                    };
+                    std::future::ready(Ok(program))
+                });
             let mut events = std::pin::pin!(events);
             loop {
                 match events.try_next().await {
@@ -517,4 +585,83 @@ pub fn watch(
         }
     };
     (index, driver)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+    use pko_api::program::{ProgramSpec, ProgramStatus};
+
+    use super::*;
+
+    fn program(generation: i64) -> Program {
+        let mut p = Program::new("p", ProgramSpec::default());
+        p.metadata.namespace = Some("ns".into());
+        p.metadata.generation = Some(generation);
+        p.metadata.uid = Some("uid-1".into());
+        p.metadata.resource_version = Some("10".into());
+        p
+    }
+
+    #[test]
+    fn own_status_writes_do_not_need_a_reconcile() {
+        let old = program(3);
+        let mut new = old.clone();
+        new.status = Some(ProgramStatus {
+            observed_generation: Some(3),
+            ..ProgramStatus::default()
+        });
+        new.metadata.resource_version = Some("11".into());
+        new.metadata.annotations = Some(BTreeMap::from([("a".into(), "b".into())]));
+        assert!(!reconcile_needed(Some(&old), &new));
+    }
+
+    #[test]
+    fn spec_labels_identity_and_deletion_need_a_reconcile() {
+        let old = program(3);
+        assert!(reconcile_needed(None, &old));
+        assert!(reconcile_needed(Some(&old), &program(4)));
+
+        let mut labelled = old.clone();
+        labelled.metadata.labels = Some(BTreeMap::from([("team".into(), "a".into())]));
+        assert!(reconcile_needed(Some(&old), &labelled));
+        assert!(reconcile_needed(Some(&labelled), &old));
+
+        let mut recreated = old.clone();
+        recreated.metadata.uid = Some("uid-2".into());
+        assert!(reconcile_needed(Some(&old), &recreated));
+
+        let mut deleted = old.clone();
+        deleted.metadata.deletion_timestamp = Some(Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH));
+        assert!(reconcile_needed(Some(&old), &deleted));
+    }
+
+    #[test]
+    fn the_verdict_is_taken_against_the_store_before_it_applies_the_event() {
+        let (store, mut writer) = reflector::store::<Program>();
+        let index = ProgramIndex::new(store, 1 << 20, Metrics::new());
+        let mut rx = index.changes.subscribe();
+
+        // A new Program, then its own status write, then a new generation.
+        let first = program(1);
+        let mut written = first.clone();
+        written.status = Some(ProgramStatus {
+            observed_generation: Some(1),
+            ..ProgramStatus::default()
+        });
+        for event in [first, written, program(2)].map(watcher::Event::Apply) {
+            let needs = index.needs_reconcile(&event);
+            writer.apply_watcher_event(&event);
+            index.observe_judged(&event, needs);
+        }
+        let mut triggers = 0;
+        while let Ok(change) = rx.try_recv() {
+            assert!(matches!(change, Change::Applied(ref key) if key.name == "p"));
+            triggers += 1;
+        }
+        // Creation and generation 2; not the status write.
+        assert_eq!(triggers, 2);
+    }
 }

@@ -5,7 +5,7 @@
 
 use std::borrow::Cow;
 use std::fmt::Display;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use futures::{Stream, StreamExt};
 use k8s_openapi::api::core::v1::ObjectReference;
@@ -196,6 +196,22 @@ where
     K: Resource,
     E: MetricLabel + Display,
 {
+    Action::requeue(failure_delay(controller, object, err, metrics, backoff))
+}
+
+/// What [`error_policy`] does, for a controller on its own queue: logs and counts the failure,
+/// and returns how long to wait before the next attempt.
+pub fn failure_delay<K, E>(
+    controller: &'static str,
+    object: &K,
+    err: &E,
+    metrics: &Metrics,
+    backoff: &Backoff,
+) -> Duration
+where
+    K: Resource,
+    E: MetricLabel + Display,
+{
     let meta = object.meta();
     warn!(
         controller,
@@ -211,5 +227,5 @@ where
             error: err.metric_label().to_owned(),
         })
         .inc();
-    Action::requeue(backoff.delay(&backoff::key(meta)))
+    backoff.delay(&backoff::key(meta))
 }

@@ -6,6 +6,7 @@ pub mod execution;
 pub mod keys;
 pub mod kit;
 pub mod program;
+pub mod queue;
 pub mod stack;
 pub mod tenancy;
 pub mod transform_status;

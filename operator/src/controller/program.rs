@@ -20,7 +20,6 @@ use futures::StreamExt;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams};
-use kube::runtime::controller::{self, Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder};
 use kube::runtime::reflector::ObjectRef;
 use kube::{Api, Client, Resource, ResourceExt};
@@ -37,6 +36,7 @@ use crate::controller::backoff::{self, Backoff, Verdict};
 use crate::controller::conditions::{self, truncate};
 use crate::controller::keys::PROGRAM_STATUS_MANAGER;
 use crate::controller::kit::{self, Kit};
+use crate::controller::queue::WorkQueue;
 use crate::metrics::Metrics;
 
 const CONTROLLER: &str = "program";
@@ -155,25 +155,46 @@ struct Ready {
     message: String,
 }
 
-/// Run the controller until `shutdown` resolves.
+/// Run the controller until `shutdown` resolves; reconciles in progress then finish.
 ///
 /// The controller has no watch of its own: it is driven from the replica's one Program store
 /// (the file server's), so every generation it publishes is already in the store the file
-/// server answers from, and the replica holds one copy of every Program, not two.
+/// server answers from, and the replica holds one copy of every Program, not two. Programs are
+/// served first come, first served ([`WorkQueue`]), `concurrency` at a time.
 pub async fn run(
     ctx: Arc<ProgramContext>,
     concurrency: u16,
     shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
 ) {
     ctx.metrics.init_controller(CONTROLLER, ProgramError::KINDS);
-    let controller =
-        Controller::for_shared_stream(ctx.index.triggers(), ctx.index.programs().clone());
-    // Programs whose transform chain changed are reconciled again; a receiver that fell behind
-    // gets every Program instead.
-    let controller = match ctx.index.transforms() {
+    let queue = WorkQueue::new();
+    let workers = futures::future::join_all(
+        (0..concurrency.max(1)).map(|_| work(ctx.clone(), queue.clone())),
+    );
+    let feed = {
+        let queue = queue.clone();
+        async move {
+            tokio::select! {
+                () = shutdown => {}
+                () = feed(&ctx, &queue) => {}
+            }
+            queue.shut_down();
+        }
+    };
+    futures::join!(workers, feed);
+}
+
+/// Queues every Program the store says changed, and those whose transform chain changed (a
+/// receiver of those that fell behind queues every Program).
+async fn feed(ctx: &ProgramContext, queue: &WorkQueue<ObjectRef<Program>>) {
+    let changed = ctx
+        .index
+        .triggers()
+        .map(|program| ObjectRef::from_obj(program.as_ref()));
+    let rechained = match ctx.index.transforms() {
         Some(transforms) => {
-            let store = controller.store();
-            let triggers = futures::stream::unfold(
+            let store = ctx.index.programs().clone();
+            futures::stream::unfold(
                 (transforms.subscribe_programs(), store),
                 |(mut rx, store)| async move {
                     let programs = match rx.recv().await {
@@ -188,23 +209,38 @@ pub async fn run(
                     Some((programs, (rx, store)))
                 },
             )
-            .flat_map(futures::stream::iter);
-            controller.reconcile_on(triggers)
+            .flat_map(futures::stream::iter)
+            .boxed()
         }
-        None => controller,
+        None => futures::stream::empty().boxed(),
     };
-    let events = controller
-        .with_config(controller::Config::default().concurrency(concurrency))
-        .graceful_shutdown_on(shutdown)
-        .run(reconcile, error_policy, ctx);
-    kit::drive(CONTROLLER, events).await;
+    futures::stream::select(changed, rechained)
+        .for_each(|key| {
+            queue.add(key);
+            std::future::ready(())
+        })
+        .await;
 }
 
+/// One worker: reconciles the oldest queued Program, as the store holds it now, until the
+/// queue shuts down.
+async fn work(ctx: Arc<ProgramContext>, queue: WorkQueue<ObjectRef<Program>>) {
+    while let Some(key) = queue.next().await {
+        // Gone from the store: deleted since it was queued.
+        let again = match ctx.index.programs().get(&key) {
+            Some(program) => reconcile(program, ctx.clone()).await,
+            None => None,
+        };
+        queue.done(&key);
+        if let Some(delay) = again {
+            queue.add_after(key, delay);
+        }
+    }
+}
+
+/// Reconciles one Program; returns when to look at it again, if no change comes first.
 #[instrument(skip_all, fields(program = %format!("{}/{}", program.namespace().unwrap_or_default(), program.name_any())))]
-async fn reconcile(
-    program: Arc<Program>,
-    ctx: Arc<ProgramContext>,
-) -> Result<Action, ProgramError> {
+async fn reconcile(program: Arc<Program>, ctx: Arc<ProgramContext>) -> Option<Duration> {
     let _measure = kit::measure(&ctx.metrics, CONTROLLER);
     let result = reconcile_inner(&program, &ctx).await;
     let failure = ctx
@@ -217,15 +253,24 @@ async fn reconcile(
         let object = program.object_ref(&());
         kit::publish_stall(&ctx.recorder, &object, "Reconcile", &err.message()).await;
     }
-    result
+    match result {
+        Ok(next) => next,
+        Err(err) => Some(kit::failure_delay(
+            CONTROLLER,
+            &*program,
+            &err,
+            &ctx.metrics,
+            &ctx.backoff,
+        )),
+    }
 }
 
 async fn reconcile_inner(
     program: &Arc<Program>,
     ctx: &ProgramContext,
-) -> Result<Action, ProgramError> {
+) -> Result<Option<Duration>, ProgramError> {
     if program.meta().deletion_timestamp.is_some() {
-        return Ok(Action::await_change());
+        return Ok(None);
     }
     let namespace = program.namespace().ok_or(ProgramError::NoNamespace)?;
     let name = program.name_any();
@@ -238,13 +283,13 @@ async fn reconcile_inner(
         && matches!(**err, BuildError::Transforms(_))
     {
         // Nothing true to report yet: look again shortly.
-        return Ok(Action::requeue(TRANSFORMS_UNKNOWN_REQUEUE));
+        return Ok(Some(TRANSFORMS_UNKNOWN_REQUEUE));
     }
     // A result shaped by a timeout or a busy host is built again later.
     let next = match &built {
-        Ok(b) if b.chain.transient() => Action::requeue(TRANSIENT_REQUEUE),
-        Err(e) if e.is_transient() => Action::requeue(TRANSIENT_REQUEUE),
-        _ => Action::await_change(),
+        Ok(b) if b.chain.transient() => Some(TRANSIENT_REQUEUE),
+        Err(e) if e.is_transient() => Some(TRANSIENT_REQUEUE),
+        _ => None,
     };
     let now = Time(Timestamp::now());
     let (artifact, ready) = outcome(ctx, &namespace, &name, generation, &built, current, now)?;
@@ -262,7 +307,8 @@ async fn reconcile_inner(
     .await
     .map_err(ProgramError::Status)?;
 
-    for event in events(ctx, &namespace, &name, generation, &built) {
+    let was_ready = conditions::get(&current.conditions, READY).map(|c| c.status == "True");
+    for event in events(ctx, &namespace, &name, generation, &built, was_ready) {
         if let Err(err) = ctx.recorder.publish(&event, &program.object_ref(&())).await {
             warn!(error = %err, "cannot publish event");
         }
@@ -270,14 +316,16 @@ async fn reconcile_inner(
     Ok(next)
 }
 
-/// The Events of a status change: the outcome, plus one per skipped transform and per
-/// transform that returned warnings.
+/// The Events of a status change: a failure, a recovery from one, one per skipped transform and
+/// one per transform that returned warnings. A plain success writes no Event: the status says
+/// it, and an Event per generation would double the apiserver writes of every Program.
 fn events(
     ctx: &ProgramContext,
     namespace: &str,
     name: &str,
     generation: i64,
     built: &BuildResult,
+    was_ready: Option<bool>,
 ) -> Vec<Event> {
     let event = |type_, reason: &str, note: String| Event {
         type_,
@@ -290,16 +338,19 @@ fn events(
         Ok(built) => {
             let artifact = &built.artifact;
             info!(generation, digest = %artifact.digest, transforms = built.chain.applied.len(), "artifact ready");
-            let mut out = vec![event(
-                EventType::Normal,
-                "ArtifactReady",
-                // Events are readable more widely than status: the URL's token stays out.
-                format!(
-                    "generation {generation} is served at {} ({})",
-                    ctx.advertised.program_url(namespace, name, generation),
-                    artifact.digest
-                ),
-            )];
+            let mut out = Vec::new();
+            if was_ready == Some(false) {
+                out.push(event(
+                    EventType::Normal,
+                    "ArtifactReady",
+                    // Events are readable more widely than status: the URL's token stays out.
+                    format!(
+                        "recovered: generation {generation} is served at {} ({})",
+                        ctx.advertised.program_url(namespace, name, generation),
+                        artifact.digest
+                    ),
+                ));
+            }
             for skipped in &built.chain.skipped {
                 warn!(generation, transform = %skipped.id, error = %skipped.error, "transform skipped");
                 out.push(event(
@@ -338,10 +389,6 @@ fn events(
             )]
         }
     }
-}
-
-fn error_policy(program: Arc<Program>, err: &ProgramError, ctx: Arc<ProgramContext>) -> Action {
-    kit::error_policy(CONTROLLER, &*program, err, &ctx.metrics, &ctx.backoff)
 }
 
 /// The artifact and the `Ready` condition of a build result. A fresh artifact is dated `now`
