@@ -298,16 +298,16 @@ async fn reconcile_inner(
         return Ok(next);
     }
 
-    // A merge patch, not server-side apply: it costs the apiserver less per write (measured in
-    // docs/benchmarks.md) and every field it sends is this controller's alone.
+    // Server-side apply, by measurement: the same client's N bare status patches take about
+    // 12% longer as JSON merge patches on this apiserver (docs/benchmarks.md).
     let api = Api::<Program>::namespaced(ctx.client.clone(), &namespace);
-    let params = PatchParams {
-        field_manager: Some(PROGRAM_STATUS_MANAGER.to_owned()),
-        ..PatchParams::default()
-    };
-    api.patch_status(&name, &params, &Patch::Merge(status_patch(&desired)?))
-        .await
-        .map_err(ProgramError::Status)?;
+    api.patch_status(
+        &name,
+        &PatchParams::apply(PROGRAM_STATUS_MANAGER).force(),
+        &Patch::Apply(&kit::StatusPatch::new::<Program>(&desired)),
+    )
+    .await
+    .map_err(ProgramError::Status)?;
 
     let was_ready = conditions::get(&current.conditions, READY).map(|c| c.status == "True");
     for event in events(ctx, &namespace, &name, generation, &built, was_ready) {
@@ -484,8 +484,11 @@ fn desired_status(
         }
         artifact
     });
-    // A merge patch replaces the whole list: conditions of other types are kept as they are.
-    let mut list: Vec<Condition> = current.conditions.clone();
+    // Only Ready is this field manager's: other conditions stay out of the apply.
+    let mut list: Vec<Condition> = conditions::get(&current.conditions, READY)
+        .cloned()
+        .into_iter()
+        .collect();
     conditions::set(
         &mut list,
         READY,
@@ -499,32 +502,6 @@ fn desired_status(
         artifact,
         conditions: list,
     }
-}
-
-/// The JSON merge patch (RFC 7386) that makes the status `desired`: every field this controller
-/// writes, with `null` for the artifact metadata it writes and `desired` lacks. It does not
-/// depend on the status the store shows, which may lag behind this controller's last write.
-fn status_patch(desired: &ProgramStatus) -> Result<serde_json::Value, ProgramError> {
-    let mut status = serde_json::to_value(desired).map_err(ProgramError::Encode)?;
-    if let Some(artifact) = status
-        .get_mut("artifact")
-        .and_then(serde_json::Value::as_object_mut)
-    {
-        match artifact
-            .get_mut("metadata")
-            .and_then(serde_json::Value::as_object_mut)
-        {
-            Some(metadata) => {
-                for key in [METADATA_CHAIN, METADATA_APPLIED, METADATA_SKIPPED] {
-                    metadata.entry(key).or_insert(serde_json::Value::Null);
-                }
-            }
-            None => {
-                artifact.insert("metadata".to_owned(), serde_json::Value::Null);
-            }
-        }
-    }
-    Ok(serde_json::json!({ "status": status }))
 }
 
 /// Whether writing `desired` would change nothing but timestamps (then nothing is written, so a
@@ -805,19 +782,19 @@ mod tests {
             base.artifact.clone(),
             &ready(true, "ArtifactReady"),
         );
-        // The merge patch sends the whole list: the other condition is kept, untouched.
-        assert_eq!(rewritten.conditions.len(), 2);
-        assert_eq!(rewritten.conditions[0], other.conditions[0]);
-        assert_eq!(rewritten.conditions[1].type_, READY);
+        assert_eq!(rewritten.conditions.len(), 1);
+        assert_eq!(rewritten.conditions[0].type_, READY);
     }
 
     #[test]
-    fn the_patch_sets_every_owned_field_and_clears_stale_metadata() {
+    fn the_patch_sets_what_it_set_before() {
         let status = written();
-        let body = status_patch(&status).unwrap();
+        let body = serde_json::to_value(kit::StatusPatch::new::<Program>(&status)).unwrap();
         assert_eq!(
             body,
             json!({
+                "apiVersion": "pulumi.com/v1",
+                "kind": "Program",
                 "status": {
                     "observedGeneration": 3,
                     "conditions": [{
@@ -835,31 +812,16 @@ mod tests {
                         "digest": "sha256:a",
                         "size": 42,
                         "lastUpdateTime": "2025-01-01T00:00:00Z",
-                        // No transforms now: metadata written by an earlier chain goes.
-                        "metadata": null,
                     },
                 },
             })
         );
-        // Keys of the chain that are absent now are cleared one by one.
-        let mut chained = written();
-        if let Some(a) = chained.artifact.as_mut() {
-            a.metadata = Some(BTreeMap::from([
-                (METADATA_CHAIN.into(), "f".into()),
-                (METADATA_APPLIED.into(), "[]".into()),
-            ]));
-        }
-        let body = status_patch(&chained).unwrap();
-        assert_eq!(
-            body["status"]["artifact"]["metadata"],
-            json!({ METADATA_CHAIN: "f", METADATA_APPLIED: "[]", METADATA_SKIPPED: null })
-        );
-        // Without an artifact, none is sent (the last good one stays).
+        // Without an artifact, none is sent (the field stays the previous owner's business).
         let bare = ProgramStatus {
             artifact: None,
             ..written()
         };
-        let body = status_patch(&bare).unwrap();
+        let body = serde_json::to_value(kit::StatusPatch::new::<Program>(&bare)).unwrap();
         assert!(body["status"].get("artifact").is_none());
     }
 
