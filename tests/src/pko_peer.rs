@@ -111,17 +111,23 @@ impl RunningPeer {
     }
 }
 
-/// Starts `peer` against `plane` watching every namespace, with its file server on a free
-/// loopback port (advertised as that address), leader election off, logging warnings and
-/// errors only; `system_ns` stands for the operator's own namespace. Waits for `/readyz`.
+/// Starts `peer` against `plane` watching every namespace, with its file server on `fs_port`
+/// (a free loopback port when `None`) advertised as that address, leader election off,
+/// logging warnings and errors only; `system_ns` stands for the operator's own namespace.
+/// Waits for `/readyz`. A restart passes the port of the process before it, so the artifact
+/// URLs stay the same, as behind a Service.
 pub async fn start(
     peer: Peer,
     bins: &PeerBinaries,
     plane: &ControlPlane,
     system_ns: &str,
     log: &Path,
+    fs_port: Option<u16>,
 ) -> Result<RunningPeer, HarnessError> {
-    let fs_port = free_port()?;
+    let fs_port = match fs_port {
+        Some(port) => port,
+        None => free_port()?,
+    };
     let probe_port = free_port()?;
     let fs_addr = format!("127.0.0.1:{fs_port}");
     let mut cmd = match peer {

@@ -422,9 +422,15 @@ async fn peer_run(
             .run(format!("{label}: start → ready ×{}", args.starts), async {
                 let mut starts = Vec::new();
                 for i in 0..args.starts {
-                    let mut op =
-                        pko_peer::start(peer, bins, &plane, &system_ns, &log(&format!("start{i}")))
-                            .await?;
+                    let mut op = pko_peer::start(
+                        peer,
+                        bins,
+                        &plane,
+                        &system_ns,
+                        &log(&format!("start{i}")),
+                        None,
+                    )
+                    .await?;
                     starts.push(op.spawn_to_ready);
                     op.stop(STOP_GRACE);
                 }
@@ -434,7 +440,7 @@ async fn peer_run(
     } else {
         Vec::new()
     };
-    let mut op = pko_peer::start(peer, bins, &plane, &system_ns, &log("in-flight")).await?;
+    let mut op = pko_peer::start(peer, bins, &plane, &system_ns, &log("in-flight"), None).await?;
     let ns = plane.namespace("bench").await?;
     let in_flight = sections
         .run(
@@ -472,6 +478,7 @@ async fn peer_run(
                 &system_ns,
                 &ns,
                 &log("restart"),
+                op.fs_port,
                 args.quiet_seconds,
             ),
         )
@@ -634,7 +641,7 @@ async fn backlog_run(
     let apiserver = pko_peer::plane_pid(plane, "kube-apiserver");
     let watch = watch_ready(api.clone(), count);
     let api_cpu0 = cpu(apiserver);
-    let op = pko_peer::start(peer, bins, plane, system_ns, log).await?;
+    let op = pko_peer::start(peer, bins, plane, system_ns, log, None).await?;
     let ready = wait_ready(watch, count).await?;
     let done = ready.values().max().copied().unwrap_or(op.spawned);
     let run = Backlog {
@@ -653,8 +660,10 @@ async fn backlog_run(
     Ok(run)
 }
 
-/// Starts the operator again with every Program ready and counts the Program writes a watch
-/// sees until `quiet` seconds pass without one (after readiness).
+/// Starts the operator again (file server on the same port, so the artifact URLs stay the
+/// same) with every Program ready and counts the Program writes a watch sees until `quiet`
+/// seconds pass without one (after readiness).
+#[allow(clippy::too_many_arguments, reason = "one run's settings, read once")]
 async fn restart_run(
     plane: &ControlPlane,
     bins: &PeerBinaries,
@@ -662,6 +671,7 @@ async fn restart_run(
     system_ns: &str,
     ns: &str,
     log: &Path,
+    fs_port: u16,
     quiet: u64,
 ) -> anyhow::Result<Restart> {
     let api = programs(plane, ns)?;
@@ -704,7 +714,7 @@ async fn restart_run(
             }
         }
     });
-    let op = pko_peer::start(peer, bins, plane, system_ns, log).await?;
+    let op = pko_peer::start(peer, bins, plane, system_ns, log, Some(fs_port)).await?;
     let quiet = Duration::from_secs(quiet);
     let deadline = Instant::now() + Duration::from_secs(300);
     loop {
