@@ -209,6 +209,8 @@ struct Backlog {
 }
 
 struct Restart {
+    /// SIGTERM → exit of the process before the restart.
+    stop_took: Duration,
     writes: usize,
     spawn_to_ready: Duration,
     last_write: Option<Duration>,
@@ -432,7 +434,8 @@ async fn peer_run(
                     )
                     .await?;
                     starts.push(op.spawn_to_ready);
-                    op.stop(STOP_GRACE);
+                    // No work to finish: SIGTERM and SIGKILL at once, so starts do not wait.
+                    op.stop(Duration::ZERO);
                 }
                 anyhow::Ok(starts)
             })
@@ -467,7 +470,14 @@ async fn peer_run(
     } else {
         None
     };
+    let stopping = Instant::now();
     op.stop(STOP_GRACE);
+    let stop_took = stopping.elapsed();
+    println!(
+        "   {label}: SIGTERM → exit {:.2} s (SIGKILL after {} s)",
+        stop_took.as_secs_f64(),
+        STOP_GRACE.as_secs()
+    );
     let restart = sections
         .run(
             format!("{label}: restart with {count} ready Programs"),
@@ -483,6 +493,10 @@ async fn peer_run(
             ),
         )
         .await?;
+    let restart = Restart {
+        stop_took,
+        ..restart
+    };
     drop(plane);
 
     // A plane of its own for the backlog: the operator starts after the Programs exist.
@@ -732,6 +746,7 @@ async fn restart_run(
     counter.abort();
     let seen = writes.lock().map(|w| w.clone()).unwrap_or_default();
     let run = Restart {
+        stop_took: Duration::ZERO,
         writes: seen.len(),
         spawn_to_ready: op.spawn_to_ready,
         last_write: seen.last().map(|t| t.saturating_duration_since(op.spawned)),
@@ -1173,6 +1188,23 @@ fn rows(runs: &[CountRun]) -> Vec<Row> {
             guarded: false,
         });
     }
+    for r in runs {
+        let (p, o) = (r.pko.restart.stop_took, r.ours.restart.stop_took);
+        rows.push(Row {
+            measure: format!(
+                "SIGTERM → exit with {} ready Programs (SIGKILL after {} s)",
+                r.count,
+                STOP_GRACE.as_secs()
+            ),
+            key: format!("sigterm-to-exit/{}", r.count),
+            pko: millis(p),
+            ours: millis(o),
+            advantage: ratio_lower(p.as_secs_f64(), o.as_secs_f64()),
+            way: LOWER,
+            goal: 1.0,
+            guarded: false,
+        });
+    }
     if let Some(r) = runs.iter().find(|r| r.pko.load.is_some())
         && let (Some(p), Some(o)) = (&r.pko.load, &r.ours.load)
     {
@@ -1434,7 +1466,7 @@ fn report(
          loads) and fails, naming the ratio, when any advantage falls more than 25% below its \
          recorded value; absolute times are never compared. After a change that moves a ratio \
          on purpose, run `make bench` on a quiet machine and commit both files. Restart \
-         writes and the single restart start are not guarded.\n"
+         writes, the single restart start and SIGTERM → exit are not guarded.\n"
     )?;
     Ok(out)
 }
@@ -1481,7 +1513,7 @@ fn mib(kib: u64) -> String {
 
 fn micros(d: Duration) -> String {
     if d < Duration::from_millis(1) {
-        format!("{} µs", d.as_micros())
+        format!("{:.1} µs", d.as_secs_f64() * 1e6)
     } else {
         format!("{:.2} ms", d.as_secs_f64() * 1000.0)
     }
