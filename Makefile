@@ -118,7 +118,7 @@ bench: tools plugins policies pko bench-build ## benchmarks next to PKO v2.9.0 (
 
 .PHONY: bench-check
 bench-check: tools pko bench-build ## short bench; fails when a pko-rs/PKO ratio falls >25% below docs/bench-baseline.json
-	$(BENCH_BIN)/pko-bench --check docs/bench-baseline.json --counts 1000 --load-seconds 3 --starts 3 --quiet-seconds 3
+	$(BENCH_BIN)/pko-bench --check docs/bench-baseline.json --counts 1000 --starts 3 --quiet-seconds 3
 
 .PHONY: chaos
 chaos: tools policies build ## chaos and hostile-load run (webhook storm, invented methods, hostile agent, kill -9, apiserver restart, leader kill): figures to docs/reliability.md
