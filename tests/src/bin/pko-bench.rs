@@ -1462,8 +1462,8 @@ fn report(
     writeln!(
         w,
         "`make bench` writes this file and `docs/bench-baseline.json`: pko-rs's advantage per \
-         guarded measure. `make bench-check` reruns a short version (1,000 Programs, shorter \
-         loads) and fails, naming the ratio, when any advantage falls more than 25% below its \
+         guarded measure. `make bench-check` reruns a short version (1,000 Programs only, \
+         fewer starts) and fails, naming the ratio, when any advantage falls more than 25% below its \
          recorded value; absolute times are never compared. After a change that moves a ratio \
          on purpose, run `make bench` on a quiet machine and commit both files. Restart \
          writes, the single restart start and SIGTERM → exit are not guarded.\n"
