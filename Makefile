@@ -96,12 +96,29 @@ fuzz-long: toolchain policies ## property tests with FUZZ_CASES (100000) cases e
 run: tools build ## local control plane + CRDs + operator + examples/program.yaml, artifact fetched
 	$(CARGO_TARGET_DIR)/debug/pko-dev run
 
+.PHONY: pko
+pko: go-toolchain ## build PKO v2.9.0's manager (the peer `make bench` measures) from its source tarball (PKO_SRC_TARBALL overrides its path)
+	tools/build.sh pko
+
+# The bench's release build has a target dir of its own, so it never waits on a debug build.
+BENCH_TARGET_DIR ?= $(CACHE_DIR)/target-release
+BENCH_BIN := $(BENCH_TARGET_DIR)/release
+# PKO v2.9.0 next to pko-rs at 1,000, 5,000 and 10,000 Programs; BENCH_FLAGS adds or overrides.
+BENCH_FLAGS ?= --with-10k
+
+.PHONY: bench-build
+bench-build: toolchain
+	CARGO_TARGET_DIR=$(BENCH_TARGET_DIR) $(CARGO) build --release -p pko-operator -p pko-tests --bins
+
 .PHONY: bench
-bench: tools plugins policies ## benchmarks (release build, own target dir); results go to docs/benchmarks.md
-	CARGO_TARGET_DIR=$(CACHE_DIR)/target-release $(CARGO) build --release -p pko-operator -p pko-tests --bins
-	$(CACHE_DIR)/target-release/release/pko-bench --out docs/benchmarks.md
-	$(CACHE_DIR)/target-release/release/pko-bench-admission --out docs/benchmarks.md
-	$(CACHE_DIR)/target-release/release/pko-bench-plugins --out docs/benchmarks.md
+bench: tools plugins policies pko bench-build ## benchmarks next to PKO v2.9.0 (release build, own target dir): docs/benchmarks.md and the baseline docs/bench-baseline.json
+	$(BENCH_BIN)/pko-bench --out docs/benchmarks.md --write-baseline docs/bench-baseline.json $(BENCH_FLAGS)
+	$(BENCH_BIN)/pko-bench-admission --out docs/benchmarks.md
+	$(BENCH_BIN)/pko-bench-plugins --out docs/benchmarks.md
+
+.PHONY: bench-check
+bench-check: tools pko bench-build ## short bench; fails when a pko-rs/PKO ratio falls >25% below docs/bench-baseline.json
+	$(BENCH_BIN)/pko-bench --check docs/bench-baseline.json --counts 1000 --starts 3 --quiet-seconds 3
 
 .PHONY: chaos
 chaos: tools policies build ## chaos and hostile-load run (webhook storm, invented methods, hostile agent, kill -9, apiserver restart, leader kill): figures to docs/reliability.md

@@ -3,8 +3,12 @@
 # the pulumi-resource-kubernetes provider) from Go modules into a cache keyed by the pinned versions. Idempotent: a component whose
 # binary already exists in its versioned folder is skipped.
 #
-#   tools/build.sh kube|opa|pulumi|all      prints nothing but progress; exits non-zero on failure
-#   tools/build.sh dir kube|opa|pulumi      prints the bin folder of a component
+# `pko` builds PKO v2.9.0's manager (the peer `make bench` measures against) from its source
+# tarball: $PKO_SRC_TARBALL, by default ../shared/reference/pko-v2.9.0-src.tar.gz next to the
+# repository. Its folder is keyed by the version and the tarball's sha256. `all` leaves it out.
+#
+#   tools/build.sh kube|opa|pulumi|pko|all      prints nothing but progress; exits non-zero on failure
+#   tools/build.sh dir kube|opa|pulumi|pko      prints the bin folder of a component
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -19,6 +23,8 @@ PULUMI_YAML_VERSION=1.25.0
 # The provider is pinned by tools/pulumi-kubernetes/go.mod (a commit of the v4 line: the newest
 # the module proxy serves); this is the version it reports.
 PULUMI_KUBERNETES_VERSION=4.0.0-f47bc2d6f199
+PKO_VERSION=2.9.0
+PKO_SRC_TARBALL=${PKO_SRC_TARBALL:-$here/../../shared/reference/pko-v$PKO_VERSION-src.tar.gz}
 
 # The folder's name carries every version and a hash of the helper module's go.sum, so a bump
 # builds into a new folder and never reuses a stale binary.
@@ -32,8 +38,40 @@ dir_for() {
     kube) echo "$cache/kube-v$K8S_VERSION-etcd-v$ETCD_VERSION-$(key kube)" ;;
     opa) echo "$cache/opa-v$OPA_VERSION" ;;
     pulumi) echo "$cache/pulumi-v$PULUMI_VERSION-yaml-v$PULUMI_YAML_VERSION-$(key pulumi)" ;;
+    pko) echo "$cache/pko-v$PKO_VERSION-$(pko_src_sum)" ;;
     *) echo "unknown component: $1" >&2; exit 2 ;;
   esac
+}
+
+require_pko_src() {
+  if [[ ! -f $PKO_SRC_TARBALL ]]; then
+    echo "PKO v$PKO_VERSION source tarball not found: $PKO_SRC_TARBALL" >&2
+    echo "set PKO_SRC_TARBALL to the path of pko-v$PKO_VERSION-src.tar.gz" >&2
+    exit 1
+  fi
+}
+pko_src_sum() {
+  sha256sum "$PKO_SRC_TARBALL" | cut -c1-12
+}
+
+# PKO v2.9.0's manager (`operator/cmd`), built from its source in a scratch folder (every
+# dependency comes from the Go module proxy by the tarball's go.sum), next to the CRDs it is
+# deployed with (`crds/`, from the same tarball).
+build_pko() {
+  require_pko_src
+  local out; out=$(dir_for pko)
+  if [[ -x $out/pko-manager && -d $out/crds ]]; then return; fi
+  echo "building PKO v$PKO_VERSION's manager into $out (cold: ~4-5 min)" >&2
+  mkdir -p "$cache"
+  pko_work=$(mktemp -d "$cache/.pko-src.XXXXXX")
+  trap 'rm -rf "$pko_work"' EXIT
+  local work=$pko_work
+  tar -xzf "$PKO_SRC_TARBALL" -C "$work"
+  rm -rf "$out.tmp" && mkdir -p "$out.tmp/crds"
+  (cd "$work" && go build -trimpath -ldflags "-s -w" -o "$out.tmp/pko-manager" ./operator/cmd)
+  cp "$work"/operator/config/crd/bases/*.yaml "$out.tmp/crds/"
+  rm -rf "$work"
+  rm -rf "$out" && mv "$out.tmp" "$out"
 }
 
 build_kube() {
@@ -104,10 +142,14 @@ build_pulumi() {
 }
 
 case ${1:-all} in
-  dir) dir_for "${2:?component}" ;;
+  dir)
+    if [[ ${2:-} == pko ]]; then require_pko_src; fi
+    dir_for "${2:?component}"
+    ;;
   kube) build_kube ;;
   opa) build_opa ;;
   pulumi) build_pulumi ;;
+  pko) build_pko ;;
   all) build_kube; build_opa; build_pulumi ;;
-  *) echo "usage: $0 kube|opa|pulumi|all | dir COMPONENT" >&2; exit 2 ;;
+  *) echo "usage: $0 kube|opa|pulumi|pko|all | dir COMPONENT" >&2; exit 2 ;;
 esac

@@ -17,6 +17,7 @@
 )]
 
 pub mod agent;
+pub mod bench_baseline;
 pub mod chaos;
 mod control_plane;
 pub mod execution;
@@ -27,6 +28,7 @@ pub mod kubelet;
 pub mod measure;
 pub mod operator;
 mod pki;
+pub mod pko_peer;
 pub mod plugin_bench;
 pub mod plugins;
 mod process;

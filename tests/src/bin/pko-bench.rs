@@ -1,56 +1,90 @@
-//! `make bench`: measures the Program controller and file server on a private control plane and
-//! writes the numbers to a Markdown file (docs/benchmarks.md).
+//! `make bench`: pko-rs's operator and PKO v2.9.0's manager measured side by side, each alone
+//! on a fresh private control plane (etcd + kube-apiserver) with its own CRDs, driven by the
+//! same client with the same load; the numbers go to a Markdown file (docs/benchmarks.md) and
+//! the pko-rs/PKO ratios to a baseline (docs/bench-baseline.json).
 //!
-//! - reconcile wall time: N new Programs created → all `status.artifact` set for generation 1,
-//!   next to the time the same client takes for N bare status patches (the apiserver's limit);
-//! - file server: requests/s and latency percentiles for GETs spread over 1,000 Programs, from a
-//!   closed-loop load generator on loopback;
-//! - operator peak RSS (VmHWM).
+//! - reconcile: N Programs created with 32 in flight → every `status.artifact` set; and a
+//!   backlog: N Programs exist before the operator starts;
+//! - per-Program create → ready p50/p99 (create response to the first status with an artifact
+//!   for generation 1, from a watch);
+//! - operator and kube-apiserver CPU seconds over each run, operator peak RSS (VmHWM);
+//! - start → ready (spawn to a 200 from `/readyz`), median of several starts;
+//! - file server: closed-loop GETs, and the same load against a bare HTTP server answering a
+//!   fixed body of the same size (the machine's limit);
+//! - status writes after a restart with N ready Programs;
+//! - the apiserver's own rate for N bare status patches (server-side apply and JSON merge
+//!   patch) from the same client, no operator running.
+//!
+//! `--check BASELINE` (`make bench-check`) runs a short version and fails when a ratio falls
+//! more than `--tolerance` below the recorded one.
 #![allow(
     clippy::disallowed_methods,
     reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
 )]
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
-use std::net::TcpListener;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use futures::{StreamExt, TryStreamExt};
 use kube::Api;
-use kube::api::{Patch, PatchParams, PostParams};
+use kube::api::{ApiResource, DynamicObject, ListParams, Patch, PatchParams, PostParams};
+use kube::core::{GroupVersionKind, WatchEvent};
 use kube::runtime::{WatchStreamExt, watcher};
-use pko_api::program::Program;
-use pko_tests::{ControlPlane, StartOptions, measure, spawn_guarded, wait_for};
-use serde_json::json;
+use pko_tests::bench_baseline::Baseline;
+use pko_tests::pko_peer::{self, Peer, PeerBinaries, RunningPeer};
+use pko_tests::{ControlPlane, StartOptions, measure, spawn_guarded};
+use serde_json::{Value, json};
 
 const IN_FLIGHT: usize = 32;
+/// How long a run may take before the bench gives up on it.
+const RUN_TIMEOUT: Duration = Duration::from_secs(1200);
+/// SIGTERM grace of an operator being stopped.
+const STOP_GRACE: Duration = Duration::from_secs(30);
 
 struct Args {
-    out: PathBuf,
+    out: Option<PathBuf>,
     counts: Vec<usize>,
     load_programs: usize,
     load_seconds: u64,
     connections: usize,
+    starts: usize,
+    quiet_seconds: u64,
+    write_baseline: Option<PathBuf>,
+    check: Option<PathBuf>,
+    tolerance: f64,
 }
 
-fn parse_args() -> anyhow::Result<Args> {
+fn parse_args(mut it: impl Iterator<Item = String>) -> anyhow::Result<Args> {
     let mut args = Args {
-        out: PathBuf::from("docs/benchmarks.md"),
+        out: None,
         counts: vec![1000, 5000],
         load_programs: 1000,
         load_seconds: 10,
         connections: 32,
+        starts: 5,
+        quiet_seconds: 5,
+        write_baseline: None,
+        check: None,
+        tolerance: 0.25,
     };
-    let mut it = std::env::args().skip(1);
+    let mut out_given = false;
+    let mut with_10k = false;
     while let Some(flag) = it.next() {
+        if flag == "--with-10k" {
+            with_10k = true;
+            continue;
+        }
         let value = it.next().with_context(|| format!("{flag} needs a value"))?;
         match flag.as_str() {
-            "--out" => args.out = PathBuf::from(value),
+            "--out" => {
+                out_given = true;
+                args.out = Some(PathBuf::from(value));
+            }
             "--counts" => {
                 args.counts = value
                     .split(',')
@@ -60,222 +94,126 @@ fn parse_args() -> anyhow::Result<Args> {
             "--load-programs" => args.load_programs = value.parse()?,
             "--load-seconds" => args.load_seconds = value.parse()?,
             "--connections" => args.connections = value.parse()?,
+            "--starts" => args.starts = value.parse()?,
+            "--quiet-seconds" => args.quiet_seconds = value.parse()?,
+            "--write-baseline" => args.write_baseline = Some(PathBuf::from(value)),
+            "--check" => args.check = Some(PathBuf::from(value)),
+            "--tolerance" => args.tolerance = value.parse()?,
             other => bail!("unknown flag {other}"),
         }
+    }
+    if with_10k && !args.counts.contains(&10_000) {
+        args.counts.push(10_000);
+    }
+    args.counts.sort_unstable();
+    args.counts.dedup();
+    if args.counts.is_empty() || args.counts.contains(&0) {
+        bail!("--counts needs at least one count above zero");
+    }
+    if args.starts == 0 {
+        bail!("--starts must be at least 1");
+    }
+    // A check prints its comparison; it writes a report only when asked to.
+    if !out_given && args.check.is_none() {
+        args.out = Some(PathBuf::from("docs/benchmarks.md"));
     }
     Ok(args)
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let args = parse_args()?;
-    let state = tempfile::Builder::new().prefix("pko-rs-bench-").tempdir()?;
-    let plane = ControlPlane::start(StartOptions {
-        dir: Some(state.path().to_path_buf()),
-        crds_dir: None,
-    })
-    .await?;
-    let mut report = String::new();
-    writeln!(report, "# Benchmarks\n")?;
-    writeln!(
-        report,
-        "Measured by `make bench` (release build) on {} — {}. \
-         Control plane: kube-apiserver + etcd built by `tools/` on loopback.\n",
-        jiff::Timestamp::now().strftime("%Y-%m-%d %H:%M UTC"),
-        measure::machine(),
-    )?;
-
-    writeln!(
-        report,
-        "## Program reconcile: new Programs to artifact-ready\n"
-    )?;
-    writeln!(
-        report,
-        "| Programs | create (client, {IN_FLIGHT} in flight) | all artifacts ready (from first create) | programs/s | bare status patches, same client | patches/s | operator peak RSS |"
-    )?;
-    writeln!(report, "|---:|---:|---:|---:|---:|---:|---:|")?;
-    let mut load_section = String::new();
-    for &count in &args.counts {
-        // Bare patches first, in a namespace no operator watches.
-        let patches = status_patch_run(&plane, count).await?;
-        let ns = plane.namespace(&format!("bench-{count}")).await?;
-        let (operator, fs_port, pid) = start_operator(&plane, &ns, state.path()).await?;
-        let (create, ready) = reconcile_run(&plane, &ns, count).await?;
-        let peak = measure::peak_rss_kib(pid).unwrap_or(0);
-        writeln!(
-            report,
-            "| {count} | {:.2} s | {:.2} s | {:.0} | {:.2} s | {:.0} | {:.1} MiB |",
-            create.as_secs_f64(),
-            ready.as_secs_f64(),
-            count as f64 / ready.as_secs_f64(),
-            patches.as_secs_f64(),
-            count as f64 / patches.as_secs_f64(),
-            peak as f64 / 1024.0,
-        )?;
-        println!(
-            "reconcile {count}: create {create:?}, ready {ready:?}, bare patches {patches:?}, peak RSS {peak} KiB"
-        );
-        if count >= args.load_programs && load_section.is_empty() {
-            let programs = args.load_programs;
-            let load = load_run(
-                &plane,
-                fs_port,
-                &ns,
-                programs,
-                args.connections,
-                args.load_seconds,
-            )
-            .await?;
-            writeln!(load_section, "## File server: GET of artifacts\n")?;
-            writeln!(
-                load_section,
-                "{programs} Programs, {} keep-alive connections, {} s closed loop on loopback, \
-                 Programs requested round-robin (artifacts warm in the cache).\n",
-                args.connections, args.load_seconds
-            )?;
-            writeln!(
-                load_section,
-                "| requests | errors | requests/s | p50 | p99 | max |"
-            )?;
-            writeln!(load_section, "|---:|---:|---:|---:|---:|---:|")?;
-            writeln!(
-                load_section,
-                "| {} | {} | {:.0} | {} | {} | {} |\n",
-                load.requests,
-                load.errors,
-                load.requests as f64 / load.elapsed.as_secs_f64(),
-                micros(load.p50),
-                micros(load.p99),
-                micros(load.max),
-            )?;
-            println!(
-                "load: {} requests, {:.0}/s, p50 {:?} p99 {:?}",
-                load.requests,
-                load.requests as f64 / load.elapsed.as_secs_f64(),
-                load.p50,
-                load.p99
-            );
-        }
-        drop(operator);
+fn main() -> anyhow::Result<()> {
+    let mut argv = std::env::args().skip(1).peekable();
+    if argv.peek().map(String::as_str) == Some("serve-bare") {
+        argv.next();
+        return serve_bare(argv);
     }
-    writeln!(
-        report,
-        "\nEach row runs a fresh operator process watching only that row's namespace. The \
-         bare-patch column is the apiserver's own rate for N server-side-apply status patches with \
-         the same concurrency and no artifact work: the floor any controller writing N statuses \
-         can reach on this control plane. The client and the operator share the machine's cores \
-         with etcd and kube-apiserver.\n\n\
-         Each replica holds one store of Programs (without managedFields), which the file server \
-         answers from and the Program controller is driven from. With a store each (before \
-         2026-12-01, same benchmark, another machine of this kind), 5,000 Programs peaked at \
-         165.6 MiB and 1,000 at 62.9 MiB.\n"
-    )?;
-    report.push_str(&load_section);
-    // The other benchmarks own marked sections of the same file (`<!-- … begin -->`): keep them.
-    if let Ok(current) = std::fs::read_to_string(&args.out)
-        && let Some(start) = current.find("<!-- ")
-    {
-        report = format!("{}\n\n{}", report.trim_end(), &current[start..]);
-    }
-    std::fs::write(&args.out, report).with_context(|| format!("writing {}", args.out.display()))?;
-    println!("wrote {}", args.out.display());
-    Ok(())
+    let args = parse_args(argv)?;
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(run(args))
 }
 
-/// Create `count` Programs and wait until every one has its artifact. Returns (create time, ready time).
-async fn reconcile_run(
-    plane: &ControlPlane,
-    ns: &str,
-    count: usize,
-) -> anyhow::Result<(Duration, Duration)> {
-    let api: Api<Program> = Api::namespaced(plane.client(), ns);
-    let watch_api = api.clone();
-    let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
-    let watcher_task = tokio::spawn(async move {
-        let mut ready = BTreeSet::new();
-        let mut stream =
-            std::pin::pin!(watcher(watch_api, watcher::Config::default()).applied_objects());
-        while let Ok(Some(p)) = stream.try_next().await {
-            let done = p
-                .status
-                .as_ref()
-                .and_then(|s| serde_json::to_value(s).ok())
-                .and_then(|s| s.get("artifact").map(|a| !a.is_null()))
-                .unwrap_or(false);
-            if done {
-                ready.insert(p.metadata.name.unwrap_or_default());
-                if ready.len() == count {
-                    break;
-                }
-            }
+/// `pko-bench serve-bare --port P --bytes N`: the bare HTTP server, as a process of its own so
+/// its CPU time is measured like an operator's.
+fn serve_bare(mut it: impl Iterator<Item = String>) -> anyhow::Result<()> {
+    let (mut port, mut bytes) = (None, None);
+    while let Some(flag) = it.next() {
+        let value = it.next().with_context(|| format!("{flag} needs a value"))?;
+        match flag.as_str() {
+            "--port" => port = Some(value.parse::<u16>()?),
+            "--bytes" => bytes = Some(value.parse::<usize>()?),
+            other => bail!("unknown flag {other}"),
         }
-        let _ = ready_tx.send(Instant::now());
-    });
-    let start = Instant::now();
-    create_programs(&api, "p", count).await?;
-    let created = start.elapsed();
-    let done = tokio::time::timeout(Duration::from_secs(900), ready_rx)
-        .await
-        .context("timed out waiting for artifacts")??;
-    watcher_task.abort();
-    Ok((created, done - start))
+    }
+    let port = port.context("serve-bare needs --port")?;
+    let body = vec![0x5a; bytes.context("serve-bare needs --bytes")?];
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(async move {
+            let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
+            pko_peer::serve_bare(listener, &body).await?;
+            anyhow::Ok(())
+        })
 }
 
-/// Create `count` Programs named `<prefix>-<i>`, each a small but real program.
-async fn create_programs(api: &Api<Program>, prefix: &str, count: usize) -> anyhow::Result<()> {
-    futures::stream::iter(0..count)
-        .map(|i| {
-            let api = api.clone();
-            async move {
-                let p: Program = serde_json::from_value(json!({
-                    "apiVersion": "pulumi.com/v1", "kind": "Program",
-                    "metadata": {"name": format!("{prefix}-{i:05}")},
-                    "program": {
-                        "configuration": {"size": {"type": "Number", "default": i}},
-                        "resources": {"r": {"type": "random:index:RandomString", "properties": {"length": "${size}"}}},
-                        "outputs": {"value": "${r.result}"},
-                    },
-                }))?;
-                api.create(&PostParams::default(), &p).await?;
-                anyhow::Ok(())
-            }
-        })
-        .buffer_unordered(IN_FLIGHT)
-        .try_collect::<Vec<_>>()
-        .await?;
-    Ok(())
+/// One measured stretch of the run, with the machine's load around it.
+struct Section {
+    what: String,
+    load_start: String,
+    load_end: String,
+    took: Duration,
 }
 
-/// N server-side-apply status patches (no operator work) with the same concurrency.
-async fn status_patch_run(plane: &ControlPlane, count: usize) -> anyhow::Result<Duration> {
-    let ns = plane.namespace(&format!("bench-patch-{count}")).await?;
-    let api: Api<Program> = Api::namespaced(plane.client(), &ns);
-    // Objects first (not timed), the same as in the reconcile run; only the patches are measured.
-    create_programs(&api, "q", count).await?;
-    let params = PatchParams::apply("pko-bench").force();
-    let start = Instant::now();
-    futures::stream::iter(0..count)
-        .map(|i| {
-            let api = api.clone();
-            let params = params.clone();
-            async move {
-                let patch = json!({
-                    "apiVersion": "pulumi.com/v1", "kind": "Program",
-                    "status": {"observedGeneration": 1, "artifact": {
-                        "path": "x", "url": "x", "revision": "1",
-                        "digest": "sha256:0000", "lastUpdateTime": "2026-01-01T00:00:00Z", "size": i,
-                    }},
-                });
-                api.patch_status(&format!("q-{i:05}"), &params, &Patch::Apply(&patch))
-                    .await?;
-                anyhow::Ok(())
-            }
-        })
-        .buffer_unordered(IN_FLIGHT)
-        .try_collect::<Vec<_>>()
-        .await?;
-    Ok(start.elapsed())
+#[derive(Default)]
+struct Sections(Vec<Section>);
+
+impl Sections {
+    async fn run<T>(
+        &mut self,
+        what: String,
+        f: impl std::future::Future<Output = anyhow::Result<T>>,
+    ) -> anyhow::Result<T> {
+        let load_start = measure::load_average();
+        let started = Instant::now();
+        println!("== {what} (load {load_start})");
+        let out = f.await.with_context(|| what.clone())?;
+        let took = started.elapsed();
+        let load_end = measure::load_average();
+        println!("   {what}: {:.1} s (load {load_end})", took.as_secs_f64());
+        self.0.push(Section {
+            what,
+            load_start,
+            load_end,
+            took,
+        });
+        Ok(out)
+    }
+}
+
+struct InFlight {
+    create: Duration,
+    ready: Duration,
+    p50: Duration,
+    p99: Duration,
+    operator_cpu: f64,
+    apiserver_cpu: f64,
+    peak_kib: u64,
+}
+
+struct Backlog {
+    ready: Duration,
+    operator_cpu: f64,
+    apiserver_cpu: f64,
+    peak_kib: u64,
+}
+
+struct Restart {
+    /// SIGTERM → exit of the process before the restart.
+    stop_took: Duration,
+    writes: usize,
+    spawn_to_ready: Duration,
+    last_write: Option<Duration>,
 }
 
 struct Load {
@@ -285,50 +223,752 @@ struct Load {
     p50: Duration,
     p99: Duration,
     max: Duration,
+    cpu_seconds: f64,
+    body_bytes: usize,
+}
+
+impl Load {
+    fn per_second(&self) -> f64 {
+        self.requests as f64 / self.elapsed.as_secs_f64()
+    }
+    fn cpu_per_request(&self) -> Duration {
+        Duration::from_secs_f64(self.cpu_seconds / (self.requests.max(1) as f64))
+    }
+}
+
+struct PeerRun {
+    starts: Vec<Duration>,
+    in_flight: InFlight,
+    backlog: Backlog,
+    restart: Restart,
+    load: Option<Load>,
+}
+
+struct Patches {
+    apply: Duration,
+    merge: Duration,
+}
+
+struct CountRun {
+    count: usize,
+    patches: Patches,
+    pko: PeerRun,
+    ours: PeerRun,
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let began = Instant::now();
+    let bins = PeerBinaries::find(std::env::current_exe()?.with_file_name("pko-operator"))?;
+    let state = tempfile::Builder::new().prefix("pko-rs-bench-").tempdir()?;
+    let mut sections = Sections::default();
+    let mut runs = Vec::new();
+    let mut bare = None;
+    let first = args.counts[0];
+    for &count in &args.counts {
+        let patches = sections
+            .run(
+                format!("bare status patches, {count}"),
+                patch_runs(&bins, count),
+            )
+            .await?;
+        let mut peers = Vec::new();
+        for peer in [Peer::Pko, Peer::PkoRs] {
+            let with_load = count == args.load_programs
+                || (count == first && !args.counts.contains(&args.load_programs));
+            let run = peer_run(
+                &mut sections,
+                &bins,
+                state.path(),
+                &args,
+                peer,
+                count,
+                count == first,
+                with_load,
+            )
+            .await?;
+            if peer == Peer::PkoRs
+                && let Some(load) = &run.load
+            {
+                bare = Some(
+                    sections
+                        .run(
+                            "file server load: bare HTTP server".into(),
+                            bare_load(&args, state.path(), load.body_bytes),
+                        )
+                        .await?,
+                );
+            }
+            peers.push(run);
+        }
+        let (Some(ours), Some(pko)) = (peers.pop(), peers.pop()) else {
+            bail!("a peer run is missing");
+        };
+        runs.push(CountRun {
+            count,
+            patches,
+            pko,
+            ours,
+        });
+    }
+    let total = began.elapsed();
+    let rows = rows(&runs);
+    let ratios: BTreeMap<String, f64> = rows
+        .iter()
+        .filter(|r| r.guarded)
+        .map(|r| (r.key.clone(), r.advantage))
+        .collect();
+    let report = report(&args, &runs, bare.as_ref(), &rows, &sections, total)?;
+    println!("\n{report}");
+    println!("whole bench: {:.0} s", total.as_secs_f64());
+
+    if let Some(out) = &args.out {
+        write_report(out, report)?;
+        println!("wrote {}", out.display());
+    }
+    if let Some(path) = &args.write_baseline {
+        Baseline {
+            about: "pko-rs's advantage over PKO v2.9.0 per measure (> 1: pko-rs better), \
+                    written by `make bench`; `make bench-check` fails when a ratio falls more \
+                    than 25% below its value here."
+                .into(),
+            recorded: jiff::Timestamp::now()
+                .strftime("%Y-%m-%d %H:%M UTC")
+                .to_string(),
+            machine: measure::machine(),
+            ratios: ratios.clone(),
+        }
+        .write(path)?;
+        println!("wrote {}", path.display());
+    }
+    if let Some(path) = &args.check {
+        let baseline = Baseline::read(path)?;
+        let outcome = baseline.check(&ratios, args.tolerance);
+        println!(
+            "\nbench-check against {} (recorded {}):",
+            path.display(),
+            baseline.recorded
+        );
+        for (key, then, now) in &outcome.compared {
+            println!("  {key:<40} baseline {then:>7.3}×  now {now:>7.3}×");
+        }
+        for key in &outcome.unrecorded {
+            println!("  {key:<40} not in the baseline (not checked)");
+        }
+        if outcome.compared.is_empty() {
+            bail!(
+                "bench-check: no ratio of this run is in {}: refresh it with `make bench`",
+                path.display()
+            );
+        }
+        if !outcome.regressions.is_empty() {
+            let list: Vec<String> = outcome.regressions.iter().map(|r| r.to_string()).collect();
+            bail!(
+                "bench-check: {} ratio(s) fell more than {:.0}% below the baseline:\n  {}",
+                list.len(),
+                args.tolerance * 100.0,
+                list.join("\n  ")
+            );
+        }
+        println!(
+            "bench-check: all {} ratios within {:.0}% of the baseline",
+            outcome.compared.len(),
+            args.tolerance * 100.0
+        );
+    }
+    Ok(())
+}
+
+/// The Program resource, addressed without the typed struct so both CRD sets read the same.
+fn program_resource() -> ApiResource {
+    ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("pulumi.com", "v1", "Program"),
+        "programs",
+    )
+}
+
+fn programs(plane: &ControlPlane, ns: &str) -> anyhow::Result<Api<DynamicObject>> {
+    Ok(Api::namespaced_with(
+        plane.try_client()?,
+        ns,
+        &program_resource(),
+    ))
+}
+
+async fn fresh_plane(crds: &Path) -> anyhow::Result<ControlPlane> {
+    Ok(ControlPlane::start(StartOptions {
+        dir: None,
+        crds_dir: Some(crds.to_path_buf()),
+    })
+    .await?)
+}
+
+#[allow(clippy::too_many_arguments, reason = "one run's settings, read once")]
+async fn peer_run(
+    sections: &mut Sections,
+    bins: &PeerBinaries,
+    logs: &Path,
+    args: &Args,
+    peer: Peer,
+    count: usize,
+    measure_starts: bool,
+    with_load: bool,
+) -> anyhow::Result<PeerRun> {
+    let label = peer.label();
+    let log = |what: &str| logs.join(format!("{}-{count}-{what}.log", slug(label)));
+    // A plane for the creates in flight, the file-server load and the restart.
+    let plane = fresh_plane(bins.crds_dir(peer)).await?;
+    let system_ns = plane.namespace("operator-system").await?;
+    let starts = if measure_starts {
+        sections
+            .run(format!("{label}: start → ready ×{}", args.starts), async {
+                let mut starts = Vec::new();
+                for i in 0..args.starts {
+                    let mut op = pko_peer::start(
+                        peer,
+                        bins,
+                        &plane,
+                        &system_ns,
+                        &log(&format!("start{i}")),
+                        None,
+                    )
+                    .await?;
+                    starts.push(op.spawn_to_ready);
+                    // No work to finish: SIGTERM and SIGKILL at once, so starts do not wait.
+                    op.stop(Duration::ZERO);
+                }
+                anyhow::Ok(starts)
+            })
+            .await?
+    } else {
+        Vec::new()
+    };
+    let mut op = pko_peer::start(peer, bins, &plane, &system_ns, &log("in-flight"), None).await?;
+    let ns = plane.namespace("bench").await?;
+    let in_flight = sections
+        .run(
+            format!("{label}: {count} Programs, {IN_FLIGHT} creates in flight"),
+            in_flight_run(&plane, &op, &ns, count),
+        )
+        .await?;
+    let load = if with_load {
+        Some(
+            sections
+                .run(
+                    format!("{label}: file server load"),
+                    load_run(
+                        &plane,
+                        &op,
+                        &ns,
+                        count.min(args.load_programs),
+                        args.connections,
+                        args.load_seconds,
+                    ),
+                )
+                .await?,
+        )
+    } else {
+        None
+    };
+    let stopping = Instant::now();
+    op.stop(STOP_GRACE);
+    let stop_took = stopping.elapsed();
+    println!(
+        "   {label}: SIGTERM → exit {:.2} s (SIGKILL after {} s)",
+        stop_took.as_secs_f64(),
+        STOP_GRACE.as_secs()
+    );
+    let restart = sections
+        .run(
+            format!("{label}: restart with {count} ready Programs"),
+            restart_run(
+                &plane,
+                bins,
+                peer,
+                &system_ns,
+                &ns,
+                &log("restart"),
+                op.fs_port,
+                args.quiet_seconds,
+            ),
+        )
+        .await?;
+    let restart = Restart {
+        stop_took,
+        ..restart
+    };
+    drop(plane);
+
+    // A plane of its own for the backlog: the operator starts after the Programs exist.
+    let plane = fresh_plane(bins.crds_dir(peer)).await?;
+    let system_ns = plane.namespace("operator-system").await?;
+    let ns = plane.namespace("bench").await?;
+    let backlog = sections
+        .run(
+            format!("{label}: backlog of {count} Programs"),
+            backlog_run(&plane, bins, peer, &system_ns, &ns, count, &log("backlog")),
+        )
+        .await?;
+    drop(plane);
+    Ok(PeerRun {
+        starts,
+        in_flight,
+        backlog,
+        restart,
+        load,
+    })
+}
+
+fn slug(label: &str) -> String {
+    label
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '-'
+            }
+        })
+        .collect()
+}
+
+/// Whether a Program's status carries the artifact of its current generation.
+fn artifact_ready(p: &DynamicObject) -> bool {
+    let Some(status) = p.data.get("status") else {
+        return false;
+    };
+    let has_artifact = status
+        .get("artifact")
+        .is_some_and(|a| a.is_object() && !a.as_object().is_some_and(|o| o.is_empty()));
+    let generation = p.metadata.generation.unwrap_or(1);
+    let observed = status
+        .get("observedGeneration")
+        .and_then(Value::as_i64)
+        .unwrap_or(generation);
+    has_artifact && observed >= generation
+}
+
+/// Watches `api` until `count` Programs have their artifact; returns when each first did.
+fn watch_ready(
+    api: Api<DynamicObject>,
+    count: usize,
+) -> tokio::task::JoinHandle<HashMap<String, Instant>> {
+    tokio::spawn(async move {
+        let mut ready = HashMap::with_capacity(count);
+        let mut stream = std::pin::pin!(
+            watcher(api, watcher::Config::default())
+                .default_backoff()
+                .applied_objects()
+        );
+        loop {
+            match stream.next().await {
+                Some(Ok(p)) => {
+                    if artifact_ready(&p) {
+                        let name = p.metadata.name.unwrap_or_default();
+                        ready.entry(name).or_insert_with(Instant::now);
+                        if ready.len() >= count {
+                            break;
+                        }
+                    }
+                }
+                Some(Err(_)) => continue,
+                None => break,
+            }
+        }
+        ready
+    })
+}
+
+async fn wait_ready(
+    task: tokio::task::JoinHandle<HashMap<String, Instant>>,
+    count: usize,
+) -> anyhow::Result<HashMap<String, Instant>> {
+    let ready = tokio::time::timeout(RUN_TIMEOUT, task)
+        .await
+        .context("timed out waiting for artifacts")??;
+    if ready.len() < count {
+        bail!("only {} of {count} Programs got an artifact", ready.len());
+    }
+    Ok(ready)
+}
+
+fn cpu(pid: Option<u32>) -> f64 {
+    pid.and_then(pko_peer::cpu_seconds).unwrap_or(0.0)
+}
+
+async fn in_flight_run(
+    plane: &ControlPlane,
+    op: &RunningPeer,
+    ns: &str,
+    count: usize,
+) -> anyhow::Result<InFlight> {
+    let api = programs(plane, ns)?;
+    let apiserver = pko_peer::plane_pid(plane, "kube-apiserver");
+    let watch = watch_ready(api.clone(), count);
+    let (op_cpu0, api_cpu0) = (cpu(Some(op.pid())), cpu(apiserver));
+    let start = Instant::now();
+    let created = create_programs(&api, "p", count).await?;
+    let create = start.elapsed();
+    let ready = wait_ready(watch, count).await?;
+    let done = ready.values().max().copied().unwrap_or(start);
+    let (op_cpu, api_cpu) = (cpu(Some(op.pid())), cpu(apiserver));
+    let mut latencies: Vec<Duration> = created
+        .iter()
+        .filter_map(|(name, at)| ready.get(name).map(|r| r.saturating_duration_since(*at)))
+        .collect();
+    latencies.sort_unstable();
+    let peak_kib = measure::peak_rss_kib(op.pid()).unwrap_or(0);
+    let run = InFlight {
+        create,
+        ready: done.saturating_duration_since(start),
+        p50: measure::percentile(&latencies, 0.50),
+        p99: measure::percentile(&latencies, 0.99),
+        operator_cpu: op_cpu - op_cpu0,
+        apiserver_cpu: api_cpu - api_cpu0,
+        peak_kib,
+    };
+    println!(
+        "   created in {:.2} s, all ready {:.2} s, per-Program p50 {:.0} ms p99 {:.0} ms, \
+         operator CPU {:.2} s, apiserver CPU {:.2} s, peak RSS {:.1} MiB",
+        run.create.as_secs_f64(),
+        run.ready.as_secs_f64(),
+        ms(run.p50),
+        ms(run.p99),
+        run.operator_cpu,
+        run.apiserver_cpu,
+        run.peak_kib as f64 / 1024.0
+    );
+    Ok(run)
+}
+
+async fn backlog_run(
+    plane: &ControlPlane,
+    bins: &PeerBinaries,
+    peer: Peer,
+    system_ns: &str,
+    ns: &str,
+    count: usize,
+    log: &Path,
+) -> anyhow::Result<Backlog> {
+    let api = programs(plane, ns)?;
+    create_programs(&api, "p", count).await?;
+    let apiserver = pko_peer::plane_pid(plane, "kube-apiserver");
+    let watch = watch_ready(api.clone(), count);
+    let api_cpu0 = cpu(apiserver);
+    let op = pko_peer::start(peer, bins, plane, system_ns, log, None).await?;
+    let ready = wait_ready(watch, count).await?;
+    let done = ready.values().max().copied().unwrap_or(op.spawned);
+    let run = Backlog {
+        ready: done.saturating_duration_since(op.spawned),
+        operator_cpu: cpu(Some(op.pid())),
+        apiserver_cpu: cpu(apiserver) - api_cpu0,
+        peak_kib: measure::peak_rss_kib(op.pid()).unwrap_or(0),
+    };
+    println!(
+        "   all ready {:.2} s after spawn, operator CPU {:.2} s, apiserver CPU {:.2} s, peak RSS {:.1} MiB",
+        run.ready.as_secs_f64(),
+        run.operator_cpu,
+        run.apiserver_cpu,
+        run.peak_kib as f64 / 1024.0
+    );
+    Ok(run)
+}
+
+/// Starts the operator again (file server on the same port, so the artifact URLs stay the
+/// same) with every Program ready and counts the Program writes a watch sees until `quiet`
+/// seconds pass without one (after readiness).
+#[allow(clippy::too_many_arguments, reason = "one run's settings, read once")]
+async fn restart_run(
+    plane: &ControlPlane,
+    bins: &PeerBinaries,
+    peer: Peer,
+    system_ns: &str,
+    ns: &str,
+    log: &Path,
+    fs_port: u16,
+    quiet: u64,
+) -> anyhow::Result<Restart> {
+    let api = programs(plane, ns)?;
+    let rv = api
+        .list(&ListParams::default().limit(1))
+        .await?
+        .metadata
+        .resource_version
+        .context("a list without a resourceVersion")?;
+    let writes: Arc<Mutex<Vec<Instant>>> = Arc::default();
+    let seen = writes.clone();
+    let watch_api = api.clone();
+    let counter = tokio::spawn(async move {
+        let mut rv = rv;
+        loop {
+            let params = kube::api::WatchParams::default().timeout(290);
+            let Ok(stream) = watch_api.watch(&params, &rv).await else {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            };
+            let mut stream = std::pin::pin!(stream);
+            while let Some(event) = stream.next().await {
+                match event {
+                    Ok(WatchEvent::Modified(p)) => {
+                        if let Ok(mut w) = seen.lock() {
+                            w.push(Instant::now());
+                        }
+                        if let Some(v) = p.metadata.resource_version {
+                            rv = v;
+                        }
+                    }
+                    Ok(WatchEvent::Added(p) | WatchEvent::Deleted(p)) => {
+                        if let Some(v) = p.metadata.resource_version {
+                            rv = v;
+                        }
+                    }
+                    Ok(WatchEvent::Bookmark(b)) => rv = b.metadata.resource_version,
+                    Ok(WatchEvent::Error(_)) | Err(_) => break,
+                }
+            }
+        }
+    });
+    let op = pko_peer::start(peer, bins, plane, system_ns, log, Some(fs_port)).await?;
+    let quiet = Duration::from_secs(quiet);
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let last = writes
+            .lock()
+            .ok()
+            .and_then(|w| w.last().copied())
+            .unwrap_or(op.spawned)
+            .max(op.spawned + op.spawn_to_ready);
+        if last.elapsed() >= quiet || Instant::now() > deadline {
+            break;
+        }
+    }
+    counter.abort();
+    let seen = writes.lock().map(|w| w.clone()).unwrap_or_default();
+    let run = Restart {
+        stop_took: Duration::ZERO,
+        writes: seen.len(),
+        spawn_to_ready: op.spawn_to_ready,
+        last_write: seen.last().map(|t| t.saturating_duration_since(op.spawned)),
+    };
+    println!(
+        "   {} Program writes after the restart (ready in {:.3} s)",
+        run.writes,
+        run.spawn_to_ready.as_secs_f64()
+    );
+    Ok(run)
+}
+
+/// Creates `count` Programs named `<prefix>-<i>`, each a small but real program; returns when
+/// each create's response arrived.
+async fn create_programs(
+    api: &Api<DynamicObject>,
+    prefix: &str,
+    count: usize,
+) -> anyhow::Result<HashMap<String, Instant>> {
+    let ar = program_resource();
+    let created = futures::stream::iter(0..count)
+        .map(|i| {
+            let api = api.clone();
+            let ar = ar.clone();
+            async move {
+                let name = format!("{prefix}-{i:05}");
+                let p: DynamicObject = serde_json::from_value(json!({
+                    "apiVersion": ar.api_version, "kind": ar.kind,
+                    "metadata": {"name": name},
+                    "program": {
+                        "configuration": {"size": {"type": "Number", "default": i}},
+                        "resources": {"r": {"type": "random:index:RandomString", "properties": {"length": "${size}"}}},
+                        "outputs": {"value": "${r.result}"},
+                    },
+                }))?;
+                api.create(&PostParams::default(), &p).await?;
+                anyhow::Ok((name, Instant::now()))
+            }
+        })
+        .buffer_unordered(IN_FLIGHT)
+        .try_collect::<HashMap<_, _>>()
+        .await?;
+    Ok(created)
+}
+
+/// N status patches of fresh Programs, no operator running, with the same concurrency: as
+/// server-side apply and as JSON merge patch (each on Programs of its own).
+async fn patch_runs(bins: &PeerBinaries, count: usize) -> anyhow::Result<Patches> {
+    let plane = fresh_plane(bins.crds_dir(Peer::PkoRs)).await?;
+    let apply = status_patch_run(&plane, count, true).await?;
+    let merge = status_patch_run(&plane, count, false).await?;
+    println!(
+        "   server-side apply {:.2} s ({:.0}/s), JSON merge patch {:.2} s ({:.0}/s)",
+        apply.as_secs_f64(),
+        count as f64 / apply.as_secs_f64(),
+        merge.as_secs_f64(),
+        count as f64 / merge.as_secs_f64()
+    );
+    Ok(Patches { apply, merge })
+}
+
+async fn status_patch_run(
+    plane: &ControlPlane,
+    count: usize,
+    apply: bool,
+) -> anyhow::Result<Duration> {
+    let ns = plane
+        .namespace(if apply { "patch-apply" } else { "patch-merge" })
+        .await?;
+    let api = programs(plane, &ns)?;
+    // Objects first (not timed); only the patches are measured.
+    create_programs(&api, "q", count).await?;
+    let ar = program_resource();
+    let params = if apply {
+        PatchParams::apply("pko-bench").force()
+    } else {
+        PatchParams::default()
+    };
+    let start = Instant::now();
+    futures::stream::iter(0..count)
+        .map(|i| {
+            let api = api.clone();
+            let params = params.clone();
+            let ar = ar.clone();
+            async move {
+                let status = json!({"observedGeneration": 1, "artifact": {
+                    "path": "x", "url": "x", "revision": "1",
+                    "digest": "sha256:0000", "lastUpdateTime": "2026-01-01T00:00:00Z", "size": i,
+                }});
+                let name = format!("q-{i:05}");
+                if apply {
+                    let patch =
+                        json!({"apiVersion": ar.api_version, "kind": ar.kind, "status": status});
+                    api.patch_status(&name, &params, &Patch::Apply(&patch))
+                        .await?;
+                } else {
+                    let patch = json!({"status": status});
+                    api.patch_status(&name, &params, &Patch::Merge(&patch))
+                        .await?;
+                }
+                anyhow::Ok(())
+            }
+        })
+        .buffer_unordered(IN_FLIGHT)
+        .try_collect::<Vec<_>>()
+        .await?;
+    Ok(start.elapsed())
+}
+
+/// The file server's artifact URLs of the first `programs` Programs, on loopback.
+async fn artifact_urls(
+    plane: &ControlPlane,
+    port: u16,
+    ns: &str,
+    programs: usize,
+) -> anyhow::Result<Vec<String>> {
+    let api = self::programs(plane, ns)?;
+    let mut urls = Vec::with_capacity(programs);
+    for i in 0..programs {
+        let p = api.get(&format!("p-{i:05}")).await?;
+        let url = p
+            .data
+            .pointer("/status/artifact/url")
+            .and_then(Value::as_str)
+            .context("a Program without an artifact URL")?;
+        let path = &url[url
+            .find("/programs/")
+            .context("an artifact URL without a path")?..];
+        urls.push(format!("http://127.0.0.1:{port}{path}"));
+    }
+    Ok(urls)
 }
 
 async fn load_run(
     plane: &ControlPlane,
-    port: u16,
+    op: &RunningPeer,
     ns: &str,
     programs: usize,
     connections: usize,
     seconds: u64,
 ) -> anyhow::Result<Load> {
-    // The capability URLs from the Programs' status, as workspaces fetch them.
-    let api: kube::Api<pko_api::program::Program> = kube::Api::namespaced(plane.client(), ns);
-    let mut paths = Vec::with_capacity(programs);
-    for i in 0..programs {
-        let status = serde_json::to_value(api.get(&format!("p-{i:05}")).await?.status)?;
-        let url = status
-            .pointer("/artifact/url")
-            .and_then(serde_json::Value::as_str)
-            .context("a Program without an artifact URL")?;
-        let path = &url[url
-            .find("/programs/")
-            .context("an artifact URL without a path")?..];
-        paths.push(format!("http://127.0.0.1:{port}{path}"));
-    }
-    let paths: Arc<Vec<String>> = Arc::new(paths);
-    // Warm-up: one pass so every artifact is in the cache, as in steady state.
+    let urls = artifact_urls(plane, op.fs_port, ns, programs).await?;
+    let load = http_load(urls, op.pid(), connections, seconds).await?;
+    print_load(&load);
+    Ok(load)
+}
+
+/// The same load against the bare HTTP server answering `bytes` bytes.
+async fn bare_load(args: &Args, logs: &Path, bytes: usize) -> anyhow::Result<Load> {
+    let port = pko_peer::free_port()?;
+    let mut cmd = Command::new(std::env::current_exe()?);
+    cmd.args([
+        "serve-bare",
+        "--port",
+        &port.to_string(),
+        "--bytes",
+        &bytes.to_string(),
+    ]);
+    let server = spawn_guarded(cmd, "bare HTTP server", &logs.join("bare-http.log"))?;
+    pko_tests::wait_for("the bare HTTP server", Duration::from_secs(10), || async {
+        tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .ok()
+            .map(|_| ())
+    })
+    .await?;
+    let urls = (0..args.load_programs.max(1))
+        .map(|i| format!("http://127.0.0.1:{port}/programs/bench/p-{i:05}/1"))
+        .collect();
+    let load = http_load(urls, server.pid(), args.connections, args.load_seconds).await?;
+    print_load(&load);
+    drop(server);
+    Ok(load)
+}
+
+fn print_load(load: &Load) {
+    println!(
+        "   {} requests ({} errors), {:.0}/s, p50 {} p99 {}, CPU {:.1} µs/request, {} B bodies",
+        load.requests,
+        load.errors,
+        load.per_second(),
+        micros(load.p50),
+        micros(load.p99),
+        load.cpu_per_request().as_secs_f64() * 1e6,
+        load.body_bytes
+    );
+}
+
+/// A closed loop of GETs over `urls` (round-robin) on `connections` keep-alive connections
+/// for `seconds`, after one warm-up pass; `pid`'s CPU time is taken over the loop only.
+async fn http_load(
+    urls: Vec<String>,
+    pid: u32,
+    connections: usize,
+    seconds: u64,
+) -> anyhow::Result<Load> {
+    let urls = Arc::new(urls);
     let client = reqwest::Client::builder()
         .pool_max_idle_per_host(connections)
         .build()?;
-    for url in paths.iter() {
-        client.get(url).send().await?.bytes().await?;
+    let mut body_bytes = 0usize;
+    for url in urls.iter() {
+        let resp = client.get(url).send().await?;
+        if !resp.status().is_success() {
+            bail!("GET {url}: {}", resp.status());
+        }
+        body_bytes += resp.bytes().await?.len();
     }
+    let body_bytes = body_bytes / urls.len().max(1);
+    let cpu0 = cpu(Some(pid));
     let deadline = Instant::now() + Duration::from_secs(seconds);
     let start = Instant::now();
     let mut workers = tokio::task::JoinSet::new();
     for w in 0..connections {
-        let paths = paths.clone();
+        let urls = urls.clone();
         let client = client.clone();
         workers.spawn(async move {
             let mut latencies = Vec::new();
             let mut errors = 0u64;
             let mut i = w;
             while Instant::now() < deadline {
-                let url = &paths[i % paths.len()];
+                let url = &urls[i % urls.len()];
                 i += connections;
                 let t = Instant::now();
                 match client.get(url).send().await {
@@ -352,60 +992,529 @@ async fn load_run(
         errors += err;
     }
     let elapsed = start.elapsed();
-    all.sort();
-    let pct = |p: f64| {
-        all.get(((all.len() as f64 * p) as usize).min(all.len().saturating_sub(1)))
-            .copied()
-            .unwrap_or_default()
-    };
+    let cpu_seconds = cpu(Some(pid)) - cpu0;
+    all.sort_unstable();
     Ok(Load {
         requests: all.len() as u64,
         errors,
         elapsed,
-        p50: pct(0.50),
-        p99: pct(0.99),
+        p50: measure::percentile(&all, 0.50),
+        p99: measure::percentile(&all, 0.99),
         max: all.last().copied().unwrap_or_default(),
+        cpu_seconds,
+        body_bytes,
     })
+}
+
+/// One line of the comparison table.
+struct Row {
+    measure: String,
+    key: String,
+    pko: String,
+    ours: String,
+    /// pko-rs's advantage: > 1 means pko-rs did better.
+    advantage: f64,
+    /// How the advantage was computed.
+    way: &'static str,
+    /// The advantage pko-rs aims for.
+    goal: f64,
+    /// Whether `make bench-check` guards it.
+    guarded: bool,
+}
+
+const LOWER: &str = "PKO ÷ pko-rs";
+const HIGHER: &str = "pko-rs ÷ PKO";
+
+fn ratio_lower(pko: f64, ours: f64) -> f64 {
+    if ours > 0.0 {
+        pko / ours
+    } else {
+        f64::INFINITY
+    }
+}
+
+fn ratio_higher(pko: f64, ours: f64) -> f64 {
+    if pko > 0.0 { ours / pko } else { f64::INFINITY }
+}
+
+fn rows(runs: &[CountRun]) -> Vec<Row> {
+    let mut rows = Vec::new();
+    let mut row = |measure: String, key: String, pko: String, ours: String, adv: f64, way| {
+        rows.push(Row {
+            measure,
+            key,
+            pko,
+            ours,
+            advantage: adv,
+            way,
+            goal: 1.0,
+            guarded: true,
+        });
+    };
+    for r in runs {
+        let n = r.count;
+        let (p, o) = (&r.pko.in_flight, &r.ours.in_flight);
+        row(
+            format!("reconcile, {n} created ({IN_FLIGHT} in flight): first create → all ready"),
+            format!("reconcile-in-flight/{n}"),
+            secs(p.ready),
+            secs(o.ready),
+            ratio_lower(p.ready.as_secs_f64(), o.ready.as_secs_f64()),
+            LOWER,
+        );
+        row(
+            format!("per-Program create → ready p50, {n} in flight"),
+            format!("program-ready-p50/{n}"),
+            secs(p.p50),
+            secs(o.p50),
+            ratio_lower(p.p50.as_secs_f64(), o.p50.as_secs_f64()),
+            LOWER,
+        );
+        row(
+            format!("per-Program create → ready p99, {n} in flight"),
+            format!("program-ready-p99/{n}"),
+            secs(p.p99),
+            secs(o.p99),
+            ratio_lower(p.p99.as_secs_f64(), o.p99.as_secs_f64()),
+            LOWER,
+        );
+        row(
+            format!("operator CPU, {n} in flight"),
+            format!("operator-cpu-in-flight/{n}"),
+            format!("{:.2} s", p.operator_cpu),
+            format!("{:.2} s", o.operator_cpu),
+            ratio_lower(p.operator_cpu, o.operator_cpu),
+            LOWER,
+        );
+        row(
+            format!("kube-apiserver CPU, {n} in flight"),
+            format!("apiserver-cpu-in-flight/{n}"),
+            format!("{:.2} s", p.apiserver_cpu),
+            format!("{:.2} s", o.apiserver_cpu),
+            ratio_lower(p.apiserver_cpu, o.apiserver_cpu),
+            LOWER,
+        );
+        row(
+            format!("operator peak RSS, {n} in flight"),
+            format!("peak-rss/{n}"),
+            mib(p.peak_kib),
+            mib(o.peak_kib),
+            ratio_lower(p.peak_kib as f64, o.peak_kib as f64),
+            LOWER,
+        );
+        let (p, o) = (&r.pko.backlog, &r.ours.backlog);
+        row(
+            format!("backlog of {n}: operator spawn → all ready"),
+            format!("backlog/{n}"),
+            secs(p.ready),
+            secs(o.ready),
+            ratio_lower(p.ready.as_secs_f64(), o.ready.as_secs_f64()),
+            LOWER,
+        );
+        row(
+            format!("operator CPU, backlog of {n}"),
+            format!("operator-cpu-backlog/{n}"),
+            format!("{:.2} s", p.operator_cpu),
+            format!("{:.2} s", o.operator_cpu),
+            ratio_lower(p.operator_cpu, o.operator_cpu),
+            LOWER,
+        );
+        row(
+            format!("kube-apiserver CPU, backlog of {n}"),
+            format!("apiserver-cpu-backlog/{n}"),
+            format!("{:.2} s", p.apiserver_cpu),
+            format!("{:.2} s", o.apiserver_cpu),
+            ratio_lower(p.apiserver_cpu, o.apiserver_cpu),
+            LOWER,
+        );
+        row(
+            format!("operator peak RSS, backlog of {n}"),
+            format!("peak-rss-backlog/{n}"),
+            mib(p.peak_kib),
+            mib(o.peak_kib),
+            ratio_lower(p.peak_kib as f64, o.peak_kib as f64),
+            LOWER,
+        );
+    }
+    if let (Some(lo), Some(hi)) = (runs.first(), runs.last())
+        && hi.count > lo.count
+    {
+        let per =
+            |a: u64, b: u64| (b.saturating_sub(a) as f64 * 1024.0) / (hi.count - lo.count) as f64;
+        let p = per(lo.pko.in_flight.peak_kib, hi.pko.in_flight.peak_kib);
+        let o = per(lo.ours.in_flight.peak_kib, hi.ours.in_flight.peak_kib);
+        row(
+            format!(
+                "peak RSS per added Program ({} → {}, in flight)",
+                lo.count, hi.count
+            ),
+            format!("bytes-per-program/{}-{}", lo.count, hi.count),
+            format!("{p:.0} B"),
+            format!("{o:.0} B"),
+            ratio_lower(p, o),
+            LOWER,
+        );
+    }
+    if let Some(first) = runs.first() {
+        let (p, o) = (median(&first.pko.starts), median(&first.ours.starts));
+        row(
+            format!(
+                "start → ready (`/readyz` 200), no Programs, median of {}",
+                first.ours.starts.len()
+            ),
+            "start-to-ready".into(),
+            millis(p),
+            millis(o),
+            ratio_lower(p.as_secs_f64(), o.as_secs_f64()),
+            LOWER,
+        );
+    }
+    for r in runs {
+        let (p, o) = (&r.pko.restart, &r.ours.restart);
+        rows.push(Row {
+            measure: format!(
+                "start → ready with {} ready Programs (one restart)",
+                r.count
+            ),
+            key: format!("restart-start-to-ready/{}", r.count),
+            pko: millis(p.spawn_to_ready),
+            ours: millis(o.spawn_to_ready),
+            advantage: ratio_lower(
+                p.spawn_to_ready.as_secs_f64(),
+                o.spawn_to_ready.as_secs_f64(),
+            ),
+            way: LOWER,
+            goal: 1.0,
+            guarded: false,
+        });
+    }
+    for r in runs {
+        let (p, o) = (r.pko.restart.stop_took, r.ours.restart.stop_took);
+        rows.push(Row {
+            measure: format!(
+                "SIGTERM → exit with {} ready Programs (SIGKILL after {} s)",
+                r.count,
+                STOP_GRACE.as_secs()
+            ),
+            key: format!("sigterm-to-exit/{}", r.count),
+            pko: millis(p),
+            ours: millis(o),
+            advantage: ratio_lower(p.as_secs_f64(), o.as_secs_f64()),
+            way: LOWER,
+            goal: 1.0,
+            guarded: false,
+        });
+    }
+    if let Some(r) = runs.iter().find(|r| r.pko.load.is_some())
+        && let (Some(p), Some(o)) = (&r.pko.load, &r.ours.load)
+    {
+        let mut row = |measure: &str, key: &str, pko: String, ours: String, adv: f64, way| {
+            rows.push(Row {
+                measure: measure.into(),
+                key: key.into(),
+                pko,
+                ours,
+                advantage: adv,
+                way,
+                goal: 1.0,
+                guarded: true,
+            });
+        };
+        row(
+            "file server requests/s",
+            "fileserver-rps",
+            format!("{:.0}", p.per_second()),
+            format!("{:.0}", o.per_second()),
+            ratio_higher(p.per_second(), o.per_second()),
+            HIGHER,
+        );
+        row(
+            "file server p50",
+            "fileserver-p50",
+            micros(p.p50),
+            micros(o.p50),
+            ratio_lower(p.p50.as_secs_f64(), o.p50.as_secs_f64()),
+            LOWER,
+        );
+        row(
+            "file server p99",
+            "fileserver-p99",
+            micros(p.p99),
+            micros(o.p99),
+            ratio_lower(p.p99.as_secs_f64(), o.p99.as_secs_f64()),
+            LOWER,
+        );
+        row(
+            "file server CPU per request",
+            "fileserver-cpu-per-request",
+            micros(p.cpu_per_request()),
+            micros(o.cpu_per_request()),
+            ratio_lower(
+                p.cpu_seconds / p.requests.max(1) as f64,
+                o.cpu_seconds / o.requests.max(1) as f64,
+            ),
+            LOWER,
+        );
+    }
+    rows
+}
+
+fn report(
+    args: &Args,
+    runs: &[CountRun],
+    bare: Option<&Load>,
+    rows: &[Row],
+    sections: &Sections,
+    total: Duration,
+) -> anyhow::Result<String> {
+    let mut out = String::new();
+    let w = &mut out;
+    writeln!(w, "# Benchmarks\n")?;
+    writeln!(
+        w,
+        "Measured by `make bench` (release build) on {} — {}, in {:.1} min; load average {} \
+         when it ended. pko-rs and PKO v2.9.0 (its manager built from its source by `make pko`) \
+         each run alone on a fresh private control plane (kube-apiserver + etcd built by \
+         `tools/`, on loopback) with its own CRDs, both watching every namespace, leader \
+         election off, logging warnings and errors only; the same client drives both with \
+         the same load. The client, the operator, kube-apiserver and etcd share the \
+         machine's cores.\n",
+        jiff::Timestamp::now().strftime("%Y-%m-%d %H:%M UTC"),
+        measure::machine(),
+        total.as_secs_f64() / 60.0,
+        measure::load_average(),
+    )?;
+    writeln!(w, "## pko-rs next to PKO v2.9.0\n")?;
+    writeln!(
+        w,
+        "Every Program is a small YAML program (one `random:index:RandomString`); ready means \
+         `status.artifact` is set for generation 1. *In flight*: the operator runs, then N \
+         Programs are created with {IN_FLIGHT} creates in flight; the time runs from the first \
+         create to the last artifact, per-Program times from each create's response to the \
+         first status a watch sees with the artifact. *Backlog*: the N Programs exist before \
+         the operator starts; the time runs from the operator's spawn. CPU is user + system \
+         time from `/proc/<pid>/stat` over the run. *Advantage* is pko-rs's: PKO ÷ pko-rs \
+         for times, CPU and memory, pko-rs ÷ PKO for rates, so above 1 pko-rs does better; \
+         the goal is the advantage pko-rs aims for.\n"
+    )?;
+    writeln!(
+        w,
+        "| measure | PKO v2.9.0 | pko-rs | advantage | computed as | goal | met |"
+    )?;
+    writeln!(w, "|---|---:|---:|---:|---|---:|---|")?;
+    for r in rows {
+        writeln!(
+            w,
+            "| {} | {} | {} | {} | {} | ≥ {:.2}× | {} |",
+            r.measure,
+            r.pko,
+            r.ours,
+            times(r.advantage),
+            r.way,
+            r.goal,
+            if r.advantage >= r.goal { "yes" } else { "no" },
+        )?;
+    }
+    writeln!(w)?;
+
+    writeln!(w, "### Status writes after a restart\n")?;
+    writeln!(
+        w,
+        "The operator of the in-flight run is stopped (SIGTERM) and started again with every \
+         Program ready; a watch from the last resourceVersion counts the Program writes \
+         (MODIFIED events) until {} s pass without one after readiness. Goal: none.\n",
+        args.quiet_seconds
+    )?;
+    writeln!(
+        w,
+        "| ready Programs | PKO v2.9.0 writes | last write after spawn | pko-rs writes | last write after spawn |"
+    )?;
+    writeln!(w, "|---:|---:|---:|---:|---:|")?;
+    for r in runs {
+        let last = |r: &Restart| r.last_write.map(secs).unwrap_or_else(|| "—".into());
+        writeln!(
+            w,
+            "| {} | {} | {} | {} | {} |",
+            r.count,
+            r.pko.restart.writes,
+            last(&r.pko.restart),
+            r.ours.restart.writes,
+            last(&r.ours.restart)
+        )?;
+    }
+    writeln!(w)?;
+
+    writeln!(w, "### Reconcile figures in full\n")?;
+    writeln!(
+        w,
+        "| Programs | operator | create ({IN_FLIGHT} in flight) | in flight: all ready | programs/s | backlog: all ready | programs/s |"
+    )?;
+    writeln!(w, "|---:|---|---:|---:|---:|---:|---:|")?;
+    for r in runs {
+        for (label, p) in [("PKO v2.9.0", &r.pko), ("pko-rs", &r.ours)] {
+            writeln!(
+                w,
+                "| {} | {label} | {} | {} | {:.0} | {} | {:.0} |",
+                r.count,
+                secs(p.in_flight.create),
+                secs(p.in_flight.ready),
+                r.count as f64 / p.in_flight.ready.as_secs_f64(),
+                secs(p.backlog.ready),
+                r.count as f64 / p.backlog.ready.as_secs_f64(),
+            )?;
+        }
+    }
+    writeln!(w)?;
+
+    writeln!(w, "## Bare status patches: the apiserver's own rate\n")?;
+    writeln!(
+        w,
+        "N status patches of existing Programs by the same client, {IN_FLIGHT} in flight, no \
+         operator running (a fresh control plane with pko-rs's CRDs): the floor any \
+         controller writing N statuses can reach here. Each patch sets `observedGeneration` \
+         and an `artifact`; server-side apply (field manager `pko-bench`, forced) and JSON \
+         merge patch each patch Programs of their own.\n"
+    )?;
+    writeln!(
+        w,
+        "| Programs | server-side apply | patches/s | JSON merge patch | patches/s | merge ÷ apply time |"
+    )?;
+    writeln!(w, "|---:|---:|---:|---:|---:|---:|")?;
+    for r in runs {
+        let n = r.count as f64;
+        writeln!(
+            w,
+            "| {} | {} | {:.0} | {} | {:.0} | {:.2} |",
+            r.count,
+            secs(r.patches.apply),
+            n / r.patches.apply.as_secs_f64(),
+            secs(r.patches.merge),
+            n / r.patches.merge.as_secs_f64(),
+            r.patches.merge.as_secs_f64() / r.patches.apply.as_secs_f64(),
+        )?;
+    }
+    writeln!(w)?;
+
+    if let Some(r) = runs.iter().find(|r| r.pko.load.is_some())
+        && let (Some(p), Some(o)) = (&r.pko.load, &r.ours.load)
+    {
+        writeln!(w, "## File server: GET of artifacts\n")?;
+        writeln!(
+            w,
+            "{} Programs, {} keep-alive connections, {} s closed loop on loopback after one \
+             warm-up pass, Programs requested round-robin. The bare server is a minimal \
+             HTTP/1.1 keep-alive server (a process of its own, tokio, two threads) that \
+             answers every request with the same {} bytes, the size of a pko-rs artifact: \
+             what this machine and this client can do at most. CPU is the server process's \
+             over the loop.\n",
+            args.load_programs.min(r.count),
+            args.connections,
+            args.load_seconds,
+            o.body_bytes
+        )?;
+        writeln!(
+            w,
+            "| server | body | requests | errors | requests/s | p50 | p99 | max | CPU per request |"
+        )?;
+        writeln!(w, "|---|---:|---:|---:|---:|---:|---:|---:|---:|")?;
+        let mut line = |name: &str, l: &Load| {
+            writeln!(
+                w,
+                "| {name} | {} B | {} | {} | {:.0} | {} | {} | {} | {} |",
+                l.body_bytes,
+                l.requests,
+                l.errors,
+                l.per_second(),
+                micros(l.p50),
+                micros(l.p99),
+                micros(l.max),
+                micros(l.cpu_per_request()),
+            )
+        };
+        line("PKO v2.9.0", p)?;
+        line("pko-rs", o)?;
+        if let Some(b) = bare {
+            line("bare HTTP server", b)?;
+        }
+        writeln!(w)?;
+    }
+
+    writeln!(w, "## Run sections and machine load\n")?;
+    writeln!(
+        w,
+        "The 1-minute load average at the start and end of each section (the machine is shared; \
+         compare the ratios of one run rather than absolute times across runs).\n"
+    )?;
+    writeln!(w, "| section | load at start | load at end | took |")?;
+    writeln!(w, "|---|---:|---:|---:|")?;
+    for s in &sections.0 {
+        writeln!(
+            w,
+            "| {} | {} | {} | {} |",
+            s.what,
+            s.load_start,
+            s.load_end,
+            secs(s.took)
+        )?;
+    }
+    writeln!(w)?;
+    writeln!(w, "## Refreshing the baseline\n")?;
+    writeln!(
+        w,
+        "`make bench` writes this file and `docs/bench-baseline.json`: pko-rs's advantage per \
+         guarded measure. `make bench-check` reruns a short version (1,000 Programs only, \
+         fewer starts) and fails, naming the ratio, when any advantage falls more than 25% below its \
+         recorded value; absolute times are never compared. After a change that moves a ratio \
+         on purpose, run `make bench` on a quiet machine and commit both files. Restart \
+         writes, the single restart start and SIGTERM → exit are not guarded.\n"
+    )?;
+    Ok(out)
+}
+
+/// Writes `report`, keeping the marked sections other benchmarks own (`<!-- … begin -->`).
+fn write_report(out: &Path, mut report: String) -> anyhow::Result<()> {
+    if let Ok(current) = std::fs::read_to_string(out)
+        && let Some(start) = current.find("<!-- ")
+    {
+        report = format!("{}\n\n{}", report.trim_end(), &current[start..]);
+    }
+    std::fs::write(out, report).with_context(|| format!("writing {}", out.display()))
+}
+
+fn median(d: &[Duration]) -> Duration {
+    let mut v = d.to_vec();
+    v.sort_unstable();
+    v.get(v.len() / 2).copied().unwrap_or_default()
+}
+
+fn times(r: f64) -> String {
+    if r.is_finite() {
+        format!("{r:.2}×")
+    } else {
+        "∞".into()
+    }
+}
+
+fn secs(d: Duration) -> String {
+    format!("{:.2} s", d.as_secs_f64())
+}
+
+fn millis(d: Duration) -> String {
+    format!("{:.0} ms", d.as_secs_f64() * 1000.0)
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+fn mib(kib: u64) -> String {
+    format!("{:.1} MiB", kib as f64 / 1024.0)
 }
 
 fn micros(d: Duration) -> String {
     if d < Duration::from_millis(1) {
-        format!("{} µs", d.as_micros())
+        format!("{:.1} µs", d.as_secs_f64() * 1e6)
     } else {
         format!("{:.2} ms", d.as_secs_f64() * 1000.0)
     }
-}
-
-/// A release operator process watching `ns`; returns it with its file-server port and pid.
-async fn start_operator(
-    plane: &ControlPlane,
-    ns: &str,
-    dir: &std::path::Path,
-) -> anyhow::Result<(pko_tests::ChildGuard, u16, u32)> {
-    let fs_port = free_port()?;
-    let probe_port = free_port()?;
-    let operator_bin = std::env::current_exe()?.with_file_name("pko-operator");
-    let mut cmd = Command::new(&operator_bin);
-    cmd.arg("--kubeconfig")
-        .arg(plane.kubeconfig_path())
-        .arg(format!("--program-fs-addr=127.0.0.1:{fs_port}"))
-        .arg(format!(
-            "--health-probe-bind-address=127.0.0.1:{probe_port}"
-        ))
-        .arg(format!("--watch-namespace={ns}"))
-        .arg("--log-level=warn");
-    let operator = spawn_guarded(cmd, "pko-operator", &dir.join(format!("operator-{ns}.log")))?;
-    let pid = operator.pid();
-    wait_for("operator readiness", Duration::from_secs(60), || async {
-        let resp = reqwest::get(format!("http://127.0.0.1:{probe_port}/readyz"))
-            .await
-            .ok()?;
-        resp.status().is_success().then_some(())
-    })
-    .await?;
-    Ok((operator, fs_port, pid))
-}
-
-fn free_port() -> anyhow::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }

@@ -1,0 +1,289 @@
+//! The operators `make bench` measures side by side — pko-rs's release `pko-operator` and PKO
+//! v2.9.0's manager (built by `tools/build.sh pko`) — started the same way against a control
+//! plane, plus what the benchmark reads from their processes: CPU time, readiness, and a bare
+//! HTTP server answering fixed bytes (the machine's limit for the file-server load).
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::{ChildGuard, ControlPlane, HarnessError, LogTail, spawn_guarded, tool_dir};
+
+/// How long an operator gets from spawn to a 200 from `/readyz`.
+const READY_TIMEOUT: Duration = Duration::from_secs(120);
+/// How often readiness is polled: the start → ready figure is this coarse.
+const READY_POLL: Duration = Duration::from_millis(5);
+
+/// One of the two operators under measurement.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Peer {
+    /// PKO v2.9.0's manager (`operator/cmd`).
+    Pko,
+    /// This project's `pko-operator`.
+    PkoRs,
+}
+
+impl Peer {
+    /// The name tables use.
+    pub fn label(self) -> &'static str {
+        match self {
+            Peer::Pko => "PKO v2.9.0",
+            Peer::PkoRs => "pko-rs",
+        }
+    }
+}
+
+/// Where both operators' binaries and CRDs are.
+#[derive(Clone, Debug)]
+pub struct PeerBinaries {
+    pub pko_rs: PathBuf,
+    pub pko_rs_crds: PathBuf,
+    pub pko_manager: PathBuf,
+    pub pko_crds: PathBuf,
+}
+
+impl PeerBinaries {
+    /// `pko_rs` is the `pko-operator` binary to run (the release build next to the bench);
+    /// PKO's manager and CRDs come from `tools/build.sh dir pko` (or `PKO_TOOLS_PKO_DIR`).
+    pub fn find(pko_rs: PathBuf) -> Result<Self, HarnessError> {
+        let pko = tool_dir("pko")?;
+        let bins = PeerBinaries {
+            pko_rs,
+            pko_rs_crds: crate::repo_root().join("deploy/crds"),
+            pko_manager: pko.join("pko-manager"),
+            pko_crds: pko.join("crds"),
+        };
+        for (path, how) in [
+            (&bins.pko_rs, "cargo build --release -p pko-operator"),
+            (&bins.pko_manager, "make pko"),
+        ] {
+            if !path.is_file() {
+                return Err(HarnessError::Missing {
+                    what: format!("{} (build it with `{how}`)", path.display()),
+                });
+            }
+        }
+        if !bins.pko_crds.is_dir() {
+            return Err(HarnessError::Missing {
+                what: format!("PKO's CRDs in {} (`make pko`)", bins.pko_crds.display()),
+            });
+        }
+        Ok(bins)
+    }
+
+    /// The CRDs `peer` is deployed with.
+    pub fn crds_dir(&self, peer: Peer) -> &Path {
+        match peer {
+            Peer::Pko => &self.pko_crds,
+            Peer::PkoRs => &self.pko_rs_crds,
+        }
+    }
+}
+
+/// A running operator process (killed on drop).
+pub struct RunningPeer {
+    pub peer: Peer,
+    guard: ChildGuard,
+    pub fs_port: u16,
+    pub probe_port: u16,
+    /// From spawn to the first 200 of `/readyz`.
+    pub spawn_to_ready: Duration,
+    /// When the process was spawned.
+    pub spawned: Instant,
+}
+
+impl RunningPeer {
+    pub fn pid(&self) -> u32 {
+        self.guard.pid()
+    }
+
+    /// SIGTERM, then SIGKILL after `grace`.
+    pub fn stop(&mut self, grace: Duration) {
+        self.guard.terminate(grace);
+    }
+
+    pub fn log_tail(&self, lines: usize) -> String {
+        self.guard.log_tail(lines)
+    }
+}
+
+/// Starts `peer` against `plane` watching every namespace, with its file server on `fs_port`
+/// (a free loopback port when `None`) advertised as that address, leader election off,
+/// logging warnings and errors only; `system_ns` stands for the operator's own namespace.
+/// Waits for `/readyz`. A restart passes the port of the process before it, so the artifact
+/// URLs stay the same, as behind a Service.
+pub async fn start(
+    peer: Peer,
+    bins: &PeerBinaries,
+    plane: &ControlPlane,
+    system_ns: &str,
+    log: &Path,
+    fs_port: Option<u16>,
+) -> Result<RunningPeer, HarnessError> {
+    let fs_port = match fs_port {
+        Some(port) => port,
+        None => free_port()?,
+    };
+    let probe_port = free_port()?;
+    let fs_addr = format!("127.0.0.1:{fs_port}");
+    let mut cmd = match peer {
+        Peer::PkoRs => {
+            let mut cmd = Command::new(&bins.pko_rs);
+            cmd.arg(format!("--program-fs-addr={fs_addr}"))
+                .arg(format!("--program-fs-adv-addr={fs_addr}"))
+                .arg(format!(
+                    "--health-probe-bind-address=127.0.0.1:{probe_port}"
+                ))
+                // The URL-signing keys live in a Secret, as in a deployment, so a restarted
+                // process keeps verifying (and does not re-sign) the URLs it published.
+                .arg(format!("--artifact-keys-namespace={system_ns}"))
+                .arg("--leader-elect=false")
+                .arg("--log-level=warn");
+            cmd
+        }
+        Peer::Pko => {
+            let metrics_port = free_port()?;
+            let mut cmd = Command::new(&bins.pko_manager);
+            cmd.arg(format!("--program-fs-addr={fs_addr}"))
+                .arg(format!("--program-fs-adv-addr={fs_addr}"))
+                .arg(format!(
+                    "--health-probe-bind-address=127.0.0.1:{probe_port}"
+                ))
+                .arg(format!("--metrics-bind-address=127.0.0.1:{metrics_port}"))
+                .arg("--metrics-secure=false")
+                .arg("--leader-elect=false")
+                .arg("--zap-log-level=error")
+                .env("POD_NAMESPACE", system_ns)
+                .env("POD_SA_NAME", "controller-manager");
+            cmd
+        }
+    };
+    cmd.env("KUBECONFIG", plane.kubeconfig_path());
+    let spawned = Instant::now();
+    let mut guard = spawn_guarded(cmd, peer.label(), log)?;
+    let url = format!("http://127.0.0.1:{probe_port}/readyz");
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(2))
+        .build()
+        .map_err(|e| HarnessError::io("building an HTTP client", std::io::Error::other(e)))?;
+    let tail = |guard: &ChildGuard| {
+        Box::new(LogTail {
+            path: log.to_path_buf(),
+            tail: guard.log_tail(40),
+        })
+    };
+    loop {
+        if let Ok(Some(status)) = guard.try_wait() {
+            return Err(HarnessError::Exited {
+                name: peer.label().into(),
+                status: status.to_string(),
+                log: tail(&guard),
+            });
+        }
+        if let Ok(resp) = client.get(&url).send().await
+            && resp.status().is_success()
+        {
+            break;
+        }
+        if spawned.elapsed() > READY_TIMEOUT {
+            return Err(HarnessError::NotReady {
+                name: peer.label().into(),
+                endpoint: url,
+                waited: READY_TIMEOUT,
+                last: "no 200 from /readyz".into(),
+                log: tail(&guard),
+            });
+        }
+        tokio::time::sleep(READY_POLL).await;
+    }
+    Ok(RunningPeer {
+        peer,
+        spawn_to_ready: spawned.elapsed(),
+        spawned,
+        guard,
+        fs_port,
+        probe_port,
+    })
+}
+
+/// User + system CPU time a process has used so far (all its threads), from
+/// `/proc/<pid>/stat`; `None` once it is gone.
+pub fn cpu_seconds(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which may hold spaces) start at field 3 (state);
+    // utime and stime are fields 14 and 15.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let utime: u64 = fields.get(11)?.parse().ok()?;
+    let stime: u64 = fields.get(12)?.parse().ok()?;
+    Some((utime + stime) as f64 / clock_ticks())
+}
+
+fn clock_ticks() -> f64 {
+    // SAFETY: sysconf reads a constant of the running system and has no preconditions.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if ticks > 0 { ticks as f64 } else { 100.0 }
+}
+
+/// The pid of `name` (`kube-apiserver`, `etcd`) of a control plane, from its pid file.
+pub fn plane_pid(plane: &ControlPlane, name: &str) -> Option<u32> {
+    std::fs::read_to_string(plane.dir().join(format!("{name}.pid")))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// A free loopback port (bound, then released).
+pub fn free_port() -> Result<u16, HarnessError> {
+    let listener = TcpListener::bind("127.0.0.1:0")
+        .map_err(|e| HarnessError::io("binding a free loopback port", e))?;
+    listener
+        .local_addr()
+        .map(|a| a.port())
+        .map_err(|e| HarnessError::io("reading a bound port", e))
+}
+
+/// A minimal HTTP/1.1 keep-alive server: every request (headers only, as GETs send) gets
+/// the same `200` with `body`. What the machine can serve at most, next to the file servers.
+pub async fn serve_bare(listener: tokio::net::TcpListener, body: &[u8]) -> std::io::Result<()> {
+    let mut response = format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: application/gzip\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    response.extend_from_slice(body);
+    let response: Arc<[u8]> = response.into();
+    loop {
+        let (stream, _) = listener.accept().await?;
+        let _ = stream.set_nodelay(true);
+        let response = response.clone();
+        tokio::spawn(async move {
+            let _ = answer_bare(stream, &response).await;
+        });
+    }
+}
+
+async fn answer_bare(mut stream: tokio::net::TcpStream, response: &[u8]) -> std::io::Result<()> {
+    const MAX_HEADER: usize = 64 * 1024;
+    let mut pending = Vec::with_capacity(4096);
+    let mut chunk = [0u8; 4096];
+    loop {
+        let n = stream.read(&mut chunk).await?;
+        if n == 0 {
+            return Ok(());
+        }
+        pending.extend_from_slice(&chunk[..n]);
+        while let Some(end) = pending.windows(4).position(|w| w == b"\r\n\r\n") {
+            pending.drain(..end + 4);
+            stream.write_all(response).await?;
+        }
+        if pending.len() > MAX_HEADER {
+            return Ok(());
+        }
+    }
+}
