@@ -152,7 +152,7 @@ pub(super) fn engine(config: &HostConfig) -> wasmtime::Result<(Engine, Allocatio
         Allocation::Pooling => {
             match Engine::new(&wasm_config(
                 InstanceAllocationStrategy::Pooling(plan.pooling_config()),
-                plan.max_memory_bytes,
+                MEMORY_RESERVATION,
             )) {
                 Ok(engine) => return Ok((engine, Allocation::Pooling)),
                 Err(e) => warn!(
@@ -168,6 +168,8 @@ pub(super) fn engine(config: &HostConfig) -> wasmtime::Result<(Engine, Allocatio
             "the plugin instance pool does not fit the address-space limit; allocating instances on demand (slower calls)"
         ),
     }
+    // Each memory reserves only what the memory ceiling allows, not 4 GiB: the address space
+    // is what is short here (the compiled code then checks bounds explicitly).
     let engine = Engine::new(&wasm_config(
         InstanceAllocationStrategy::OnDemand,
         plan.max_memory_bytes,
@@ -175,7 +177,8 @@ pub(super) fn engine(config: &HostConfig) -> wasmtime::Result<(Engine, Allocatio
     Ok((engine, Allocation::OnDemand))
 }
 
-fn wasm_config(strategy: InstanceAllocationStrategy, max_memory_bytes: u64) -> Config {
+/// The engine's settings; every memory reserves `memory_reservation` bytes of address space.
+fn wasm_config(strategy: InstanceAllocationStrategy, memory_reservation: u64) -> Config {
     let mut wasm = Config::new();
     wasm.wasm_component_model(true)
         .consume_fuel(true)
@@ -185,7 +188,7 @@ fn wasm_config(strategy: InstanceAllocationStrategy, max_memory_bytes: u64) -> C
         .wasm_relaxed_simd(false)
         .parallel_compilation(true)
         // Set explicitly: the pool's reservation is computed from them.
-        .memory_reservation(MEMORY_RESERVATION.max(max_memory_bytes))
+        .memory_reservation(memory_reservation)
         .memory_guard_size(MEMORY_GUARD)
         .guard_before_linear_memory(true)
         // Memories start as copy-on-write mappings of the module's initial image instead of
