@@ -101,6 +101,14 @@ fn labels() -> BTreeMap<String, String> {
     BTreeMap::from([("team".to_owned(), "blue".to_owned())])
 }
 
+/// The 1-minute load average (`?` when unknown).
+pub fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().map(str::to_owned))
+        .unwrap_or_else(|| "?".into())
+}
+
 /// p50, p99 and mean of `samples`.
 fn percentiles(mut samples: Vec<Duration>) -> (Duration, Duration, Duration) {
     samples.sort();
@@ -134,6 +142,46 @@ fn host(cache_dir: Option<std::path::PathBuf>) -> Result<PluginHost, PluginError
         },
         PluginMetrics::new(),
     )
+}
+
+/// Latencies of one plugin's calls, each on a fresh instance.
+struct OneCall {
+    /// p50 of the instantiation inside `transform` calls.
+    instantiate: Duration,
+    /// p50, p99, mean.
+    validate: (Duration, Duration, Duration),
+    transform: (Duration, Duration, Duration),
+    fuel: u64,
+}
+
+async fn one_call(
+    host: &PluginHost,
+    module: &Arc<Module>,
+    input: &ProgramInput,
+    config: &Value,
+    site: &CallSite,
+) -> Result<OneCall, PluginBenchError> {
+    let limits = host.config().default_limits;
+    let mut validate = Vec::with_capacity(CALLS);
+    let mut transform = Vec::with_capacity(CALLS);
+    let mut instantiate = Vec::with_capacity(CALLS);
+    let mut fuel = 0;
+    for _ in 0..CALLS {
+        let started = Instant::now();
+        host.validate_config(module, config, limits, site).await?;
+        validate.push(started.elapsed());
+        let started = Instant::now();
+        let output = host.transform(module, input, config, limits, site).await?;
+        transform.push(started.elapsed());
+        instantiate.push(output.instantiate);
+        fuel = output.fuel;
+    }
+    Ok(OneCall {
+        instantiate: percentiles(instantiate).0,
+        validate: percentiles(validate),
+        transform: percentiles(transform),
+        fuel,
+    })
 }
 
 /// The three native transforms, each behind the same boundary the plugins have: the spec goes
@@ -189,15 +237,22 @@ pub async fn run() -> Result<String, PluginBenchError> {
     let cache = tempfile::tempdir()?;
     let mut out = String::new();
     writeln!(out, "## Transform plugins\n")?;
+    let allocation = if host(None)?.pooled() {
+        "the pooling allocator (copy-on-write memory images, slots reset in place)"
+    } else {
+        "on-demand allocation (the instance pool could not be reserved here)"
+    };
     writeln!(
         out,
-        "In-process, release build, wasmtime 48 with the pooling allocator, fuel and epoch \
-         interruption on; every call gets a fresh `Store` and instance. The Program has 24 \
-         resources (~{} bytes of JSON) and the label `team=blue`; each plugin is configured to \
-         change it (tags on 16 resources, prefixes on 8 names, an allowlist that passes).\n",
+        "In-process, release build, wasmtime 48 with {allocation}, fuel and epoch \
+         interruption on; every call gets a fresh `Store` and instance, run on the calling \
+         task. The Program has 24 resources (~{} bytes of JSON) and the label `team=blue`; each \
+         plugin is configured to change it (tags on 16 resources, prefixes on 8 names, an \
+         allowlist that passes). Load average when the run started: {}.\n",
         serde_json::to_string(&sample_spec())
             .map(|s| s.len())
             .unwrap_or(0),
+        load_average(),
     )?;
 
     // Compile and precompiled-cache load.
@@ -259,44 +314,67 @@ pub async fn run() -> Result<String, PluginBenchError> {
     )?;
     writeln!(
         out,
-        "`validate-config` is instantiation plus a trivial call; `transform` adds the spec's \
-         round trip as JSON text and the plugin's work.\n"
+        "`instantiate` is creating the call's store and instance; `validate-config` is a whole \
+         call with trivial work (slot, store, instance, call, teardown, metrics); `transform` \
+         adds the spec's round trip as JSON text and the plugin's work.\n"
     )?;
     writeln!(
         out,
-        "| plugin | validate-config p50 | p99 | transform p50 | p99 | mean | fuel per transform |"
+        "| plugin | instantiate p50 | validate-config p50 | p99 | transform p50 | p99 | mean | fuel per transform |"
     )?;
-    writeln!(out, "|---|---:|---:|---:|---:|---:|---:|")?;
+    writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|")?;
     for ((name, _), (module, config)) in modules.iter().zip(loaded.iter().zip(configs())) {
-        let mut validate = Vec::with_capacity(CALLS);
-        let mut transform = Vec::with_capacity(CALLS);
-        let mut fuel = 0;
-        for _ in 0..CALLS {
-            let started = Instant::now();
-            host.validate_config(module, &config, limits, &site).await?;
-            validate.push(started.elapsed());
-            let started = Instant::now();
-            let output = host
-                .transform(module, &input, &config, limits, &site)
-                .await?;
-            transform.push(started.elapsed());
-            fuel = output.fuel;
-        }
-        let (v50, v99, _) = percentiles(validate);
-        let (t50, t99, mean) = percentiles(transform);
+        let row = one_call(&host, module, &input, &config, &site).await?;
         writeln!(
             out,
-            "| {name} | {} | {} | {} | {} | {} | {fuel} |",
-            us(v50),
-            us(v99),
-            us(t50),
-            us(t99),
-            us(mean)
+            "| {name} | {} | {} | {} | {} | {} | {} | {} |",
+            us(row.instantiate),
+            us(row.validate.0),
+            us(row.validate.1),
+            us(row.transform.0),
+            us(row.transform.1),
+            us(row.transform.2),
+            row.fuel
         )?;
         println!(
-            "plugin {name}: validate p50 {v50:?}, transform p50 {t50:?} p99 {t99:?}, fuel {fuel}"
+            "plugin {name}: instantiate p50 {:?}, validate p50 {:?}, transform p50 {:?} p99 {:?}, fuel {}",
+            row.instantiate, row.validate.0, row.transform.0, row.transform.1, row.fuel
         );
     }
+
+    // The JSON text boundary: the template plugin parses the spec and writes it back
+    // unchanged, so its transform minus its validate-config is the whole round trip (host
+    // encode, copy in, guest parse and write, copy out, host parse); the host's share is
+    // timed alone.
+    let template = load(&host, &module("template")?).await?;
+    let identity = one_call(&host, &template, &input, &Value::Null, &site).await?;
+    let mut host_side = Vec::with_capacity(CALLS);
+    for _ in 0..CALLS {
+        let started = Instant::now();
+        let text = pko_plugin_host::json::canonical_string(&input.spec);
+        let back: Map<String, Value> =
+            serde_json::from_str(&text).map_err(|e| PluginBenchError::Native(e.to_string()))?;
+        let checked = validate_spec(back)?;
+        host_side.push(started.elapsed());
+        std::hint::black_box(checked);
+    }
+    let (h50, _, _) = percentiles(host_side);
+    let boundary = identity.transform.0.saturating_sub(identity.validate.0);
+    writeln!(
+        out,
+        "\nThe JSON text boundary (the template plugin, which returns the spec unchanged): \
+         transform p50 {} against validate-config p50 {}, so the round trip costs about {} per \
+         call, of which {} on the host (encode with sorted keys, parse, validate as a Program \
+         spec) and the rest in the guest's parse and write.",
+        us(identity.transform.0),
+        us(identity.validate.0),
+        us(boundary),
+        us(h50),
+    )?;
+    println!(
+        "boundary: identity transform p50 {:?}, validate p50 {:?}, host side p50 {h50:?}",
+        identity.transform.0, identity.validate.0
+    );
 
     // The three as a chain, per Program, against the same code run natively.
     let chain = Chain {
@@ -392,8 +470,9 @@ pub async fn run() -> Result<String, PluginBenchError> {
     )?;
     writeln!(
         out,
-        "\nThe sandbox costs {:.1}× the native time per Program (mean). With {PARALLEL} chains in \
-         flight: {:.0} Programs/s.\n",
+        "\nThe sandbox costs {:.1}× the native time per Program at p50 ({:.1}× mean). With \
+         {PARALLEL} chains in flight: {:.0} Programs/s.\n",
+        w50.as_secs_f64() / n50.as_secs_f64().max(1e-9),
         wmean.as_secs_f64() / nmean.as_secs_f64().max(1e-9),
         CALLS as f64 / parallel.as_secs_f64()
     )?;

@@ -290,6 +290,56 @@ async fn hostile_guests_are_contained_and_named() {
     }
 }
 
+/// Every call starts from the module's initial state, also when the host reuses pool slots
+/// (memory reset in place) and calls run in parallel: a guest that counts its calls in a
+/// global, fills a static buffer and leaks a heap value sees none of it on the next call.
+#[tokio::test]
+async fn no_state_survives_a_call() {
+    let host = host();
+    let stateful = load(&host, "hostile_stateful").await;
+    let fresh = vec![
+        "calls before: 0".to_owned(),
+        "dirty buffer bytes: 0".to_owned(),
+        "leaked by an earlier call: none".to_owned(),
+    ];
+    for round in 0..20 {
+        host.validate_config(
+            &stateful,
+            &Value::Null,
+            Limits::DEFAULT,
+            &CallSite::new("t"),
+        )
+        .await
+        .expect("validate");
+        let out = transform(&host, &stateful, Value::Null, Limits::DEFAULT)
+            .await
+            .expect("transform");
+        assert_eq!(out.warnings, fresh, "call {round}");
+    }
+    // Every slot of the pool, at once, more than once.
+    let calls = (0..HostConfig::default().max_concurrent_calls * 3).map(|_| {
+        let (host, stateful) = (host.clone(), stateful.clone());
+        tokio::spawn(async move { transform(&host, &stateful, Value::Null, Limits::DEFAULT).await })
+    });
+    for call in calls {
+        let out = call.await.expect("join").expect("transform");
+        assert_eq!(out.warnings, fresh);
+    }
+    // A call that trapped leaves nothing behind either.
+    let bomb = load(&host, "hostile_memory_bomb").await;
+    let small = Limits {
+        memory_bytes: 16 << 20,
+        ..Limits::DEFAULT
+    };
+    transform(&host, &bomb, Value::Null, small)
+        .await
+        .expect_err("memory");
+    let out = transform(&host, &stateful, Value::Null, Limits::DEFAULT)
+        .await
+        .expect("transform");
+    assert_eq!(out.warnings, fresh);
+}
+
 /// Timers are already due and clocks frozen: a plugin cannot hold its thread (and slot) by
 /// waiting in a host call, where epoch deadlines do not reach.
 #[tokio::test]

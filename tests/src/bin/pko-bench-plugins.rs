@@ -25,10 +25,7 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     let body = pko_tests::plugin_bench::run().await?;
-    let load = std::fs::read_to_string("/proc/loadavg")
-        .ok()
-        .and_then(|s| s.split_whitespace().next().map(str::to_owned))
-        .unwrap_or_else(|| "?".into());
+    let load = pko_tests::plugin_bench::load_average();
     let mut section = String::new();
     writeln!(section, "{BEGIN}")?;
     section.push_str(&body);

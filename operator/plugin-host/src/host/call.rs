@@ -1,13 +1,13 @@
 //! Running one call: a slot and a share of the memory budget, a fresh store with its fuel and
-//! epoch deadline on a blocking thread under an outer timeout, then the failure named and the
-//! output checked.
+//! epoch deadline run on the calling task under an outer timeout, then the failure named and
+//! the output checked.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::sync::Semaphore;
 use tracing::{Instrument, debug, info_span, warn};
-use wasmtime::{Store, Trap};
+use wasmtime::{Store, Trap, UpdateDeadline};
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 
 use super::bindings;
@@ -25,6 +25,34 @@ const TIMEOUT_GRACE: Duration = Duration::from_millis(500);
 const MAX_WARNINGS: usize = 32;
 const MAX_WARNING_BYTES: usize = 1024;
 
+/// What a call asks of the guest.
+pub(super) enum Request {
+    Info,
+    ValidateConfig {
+        config_json: String,
+    },
+    Transform {
+        program: wit::Program,
+        config_json: String,
+    },
+}
+
+/// What the guest answered.
+pub(super) enum Response {
+    Info(wit::PluginInfo),
+    Validated,
+    Transformed(TransformOutput),
+}
+
+/// How a call went, besides its result.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct CallStats {
+    /// Fuel consumed.
+    pub(super) fuel: u64,
+    /// Time to create the store and instantiate the module.
+    pub(super) instantiate: Duration,
+}
+
 impl PluginHost {
     /// Runs `validate-config` on `config` (JSON; `null` when none is given).
     pub async fn validate_config(
@@ -34,21 +62,10 @@ impl PluginHost {
         limits: Limits,
         site: &CallSite,
     ) -> Result<(), PluginError> {
-        let config_json = json::canonical_string(config);
-        self.call(
-            module,
-            limits,
-            site,
-            "validate-config",
-            move |plugin, store| {
-                plugin
-                    .pko_transform_transformer()
-                    .call_validate_config(store, &config_json)
-                    .map(|r| r.map_err(guest_error))
-            },
-        )
-        .await
-        .map(|_| ())
+        let request = Request::ValidateConfig {
+            config_json: json::canonical_string(config),
+        };
+        self.call(module, limits, site, request).await.map(|_| ())
     }
 
     /// Runs `transform` and checks its output: size, JSON, an object.
@@ -60,53 +77,40 @@ impl PluginHost {
         limits: Limits,
         site: &CallSite,
     ) -> Result<TransformOutput, PluginError> {
-        let program = wit::Program {
-            namespace: input.namespace.clone(),
-            name: input.name.clone(),
-            labels: input
-                .labels
-                .iter()
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect(),
-            spec_json: json::canonical_string(&input.spec),
+        let request = Request::Transform {
+            program: wit::Program {
+                namespace: input.namespace.clone(),
+                name: input.name.clone(),
+                labels: input
+                    .labels
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect(),
+                spec_json: json::canonical_string(&input.spec),
+            },
+            config_json: json::canonical_string(config),
         };
-        let config_json = json::canonical_string(config);
-        // Checked inside the call, so a bad output counts as a failed call in the metrics.
-        let (mut output, fuel) = self
-            .call(module, limits, site, "transform", move |plugin, store| {
-                plugin
-                    .pko_transform_transformer()
-                    .call_transform(store, &program, &config_json)
-                    .map(|r| {
-                        r.map_err(guest_error)
-                            .and_then(|out| checked_output(out, limits))
-                    })
-            })
-            .await?;
-        output.fuel = fuel;
-        Ok(output)
+        match self.call(module, limits, site, request).await? {
+            (Response::Transformed(mut output), stats) => {
+                output.fuel = stats.fuel;
+                output.instantiate = stats.instantiate;
+                Ok(output)
+            }
+            _ => Err(PluginError::Host("transform answered another call".into())),
+        }
     }
 
-    /// One call on a fresh instance: waits for a slot, runs `f` on a blocking thread under the
-    /// limits, classifies failures, records metrics. Returns the result and the fuel consumed.
-    pub(super) async fn call<R, F>(
+    /// One call on a fresh instance: waits for a slot and a share of the memory budget, runs
+    /// the guest under the limits, classifies failures, records metrics.
+    pub(super) async fn call(
         &self,
         module: &Arc<Module>,
         limits: Limits,
         site: &CallSite,
-        function: &'static str,
-        f: F,
-    ) -> Result<(R, u64), PluginError>
-    where
-        R: Send + 'static,
-        F: FnOnce(
-                &bindings::Plugin,
-                &mut Store<CallState>,
-            ) -> wasmtime::Result<Result<R, PluginError>>
-            + Send
-            + 'static,
-    {
+        request: Request,
+    ) -> Result<(Response, CallStats), PluginError> {
         let started = Instant::now();
+        let function = request.function();
         let span = info_span!(
             "plugin.call",
             transform = %site.transform,
@@ -117,13 +121,13 @@ impl PluginHost {
             outcome = tracing::field::Empty,
         );
         let result = self
-            .call_inner(module.clone(), limits, site, function, f)
+            .call_inner(module, limits, site, request)
             .instrument(span.clone())
             .await;
         let recorded = match &result {
-            Ok((_, fuel)) => {
-                span.record("fuel", fuel);
-                Ok(*fuel)
+            Ok((_, stats)) => {
+                span.record("fuel", stats.fuel);
+                Ok(stats.fuel)
             }
             Err(err) => Err(err.kind().as_str()),
         };
@@ -138,26 +142,16 @@ impl PluginHost {
         result
     }
 
-    async fn call_inner<R, F>(
+    async fn call_inner(
         &self,
-        module: Arc<Module>,
+        module: &Module,
         limits: Limits,
         site: &CallSite,
-        function: &'static str,
-        f: F,
-    ) -> Result<(R, u64), PluginError>
-    where
-        R: Send + 'static,
-        F: FnOnce(
-                &bindings::Plugin,
-                &mut Store<CallState>,
-            ) -> wasmtime::Result<Result<R, PluginError>>
-            + Send
-            + 'static,
-    {
+        request: Request,
+    ) -> Result<(Response, CallStats), PluginError> {
         // Waiting for a slot counts against the call's budget.
         let deadline = tokio::time::Instant::now() + limits.timeout;
-        let permit = tokio::time::timeout_at(deadline, self.inner.slots.clone().acquire_owned())
+        let _permit = tokio::time::timeout_at(deadline, self.inner.slots.acquire())
             .await
             .map_err(|_| PluginError::Busy(limits.timeout))?
             .map_err(|_| PluginError::Host("the plugin host is shutting down".into()))?;
@@ -169,31 +163,33 @@ impl PluginHost {
                 budget: self.inner.config.memory_budget_bytes,
             });
         }
-        let reserved = tokio::time::timeout_at(
-            deadline,
-            self.inner.memory.clone().acquire_many_owned(asked),
-        )
-        .await
-        .map_err(|_| PluginError::Busy(limits.timeout))?
-        .map_err(|_| PluginError::Host("the plugin host is shutting down".into()))?;
+        let _reserved = tokio::time::timeout_at(deadline, self.inner.memory.acquire_many(asked))
+            .await
+            .map_err(|_| PluginError::Busy(limits.timeout))?
+            .map_err(|_| PluginError::Host("the plugin host is shutting down".into()))?;
         let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
-        let inner = self.inner.clone();
         let transform: Arc<str> = Arc::from(site.transform.as_str());
-        let span = tracing::Span::current();
-        let task = tokio::task::spawn_blocking(move || {
-            // The slot is held until the guest has really stopped, also after a timeout.
-            let _permit = permit;
-            let _reserved = reserved;
-            let _entered = span.enter();
-            run_blocking(&inner, &module, limits, remaining, transform, function, f)
-        });
-        match tokio::time::timeout(remaining + TIMEOUT_GRACE, task).await {
-            Ok(Ok(result)) => result,
-            Ok(Err(join)) => Err(PluginError::Host(format!("plugin task failed: {join}"))),
+        let function = request.function();
+        // The guest runs on this task (wasmtime switches to a stack of its own) and yields at
+        // every epoch tick, so it needs no thread of its own and this timeout stays able to
+        // fire. Dropping the future drops the store: the slot is free once the guest stopped.
+        let run = run(&self.inner, module, limits, remaining, transform, request);
+        match tokio::time::timeout(remaining + TIMEOUT_GRACE, run).await {
+            Ok(result) => result,
             Err(_) => {
                 warn!(function, "plugin call outlived its epoch deadline");
                 Err(PluginError::Timeout(limits.timeout))
             }
+        }
+    }
+}
+
+impl Request {
+    fn function(&self) -> &'static str {
+        match self {
+            Self::Info => "info",
+            Self::ValidateConfig { .. } => "validate-config",
+            Self::Transform { .. } => "transform",
         }
     }
 }
@@ -210,18 +206,22 @@ pub(super) fn budget_permits(bytes: u64) -> usize {
         .min(Semaphore::MAX_PERMITS)
 }
 
-fn run_blocking<R, F>(
+/// Epoch ticks in `budget` (at least one).
+fn ticks(budget: Duration) -> u64 {
+    u64::try_from(budget.as_millis().div_ceil(EPOCH_TICK.as_millis()).max(1)).unwrap_or(u64::MAX)
+}
+
+/// A fresh store with the call's fuel, memory cap and deadline; the module instantiated in
+/// it; the request run; failures named.
+async fn run(
     inner: &Inner,
     module: &Module,
     limits: Limits,
     budget: Duration,
     transform: Arc<str>,
-    function: &'static str,
-    f: F,
-) -> Result<(R, u64), PluginError>
-where
-    F: FnOnce(&bindings::Plugin, &mut Store<CallState>) -> wasmtime::Result<Result<R, PluginError>>,
-{
+    request: Request,
+) -> Result<(Response, CallStats), PluginError> {
+    let started = Instant::now();
     let memory_bytes = usize::try_from(limits.memory_bytes).unwrap_or(usize::MAX);
     let (state, stderr) = CallState::new(transform, memory_bytes);
     let mut store = Store::new(&inner.engine, state);
@@ -229,24 +229,68 @@ where
     store
         .set_fuel(limits.fuel)
         .map_err(|e| PluginError::Host(format!("cannot set fuel: {e:#}")))?;
-    let ticks = budget.as_millis().div_ceil(EPOCH_TICK.as_millis()).max(1);
-    store.set_epoch_deadline(u64::try_from(ticks).unwrap_or(u64::MAX));
-    store.epoch_deadline_trap();
+    // Yield to the executor at every tick, trap at the last one.
+    let mut ticks_left = ticks(budget);
+    store.set_epoch_deadline(1);
+    store.epoch_deadline_callback(move |_| {
+        ticks_left = ticks_left.saturating_sub(1);
+        if ticks_left == 0 {
+            return Ok(UpdateDeadline::Interrupt);
+        }
+        Ok(UpdateDeadline::YieldCustom(
+            1,
+            Box::pin(tokio::task::yield_now()),
+        ))
+    });
 
-    let outcome = module
-        .pre
-        .instantiate(&mut store)
-        .and_then(|plugin| f(&plugin, &mut store));
-    let fuel = limits.fuel.saturating_sub(store.get_fuel().unwrap_or(0));
+    let function = request.function();
+    let mut stats = CallStats::default();
+    let outcome = match module.pre.instantiate_async(&mut store).await {
+        Ok(plugin) => {
+            stats.instantiate = started.elapsed();
+            invoke(&plugin, &mut store, request, limits).await
+        }
+        Err(err) => Err(err),
+    };
+    stats.fuel = limits.fuel.saturating_sub(store.get_fuel().unwrap_or(0));
     match outcome {
-        Ok(Ok(value)) => Ok((value, fuel)),
+        Ok(Ok(value)) => Ok((value, stats)),
         Ok(Err(refused)) => Err(refused),
         Err(err) => {
             let err = classify(&err, &store, limits, &stderr);
-            debug!(function, error = %err, fuel, "plugin call failed");
+            debug!(function, error = %err, fuel = stats.fuel, "plugin call failed");
             Err(err)
         }
     }
+}
+
+/// Calls the export `request` names; the outer `Err` is a trap, the inner one a refusal (by
+/// the guest, or of its output).
+async fn invoke(
+    plugin: &bindings::Plugin,
+    store: &mut Store<CallState>,
+    request: Request,
+    limits: Limits,
+) -> wasmtime::Result<Result<Response, PluginError>> {
+    let exports = plugin.pko_transform_transformer();
+    Ok(match request {
+        Request::Info => Ok(Response::Info(exports.call_info(store).await?)),
+        Request::ValidateConfig { config_json } => exports
+            .call_validate_config(store, &config_json)
+            .await?
+            .map(|()| Response::Validated)
+            .map_err(guest_error),
+        Request::Transform {
+            program,
+            config_json,
+        } => exports
+            .call_transform(store, &program, &config_json)
+            .await?
+            .map_err(guest_error)
+            // Checked inside the call, so a bad output counts as a failed call in the metrics.
+            .and_then(|out| checked_output(out, limits))
+            .map(Response::Transformed),
+    })
 }
 
 /// Names the cause of a failed call: the memory cap (our flag), fuel and epoch traps, other
@@ -311,6 +355,7 @@ fn checked_output(output: wit::Output, limits: Limits) -> Result<TransformOutput
         spec,
         warnings,
         fuel: 0,
+        instantiate: Duration::ZERO,
     })
 }
 

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use tracing::warn;
 use wasmtime::component::Component;
-use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
+use wasmtime::{Config, Enabled, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
 
 use super::sandbox::{MAX_CORE_INSTANCES, MAX_MEMORIES, MAX_TABLE_ELEMENTS, MAX_TABLES};
 use super::{HostConfig, Inner, LoadSource, WIT_PACKAGE, bounded};
@@ -23,18 +23,162 @@ const EXPORT: &str = "pko:transform/transformer@0.1.0";
 /// How often the epoch advances; the granularity of timeouts.
 pub(super) const EPOCH_TICK: Duration = Duration::from_millis(10);
 
-pub(super) fn engine(config: &HostConfig) -> wasmtime::Result<Engine> {
-    let slots = config.max_concurrent_calls.max(1);
-    let mut pool = PoolingAllocationConfig::default();
-    pool.total_component_instances(slots)
-        .total_core_instances(slots * MAX_CORE_INSTANCES)
-        .total_memories(slots * MAX_MEMORIES)
-        .total_tables(slots * MAX_TABLES)
-        .max_core_instances_per_component(MAX_CORE_INSTANCES)
-        .max_memories_per_component(MAX_MEMORIES)
-        .max_tables_per_component(MAX_TABLES)
-        .table_elements(MAX_TABLE_ELEMENTS)
-        .max_memory_size(usize::try_from(config.ceiling.memory_bytes).unwrap_or(usize::MAX));
+/// Address space reserved per linear memory: wasmtime's default for 64-bit hosts, which lets
+/// compiled code skip explicit bounds checks on 32-bit memories.
+const MEMORY_RESERVATION: u64 = 4 << 30;
+/// Guard region after each linear memory (and before the first), also wasmtime's default.
+const MEMORY_GUARD: u64 = 32 << 20;
+/// Dirty bytes of a linear memory reset in place (instead of being returned to the kernel)
+/// when a pool slot is freed, so the next call on the slot takes no page faults for them. A
+/// Rust guest transforming a typical Program dirties a few hundred KiB; what is over the
+/// budget is decommitted as usual.
+const KEEP_RESIDENT: usize = 2 << 20;
+
+/// Native stack of a call (wasmtime's default); guest recursion is bounded well below it by
+/// `max_wasm_stack`.
+const ASYNC_STACK: u64 = 2 << 20;
+
+/// How instances get their memories and tables.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Allocation {
+    /// From a pool reserved once, each memory mapped copy-on-write from the module's image
+    /// and reset in place when the call ends.
+    Pooling,
+    /// Mapped and unmapped for every call: slower, but reserves nothing up front.
+    OnDemand,
+}
+
+impl Allocation {
+    pub(super) fn as_str(self) -> &'static str {
+        match self {
+            Self::Pooling => "pooling",
+            Self::OnDemand => "on-demand",
+        }
+    }
+}
+
+/// Sizes of the instance pool, from the host's settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct PoolPlan {
+    /// Component instances at once: one per call slot.
+    pub(super) slots: u32,
+    pub(super) memories: u32,
+    pub(super) tables: u32,
+    /// Largest linear memory: the operator-wide memory ceiling.
+    pub(super) max_memory_bytes: u64,
+}
+
+impl PoolPlan {
+    pub(super) fn new(config: &HostConfig) -> Self {
+        let slots = config.max_concurrent_calls.max(1);
+        Self {
+            slots,
+            memories: slots.saturating_mul(MAX_MEMORIES),
+            tables: slots.saturating_mul(MAX_TABLES),
+            max_memory_bytes: config.ceiling.memory_bytes.min(MEMORY_RESERVATION),
+        }
+    }
+
+    /// Virtual address space the pool reserves when the engine is created (inaccessible
+    /// until a call uses it, so it costs no memory, but it counts against `RLIMIT_AS`).
+    pub(super) fn reservation_bytes(&self) -> u64 {
+        let memories = u64::from(self.memories)
+            .saturating_mul(MEMORY_RESERVATION.saturating_add(MEMORY_GUARD))
+            .saturating_add(MEMORY_GUARD);
+        let stacks = u64::from(self.slots).saturating_mul(ASYNC_STACK + (64 << 10));
+        let tables = u64::from(self.tables)
+            .saturating_mul(MAX_TABLE_ELEMENTS as u64)
+            .saturating_mul(std::mem::size_of::<usize>() as u64);
+        memories.saturating_add(tables).saturating_add(stacks)
+    }
+
+    fn pooling_config(&self) -> PoolingAllocationConfig {
+        let mut pool = PoolingAllocationConfig::default();
+        pool.total_component_instances(self.slots)
+            .total_core_instances(self.slots.saturating_mul(MAX_CORE_INSTANCES))
+            .total_memories(self.memories)
+            .total_tables(self.tables)
+            .max_core_instances_per_component(MAX_CORE_INSTANCES)
+            .max_memories_per_component(MAX_MEMORIES)
+            .max_tables_per_component(MAX_TABLES)
+            .table_elements(MAX_TABLE_ELEMENTS)
+            // One execution stack per call slot (calls run on stacks of their own).
+            .total_stacks(self.slots)
+            .max_memory_size(usize::try_from(self.max_memory_bytes).unwrap_or(usize::MAX))
+            // Reset only the pages a call dirtied (Linux 6.7+; elsewhere wasmtime ignores it)
+            // and keep them mapped, so the next call on the slot starts without page faults.
+            .pagemap_scan(Enabled::Auto)
+            .linear_memory_keep_resident(KEEP_RESIDENT)
+            .table_keep_resident(KEEP_RESIDENT);
+        pool
+    }
+}
+
+/// Pooling, unless the pool's reservation would take more than half of a limited address
+/// space (`RLIMIT_AS`), which would leave too little for the rest of the process.
+pub(super) fn choose_allocation(reservation: u64, address_space_limit: Option<u64>) -> Allocation {
+    match address_space_limit {
+        Some(limit) if reservation > limit / 2 => Allocation::OnDemand,
+        _ => Allocation::Pooling,
+    }
+}
+
+/// The process's address-space limit (`RLIMIT_AS`), from `/proc/self/limits`; `None` when
+/// unlimited or unknown.
+fn address_space_limit() -> Option<u64> {
+    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
+    parse_address_space_limit(&limits)
+}
+
+fn parse_address_space_limit(limits: &str) -> Option<u64> {
+    let line = limits
+        .lines()
+        .find(|line| line.starts_with("Max address space"))?;
+    // "Max address space   <soft>   <hard>   bytes": the soft limit is what mmap checks.
+    line.trim_start_matches("Max address space")
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// The engine, with its instance pool when the pool can be reserved; otherwise (a limited
+/// address space, or the reservation failing) on-demand allocation, with a warning.
+pub(super) fn engine(config: &HostConfig) -> wasmtime::Result<(Engine, Allocation)> {
+    let plan = PoolPlan::new(config);
+    let reservation = plan.reservation_bytes();
+    let limit = address_space_limit();
+    match choose_allocation(reservation, limit) {
+        Allocation::Pooling => {
+            match Engine::new(&wasm_config(
+                InstanceAllocationStrategy::Pooling(plan.pooling_config()),
+                MEMORY_RESERVATION,
+            )) {
+                Ok(engine) => return Ok((engine, Allocation::Pooling)),
+                Err(e) => warn!(
+                    error = %format!("{e:#}"),
+                    reservation,
+                    "cannot reserve the plugin instance pool; allocating instances on demand (slower calls)"
+                ),
+            }
+        }
+        Allocation::OnDemand => warn!(
+            reservation,
+            address_space_limit = limit,
+            "the plugin instance pool does not fit the address-space limit; allocating instances on demand (slower calls)"
+        ),
+    }
+    // Each memory reserves only what the memory ceiling allows, not 4 GiB: the address space
+    // is what is short here (the compiled code then checks bounds explicitly).
+    let engine = Engine::new(&wasm_config(
+        InstanceAllocationStrategy::OnDemand,
+        plan.max_memory_bytes,
+    ))?;
+    Ok((engine, Allocation::OnDemand))
+}
+
+/// The engine's settings; every memory reserves `memory_reservation` bytes of address space.
+fn wasm_config(strategy: InstanceAllocationStrategy, memory_reservation: u64) -> Config {
     let mut wasm = Config::new();
     wasm.wasm_component_model(true)
         .consume_fuel(true)
@@ -43,8 +187,16 @@ pub(super) fn engine(config: &HostConfig) -> wasmtime::Result<Engine> {
         .cranelift_nan_canonicalization(true)
         .wasm_relaxed_simd(false)
         .parallel_compilation(true)
-        .allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
-    Engine::new(&wasm)
+        // Set explicitly: the pool's reservation is computed from them.
+        .memory_reservation(memory_reservation)
+        .memory_guard_size(MEMORY_GUARD)
+        .guard_before_linear_memory(true)
+        // Memories start as copy-on-write mappings of the module's initial image instead of
+        // copying its data segments in on every call.
+        .memory_init_cow(true)
+        .async_stack_size(usize::try_from(ASYNC_STACK).unwrap_or(usize::MAX))
+        .allocation_strategy(strategy);
+    wasm
 }
 
 /// `<root>/<engine compatibility hash>`: the folder of this engine build's precompiled modules.
@@ -144,4 +296,53 @@ pub(super) fn check_exports(component: &Component, engine: &Engine) -> Result<()
 
 fn version_of(name: &str) -> Option<&str> {
     name.split_once('@').map(|(_, v)| v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_pool_is_sized_from_the_call_slots_and_the_memory_ceiling() {
+        let plan = PoolPlan::new(&HostConfig::default());
+        assert_eq!(plan.slots, 4);
+        assert_eq!(plan.memories, 4 * MAX_MEMORIES);
+        assert_eq!(plan.tables, 4 * MAX_TABLES);
+        assert_eq!(plan.max_memory_bytes, 512 << 20);
+        // 16 memories of 4 GiB plus guards: about 64.5 GiB of address space, no memory.
+        let reservation = plan.reservation_bytes();
+        assert!(
+            reservation > 64 << 30 && reservation < 66 << 30,
+            "{reservation}"
+        );
+    }
+
+    #[test]
+    fn the_pool_gives_way_to_a_limited_address_space() {
+        let reservation = 65 << 30;
+        assert_eq!(choose_allocation(reservation, None), Allocation::Pooling);
+        assert_eq!(
+            choose_allocation(reservation, Some(1 << 40)),
+            Allocation::Pooling
+        );
+        assert_eq!(
+            choose_allocation(reservation, Some(100 << 30)),
+            Allocation::OnDemand
+        );
+        assert_eq!(
+            choose_allocation(reservation, Some(8 << 30)),
+            Allocation::OnDemand
+        );
+    }
+
+    #[test]
+    fn the_address_space_limit_is_read_from_proc() {
+        let unlimited = "Limit                     Soft Limit           Hard Limit           Units\n\
+                         Max cpu time              unlimited            unlimited            seconds\n\
+                         Max address space         unlimited            unlimited            bytes\n";
+        assert_eq!(parse_address_space_limit(unlimited), None);
+        let limited = "Max address space         8589934592           unlimited            bytes\n";
+        assert_eq!(parse_address_space_limit(limited), Some(8 << 30));
+        assert_eq!(parse_address_space_limit(""), None);
+    }
 }

@@ -2,8 +2,10 @@
 //!
 //! Every call gets a new `Store` from the pooling allocator with its own fuel, epoch deadline
 //! and memory cap, so nothing a plugin does survives the call, and a trap (which poisons an
-//! instance) never affects the next call. A semaphore bounds the calls running at once; a
-//! `tokio::time::timeout` around each call backs up the epoch deadline.
+//! instance) never affects the next call. The guest runs on the caller's task (on a wasmtime
+//! stack of its own) and yields at every epoch tick, so a call costs no thread hand-off. A
+//! semaphore bounds the calls running at once; a `tokio::time::timeout` around each call backs
+//! up the epoch deadline.
 
 mod call;
 mod engine;
@@ -30,6 +32,8 @@ mod bindings {
     wasmtime::component::bindgen!({
         path: "../../wit",
         world: "plugin",
+        // Calls run as futures on the caller's task (see `call`).
+        exports: { default: async },
     });
 }
 
@@ -160,6 +164,8 @@ pub struct TransformOutput {
     pub warnings: Vec<String>,
     /// Fuel the call consumed.
     pub fuel: u64,
+    /// Time spent creating the call's store and instance.
+    pub instantiate: Duration,
 }
 
 /// Who is calling: names the call in logs, spans and metrics.
@@ -185,6 +191,7 @@ pub struct PluginHost {
 
 struct Inner {
     engine: Engine,
+    allocation: engine::Allocation,
     linker: Linker<CallState>,
     slots: Arc<Semaphore>,
     /// The memory budget, one permit per MiB.
@@ -207,7 +214,9 @@ impl Drop for Inner {
 impl PluginHost {
     /// Creates the engine, the instance pool, the linker and the epoch ticker.
     pub fn new(config: HostConfig, metrics: PluginMetrics) -> Result<Self, PluginError> {
-        let engine = engine::engine(&config).map_err(|e| PluginError::Host(format!("{e:#}")))?;
+        let (engine, allocation) =
+            engine::engine(&config).map_err(|e| PluginError::Host(format!("{e:#}")))?;
+        debug!(allocation = allocation.as_str(), "plugin engine created");
         let linker = sandbox::linker(&engine).map_err(|e| PluginError::Host(format!("{e:#}")))?;
         let cache_dir = config
             .cache_dir
@@ -221,6 +230,7 @@ impl PluginHost {
         Ok(Self {
             inner: Arc::new(Inner {
                 engine,
+                allocation,
                 linker,
                 slots,
                 memory,
@@ -236,6 +246,12 @@ impl PluginHost {
     /// Drops the metric series of `transform` (see [`PluginMetrics::forget`]).
     pub fn forget_transform(&self, transform: &str) {
         self.inner.metrics.forget(transform);
+    }
+
+    /// Whether instances come from the pre-reserved pool (`false`: the pool could not be
+    /// reserved and every call maps its memory anew).
+    pub fn pooled(&self) -> bool {
+        self.inner.allocation == engine::Allocation::Pooling
     }
 
     pub fn config(&self) -> &HostConfig {
@@ -321,11 +337,13 @@ impl PluginHost {
             size,
         });
         let limits = self.inner.config.default_limits;
-        let (info, _) = self
-            .call(&staged, limits, site, "info", |plugin, store| {
-                plugin.pko_transform_transformer().call_info(store).map(Ok)
-            })
-            .await?;
+        let info = match self
+            .call(&staged, limits, site, call::Request::Info)
+            .await?
+        {
+            (call::Response::Info(info), _) => info,
+            _ => return Err(PluginError::Host("info answered another call".into())),
+        };
         let module = Arc::new(Module {
             digest: actual.clone(),
             info: PluginInfo {

@@ -287,15 +287,16 @@ impl HasData for HasIo {
 pub(super) fn linker(engine: &Engine) -> wasmtime::Result<Linker<CallState>> {
     use wasmtime_wasi::cli::{WasiCli, WasiCliView};
     use wasmtime_wasi::clocks::{WasiClocks, WasiClocksView};
-    use wasmtime_wasi::p2::bindings::sync::io as sync_io;
-    use wasmtime_wasi::p2::bindings::{cli, clocks, random};
+    use wasmtime_wasi::p2::bindings::{cli, clocks, io, random};
     use wasmtime_wasi::random::WasiRandom;
 
     let mut linker = Linker::<CallState>::new(engine);
     let l = &mut linker;
-    sync_io::error::add_to_linker::<CallState, HasIo>(l, |t| &mut t.table)?;
-    sync_io::poll::add_to_linker::<CallState, HasIo>(l, |t| &mut t.table)?;
-    sync_io::streams::add_to_linker::<CallState, HasIo>(l, |t| &mut t.table)?;
+    // The async bindings: calls run on the caller's task, where the blocking ones would try
+    // to start a runtime inside the runtime.
+    io::error::add_to_linker::<CallState, HasIo>(l, |t| &mut t.table)?;
+    io::poll::add_to_linker::<CallState, HasIo>(l, |t| &mut t.table)?;
+    io::streams::add_to_linker::<CallState, HasIo>(l, |t| &mut t.table)?;
     clocks::wall_clock::add_to_linker::<CallState, WasiClocks>(l, CallState::clocks)?;
     clocks::monotonic_clock::add_to_linker::<CallState, HasFrozenMonotonic>(l, |t| {
         FrozenMonotonic {
