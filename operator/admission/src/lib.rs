@@ -2,8 +2,8 @@
 //! in-process with opa-wasm behind an HTTPS admission webhook.
 //!
 //! - [`bundle`]: reads the bundle built by `make policies`.
-//! - [`engine`]: compiles it once; evaluates on a fresh instance per request, with a timeout
-//!   and a memory cap.
+//! - [`engine`]: compiles it once; evaluates on pooled instances that hold the data document,
+//!   each evaluation from the same heap state, with a timeout and a memory cap.
 //! - [`tenancy`]: the `data.tenancy` document, from watched TenancyPolicies and namespace
 //!   labels.
 //! - [`webhook`]: `/validate` (deny / warn / dryrun) and `/mutate` (defaults).

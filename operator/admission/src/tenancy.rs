@@ -1,13 +1,15 @@
 //! Tenancy data for the policies, from TenancyPolicy objects and namespace labels.
 //!
 //! Both are watched (reflectors), so a change to a TenancyPolicy or to a namespace's labels
-//! applies to the next request, with no restart and no pause: each request reads the current
-//! stores and builds its own data document. A namespace the watch has not seen yet (created a
-//! moment ago) is read directly, so a selector never misses it.
+//! applies to the next request, with no restart and no pause. Every watch event counts as a
+//! change ([`Tenancy::changes`]); the shared data document ([`Tenancy::shared_document`]) is
+//! rebuilt from the stores only after one, and lists, per TenancyPolicy, every namespace it
+//! selects among those the watch knows. A namespace the watch has not seen yet (created a
+//! moment ago) is read directly and gets a document of its own, so a selector never misses it.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -158,12 +160,40 @@ pub struct Tenancy {
     labels: Labels,
     settings: Arc<TenancySettings>,
     synced: Arc<AtomicBool>,
+    /// Counts changes to the stores; bumped after each change is in its store.
+    changes: Arc<AtomicU64>,
 }
 
 #[derive(Clone)]
 enum PolicySource {
     Watched(Store<TenancyPolicy>),
-    Fixed(Arc<Vec<TenancyPolicy>>),
+    Fixed(Arc<std::sync::Mutex<Vec<Arc<TenancyPolicy>>>>),
+}
+
+/// The namespaces a shared data document is exact for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Coverage {
+    /// Every namespace: no TenancyPolicy selects by label.
+    All,
+    /// The namespaces whose labels were known when the document was built (and cluster-scoped
+    /// requests, which no policy selects).
+    Known(HashSet<String>),
+}
+
+impl Coverage {
+    pub fn covers(&self, namespace: &str) -> bool {
+        match self {
+            Coverage::All => true,
+            Coverage::Known(names) => namespace.is_empty() || names.contains(namespace),
+        }
+    }
+}
+
+/// The data document shared by every request, and the namespaces it is exact for.
+#[derive(Clone, Debug)]
+pub struct SharedDocument {
+    pub value: Value,
+    pub coverage: Coverage,
 }
 
 impl Tenancy {
@@ -176,7 +206,9 @@ impl Tenancy {
         let (policy_store, policy_writer) = reflector::store::<TenancyPolicy>();
         let (ns_store, ns_writer) = reflector::store::<PartialObjectMeta<Namespace>>();
         let synced = Arc::new(AtomicBool::new(false));
+        let changes = Arc::new(AtomicU64::new(0));
         let tenancy = Self {
+            changes: changes.clone(),
             policies: PolicySource::Watched(policy_store.clone()),
             labels: Labels::Watched(Arc::new(WatchedLabels {
                 store: ns_store.clone(),
@@ -190,24 +222,33 @@ impl Tenancy {
         let policies_api: Api<TenancyPolicy> = Api::all(client.clone());
         // Metadata only: labels are all we need.
         let namespaces_api: Api<PartialObjectMeta<Namespace>> = Api::all(client);
+        // Every event, a relist's included, is in the store when `reflect` passes it on; the
+        // change is counted only then, so a request that sees the count sees the change.
+        let policy_changes = changes.clone();
         let driver = async move {
             let policies = watcher(policies_api, watcher::Config::default().any_semantic())
                 .default_backoff()
                 .reflect(policy_writer)
-                .touched_objects()
-                .for_each(|event| async move {
-                    if let Err(err) = event {
-                        warn!(error = %err, "TenancyPolicy watch failed; retrying");
+                .for_each(|event| {
+                    match event {
+                        Ok(_) => {
+                            policy_changes.fetch_add(1, Ordering::AcqRel);
+                        }
+                        Err(err) => warn!(error = %err, "TenancyPolicy watch failed; retrying"),
                     }
+                    std::future::ready(())
                 });
             let namespaces = watcher(namespaces_api, watcher::Config::default().any_semantic())
                 .default_backoff()
                 .reflect(ns_writer)
-                .touched_objects()
-                .for_each(|event| async move {
-                    if let Err(err) = event {
-                        warn!(error = %err, "namespace watch failed; retrying");
+                .for_each(|event| {
+                    match event {
+                        Ok(_) => {
+                            changes.fetch_add(1, Ordering::AcqRel);
+                        }
+                        Err(err) => warn!(error = %err, "namespace watch failed; retrying"),
                     }
+                    std::future::ready(())
                 });
             let ready = async move {
                 if policy_store.wait_until_ready().await.is_ok()
@@ -233,10 +274,98 @@ impl Tenancy {
         settings: TenancySettings,
     ) -> Self {
         Self {
-            policies: PolicySource::Fixed(Arc::new(policies)),
+            policies: PolicySource::Fixed(Arc::new(std::sync::Mutex::new(
+                policies.into_iter().map(Arc::new).collect(),
+            ))),
             labels: Labels::Fixed(Arc::new(labels)),
             settings: Arc::new(settings),
             synced: Arc::new(AtomicBool::new(true)),
+            changes: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    /// Replaces the policies of a fixed view (tests, offline runs); a watched view ignores it.
+    pub fn set_policies(&self, policies: Vec<TenancyPolicy>) {
+        if let PolicySource::Fixed(list) = &self.policies {
+            *lock(list) = policies.into_iter().map(Arc::new).collect();
+            self.changes.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
+    /// How many changes the stores have seen: the shared document needs rebuilding only
+    /// when this moved.
+    pub fn changes(&self) -> u64 {
+        self.changes.load(Ordering::Acquire)
+    }
+
+    fn all_policies(&self) -> Vec<Arc<TenancyPolicy>> {
+        match &self.policies {
+            PolicySource::Watched(store) => store.state(),
+            PolicySource::Fixed(list) => lock(list).clone(),
+        }
+    }
+
+    /// The namespaces whose labels are known, with their labels.
+    fn known_namespaces(&self) -> Vec<(String, BTreeMap<String, String>)> {
+        match &self.labels {
+            Labels::Fixed(map) => map.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            Labels::Watched(watched) => watched
+                .store
+                .state()
+                .iter()
+                .map(|ns| (ns.name_any(), ns.labels().clone()))
+                .collect(),
+        }
+    }
+
+    /// The data document shared by every request: `base` (the bundle's data) plus `tenancy`,
+    /// where each TenancyPolicy lists every namespace it selects (by name, or by label among
+    /// the namespaces whose labels are known). Read [`Tenancy::changes`] before calling it.
+    pub fn shared_document(&self, base: &Value) -> SharedDocument {
+        let mut policies = self.all_policies();
+        policies.sort_by_key(|p| p.name_any());
+        let by_label = policies.iter().any(|p| p.spec.namespace_selector.is_some());
+        let known = if by_label {
+            self.known_namespaces()
+        } else {
+            Vec::new()
+        };
+        let entries = policies
+            .iter()
+            .filter_map(|p| {
+                let name = p.name_any();
+                let mut selected: BTreeSet<&str> = p
+                    .spec
+                    .namespaces
+                    .iter()
+                    .flatten()
+                    .map(String::as_str)
+                    .filter(|n| !n.is_empty())
+                    .collect();
+                if let Some(selector) = &p.spec.namespace_selector {
+                    match Selector::try_from(selector.clone()) {
+                        Ok(selector) => selected.extend(
+                            known
+                                .iter()
+                                .filter(|(_, labels)| selector.matches(labels))
+                                .map(|(ns, _)| ns.as_str()),
+                        ),
+                        Err(e) => {
+                            warn!(policy = %name, error = %e, "invalid namespaceSelector; it selects nothing")
+                        }
+                    }
+                }
+                (!selected.is_empty()).then(|| policy_entry(p, selected.into_iter().collect()))
+            })
+            .collect();
+        let coverage = if by_label {
+            Coverage::Known(known.into_iter().map(|(ns, _)| ns).collect())
+        } else {
+            Coverage::All
+        };
+        SharedDocument {
+            value: document(base, &self.settings, entries),
+            coverage,
         }
     }
 
@@ -253,10 +382,7 @@ impl Tenancy {
 
     /// The TenancyPolicies that select `namespace`, sorted by name.
     async fn selecting(&self, namespace: &str) -> Result<Vec<Arc<TenancyPolicy>>, TenancyError> {
-        let all: Vec<Arc<TenancyPolicy>> = match &self.policies {
-            PolicySource::Watched(store) => store.state(),
-            PolicySource::Fixed(list) => list.iter().cloned().map(Arc::new).collect(),
-        };
+        let all = self.all_policies();
         if namespace.is_empty() || all.is_empty() {
             return Ok(Vec::new());
         }
@@ -352,38 +478,47 @@ pub fn selects(
 }
 
 /// The data document of one request (documented in docs/policies.md): `base` with
-/// `tenancy = {defaultAction, fileServer: {hosts, ports}, policies: [...]}`, where each selecting policy
-/// lists the request's namespace in `namespaces`.
+/// `tenancy = {defaultAction, fileServer: {hosts, ports}, policies: [...]}`, where each selecting
+/// policy lists the request's namespace in `namespaces`. The policies decide the same with it as
+/// with the shared document, which lists every namespace a policy selects.
 pub fn data_document(
     base: &Value,
     settings: &TenancySettings,
     namespace: &str,
     policies: &[Arc<TenancyPolicy>],
 ) -> Value {
-    let policies: Vec<Value> = policies
+    let entries = policies
         .iter()
-        .map(|p| {
-            let mut entry = Map::new();
-            entry.insert("name".into(), json!(p.name_any()));
-            entry.insert("action".into(), json!(p.spec.enforcement_action.as_str()));
-            entry.insert("namespaces".into(), json!([namespace]));
-            entry.insert(
-                "exemptFromRestricted".into(),
-                json!(p.spec.exempt_from_restricted.unwrap_or(false)),
-            );
-            let lists = [
-                ("allowedServiceAccounts", &p.spec.allowed_service_accounts),
-                ("allowedImagePrefixes", &p.spec.allowed_image_prefixes),
-                ("allowedTransformDigests", &p.spec.allowed_transform_digests),
-            ];
-            for (key, list) in lists {
-                if let Some(list) = list {
-                    entry.insert(key.into(), json!(list));
-                }
-            }
-            Value::Object(entry)
-        })
+        .map(|p| policy_entry(p, vec![namespace]))
         .collect();
+    document(base, settings, entries)
+}
+
+/// One TenancyPolicy in `data.tenancy.policies`, selecting `namespaces`.
+fn policy_entry(p: &TenancyPolicy, namespaces: Vec<&str>) -> Value {
+    let mut entry = Map::new();
+    entry.insert("name".into(), json!(p.name_any()));
+    entry.insert("action".into(), json!(p.spec.enforcement_action.as_str()));
+    entry.insert("namespaces".into(), json!(namespaces));
+    entry.insert(
+        "exemptFromRestricted".into(),
+        json!(p.spec.exempt_from_restricted.unwrap_or(false)),
+    );
+    let lists = [
+        ("allowedServiceAccounts", &p.spec.allowed_service_accounts),
+        ("allowedImagePrefixes", &p.spec.allowed_image_prefixes),
+        ("allowedTransformDigests", &p.spec.allowed_transform_digests),
+    ];
+    for (key, list) in lists {
+        if let Some(list) = list {
+            entry.insert(key.into(), json!(list));
+        }
+    }
+    Value::Object(entry)
+}
+
+/// `base` with `tenancy` holding the settings and `policies`.
+fn document(base: &Value, settings: &TenancySettings, policies: Vec<Value>) -> Value {
     let mut data = match base {
         Value::Object(map) => map.clone(),
         _ => Map::new(),
@@ -544,5 +679,80 @@ mod tests {
         );
         let none = tenancy.data_for(&json!({}), "team-c").await.expect("data");
         assert_eq!(none["tenancy"]["policies"], json!([]));
+    }
+
+    #[test]
+    fn the_shared_document_lists_every_namespace_a_policy_selects() {
+        let by_label = |name: &str| {
+            policy(
+                name,
+                TenancyPolicySpec {
+                    namespaces: Some(vec!["named".into(), String::new()]),
+                    namespace_selector: Some(LabelSelector {
+                        match_labels: Some(labels(&[("team", "a")])),
+                        match_expressions: None,
+                    }),
+                    ..Default::default()
+                },
+            )
+        };
+        let nobody = policy(
+            "nobody",
+            TenancyPolicySpec {
+                namespace_selector: Some(LabelSelector {
+                    match_labels: Some(labels(&[("team", "none")])),
+                    match_expressions: None,
+                }),
+                ..Default::default()
+            },
+        );
+        let tenancy = Tenancy::fixed(
+            vec![by_label("b-team"), nobody, by_label("a-team")],
+            BTreeMap::from([
+                ("x".to_owned(), labels(&[("team", "a")])),
+                ("y".to_owned(), labels(&[("team", "b")])),
+                ("w".to_owned(), labels(&[("team", "a")])),
+            ]),
+            TenancySettings::default(),
+        );
+        let shared = tenancy.shared_document(&json!({}));
+        let entries = shared.value["tenancy"]["policies"]
+            .as_array()
+            .expect("policies")
+            .clone();
+        let listed: Vec<(Value, Value)> = entries
+            .iter()
+            .map(|e| (e["name"].clone(), e["namespaces"].clone()))
+            .collect();
+        assert_eq!(
+            listed,
+            vec![
+                (json!("a-team"), json!(["named", "w", "x"])),
+                (json!("b-team"), json!(["named", "w", "x"])),
+            ]
+        );
+        // Labels are known for x, y, w only; a cluster-scoped request is never selected.
+        for ns in ["x", "y", "w", ""] {
+            assert!(shared.coverage.covers(ns), "{ns}");
+        }
+        assert!(!shared.coverage.covers("named"));
+        assert!(!shared.coverage.covers("new"));
+
+        // Without label selectors the document is exact for every namespace.
+        let before = tenancy.changes();
+        tenancy.set_policies(vec![policy(
+            "names",
+            TenancyPolicySpec {
+                namespaces: Some(vec!["a".into()]),
+                ..Default::default()
+            },
+        )]);
+        assert!(tenancy.changes() > before);
+        let shared = tenancy.shared_document(&json!({}));
+        assert_eq!(shared.coverage, Coverage::All);
+        assert_eq!(
+            shared.value["tenancy"]["policies"][0]["namespaces"],
+            json!(["a"])
+        );
     }
 }

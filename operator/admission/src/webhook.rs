@@ -31,9 +31,9 @@ use serde_json::Value;
 use tracing::{error, info, warn};
 
 use crate::bundle::{DECISION_ENTRYPOINT, DEFAULTS_ENTRYPOINT};
-use crate::engine::{EngineError, PolicyEngine, Slot};
+use crate::engine::{EngineError, PolicyData, PolicyEngine, Slot};
 use crate::metrics::{AdmissionMetrics, EntrypointLabels, ErrorLabels, ViolationLabels};
-use crate::tenancy::{Tenancy, TenancyError};
+use crate::tenancy::{Coverage, Tenancy, TenancyError};
 
 pub use crate::errors::WebhookError;
 pub use crate::review::{
@@ -145,6 +145,24 @@ pub struct Admission {
     limits: ReviewLimits,
     /// Body bytes in flight, in KiB units.
     body_budget: Arc<Semaphore>,
+    /// The shared data document, rebuilt after the tenancy stores change.
+    prepared: std::sync::Mutex<Option<Arc<Prepared>>>,
+}
+
+/// The shared data document as of a count of tenancy changes.
+struct Prepared {
+    changes: u64,
+    data: Arc<PolicyData>,
+    coverage: Coverage,
+}
+
+/// The data document a request is evaluated with.
+#[derive(Clone, Debug)]
+pub enum RequestData {
+    /// The shared document (pooled instances hold it).
+    Shared(Arc<PolicyData>),
+    /// A document of this request's own (a namespace the watch has not seen yet).
+    Own(Arc<Value>),
 }
 
 impl Admission {
@@ -178,6 +196,7 @@ impl Admission {
             failure_policy,
             limits,
             body_budget: Arc::new(Semaphore::new(units as usize)),
+            prepared: std::sync::Mutex::new(None),
         }
     }
 
@@ -185,11 +204,46 @@ impl Admission {
         &self.engine
     }
 
-    /// The tenancy data `/validate` evaluates a request in `namespace` with.
-    pub async fn data_for(&self, namespace: &str) -> Result<Value, TenancyError> {
-        self.tenancy
+    /// The tenancy data `/validate` evaluates a request in `namespace` with: the shared
+    /// document when it is exact for the namespace, else one built for this request.
+    pub async fn data_for(&self, namespace: &str) -> Result<RequestData, TenancyError> {
+        let prepared = self.prepared();
+        if prepared.coverage.covers(namespace) {
+            return Ok(RequestData::Shared(prepared.data.clone()));
+        }
+        let own = self
+            .tenancy
             .data_for(self.engine.bundle_data(), namespace)
-            .await
+            .await?;
+        Ok(RequestData::Own(Arc::new(own)))
+    }
+
+    /// The shared data document, rebuilt first if the tenancy stores changed since it was
+    /// built. An unchanged document keeps its version, so pooled instances stay loaded.
+    fn prepared(&self) -> Arc<Prepared> {
+        // Read before the stores: the document then holds at least every counted change.
+        let changes = self.tenancy.changes();
+        let mut current = self
+            .prepared
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(prepared) = current.as_ref()
+            && prepared.changes == changes
+        {
+            return prepared.clone();
+        }
+        let document = self.tenancy.shared_document(self.engine.bundle_data());
+        let data = match current.as_ref() {
+            Some(old) if old.data.value() == &document.value => old.data.clone(),
+            _ => PolicyData::new(document.value),
+        };
+        let prepared = Arc::new(Prepared {
+            changes,
+            data,
+            coverage: document.coverage,
+        });
+        *current = Some(prepared.clone());
+        prepared
     }
 
     async fn timed(
@@ -197,11 +251,14 @@ impl Admission {
         slot: &Slot,
         entrypoint: &'static str,
         input: Arc<Value>,
-        data: Arc<Value>,
+        data: RequestData,
     ) -> Result<Value, EngineError> {
         let started = Instant::now();
         let result = slot
-            .run(move |evaluator| evaluator.evaluate(entrypoint, &input, &data))
+            .run(move |evaluator| match &data {
+                RequestData::Shared(data) => evaluator.evaluate(entrypoint, &input, data),
+                RequestData::Own(data) => evaluator.evaluate_once(entrypoint, &input, data),
+            })
             .await
             .and_then(|r| r);
         self.metrics
@@ -222,7 +279,7 @@ impl Admission {
     /// The decision for a parsed review.
     async fn decide(&self, slot: &Slot, review: &Review) -> Result<Decision, WebhookError> {
         let namespace = review.request.namespace.as_deref().unwrap_or_default();
-        let data = Arc::new(self.data_for(namespace).await?);
+        let data = self.data_for(namespace).await?;
         let value = self
             .timed(slot, DECISION_ENTRYPOINT, review.input.clone(), data)
             .await?;
@@ -234,7 +291,9 @@ impl Admission {
 
     /// The JSON Patch of defaults for a parsed review.
     async fn defaults(&self, slot: &Slot, review: &Review) -> Result<Value, WebhookError> {
-        let data = self.engine.shared_bundle_data();
+        // The defaults read no tenancy data: the shared document serves every namespace, and
+        // the instances that hold it serve both webhooks.
+        let data = RequestData::Shared(self.prepared().data.clone());
         let value = self
             .timed(slot, DEFAULTS_ENTRYPOINT, review.input.clone(), data)
             .await?;

@@ -537,3 +537,82 @@ async fn slot_work_runs_on_the_blocking_pool() {
     release.send(()).expect("release");
     assert!(work.await.expect("task").expect("ran"));
 }
+
+#[tokio::test]
+async fn a_tenancy_change_applies_to_the_next_evaluation() {
+    let bundle = Bundle::load(&bundle_path()).expect("bundle loads");
+    // One slot: every evaluation runs on the same pooled instance while the data stays.
+    let engine = PolicyEngine::new(
+        &bundle,
+        EngineLimits {
+            concurrency: 1,
+            ..EngineLimits::default()
+        },
+    )
+    .await
+    .expect("engine");
+    let labels = BTreeMap::from([(
+        "team-a".to_owned(),
+        BTreeMap::from([("team".to_owned(), "a".to_owned())]),
+    )]);
+    let tenancy = Tenancy::fixed(vec![], labels, TenancySettings::default());
+    let router = webhook::router(Arc::new(Admission::new(
+        engine.clone(),
+        tenancy.clone(),
+        AdmissionMetrics::new(),
+        FailurePolicy::Fail,
+    )));
+    let image = |ns: &str| review(ns, json!({"image": "evil.example/pulumi:3"}));
+    let allowed = |response: Value| response["allowed"] == true;
+
+    assert!(allowed(
+        review_response(&router, "/validate", &image("team-a")).await
+    ));
+    assert_eq!(engine.pooled(), 1);
+
+    // By name.
+    let mut by_name = policy("images", "team-a", EnforcementAction::Deny);
+    by_name.spec.allowed_image_prefixes = Some(vec!["registry.example/".into()]);
+    tenancy.set_policies(vec![by_name]);
+    let denied = review_response(&router, "/validate", &image("team-a")).await;
+    assert!(!allowed(denied.clone()), "{denied}");
+    assert!(
+        denied["status"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("TenancyPolicy images)")),
+        "{denied}"
+    );
+    assert!(allowed(
+        review_response(&router, "/validate", &image("team-b")).await
+    ));
+
+    // By label: a namespace with known labels, and one whose labels are not known (its own
+    // document), both selected by an empty selector.
+    let mut by_label = TenancyPolicy::new(
+        "everyone",
+        TenancyPolicySpec {
+            namespace_selector: Some(Default::default()),
+            allowed_image_prefixes: Some(vec!["registry.example/".into()]),
+            ..TenancyPolicySpec::default()
+        },
+    );
+    tenancy.set_policies(vec![by_label.clone()]);
+    assert!(!allowed(
+        review_response(&router, "/validate", &image("team-a")).await
+    ));
+    assert!(!allowed(
+        review_response(&router, "/validate", &image("team-z")).await
+    ));
+
+    // An allowance that admits the image, then no policy at all.
+    by_label.spec.allowed_image_prefixes = Some(vec!["evil.example/".into()]);
+    tenancy.set_policies(vec![by_label]);
+    assert!(allowed(
+        review_response(&router, "/validate", &image("team-a")).await
+    ));
+    tenancy.set_policies(vec![]);
+    assert!(allowed(
+        review_response(&router, "/validate", &image("team-z")).await
+    ));
+    assert_eq!(engine.pooled(), 1);
+}
