@@ -68,6 +68,12 @@ impl Bundle {
 
     /// Parses the bytes of a bundle; the error says what is wrong.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, String> {
+        Self::with_entrypoints(bytes, &[DECISION_ENTRYPOINT, DEFAULTS_ENTRYPOINT])
+    }
+
+    /// [`Self::from_bytes`] for a bundle that must have the entrypoints `needed` (tests build
+    /// bundles of their own policies).
+    pub fn with_entrypoints(bytes: &[u8], needed: &[&str]) -> Result<Self, String> {
         let mut archive = tar::Archive::new(flate2::read::GzDecoder::new(bytes));
         let (mut wasm, mut data, mut manifest) = (None, None, None);
         let entries = archive
@@ -111,7 +117,7 @@ impl Bundle {
             None => return Err("no /.manifest".into()),
         };
         let entrypoints: Vec<String> = manifest.wasm.into_iter().map(|w| w.entrypoint).collect();
-        for needed in [DECISION_ENTRYPOINT, DEFAULTS_ENTRYPOINT] {
+        for &needed in needed {
             if !entrypoints.iter().any(|e| e == needed) {
                 return Err(format!(
                     "entrypoint {needed} is missing (has: {}); build with `make policies`",

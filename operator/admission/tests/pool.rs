@@ -99,26 +99,7 @@ fn probe_bundle() -> Bundle {
         .expect("opa build runs");
     assert!(status.success(), "opa build failed");
     let bytes = std::fs::read(&out).expect("bundle");
-    let mut archive = tar::Archive::new(flate2::read::GzDecoder::new(&bytes[..]));
-    let mut wasm = Vec::new();
-    for entry in archive.entries().expect("entries") {
-        let mut entry = entry.expect("entry");
-        if entry
-            .path()
-            .expect("path")
-            .to_string_lossy()
-            .ends_with("policy.wasm")
-        {
-            std::io::Read::read_to_end(&mut entry, &mut wasm).expect("read wasm");
-        }
-    }
-    assert!(!wasm.is_empty(), "the bundle holds policy.wasm");
-    Bundle {
-        wasm,
-        data: json!({}),
-        entrypoints: ENTRYPOINTS.iter().map(|e| (*e).to_owned()).collect(),
-        digest: "sha256:probe".into(),
-    }
+    Bundle::with_entrypoints(&bytes, &ENTRYPOINTS).expect("a probe bundle")
 }
 
 /// One instance: every pooled evaluation reuses the same one.

@@ -173,26 +173,7 @@ fn build_bundle(dir: &Path, rego: &str, entrypoint: &str) -> Bundle {
         .expect("opa build runs");
     assert!(status.success(), "opa build failed");
     let bytes = std::fs::read(&out).expect("bundle");
-    // Our loader insists on both production entrypoints; this test bundle has one.
-    let mut archive = tar::Archive::new(flate2::read::GzDecoder::new(&bytes[..]));
-    let mut wasm = Vec::new();
-    for entry in archive.entries().expect("entries") {
-        let mut entry = entry.expect("entry");
-        if entry
-            .path()
-            .expect("path")
-            .to_string_lossy()
-            .ends_with("policy.wasm")
-        {
-            std::io::Read::read_to_end(&mut entry, &mut wasm).expect("read wasm");
-        }
-    }
-    Bundle {
-        wasm,
-        data: json!({}),
-        entrypoints: vec![entrypoint.to_owned()],
-        digest: "sha256:test".into(),
-    }
+    Bundle::with_entrypoints(&bytes, &[entrypoint]).expect("a test bundle")
 }
 
 // One thread: if an evaluation ran on it, nothing else could run until it ended.
