@@ -11,9 +11,9 @@ use kube::api::DynamicObject;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::discovery::ApiResource;
 use kube::{Api, Client};
-use pko_api::program::Program;
 use pko_api::stack::Stack;
 use pko_operator::artifact::index::ProgramIndex;
+use pko_operator::artifact::stored::StoredProgram;
 use pko_operator::capability::{self, KeyRing, KeySecret, KeySet, RotationPolicy};
 use pko_operator::config::AdvertisedAddress;
 use pko_operator::controller::kit::Kit;
@@ -263,7 +263,7 @@ impl Watches {
         tasks: &mut JoinSet<()>,
     ) -> Result<Self, AppError> {
         let namespace = args.watch_namespace.as_deref().filter(|n| !n.is_empty());
-        let programs: Api<Program> = match namespace {
+        let programs: Api<StoredProgram> = match namespace {
             Some(namespace) => Api::namespaced(client.clone(), namespace),
             None => Api::all(client.clone()),
         };

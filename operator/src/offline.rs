@@ -22,6 +22,7 @@ use sha2::{Digest, Sha256};
 
 use crate::artifact::PROJECT_FILE;
 use crate::artifact::index::{Built, build_program};
+use crate::artifact::stored::StoredProgram;
 use crate::transform::{ModuleFetcher, TransformRegistry};
 
 /// Failures of the offline commands.
@@ -134,16 +135,30 @@ pub async fn render(args: &RenderArgs) -> Result<Rendered, CliError> {
     );
     let registry = TransformRegistry::new(host.clone(), fetcher);
     registry.load_offline(&objects.transforms, &objects.clusters, &objects.namespaces);
+    let stored =
+        StoredProgram::from_program(&program).map_err(|e| CliError::Input(e.to_string()))?;
     let chain = registry
-        .chain_for(&program)
+        .chain_for(&stored)
         .await
         .map_err(|e| CliError::Input(e.to_string()))?;
 
-    let transformed = build_program(&program, &chain, Some(&host)).await?;
+    let transformed = build_program(
+        &program.metadata,
+        program.program.clone(),
+        &chain,
+        Some(&host),
+    )
+    .await?;
     let mut notes = notes(&chain, &transformed);
     let yaml = project_file(&transformed)?;
     let output = if args.diff {
-        let plain = build_program(&program, &Chain::default(), None).await?;
+        let plain = build_program(
+            &program.metadata,
+            program.program.clone(),
+            &Chain::default(),
+            None,
+        )
+        .await?;
         let before = project_file(&plain)?;
         let diff = similar::TextDiff::from_lines(&before, &yaml);
         let text = diff

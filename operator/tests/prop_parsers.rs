@@ -21,6 +21,7 @@ use kube::runtime::reflector;
 use kube::runtime::watcher::Event;
 use pko_api::program::{Program, ProgramSpec};
 use pko_operator::artifact::index::ProgramIndex;
+use pko_operator::artifact::stored::StoredProgram;
 use pko_operator::artifact::{self, ArtifactError};
 use pko_operator::capability::{ArtifactRef, KeyRing, KeySet};
 use pko_operator::fileserver::{self, FileServer, parse_generation};
@@ -203,17 +204,17 @@ fn keys() -> KeySet {
     )]))
 }
 
-fn program(ns: &str, name: &str, generation: i64) -> Program {
+fn program(ns: &str, name: &str, generation: i64) -> StoredProgram {
     let mut p = Program::new(name, ProgramSpec::default());
     p.metadata.namespace = Some(ns.to_owned());
     p.metadata.generation = Some(generation);
     p.metadata.uid = Some(format!("uid-{ns}-{name}"));
-    p
+    StoredProgram::from_program(&p).expect("stores")
 }
 
 /// The real router over a reflector store holding `programs`.
 fn router_with(programs: &[(&str, &str, i64)]) -> Router {
-    let (store, mut writer) = reflector::store::<Program>();
+    let (store, mut writer) = reflector::store::<StoredProgram>();
     for (ns, name, generation) in programs {
         writer.apply_watcher_event(&Event::Apply(program(ns, name, *generation)));
     }

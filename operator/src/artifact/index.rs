@@ -18,16 +18,18 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::{Stream, StreamExt, TryStreamExt};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, ResourceExt};
-use pko_api::program::Program;
+use pko_api::program::ProgramSpec;
 use pko_plugin_host::chain::{self, Chain, StepFailure};
 use tokio::sync::{OnceCell, Semaphore, broadcast, watch as notify};
 use tracing::{debug, warn};
 
 pub use super::built::{Built, ChainReport};
 use super::cache::{ArtifactCache, CacheKey};
+use super::stored::{StoredError, StoredProgram};
 use crate::artifact::{self, ArtifactError};
 use crate::metrics::{Metrics, PublishWaitOutcome};
 use crate::transform::{TransformError, TransformRegistry};
@@ -52,7 +54,7 @@ const TRIGGER_BUFFER: usize = 4096;
 #[derive(Clone, Debug)]
 enum Change {
     /// A Program was created or changed (the store already holds it).
-    Applied(ObjectRef<Program>),
+    Applied(ObjectRef<StoredProgram>),
     /// The store was (re)filled from a full list: every Program may have changed.
     Resynced,
 }
@@ -67,13 +69,15 @@ pub enum BuildError {
     Transform(StepFailure),
     #[error(transparent)]
     Transforms(#[from] TransformError),
+    #[error(transparent)]
+    Spec(#[from] StoredError),
 }
 
 impl BuildError {
     /// The same build may succeed later (a timeout, a busy host, transforms not synced yet).
     pub fn is_transient(&self) -> bool {
         match self {
-            Self::Artifact(_) => false,
+            Self::Artifact(_) | Self::Spec(_) => false,
             Self::Transform(failure) => failure.error.kind().is_transient(),
             Self::Transforms(_) => true,
         }
@@ -110,7 +114,7 @@ impl Lookup {
 
 /// Programs known to this replica, and their artifacts.
 pub struct ProgramIndex {
-    store: Store<Program>,
+    store: Store<StoredProgram>,
     cache: ArtifactCache,
     synced: Arc<AtomicBool>,
     metrics: Metrics,
@@ -129,7 +133,7 @@ pub struct ProgramIndex {
 }
 
 impl ProgramIndex {
-    pub fn new(store: Store<Program>, cache_bytes: u64, metrics: Metrics) -> Self {
+    pub fn new(store: Store<StoredProgram>, cache_bytes: u64, metrics: Metrics) -> Self {
         Self {
             store,
             cache: ArtifactCache::new(cache_bytes),
@@ -152,7 +156,7 @@ impl ProgramIndex {
     }
 
     /// The Programs this replica knows (the one store of the replica).
-    pub fn programs(&self) -> &Store<Program> {
+    pub fn programs(&self) -> &Store<StoredProgram> {
         &self.store
     }
 
@@ -160,7 +164,7 @@ impl ProgramIndex {
     /// every Program once the store is filled, then each one the watch applies, and every one
     /// again after a re-list or when the controller falls behind. Each object comes from the
     /// store the file server answers from, so whatever the controller publishes is served.
-    pub fn triggers(&self) -> impl Stream<Item = Arc<Program>> + Send + 'static {
+    pub fn triggers(&self) -> impl Stream<Item = Arc<StoredProgram>> + Send + 'static {
         // Subscribe before reading the store, so no change falls between the two.
         let changes = self.changes.subscribe();
         let store = self.store.clone();
@@ -256,7 +260,7 @@ impl ProgramIndex {
 
     /// Look up the artifact of `namespace/name` at `generation`, building it on a cache miss.
     pub async fn lookup(&self, namespace: &str, name: &str, generation: i64) -> Lookup {
-        let key = ObjectRef::<Program>::new(name).within(namespace);
+        let key = ObjectRef::<StoredProgram>::new(name).within(namespace);
         let Some(program) = self.store.get(&key) else {
             return Lookup::ProgramNotFound;
         };
@@ -274,7 +278,7 @@ impl ProgramIndex {
     }
 
     /// The artifact of the Program's current generation, from the cache or freshly built.
-    pub async fn artifact_for(&self, program: Arc<Program>) -> BuildResult {
+    pub async fn artifact_for(&self, program: Arc<StoredProgram>) -> BuildResult {
         let chain = match &self.transforms {
             Some(transforms) => transforms
                 .chain_for(&program)
@@ -295,7 +299,7 @@ impl ProgramIndex {
         let host = self.transforms.as_ref().map(|t| t.host().clone());
         let result = cell
             .get_or_init(|| async move {
-                build_program(&program, &chain, host.as_ref())
+                build_stored(&program, &chain, host.as_ref())
                     .await
                     .map(Arc::new)
                     .map_err(Arc::new)
@@ -351,7 +355,7 @@ impl ProgramIndex {
 
     /// Whether the controller must see `event`, judged before the store applies it (so the
     /// store still holds the previous version). See [`reconcile_needed`].
-    fn needs_reconcile(&self, event: &watcher::Event<Program>) -> bool {
+    fn needs_reconcile(&self, event: &watcher::Event<StoredProgram>) -> bool {
         match event {
             watcher::Event::Apply(program) => {
                 let old = self.store.get(&ObjectRef::from_obj(program));
@@ -363,13 +367,13 @@ impl ProgramIndex {
 
     /// Takes note of a watch event the store has just applied (tests feed the index by hand).
     #[cfg(test)]
-    pub(crate) fn observe(&self, event: &watcher::Event<Program>) {
+    pub(crate) fn observe(&self, event: &watcher::Event<StoredProgram>) {
         self.observe_judged(event, true);
     }
 
     /// [`Self::observe`], with the verdict of [`Self::needs_reconcile`]: an applied Program
     /// reaches the controller only when it must.
-    fn observe_judged(&self, event: &watcher::Event<Program>, needs_reconcile: bool) {
+    fn observe_judged(&self, event: &watcher::Event<StoredProgram>, needs_reconcile: bool) {
         // The store already holds this event (the reflector wrote it before us).
         match event {
             watcher::Event::Delete(program) => {
@@ -413,9 +417,9 @@ impl ProgramIndex {
 
 /// Programs in the order they were created (then by name), so a controller serving them first
 /// come, first served after a (re)list makes no Program wait behind later ones.
-fn oldest_first(mut programs: Vec<Arc<Program>>) -> Vec<Arc<Program>> {
+fn oldest_first(mut programs: Vec<Arc<StoredProgram>>) -> Vec<Arc<StoredProgram>> {
     fn key(
-        p: &Program,
+        p: &StoredProgram,
     ) -> (
         Option<k8s_openapi::jiff::Timestamp>,
         Option<&str>,
@@ -433,7 +437,7 @@ fn oldest_first(mut programs: Vec<Arc<Program>>) -> Vec<Arc<Program>> {
 /// controller writes: another object under the same name, a new generation (the spec), labels
 /// (they select transforms), or deletion. Status and other metadata are left out, so the
 /// controller's own status writes never re-queue their Program.
-pub(crate) fn reconcile_needed(old: Option<&Program>, new: &Program) -> bool {
+pub(crate) fn reconcile_needed(old: Option<&StoredProgram>, new: &StoredProgram) -> bool {
     let Some(old) = old else { return true };
     old.metadata.uid != new.metadata.uid
         || old.metadata.generation != new.metadata.generation
@@ -441,28 +445,34 @@ pub(crate) fn reconcile_needed(old: Option<&Program>, new: &Program) -> bool {
         || old.metadata.deletion_timestamp != new.metadata.deletion_timestamp
 }
 
+/// Builds the artifact of a stored Program: its spec is parsed from the stored text here, once
+/// per generation (the cache answers after that).
+async fn build_stored(
+    program: &StoredProgram,
+    chain: &Chain,
+    host: Option<&pko_plugin_host::PluginHost>,
+) -> Result<Built, BuildError> {
+    let spec = program.spec()?;
+    build_program(&program.metadata, spec, chain, host).await
+}
+
 /// The one function that turns a Program into its artifact, used by the controller (for the
 /// digest in status) and by the file server (for the bytes it serves): the chain runs over the
 /// spec, then the result is rendered and packed.
 pub async fn build_program(
-    program: &Program,
+    meta: &ObjectMeta,
+    spec: ProgramSpec,
     chain: &Chain,
     host: Option<&pko_plugin_host::PluginHost>,
 ) -> Result<Built, BuildError> {
-    let name = program.name_any();
+    let name = meta.name.clone().unwrap_or_default();
     let (spec, report) = match host {
         Some(host) if !chain.is_empty() => {
-            let namespace = program.namespace().unwrap_or_default();
-            let out = chain::run(
-                host,
-                chain,
-                &namespace,
-                &name,
-                program.labels(),
-                &program.program,
-            )
-            .await
-            .map_err(BuildError::Transform)?;
+            let namespace = meta.namespace.clone().unwrap_or_default();
+            let labels = meta.labels.clone().unwrap_or_default();
+            let out = chain::run(host, chain, &namespace, &name, &labels, &spec)
+                .await
+                .map_err(BuildError::Transform)?;
             let report = ChainReport {
                 fingerprint: chain.fingerprint(),
                 applied: out.applied,
@@ -470,7 +480,7 @@ pub async fn build_program(
             };
             (out.spec, report)
         }
-        _ => (program.program.clone(), ChainReport::default()),
+        _ => (spec, ChainReport::default()),
     };
     // Building a large Program takes milliseconds of CPU: keep it off the async workers.
     let artifact = tokio::task::spawn_blocking(move || artifact::build_typed(&name, &spec))
@@ -482,7 +492,7 @@ pub async fn build_program(
     })
 }
 
-fn cache_key(program: &Program, chain: &Chain) -> CacheKey {
+fn cache_key(program: &StoredProgram, chain: &Chain) -> CacheKey {
     CacheKey {
         uid: program.uid().unwrap_or_default(),
         generation: program.metadata.generation.unwrap_or(0),
@@ -508,12 +518,12 @@ pub struct IndexOptions {
 /// the caller spawns it. Applied Programs are pre-built so requests are served from memory.
 /// With `transforms`, each Program's chain runs before its artifact is built.
 pub fn watch(
-    api: Api<Program>,
+    api: Api<StoredProgram>,
     options: IndexOptions,
     metrics: Metrics,
     transforms: Option<Arc<TransformRegistry>>,
 ) -> (Arc<ProgramIndex>, impl std::future::Future<Output = ()>) {
-    let (store, writer) = reflector::store::<Program>();
+    let (store, writer) = reflector::store::<StoredProgram>();
     if let Some(transforms) = &transforms {
         transforms.attach_programs(store.clone());
     }
@@ -544,37 +554,38 @@ pub fn watch(
                     let (index, needs) = (index.clone(), needs.clone());
                     move |event| index.observe_judged(event, needs.load(Ordering::Relaxed))
                 })
-                // A status write changes no artifact: nothing to pre-build.
+                // A status write changes no artifact: nothing to pre-build. A pre-build waiting
+                // for its turn holds the name and generation only: the store has the object.
                 .try_filter_map(|event| {
                     let program = match event {
                         watcher::Event::Apply(p) if needs.load(Ordering::Relaxed) => Some(p),
                         watcher::Event::InitApply(p) => Some(p),
                         _ => None,
                     };
-                    std::future::ready(Ok(program))
+                    let wanted = program.map(|p| (ObjectRef::from_obj(&p), p.metadata.generation));
+                    std::future::ready(Ok(wanted))
                 });
             let mut events = std::pin::pin!(events);
             loop {
                 match events.try_next().await {
-                    Ok(Some(program)) => {
+                    Ok(Some((key, generation))) => {
                         let index = index.clone();
                         let prebuilds = prebuilds.clone();
                         tokio::spawn(async move {
                             let Ok(_permit) = prebuilds.acquire().await else {
                                 return;
                             };
-                            // Skip generations superseded while waiting.
-                            let key = ObjectRef::from_obj(&program);
-                            let current = index.store.get(&key);
-                            if current.as_ref().and_then(|p| p.metadata.generation)
-                                != program.metadata.generation
-                            {
+                            // Skip generations superseded (or Programs deleted) while waiting.
+                            let Some(program) = index
+                                .store
+                                .get(&key)
+                                .filter(|p| p.metadata.generation == generation)
+                            else {
                                 return;
-                            }
-                            let name = program.name_any();
-                            if let Err(err) = index.artifact_for(Arc::new(program)).await {
+                            };
+                            if let Err(err) = index.artifact_for(program).await {
                                 // Served as an error with this reason; the controller reports it too.
-                                debug!(program = %name, error = %err, "artifact cannot be built");
+                                debug!(program = %key, error = %err, "artifact cannot be built");
                             }
                         });
                     }
@@ -592,17 +603,17 @@ mod tests {
     use std::collections::BTreeMap;
 
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-    use pko_api::program::{ProgramSpec, ProgramStatus};
+    use pko_api::program::{Program, ProgramSpec, ProgramStatus};
 
     use super::*;
 
-    fn program(generation: i64) -> Program {
+    fn program(generation: i64) -> StoredProgram {
         let mut p = Program::new("p", ProgramSpec::default());
         p.metadata.namespace = Some("ns".into());
         p.metadata.generation = Some(generation);
         p.metadata.uid = Some("uid-1".into());
         p.metadata.resource_version = Some("10".into());
-        p
+        StoredProgram::from_program(&p).unwrap()
     }
 
     #[test]
@@ -640,7 +651,7 @@ mod tests {
 
     #[test]
     fn the_verdict_is_taken_against_the_store_before_it_applies_the_event() {
-        let (store, mut writer) = reflector::store::<Program>();
+        let (store, mut writer) = reflector::store::<StoredProgram>();
         let index = ProgramIndex::new(store, 1 << 20, Metrics::new());
         let mut rx = index.changes.subscribe();
 

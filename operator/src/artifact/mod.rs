@@ -9,6 +9,7 @@
 pub mod built;
 pub mod cache;
 pub mod index;
+pub mod stored;
 
 use std::io::Write;
 

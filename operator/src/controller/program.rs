@@ -30,6 +30,7 @@ use tokio::sync::broadcast;
 use tracing::{info, instrument, warn};
 
 use crate::artifact::index::{BuildError, BuildResult, Built, ChainReport, ProgramIndex};
+use crate::artifact::stored::StoredProgram;
 use crate::capability::{ArtifactRef, KeyRing, unix_now};
 use crate::config::{AdvertisedAddress, artifact_path};
 use crate::controller::backoff::{self, Backoff, Verdict};
@@ -186,7 +187,7 @@ pub async fn run(
 
 /// Queues every Program the store says changed, and those whose transform chain changed (a
 /// receiver of those that fell behind queues every Program).
-async fn feed(ctx: &ProgramContext, queue: &WorkQueue<ObjectRef<Program>>) {
+async fn feed(ctx: &ProgramContext, queue: &WorkQueue<ObjectRef<StoredProgram>>) {
     let changed = ctx
         .index
         .triggers()
@@ -224,7 +225,7 @@ async fn feed(ctx: &ProgramContext, queue: &WorkQueue<ObjectRef<Program>>) {
 
 /// One worker: reconciles the oldest queued Program, as the store holds it now, until the
 /// queue shuts down.
-async fn work(ctx: Arc<ProgramContext>, queue: WorkQueue<ObjectRef<Program>>) {
+async fn work(ctx: Arc<ProgramContext>, queue: WorkQueue<ObjectRef<StoredProgram>>) {
     while let Some(key) = queue.next().await {
         // Gone from the store: deleted since it was queued.
         let again = match ctx.index.programs().get(&key) {
@@ -240,7 +241,7 @@ async fn work(ctx: Arc<ProgramContext>, queue: WorkQueue<ObjectRef<Program>>) {
 
 /// Reconciles one Program; returns when to look at it again, if no change comes first.
 #[instrument(skip_all, fields(program = %format!("{}/{}", program.namespace().unwrap_or_default(), program.name_any())))]
-async fn reconcile(program: Arc<Program>, ctx: Arc<ProgramContext>) -> Option<Duration> {
+async fn reconcile(program: Arc<StoredProgram>, ctx: Arc<ProgramContext>) -> Option<Duration> {
     let _measure = kit::measure(&ctx.metrics, CONTROLLER);
     let result = reconcile_inner(&program, &ctx).await;
     let failure = ctx
@@ -266,7 +267,7 @@ async fn reconcile(program: Arc<Program>, ctx: Arc<ProgramContext>) -> Option<Du
 }
 
 async fn reconcile_inner(
-    program: &Arc<Program>,
+    program: &Arc<StoredProgram>,
     ctx: &ProgramContext,
 ) -> Result<Option<Duration>, ProgramError> {
     if program.meta().deletion_timestamp.is_some() {

@@ -419,21 +419,22 @@ mod router_tests {
     use tower::ServiceExt;
 
     use super::*;
+    use crate::artifact::stored::StoredProgram;
     use crate::capability::KeySet;
 
-    fn program(ns: &str, name: &str, generation: i64) -> Program {
+    fn program(ns: &str, name: &str, generation: i64) -> StoredProgram {
         let mut p = Program::new(name, ProgramSpec::default());
         p.metadata.namespace = Some(ns.to_owned());
         p.metadata.generation = Some(generation);
         p.metadata.uid = Some(format!("uid-{ns}-{name}"));
-        p
+        StoredProgram::from_program(&p).unwrap()
     }
 
     fn index_with(
         programs: &[(&str, &str, i64)],
         publish_wait: Duration,
-    ) -> (FileServer, reflector::store::Writer<Program>) {
-        let (store, mut writer) = reflector::store::<Program>();
+    ) -> (FileServer, reflector::store::Writer<StoredProgram>) {
+        let (store, mut writer) = reflector::store::<StoredProgram>();
         for (ns, name, generation) in programs {
             writer.apply_watcher_event(&Event::Apply(program(ns, name, *generation)));
         }

@@ -18,6 +18,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
+use crate::artifact::stored::StoredProgram;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
@@ -25,7 +26,6 @@ use kube::core::{Selector, SelectorExt};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, Resource, ResourceExt};
-use pko_api::program::Program;
 use pko_api::transform::{
     ClusterProgramTransform, FailurePolicy as ApiPolicy, ProgramTransform, ResolvedSource,
     TransformStatus, TransformView,
@@ -193,7 +193,7 @@ struct State {
     entries: BTreeMap<TransformKey, Entry>,
     namespaces: HashMap<String, BTreeMap<String, String>>,
     /// The chain fingerprint each Program was last built with.
-    fingerprints: HashMap<ObjectRef<Program>, String>,
+    fingerprints: HashMap<ObjectRef<StoredProgram>, String>,
     /// Keys seen during a re-list, per kind (`None` outside a re-list).
     relist: [Option<HashSet<TransformKey>>; 2],
     synced: [bool; 3],
@@ -204,8 +204,8 @@ pub struct TransformRegistry {
     host: PluginHost,
     fetcher: ModuleFetcher,
     state: Mutex<State>,
-    programs: OnceLock<Store<Program>>,
-    program_triggers: broadcast::Sender<ObjectRef<Program>>,
+    programs: OnceLock<Store<StoredProgram>>,
+    program_triggers: broadcast::Sender<ObjectRef<StoredProgram>>,
     status_triggers: broadcast::Sender<TransformKey>,
     synced: watch::Sender<bool>,
     synced_flag: Arc<AtomicBool>,
@@ -251,12 +251,12 @@ impl TransformRegistry {
     }
 
     /// Gives the registry the Program store, for recomputing chains.
-    pub fn attach_programs(&self, store: Store<Program>) {
+    pub fn attach_programs(&self, store: Store<StoredProgram>) {
         let _ = self.programs.set(store);
     }
 
     /// Programs whose chain changed.
-    pub fn subscribe_programs(&self) -> broadcast::Receiver<ObjectRef<Program>> {
+    pub fn subscribe_programs(&self) -> broadcast::Receiver<ObjectRef<StoredProgram>> {
         self.program_triggers.subscribe()
     }
 
@@ -294,13 +294,13 @@ impl TransformRegistry {
     }
 
     /// Forgets a deleted Program.
-    pub fn forget(&self, program: &ObjectRef<Program>) {
+    pub fn forget(&self, program: &ObjectRef<StoredProgram>) {
         lock(&self.state).fingerprints.remove(program);
     }
 
     /// The ordered chain of `program`, once the transform watches have synced and the modules
     /// it needs have loaded (or failed to). Records the chain's fingerprint for the Program.
-    pub async fn chain_for(&self, program: &Program) -> Result<Chain, TransformError> {
+    pub async fn chain_for(&self, program: &StoredProgram) -> Result<Chain, TransformError> {
         let mut synced = self.synced.subscribe();
         if tokio::time::timeout(SYNC_WAIT, synced.wait_for(|s| *s))
             .await
@@ -593,15 +593,15 @@ mod tests {
         ));
     }
 
-    fn program(ns: &str, name: &str, labels: &[(&str, &str)]) -> Program {
-        let mut p = Program::new(name, Default::default());
+    fn program(ns: &str, name: &str, labels: &[(&str, &str)]) -> StoredProgram {
+        let mut p = pko_api::program::Program::new(name, Default::default());
         p.metadata.namespace = Some(ns.into());
         p.metadata.labels = Some(self::labels(labels));
-        p
+        StoredProgram::from_program(&p).expect("stores")
     }
 
     /// Drains what the registry sent to the Program controller.
-    fn sent(rx: &mut broadcast::Receiver<ObjectRef<Program>>) -> Vec<String> {
+    fn sent(rx: &mut broadcast::Receiver<ObjectRef<StoredProgram>>) -> Vec<String> {
         let mut out = Vec::new();
         while let Ok(r) = rx.try_recv() {
             out.push(format!("{}/{}", r.namespace.unwrap_or_default(), r.name));
@@ -617,7 +617,7 @@ mod tests {
             host,
             ModuleFetcher::offline(None, 1, Vec::new(), HashMap::new()),
         );
-        let (store, mut writer) = kube::runtime::reflector::store::<Program>();
+        let (store, mut writer) = kube::runtime::reflector::store::<StoredProgram>();
         let programs = [
             program("a", "web", &[("app", "web")]),
             program("a", "db", &[("app", "db")]),

@@ -276,7 +276,7 @@ impl TransformRegistry {
             return;
         };
         let programs = store.state();
-        let changed: Vec<ObjectRef<Program>> = {
+        let changed: Vec<ObjectRef<StoredProgram>> = {
             let state = lock(&self.state);
             programs
                 .iter()

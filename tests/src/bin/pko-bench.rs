@@ -57,6 +57,8 @@ struct Args {
     write_baseline: Option<PathBuf>,
     check: Option<PathBuf>,
     tolerance: f64,
+    /// `--only pko-rs|pko`: one operator's runs, printed, no report (to iterate on one side).
+    only: Option<Peer>,
 }
 
 fn parse_args(mut it: impl Iterator<Item = String>) -> anyhow::Result<Args> {
@@ -71,6 +73,7 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> anyhow::Result<Args> {
         write_baseline: None,
         check: None,
         tolerance: 0.25,
+        only: None,
     };
     let mut out_given = false;
     let mut with_10k = false;
@@ -99,6 +102,13 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> anyhow::Result<Args> {
             "--write-baseline" => args.write_baseline = Some(PathBuf::from(value)),
             "--check" => args.check = Some(PathBuf::from(value)),
             "--tolerance" => args.tolerance = value.parse()?,
+            "--only" => {
+                args.only = Some(match value.as_str() {
+                    "pko-rs" => Peer::PkoRs,
+                    "pko" => Peer::Pko,
+                    other => bail!("--only takes pko-rs or pko, not {other}"),
+                })
+            }
             other => bail!("unknown flag {other}"),
         }
     }
@@ -114,7 +124,7 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> anyhow::Result<Args> {
         bail!("--starts must be at least 1");
     }
     // A check prints its comparison; it writes a report only when asked to.
-    if !out_given && args.check.is_none() {
+    if !out_given && args.check.is_none() && args.only.is_none() {
         args.out = Some(PathBuf::from("docs/benchmarks.md"));
     }
     Ok(args)
@@ -265,6 +275,26 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let mut runs = Vec::new();
     let mut bare = None;
     let first = args.counts[0];
+    if let Some(peer) = args.only {
+        if args.out.is_some() || args.check.is_some() || args.write_baseline.is_some() {
+            bail!("--only prints one operator's runs; it writes no report, baseline or check");
+        }
+        for &count in &args.counts {
+            peer_run(
+                &mut sections,
+                &bins,
+                state.path(),
+                &args,
+                peer,
+                count,
+                count == first,
+                false,
+            )
+            .await?;
+        }
+        println!("whole run: {:.0} s", began.elapsed().as_secs_f64());
+        return Ok(());
+    }
     for &count in &args.counts {
         let patches = sections
             .run(
