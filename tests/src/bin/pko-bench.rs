@@ -59,6 +59,8 @@ struct Args {
     tolerance: f64,
     /// `--only pko-rs|pko`: one operator's runs, printed, no report (to iterate on one side).
     only: Option<Peer>,
+    /// `--only patches`: the bare status patch runs alone, printed.
+    only_patches: bool,
 }
 
 fn parse_args(mut it: impl Iterator<Item = String>) -> anyhow::Result<Args> {
@@ -74,6 +76,7 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> anyhow::Result<Args> {
         check: None,
         tolerance: 0.25,
         only: None,
+        only_patches: false,
     };
     let mut out_given = false;
     let mut with_10k = false;
@@ -106,7 +109,11 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> anyhow::Result<Args> {
                 args.only = Some(match value.as_str() {
                     "pko-rs" => Peer::PkoRs,
                     "pko" => Peer::Pko,
-                    other => bail!("--only takes pko-rs or pko, not {other}"),
+                    "patches" => {
+                        args.only_patches = true;
+                        continue;
+                    }
+                    other => bail!("--only takes pko-rs, pko or patches, not {other}"),
                 })
             }
             other => bail!("unknown flag {other}"),
@@ -124,7 +131,7 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> anyhow::Result<Args> {
         bail!("--starts must be at least 1");
     }
     // A check prints its comparison; it writes a report only when asked to.
-    if !out_given && args.check.is_none() && args.only.is_none() {
+    if !out_given && args.check.is_none() && args.only.is_none() && !args.only_patches {
         args.out = Some(PathBuf::from("docs/benchmarks.md"));
     }
     Ok(args)
@@ -257,6 +264,10 @@ struct PeerRun {
 struct Patches {
     apply: Duration,
     merge: Duration,
+    /// kube-apiserver CPU seconds for the N creates, the N applies and the N merge patches.
+    create_cpu: f64,
+    apply_cpu: f64,
+    merge_cpu: f64,
 }
 
 struct CountRun {
@@ -275,6 +286,12 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let mut runs = Vec::new();
     let mut bare = None;
     let first = args.counts[0];
+    if args.only_patches {
+        for &count in &args.counts {
+            patch_runs(&bins, count).await?;
+        }
+        return Ok(());
+    }
     if let Some(peer) = args.only {
         if args.out.is_some() || args.check.is_some() || args.write_baseline.is_some() {
             bail!("--only prints one operator's runs; it writes no report, baseline or check");
@@ -829,26 +846,45 @@ async fn patch_runs(bins: &PeerBinaries, count: usize) -> anyhow::Result<Patches
     let apply = status_patch_run(&plane, count, true).await?;
     let merge = status_patch_run(&plane, count, false).await?;
     println!(
-        "   server-side apply {:.2} s ({:.0}/s), JSON merge patch {:.2} s ({:.0}/s)",
-        apply.as_secs_f64(),
-        count as f64 / apply.as_secs_f64(),
-        merge.as_secs_f64(),
-        count as f64 / merge.as_secs_f64()
+        "   server-side apply {:.2} s ({:.0}/s, apiserver CPU {:.2} s), JSON merge patch {:.2} s \
+         ({:.0}/s, apiserver CPU {:.2} s); creates: apiserver CPU {:.2} s",
+        apply.took.as_secs_f64(),
+        count as f64 / apply.took.as_secs_f64(),
+        apply.patch_cpu,
+        merge.took.as_secs_f64(),
+        count as f64 / merge.took.as_secs_f64(),
+        merge.patch_cpu,
+        (apply.create_cpu + merge.create_cpu) / 2.0,
     );
-    Ok(Patches { apply, merge })
+    Ok(Patches {
+        apply: apply.took,
+        merge: merge.took,
+        create_cpu: (apply.create_cpu + merge.create_cpu) / 2.0,
+        apply_cpu: apply.patch_cpu,
+        merge_cpu: merge.patch_cpu,
+    })
+}
+
+struct PatchRun {
+    took: Duration,
+    create_cpu: f64,
+    patch_cpu: f64,
 }
 
 async fn status_patch_run(
     plane: &ControlPlane,
     count: usize,
     apply: bool,
-) -> anyhow::Result<Duration> {
+) -> anyhow::Result<PatchRun> {
     let ns = plane
         .namespace(if apply { "patch-apply" } else { "patch-merge" })
         .await?;
     let api = programs(plane, &ns)?;
-    // Objects first (not timed); only the patches are measured.
+    let apiserver = pko_peer::plane_pid(plane, "kube-apiserver");
+    // Objects first (their CPU apart); the time is the patches'.
+    let cpu0 = cpu(apiserver);
     create_programs(&api, "q", count).await?;
+    let cpu1 = cpu(apiserver);
     let ar = program_resource();
     let params = if apply {
         PatchParams::apply("pko-bench").force()
@@ -883,7 +919,12 @@ async fn status_patch_run(
         .buffer_unordered(IN_FLIGHT)
         .try_collect::<Vec<_>>()
         .await?;
-    Ok(start.elapsed())
+    let took = start.elapsed();
+    Ok(PatchRun {
+        took,
+        create_cpu: cpu1 - cpu0,
+        patch_cpu: cpu(apiserver) - cpu1,
+    })
 }
 
 /// The file server's artifact URLs of the first `programs` Programs, on loopback.
@@ -1415,24 +1456,29 @@ fn report(
          operator running (a fresh control plane with pko-rs's CRDs): the floor any \
          controller writing N statuses can reach here. Each patch sets `observedGeneration` \
          and an `artifact`; server-side apply (field manager `pko-bench`, forced) and JSON \
-         merge patch each patch Programs of their own.\n"
+         merge patch each patch Programs of their own. The kube-apiserver CPU of the N creates \
+         before them is shown too: what every Program costs the apiserver whoever reconciles it.\n"
     )?;
     writeln!(
         w,
-        "| Programs | server-side apply | patches/s | JSON merge patch | patches/s | merge ÷ apply time |"
+        "| Programs | server-side apply | patches/s | apiserver CPU per apply | JSON merge patch | patches/s | apiserver CPU per merge patch | merge ÷ apply time | apiserver CPU per create |"
     )?;
-    writeln!(w, "|---:|---:|---:|---:|---:|---:|")?;
+    writeln!(w, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|")?;
     for r in runs {
         let n = r.count as f64;
+        let per = |cpu: f64| format!("{:.2} ms", cpu * 1000.0 / n);
         writeln!(
             w,
-            "| {} | {} | {:.0} | {} | {:.0} | {:.2} |",
+            "| {} | {} | {:.0} | {} | {} | {:.0} | {} | {:.2} | {} |",
             r.count,
             secs(r.patches.apply),
             n / r.patches.apply.as_secs_f64(),
+            per(r.patches.apply_cpu),
             secs(r.patches.merge),
             n / r.patches.merge.as_secs_f64(),
+            per(r.patches.merge_cpu),
             r.patches.merge.as_secs_f64() / r.patches.apply.as_secs_f64(),
+            per(r.patches.create_cpu),
         )?;
     }
     writeln!(w)?;
