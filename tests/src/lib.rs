@@ -32,6 +32,7 @@ pub mod pko_peer;
 pub mod plugin_bench;
 pub mod plugins;
 mod process;
+pub mod prom;
 pub mod refusal;
 pub mod serial;
 pub mod webhook;

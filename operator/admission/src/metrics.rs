@@ -51,6 +51,26 @@ pub struct RefusedLabels {
     pub reason: String,
 }
 
+/// Labels of one part of a webhook request's handling.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PhaseLabels {
+    /// `validate` or `mutate`.
+    pub webhook: String,
+    /// `read` (the body), `slot` (waiting for an evaluation slot), `parse` (the review, on
+    /// the evaluation thread), `data` (the tenancy document), `eval` (the policy, on the
+    /// evaluation thread), `hop` (to the evaluation thread and back, for parse and eval),
+    /// `respond` (the answer to JSON) or `total` (the handler, from the headers to the
+    /// answer's bytes).
+    pub phase: String,
+}
+
+/// Labels of a webhook request's protocol.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ProtocolLabels {
+    /// `HTTP/1.1` or `HTTP/2.0`.
+    pub version: String,
+}
+
 /// Every admission metric.
 #[derive(Clone, Debug)]
 pub struct AdmissionMetrics {
@@ -66,11 +86,28 @@ pub struct AdmissionMetrics {
     pub connections: Gauge,
     /// Bytes of request bodies reserved from the body budget (being read or parsed).
     pub body_bytes_reserved: Gauge,
+    /// Where a webhook request's time goes, by webhook and phase.
+    pub request_phases: Family<PhaseLabels, Histogram, fn() -> Histogram>,
+    /// Webhook requests by HTTP version: with few TLS handshakes, many requests share a
+    /// connection.
+    pub requests: Family<ProtocolLabels, Counter>,
+    /// TLS handshakes completed: each is a new connection from a client.
+    pub tls_handshakes: Counter,
+    /// TLS handshakes that failed or timed out.
+    pub tls_handshake_failures: Counter,
+    /// Time from accept to the end of the TLS handshake.
+    pub tls_handshake_duration: Histogram,
 }
 
 fn evaluation_histogram() -> Histogram {
     // 20 µs … ~1.3 s: a fresh instance plus evaluation is ~0.1 ms, a timeout is seconds.
     Histogram::new(exponential_buckets(0.00002, 2.0, 17))
+}
+
+fn phase_histogram() -> Histogram {
+    // 2 µs … ~4 s: the parts of one request range from microseconds (data) to the request
+    // timeout.
+    Histogram::new(exponential_buckets(0.000002, 2.0, 22))
 }
 
 impl Default for AdmissionMetrics {
@@ -91,6 +128,11 @@ impl AdmissionMetrics {
             refused: Family::default(),
             connections: Gauge::default(),
             body_bytes_reserved: Gauge::default(),
+            request_phases: Family::new_with_constructor(phase_histogram),
+            requests: Family::default(),
+            tls_handshakes: Counter::default(),
+            tls_handshake_failures: Counter::default(),
+            tls_handshake_duration: phase_histogram(),
         }
     }
 
@@ -141,6 +183,40 @@ impl AdmissionMetrics {
             "Bytes of webhook request bodies being read or parsed (reserved from the body budget)",
             self.body_bytes_reserved.clone(),
         );
+        registry.register(
+            "pko_admission_request_phase_duration_seconds",
+            "Where a webhook request's time goes in the operator, by webhook and phase",
+            self.request_phases.clone(),
+        );
+        registry.register(
+            "pko_admission_requests",
+            "Webhook requests, by HTTP version",
+            self.requests.clone(),
+        );
+        registry.register(
+            "pko_admission_tls_handshakes",
+            "TLS handshakes completed on the webhook listener (new connections)",
+            self.tls_handshakes.clone(),
+        );
+        registry.register(
+            "pko_admission_tls_handshake_failures",
+            "TLS handshakes on the webhook listener that failed or timed out",
+            self.tls_handshake_failures.clone(),
+        );
+        registry.register(
+            "pko_admission_tls_handshake_duration_seconds",
+            "Time from accept to the end of the TLS handshake on the webhook listener",
+            self.tls_handshake_duration.clone(),
+        );
+    }
+
+    pub(crate) fn phase(&self, webhook: &str, phase: &str, took: std::time::Duration) {
+        self.request_phases
+            .get_or_create(&PhaseLabels {
+                webhook: webhook.to_owned(),
+                phase: phase.to_owned(),
+            })
+            .observe(took.as_secs_f64());
     }
 
     pub(crate) fn refused(&self, reason: &'static str) {

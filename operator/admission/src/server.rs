@@ -6,7 +6,7 @@ use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum_server::Handle;
@@ -135,11 +135,14 @@ pub async fn serve(
     let capped = ConnectionCap {
         permits: Arc::new(Semaphore::new(bounds.max_connections.max(1))),
         per_client: Arc::new(PerClient::new(bounds.max_connections_per_client)),
-        metrics,
+        metrics: metrics.clone(),
     };
-    let acceptor = RustlsAcceptor::new(tls)
-        .handshake_timeout(bounds.handshake_timeout)
-        .acceptor(capped);
+    let acceptor = Handshakes {
+        inner: RustlsAcceptor::new(tls)
+            .handshake_timeout(bounds.handshake_timeout)
+            .acceptor(capped),
+        metrics: metrics.clone(),
+    };
     let mut server = match axum_server::from_tcp(listener) {
         Ok(server) => server
             .acceptor(acceptor)
@@ -164,6 +167,46 @@ pub async fn serve(
         warn!(addr, error = %e, "webhook listener failed");
     }
     info!(addr, "admission webhook stopped");
+}
+
+/// Counts and times TLS handshakes: a client that opens a connection per request pays a
+/// handshake per request, which shows here.
+#[derive(Clone)]
+struct Handshakes<A> {
+    inner: A,
+    metrics: AdmissionMetrics,
+}
+
+impl<A, S> Accept<tokio::net::TcpStream, S> for Handshakes<A>
+where
+    A: Accept<tokio::net::TcpStream, S>,
+    A::Future: Send + 'static,
+{
+    type Stream = A::Stream;
+    type Service = A::Service;
+    type Future =
+        Pin<Box<dyn std::future::Future<Output = std::io::Result<(A::Stream, A::Service)>> + Send>>;
+
+    fn accept(&self, stream: tokio::net::TcpStream, service: S) -> Self::Future {
+        let started = Instant::now();
+        let handshake = self.inner.accept(stream, service);
+        let metrics = self.metrics.clone();
+        Box::pin(async move {
+            let accepted = handshake.await;
+            match &accepted {
+                Ok(_) => {
+                    metrics.tls_handshakes.inc();
+                    metrics
+                        .tls_handshake_duration
+                        .observe(started.elapsed().as_secs_f64());
+                }
+                Err(_) => {
+                    metrics.tls_handshake_failures.inc();
+                }
+            }
+            accepted
+        })
+    }
 }
 
 /// Admits a connection only while fewer than the cap are open, and fewer than the

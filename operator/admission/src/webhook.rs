@@ -32,7 +32,9 @@ use tracing::{error, info, warn};
 
 use crate::bundle::{DECISION_ENTRYPOINT, DEFAULTS_ENTRYPOINT};
 use crate::engine::{EngineError, PolicyData, PolicyEngine, Slot};
-use crate::metrics::{AdmissionMetrics, EntrypointLabels, ErrorLabels, ViolationLabels};
+use crate::metrics::{
+    AdmissionMetrics, EntrypointLabels, ErrorLabels, ProtocolLabels, ViolationLabels,
+};
 use crate::tenancy::{Coverage, Tenancy, TenancyError};
 
 pub use crate::errors::WebhookError;
@@ -135,6 +137,9 @@ impl Default for ReviewLimits {
         Self::DEFAULT
     }
 }
+
+/// A policy's value when it was evaluated in the same trip as the parse.
+type Early = Option<Result<Value, EngineError>>;
 
 /// Everything a webhook call needs.
 pub struct Admission {
@@ -246,57 +251,106 @@ impl Admission {
         prepared
     }
 
+    /// Evaluates `entrypoint` in `slot`, recording the evaluation's time (in its thread) and
+    /// the hop to that thread and back.
     async fn timed(
         &self,
         slot: &Slot,
+        webhook: &'static str,
         entrypoint: &'static str,
         input: Arc<Value>,
         data: RequestData,
     ) -> Result<Value, EngineError> {
         let started = Instant::now();
         let result = slot
-            .run(move |evaluator| match &data {
-                RequestData::Shared(data) => evaluator.evaluate(entrypoint, &input, data),
-                RequestData::Own(data) => evaluator.evaluate_once(entrypoint, &input, data),
+            .run(move |evaluator| {
+                let began = Instant::now();
+                let result = match &data {
+                    RequestData::Shared(data) => evaluator.evaluate(entrypoint, &input, data),
+                    RequestData::Own(data) => evaluator.evaluate_once(entrypoint, &input, data),
+                };
+                (result, began.elapsed())
             })
-            .await
-            .and_then(|r| r);
+            .await;
+        let took = started.elapsed();
         self.metrics
             .evaluation_duration
             .get_or_create(&EntrypointLabels {
                 entrypoint: entrypoint.to_owned(),
             })
-            .observe(started.elapsed().as_secs_f64());
-        result
+            .observe(took.as_secs_f64());
+        match result {
+            Ok((result, in_thread)) => {
+                self.metrics.phase(webhook, "eval", in_thread);
+                self.metrics
+                    .phase(webhook, "hop", took.saturating_sub(in_thread));
+                result
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// The decision for a parsed review, in a slot of its own.
     pub async fn decision(&self, review: &Review) -> Result<Decision, WebhookError> {
         let slot = self.engine.slot(Instant::now()).await?;
-        self.decide(&slot, review).await
+        self.decide(&slot, review, None).await
     }
 
-    /// The decision for a parsed review.
-    async fn decide(&self, slot: &Slot, review: &Review) -> Result<Decision, WebhookError> {
-        let namespace = review.request.namespace.as_deref().unwrap_or_default();
-        let data = self.data_for(namespace).await?;
-        let value = self
-            .timed(slot, DECISION_ENTRYPOINT, review.input.clone(), data)
-            .await?;
+    /// The decision for a parsed review: `early` when it was evaluated with the parse,
+    /// else evaluated now.
+    async fn decide(
+        &self,
+        slot: &Slot,
+        review: &Review,
+        early: Early,
+    ) -> Result<Decision, WebhookError> {
+        let value = match early {
+            Some(result) => result?,
+            None => {
+                let namespace = review.request.namespace.as_deref().unwrap_or_default();
+                let began = Instant::now();
+                let data = self.data_for(namespace).await?;
+                self.metrics.phase("validate", "data", began.elapsed());
+                self.timed(
+                    slot,
+                    "validate",
+                    DECISION_ENTRYPOINT,
+                    review.input.clone(),
+                    data,
+                )
+                .await?
+            }
+        };
         serde_json::from_value(value).map_err(|e| WebhookError::Output {
             what: "decision",
             reason: e.to_string(),
         })
     }
 
-    /// The JSON Patch of defaults for a parsed review.
-    async fn defaults(&self, slot: &Slot, review: &Review) -> Result<Value, WebhookError> {
-        // The defaults read no tenancy data: the shared document serves every namespace, and
-        // the instances that hold it serve both webhooks.
-        let data = RequestData::Shared(self.prepared().data.clone());
-        let value = self
-            .timed(slot, DEFAULTS_ENTRYPOINT, review.input.clone(), data)
-            .await?;
+    /// The JSON Patch of defaults for a parsed review: `early` when it was evaluated with
+    /// the parse, else evaluated now.
+    async fn defaults(
+        &self,
+        slot: &Slot,
+        review: &Review,
+        early: Early,
+    ) -> Result<Value, WebhookError> {
+        let value = match early {
+            Some(result) => result?,
+            None => {
+                // The defaults read no tenancy data: the shared document serves every
+                // namespace, and the instances that hold it serve both webhooks.
+                let data = RequestData::Shared(self.prepared().data.clone());
+                self.timed(
+                    slot,
+                    "mutate",
+                    DEFAULTS_ENTRYPOINT,
+                    review.input.clone(),
+                    data,
+                )
+                .await?
+            }
+        };
         if value.is_array() {
             Ok(value)
         } else {
@@ -308,17 +362,17 @@ impl Admission {
     }
 
     /// The answer of `/validate`.
-    async fn validate(&self, slot: &Slot, review: &Review) -> AdmissionResponse {
-        match self.decide(slot, review).await {
+    async fn validate(&self, slot: &Slot, review: &Review, early: Early) -> AdmissionResponse {
+        match self.decide(slot, review, early).await {
             Ok(decision) => self.enforce(&review.request, decision),
             Err(err) => self.failed("validate", DECISION_ENTRYPOINT, &review.request, &err),
         }
     }
 
     /// The answer of `/mutate`.
-    async fn mutate(&self, slot: &Slot, review: &Review) -> AdmissionResponse {
+    async fn mutate(&self, slot: &Slot, review: &Review, early: Early) -> AdmissionResponse {
         let request = &review.request;
-        let patch = match self.defaults(slot, review).await {
+        let patch = match self.defaults(slot, review, early).await {
             Ok(patch) => patch,
             Err(err) => return self.failed("mutate", DEFAULTS_ENTRYPOINT, request, &err),
         };
@@ -356,6 +410,12 @@ impl Admission {
     /// on the blocking pool) and evaluated.
     async fn handle(&self, webhook: &'static str, request: axum::extract::Request) -> Response {
         let started = Instant::now();
+        self.metrics
+            .requests
+            .get_or_create(&ProtocolLabels {
+                version: format!("{:?}", request.version()),
+            })
+            .inc();
         let max = self.limits.max_body_bytes;
         let declared = request
             .headers()
@@ -401,16 +461,14 @@ impl Admission {
                 );
             }
         };
+        self.metrics.phase(webhook, "read", started.elapsed());
+        let waited = Instant::now();
         let slot = match self.engine.slot(started).await {
             Ok(slot) => slot,
             Err(e) => return self.refuse(webhook, Refusal::Engine(e)),
         };
-        let max_values = self.limits.max_json_values;
-        let parsed = slot
-            .run(move |_| parse_review_bounded(&body, max_values))
-            .await
-            .map_err(WebhookError::Engine)
-            .and_then(|r| r);
+        self.metrics.phase(webhook, "slot", waited.elapsed());
+        let (parsed, early) = self.parse_and_evaluate(webhook, &slot, body).await;
         drop(_reservation);
         let review = match parsed {
             Ok(review) => review,
@@ -423,11 +481,80 @@ impl Admission {
             Err(e) => return invalid(&self.metrics, webhook, e),
         };
         let response = if webhook == "validate" {
-            self.validate(&slot, &review).await
+            self.validate(&slot, &review, early).await
         } else {
-            self.mutate(&slot, &review).await
+            self.mutate(&slot, &review, early).await
         };
-        axum::Json(response.into_review()).into_response()
+        let began = Instant::now();
+        let answer = axum::Json(response.into_review()).into_response();
+        self.metrics.phase(webhook, "respond", began.elapsed());
+        self.metrics.phase(webhook, "total", started.elapsed());
+        answer
+    }
+
+    /// Parses the review and, when the shared document serves it, evaluates the webhook's
+    /// policy in the same trip to the evaluation thread.
+    async fn parse_and_evaluate(
+        &self,
+        webhook: &'static str,
+        slot: &Slot,
+        body: bytes::Bytes,
+    ) -> (Result<Review, WebhookError>, Early) {
+        let max_values = self.limits.max_json_values;
+        // The shared document is taken before the trip to the evaluation thread: when it
+        // covers the review's namespace (the usual case; the defaults read no tenancy data),
+        // the review is parsed and evaluated in one trip. Each trip is a thread wake-up on
+        // the way there and one back, which on a busy machine costs more than the work.
+        let began = Instant::now();
+        let shared = self.prepared();
+        self.metrics.phase(webhook, "data", began.elapsed());
+        let hop = Instant::now();
+        let trip = slot
+            .run(move |evaluator| {
+                let began = Instant::now();
+                let parsed = parse_review_bounded(&body, max_values);
+                let parse = began.elapsed();
+                let entrypoint = match (&parsed, webhook) {
+                    (Ok(_), "mutate") => Some(DEFAULTS_ENTRYPOINT),
+                    (Ok(review), _)
+                        if shared
+                            .coverage
+                            .covers(review.request.namespace.as_deref().unwrap_or_default()) =>
+                    {
+                        Some(DECISION_ENTRYPOINT)
+                    }
+                    _ => None,
+                };
+                let early = match (&parsed, entrypoint) {
+                    (Ok(review), Some(entrypoint)) => {
+                        let began = Instant::now();
+                        let value = evaluator.evaluate(entrypoint, &review.input, &shared.data);
+                        Some((entrypoint, value, began.elapsed()))
+                    }
+                    _ => None,
+                };
+                (parsed, parse, early, began.elapsed())
+            })
+            .await;
+        match trip {
+            Ok((parsed, parse, early, in_thread)) => {
+                self.metrics.phase(webhook, "parse", parse);
+                self.metrics
+                    .phase(webhook, "hop", hop.elapsed().saturating_sub(in_thread));
+                let early = early.map(|(entrypoint, value, took)| {
+                    self.metrics.phase(webhook, "eval", took);
+                    self.metrics
+                        .evaluation_duration
+                        .get_or_create(&EntrypointLabels {
+                            entrypoint: entrypoint.to_owned(),
+                        })
+                        .observe(took.as_secs_f64());
+                    value
+                });
+                (parsed, early)
+            }
+            Err(e) => (Err(WebhookError::Engine(e)), None),
+        }
     }
 
     /// An answer over a limit: a status code and one line saying which limit.

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use k8s_openapi::api::admissionregistration::v1::{
-    ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+    ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding, ValidatingWebhookConfiguration,
 };
 use kube::api::{Api, DynamicObject, PostParams};
 use kube::core::{ApiResource, GroupVersionKind};
@@ -29,6 +29,7 @@ use pko_admission::webhook::{Admission, FailurePolicy, RequestData};
 use pko_api::tenancy::{TenancyPolicy, TenancyPolicySpec};
 use pko_tests::measure::{load_average, percentile};
 use pko_tests::operator::{Operator, OperatorOptions};
+use pko_tests::prom::{Histogram, Labels, scrape_sum};
 use pko_tests::webhook::{Registration, WebhookOptions, free_port, policy_bundle};
 use pko_tests::{ControlPlane, StartOptions, wait_for};
 use serde_json::{Value, json};
@@ -39,8 +40,11 @@ const VAP_LABEL: &str = "pko-bench.vap";
 
 struct Args {
     out: PathBuf,
-    rate: f64,
+    rates: Vec<f64>,
+    /// Seconds of load per row and rate, at least (see `min_creates`).
     seconds: f64,
+    /// Creates per row and rate, at least: low rates run longer so a p99 means something.
+    min_creates: f64,
     evaluations: usize,
     /// Whether to run the section that drives a real apiserver (`--apiserver false`: only the
     /// in-process evaluations).
@@ -50,8 +54,9 @@ struct Args {
 fn parse_args() -> anyhow::Result<Args> {
     let mut args = Args {
         out: PathBuf::from("docs/benchmarks.md"),
-        rate: 200.0,
-        seconds: 10.0,
+        rates: vec![10.0, 50.0, 100.0, 200.0],
+        seconds: 8.0,
+        min_creates: 200.0,
         evaluations: 5000,
         apiserver: true,
     };
@@ -60,8 +65,9 @@ fn parse_args() -> anyhow::Result<Args> {
         let value = it.next().with_context(|| format!("{flag} needs a value"))?;
         match flag.as_str() {
             "--out" => args.out = PathBuf::from(value),
-            "--rate" => args.rate = value.parse()?,
+            "--rates" => args.rates = value.split(',').map(str::parse).collect::<Result<_, _>>()?,
             "--seconds" => args.seconds = value.parse()?,
+            "--min-creates" => args.min_creates = value.parse()?,
             "--evaluations" => args.evaluations = value.parse()?,
             "--apiserver" => args.apiserver = value.parse()?,
             other => bail!("unknown flag {other}"),
@@ -201,6 +207,92 @@ async fn install_vap(plane: &ControlPlane) -> anyhow::Result<usize> {
         .await
         .context("creating the binding")?;
     Ok(count)
+}
+
+const FLOOR_LABEL: &str = "pko-bench.floor";
+
+/// A webhook on the operator's own listener stack (axum-server, rustls, HTTP/2, the
+/// connection caps) that reads the body and admits at once, echoing the uid: no parse beyond
+/// the uid, no policy. What the apiserver measures for it is the cost of any webhook round
+/// trip on this machine; it runs in the bench process.
+async fn start_floor_webhook(
+    plane: &ControlPlane,
+) -> anyhow::Result<tokio::sync::oneshot::Sender<()>> {
+    use pko_admission::tls::{Assessment, CertSettings, issue};
+    let port = free_port()?;
+    let settings = CertSettings::new("unused".into(), "unused".into(), vec!["127.0.0.1".into()]);
+    let now = jiff::Timestamp::now().as_second();
+    let certs = issue(None, &Assessment::RenewCa("first".into()), &settings, now)?;
+    let tls = axum_server::tls_rustls::RustlsConfig::from_config(certs.server_config()?);
+    let listener = pko_admission::server::bind(&format!("127.0.0.1:{port}"))?;
+    let app = axum::Router::new().route(
+        "/validate",
+        axum::routing::post(|body: axum::body::Bytes| async move {
+            #[derive(serde::Deserialize)]
+            struct Head {
+                request: Uid,
+            }
+            #[derive(serde::Deserialize)]
+            struct Uid {
+                uid: String,
+            }
+            let uid = serde_json::from_slice::<Head>(&body)
+                .map(|h| h.request.uid)
+                .unwrap_or_default();
+            axum::Json(json!({
+                "apiVersion": "admission.k8s.io/v1",
+                "kind": "AdmissionReview",
+                "response": {"uid": uid, "allowed": true},
+            }))
+        }),
+    );
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(pko_admission::server::serve(
+        listener,
+        app,
+        tls,
+        pko_admission::server::Bounds::new(Duration::from_secs(1), 64),
+        AdmissionMetrics::new(),
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+    let config: ValidatingWebhookConfiguration = serde_json::from_value(json!({
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingWebhookConfiguration",
+        "metadata": {"name": "pko-bench-floor"},
+        "webhooks": [{
+            "name": "floor.pko-bench.dev",
+            "clientConfig": {
+                "url": format!("https://127.0.0.1:{port}/validate"),
+                "caBundle": base64::Engine::encode(
+                    &base64::engine::general_purpose::STANDARD,
+                    certs.ca_pem.as_bytes(),
+                ),
+            },
+            "rules": [{
+                "operations": ["CREATE", "UPDATE"],
+                "apiGroups": ["auto.pulumi.com"],
+                "apiVersions": ["*"],
+                "resources": ["workspaces"],
+                "scope": "Namespaced",
+            }],
+            "namespaceSelector": {"matchLabels": {FLOOR_LABEL: "true"}},
+            "matchConditions": [{
+                "name": "not-letting-go-of-a-deleted-object",
+                "expression": pko_admission::MATCH_CONDITION,
+            }],
+            "failurePolicy": "Fail",
+            "sideEffects": "None",
+            "admissionReviewVersions": ["v1"],
+            "timeoutSeconds": 10,
+        }],
+    }))?;
+    Api::<ValidatingWebhookConfiguration>::all(plane.try_client()?)
+        .create(&PostParams::default(), &config)
+        .await
+        .context("creating the floor webhook configuration")?;
+    Ok(stop)
 }
 
 struct Load {
@@ -578,11 +670,19 @@ async fn main() -> anyhow::Result<()> {
     both.wait_ca_injected(&plane, Duration::from_secs(60))
         .await?;
     let rules = install_vap(&plane).await?;
+    let _floor = start_floor_webhook(&plane).await?;
 
     let none = plane.namespace("bench-none").await?;
     let vap = plane.namespace("bench-vap").await?;
     let validate = plane.namespace("bench-validate").await?;
     let mutate = plane.namespace("bench-both").await?;
+    let floor = plane.namespace("bench-floor").await?;
+    pko_tests::webhook::set_namespace_labels(
+        &plane,
+        &floor,
+        [(FLOOR_LABEL.to_owned(), "true".to_owned())].into(),
+    )
+    .await?;
     pko_tests::webhook::set_namespace_labels(
         &plane,
         &vap,
@@ -616,16 +716,22 @@ async fn main() -> anyhow::Result<()> {
         .await?;
     }
 
-    let configs: [(&str, &String); 4] = [
+    let configs: [(&str, &String); 5] = [
         ("no admission check", &none),
         ("ValidatingAdmissionPolicy (CEL, in the apiserver)", &vap),
+        (
+            "webhook that admits at once (same listener, no policy)",
+            &floor,
+        ),
         ("pko-rs webhook: `/validate`", &validate),
         ("pko-rs webhook: `/mutate` + `/validate`", &mutate),
     ];
     // Warm connections and caches in every path first.
+    let warm_rate = args.rates.iter().copied().fold(10.0, f64::max);
     for (i, (_, ns)) in configs.iter().enumerate() {
-        let _ = load(&client, ns, &format!("warm{i}"), args.rate, 1.0).await;
+        let _ = load(&client, ns, &format!("warm{i}"), warm_rate, 1.0).await;
     }
+    describe_metrics(&client).await;
     writeln!(section, "## Admission: latency added to a create\n")?;
     writeln!(
         section,
@@ -636,21 +742,33 @@ async fn main() -> anyhow::Result<()> {
          rules and the image allowance, like the Rego policies. The pko-rs rows call the release \
          operator over TLS (`clientConfig.url` on loopback); the mutating row also stores the \
          defaults. The client, kube-apiserver, etcd and the operator share the machine's cores \
-         (and, on the project's machine, other builds: see the load average).\n"
+         (and, on the project's machine, other builds: see the load average).\n\n\
+         Each rate has three tables: the client's latencies; the apiserver's own histograms \
+         (its `/metrics` scraped before and after every row's run; p50/p99 are interpolated \
+         inside the apiserver's buckets, which are coarse: the webhook histogram has bounds \
+         5, 25, 100, 500 ms…, so a value under 5 ms reads as a fraction \
+         of 5 ms; the mean, from `_sum`/`_count`, is exact); and the operator's own account of \
+         each webhook request (`pko_admission_request_phase_duration_seconds`, \
+         `pko_admission_tls_handshakes_total`), mean per request.\n"
     )?;
-    let mut rates = vec![args.rate];
-    if args.rate > 50.0 {
-        rates.push(50.0);
-    }
-    for (r, &rate) in rates.iter().enumerate() {
-        let (rows, before, after) =
-            measure(&client, &configs, rate, args.seconds, &format!("rate{r}")).await;
+    for (r, &rate) in args.rates.iter().enumerate() {
+        let seconds = args.seconds.max(args.min_creates / rate);
+        let (rows, before, after) = measure(
+            &client,
+            &operator,
+            &configs,
+            rate,
+            seconds,
+            &format!("rate{r}"),
+        )
+        .await;
         writeln!(
             section,
-            "{rate:.0} creates/s, {:.0} s per row (load average {before} → {after}):\n",
-            args.seconds
+            "### {rate:.0} creates/s, {seconds:.0} s per row (load average {before} → {after})\n"
         )?;
         table(&mut section, &rows)?;
+        apiserver_table(&mut section, &rows)?;
+        operator_table(&mut section, &rows)?;
     }
     let metrics = operator.metrics_text().await.unwrap_or_default();
     let sum = |prefix: &str| -> f64 {
@@ -678,69 +796,242 @@ async fn main() -> anyhow::Result<()> {
 
 const ROUNDS: usize = 5;
 
-/// Runs every configuration at `rate` for `seconds` in total, in interleaved rounds. Returns the
-/// rows and the load average before and after.
+/// One row's results at one rate: the client's latencies and what the apiserver and the
+/// operator recorded meanwhile.
+struct Row<'a> {
+    name: &'a str,
+    load: Load,
+    reading: Reading,
+}
+
+/// Runs every configuration at `rate` for `seconds` in total, in interleaved rounds, scraping
+/// the apiserver's and the operator's metrics between runs. Returns the rows and the load
+/// average before and after.
 async fn measure<'a>(
     client: &kube::Client,
+    operator: &Operator,
     configs: &[(&'a str, &String)],
     rate: f64,
     seconds: f64,
     tag: &str,
-) -> (Vec<(&'a str, Load)>, String, String) {
-    let mut rows: Vec<(&str, Load)> = configs
+) -> (Vec<Row<'a>>, String, String) {
+    let mut rows: Vec<Row<'a>> = configs
         .iter()
-        .map(|(name, _)| {
-            (
-                *name,
-                Load {
-                    latencies: Vec::new(),
-                    errors: 0,
-                    first_error: None,
-                    elapsed: Duration::ZERO,
-                },
-            )
+        .map(|(name, _)| Row {
+            name,
+            load: Load {
+                latencies: Vec::new(),
+                errors: 0,
+                first_error: None,
+                elapsed: Duration::ZERO,
+            },
+            reading: Reading::default(),
         })
         .collect();
     let before = load_average();
+    let mut last = Reading::scrape(client, operator).await;
     for round in 0..ROUNDS {
         for (i, (_, ns)) in configs.iter().enumerate() {
             let prefix = format!("{tag}-r{round}-w{i}");
             let result = load(client, ns, &prefix, rate, seconds / ROUNDS as f64).await;
-            let row = &mut rows[i].1;
-            row.latencies.extend(result.latencies);
-            row.errors += result.errors;
-            row.elapsed += result.elapsed;
-            if row.first_error.is_none() {
-                row.first_error = result.first_error;
+            let now = Reading::scrape(client, operator).await;
+            let row = &mut rows[i];
+            row.reading.add(&now.since(&last));
+            last = now;
+            row.load.latencies.extend(result.latencies);
+            row.load.errors += result.errors;
+            row.load.elapsed += result.elapsed;
+            if row.load.first_error.is_none() {
+                row.load.first_error = result.first_error;
             }
         }
     }
     let after = load_average();
-    for (name, row) in &mut rows {
-        row.latencies.sort();
-        if let Some(e) = &row.first_error {
-            eprintln!("{name}: first error: {e}");
+    for row in &mut rows {
+        row.load.latencies.sort();
+        if let Some(e) = &row.load.first_error {
+            eprintln!("{}: first error: {e}", row.name);
         }
     }
     (rows, before, after)
 }
 
-fn table(section: &mut String, rows: &[(&str, Load)]) -> std::fmt::Result {
-    let base = &rows[0].1.latencies;
+/// The webhook request phases the operator records, in the order they happen.
+const PHASES: [&str; 8] = [
+    "read", "slot", "parse", "data", "eval", "hop", "respond", "total",
+];
+
+/// What one scrape of the apiserver's and the operator's metrics holds (or the difference of
+/// two scrapes).
+#[derive(Clone, Debug, Default)]
+struct Reading {
+    histograms: BTreeMap<String, Histogram>,
+    counters: BTreeMap<String, f64>,
+}
+
+impl Reading {
+    async fn scrape(client: &kube::Client, operator: &Operator) -> Reading {
+        let api = apiserver_metrics(client).await;
+        let op = operator.metrics_text().await.unwrap_or_default();
+        let mut out = Reading::default();
+        let mut histogram =
+            |key: &str, text: &str, family: &str, keep: &dyn Fn(&Labels) -> bool| {
+                out.histograms
+                    .insert(key.to_owned(), Histogram::scrape(text, family, keep));
+            };
+        histogram("create", &api, "apiserver_request_duration_seconds", &|l| {
+            l.is("verb", "POST") && l.is("resource", "workspaces")
+        });
+        for (key, kind) in [
+            ("webhook/mutate", "admit"),
+            ("webhook/validate", "validating"),
+        ] {
+            histogram(
+                key,
+                &api,
+                "apiserver_admission_webhook_admission_duration_seconds",
+                &|l| {
+                    l.is("type", kind)
+                        && l.is("operation", "CREATE")
+                        && l.get("name") != Some("floor.pko-bench.dev")
+                },
+            );
+        }
+        histogram(
+            "webhook/floor",
+            &api,
+            "apiserver_admission_webhook_admission_duration_seconds",
+            &|l| l.is("name", "floor.pko-bench.dev") && l.is("operation", "CREATE"),
+        );
+        histogram(
+            "vap",
+            &api,
+            "apiserver_validating_admission_policy_check_duration_seconds",
+            &|l| l.is("policy", "pko-bench-restricted"),
+        );
+        for webhook in ["validate", "mutate"] {
+            for phase in PHASES {
+                histogram(
+                    &format!("{webhook}/{phase}"),
+                    &op,
+                    "pko_admission_request_phase_duration_seconds",
+                    &|l| l.is("webhook", webhook) && l.is("phase", phase),
+                );
+            }
+        }
+        let mut counter = |key: &str, value: f64| {
+            out.counters.insert(key.to_owned(), value);
+        };
+        counter(
+            "handshakes",
+            scrape_sum(&op, "pko_admission_tls_handshakes_total", |_| true),
+        );
+        for version in ["HTTP/1.1", "HTTP/2.0"] {
+            counter(
+                version,
+                scrape_sum(&op, "pko_admission_requests_total", |l| {
+                    l.is("version", version)
+                }),
+            );
+        }
+        out
+    }
+
+    fn since(&self, before: &Reading) -> Reading {
+        Reading {
+            histograms: self
+                .histograms
+                .iter()
+                .map(|(k, h)| {
+                    let delta = before
+                        .histograms
+                        .get(k)
+                        .map_or_else(|| h.clone(), |b| h.since(b));
+                    (k.clone(), delta)
+                })
+                .collect(),
+            counters: self
+                .counters
+                .iter()
+                .map(|(k, v)| {
+                    (
+                        k.clone(),
+                        v - before.counters.get(k).copied().unwrap_or(0.0),
+                    )
+                })
+                .collect(),
+        }
+    }
+
+    fn add(&mut self, other: &Reading) {
+        for (k, h) in &other.histograms {
+            self.histograms.entry(k.clone()).or_default().add(h);
+        }
+        for (k, v) in &other.counters {
+            *self.counters.entry(k.clone()).or_default() += v;
+        }
+    }
+
+    fn histogram(&self, key: &str) -> Histogram {
+        self.histograms.get(key).cloned().unwrap_or_default()
+    }
+
+    fn counter(&self, key: &str) -> f64 {
+        self.counters.get(key).copied().unwrap_or(0.0)
+    }
+}
+
+/// The apiserver's `/metrics` (the harness's admin credentials may read it), or nothing.
+async fn apiserver_metrics(client: &kube::Client) -> String {
+    let request = match http::Request::get("/metrics").body(Vec::new()) {
+        Ok(request) => request,
+        Err(e) => {
+            eprintln!("cannot build the /metrics request: {e}");
+            return String::new();
+        }
+    };
+    match client.request_text(request).await {
+        Ok(text) => text,
+        Err(e) => {
+            eprintln!("cannot scrape the apiserver's /metrics: {e}");
+            String::new()
+        }
+    }
+}
+
+/// Lists the admission histograms the apiserver exposes (on stderr): which ones exist
+/// depends on its version.
+async fn describe_metrics(client: &kube::Client) {
+    let text = apiserver_metrics(client).await;
+    for line in text.lines() {
+        if let Some(help) = line.strip_prefix("# HELP ")
+            && (help.starts_with("apiserver_admission")
+                || help.starts_with("apiserver_validating_admission_policy"))
+        {
+            eprintln!("apiserver metric: {help}");
+        }
+    }
+}
+
+fn table(section: &mut String, rows: &[Row<'_>]) -> std::fmt::Result {
+    let base = &rows[0].load.latencies;
     let (base50, base99) = (percentile(base, 0.50), percentile(base, 0.99));
+    writeln!(section, "The client's view:\n")?;
     writeln!(
         section,
         "| admission | creates | errors | achieved/s | p50 | p99 | max | p50 vs none | p99 vs none |"
     )?;
     writeln!(section, "|---|---:|---:|---:|---:|---:|---:|---:|---:|")?;
-    for (name, result) in rows {
+    for row in rows {
+        let result = &row.load;
         let (p50, p99) = (
             percentile(&result.latencies, 0.50),
             percentile(&result.latencies, 0.99),
         );
         writeln!(
             section,
-            "| {name} | {} | {} | {:.0} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {:.0} | {} | {} | {} | {} | {} |",
+            row.name,
             result.latencies.len() + result.errors,
             result.errors,
             (result.latencies.len() + result.errors) as f64 / result.elapsed.as_secs_f64(),
@@ -750,6 +1041,136 @@ fn table(section: &mut String, rows: &[(&str, Load)]) -> std::fmt::Result {
             signed_ms(p50, base50),
             signed_ms(p99, base99),
         )?;
+    }
+    writeln!(section)
+}
+
+/// Seconds as milliseconds, or `-` for nothing observed.
+fn ms_or_dash(seconds: Option<f64>) -> String {
+    seconds.map_or_else(|| "-".to_owned(), |s| format!("{:.2} ms", s * 1000.0))
+}
+
+/// A bucket-interpolated quantile with the bound of its bucket.
+fn quantile_ms(h: &Histogram, q: f64) -> String {
+    match h.quantile(q) {
+        Some((value, bound)) => format!("{:.2} ms (≤ {:.0})", value * 1000.0, bound * 1000.0),
+        None => "-".to_owned(),
+    }
+}
+
+/// The apiserver's histograms per row: the create as the apiserver timed it, and the check
+/// itself (the VAP's CEL, or the webhook call).
+fn apiserver_table(section: &mut String, rows: &[Row<'_>]) -> std::fmt::Result {
+    writeln!(
+        section,
+        "The apiserver's view (its histograms; quantiles bucket-interpolated, bucket bound in \
+         ms in brackets):\n"
+    )?;
+    writeln!(
+        section,
+        "| admission | create: mean | create: p50 | create: p99 | check | calls | check: mean | check: p50 | check: p99 |"
+    )?;
+    writeln!(section, "|---|---:|---:|---:|---|---:|---:|---:|---:|")?;
+    for row in rows {
+        let r = &row.reading;
+        let create = r.histogram("create");
+        let mut checks = Vec::new();
+        if r.histogram("vap").count() > 0.0 {
+            checks.push(("CEL policy check", r.histogram("vap")));
+        }
+        if r.histogram("webhook/floor").count() > 0.0 {
+            checks.push(("webhook call", r.histogram("webhook/floor")));
+        }
+        if r.histogram("webhook/mutate").count() > 0.0 {
+            checks.push(("`/mutate` call", r.histogram("webhook/mutate")));
+        }
+        if r.histogram("webhook/validate").count() > 0.0 {
+            checks.push(("`/validate` call", r.histogram("webhook/validate")));
+        }
+        if checks.is_empty() {
+            checks.push(("-", Histogram::default()));
+        }
+        for (i, (check, h)) in checks.iter().enumerate() {
+            let head = if i == 0 {
+                format!(
+                    "{} | {} | {} | {}",
+                    row.name,
+                    ms_or_dash(create.mean()),
+                    quantile_ms(&create, 0.50),
+                    quantile_ms(&create, 0.99),
+                )
+            } else {
+                "″ | | | ".to_owned()
+            };
+            writeln!(
+                section,
+                "| {head} | {check} | {:.0} | {} | {} | {} |",
+                h.count(),
+                ms_or_dash(h.mean()),
+                quantile_ms(h, 0.50),
+                quantile_ms(h, 0.99),
+            )?;
+        }
+    }
+    writeln!(section)
+}
+
+/// The operator's account of the webhook rows: new TLS connections, the protocol, and the
+/// mean time per request of each phase of the handler, next to the apiserver's mean.
+fn operator_table(section: &mut String, rows: &[Row<'_>]) -> std::fmt::Result {
+    writeln!(
+        section,
+        "The operator's view of the webhook rows (mean µs per request; `hop`: to the \
+         evaluation thread and back, twice per request; `total`: the handler; `outside`: the \
+         apiserver's mean for the call minus the handler's, i.e. TLS, HTTP/2 framing, the \
+         apiserver's encoding and decoding of the review, and waiting to be scheduled):\n"
+    )?;
+    writeln!(
+        section,
+        "| row | call | requests | HTTP/2 | new TLS connections | read | slot | parse | data | eval | hop | respond | total | total p99 | apiserver mean | outside |"
+    )?;
+    writeln!(
+        section,
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    )?;
+    for row in rows {
+        let r = &row.reading;
+        for (webhook, apiserver) in [
+            ("mutate", "webhook/mutate"),
+            ("validate", "webhook/validate"),
+        ] {
+            let total = r.histogram(&format!("{webhook}/total"));
+            let requests = total.count();
+            if requests == 0.0 {
+                continue;
+            }
+            let per_request = |phase: &str| {
+                let h = r.histogram(&format!("{webhook}/{phase}"));
+                format!("{:.0}", h.sum / requests * 1e6)
+            };
+            let api_mean = r.histogram(apiserver).mean();
+            let total_mean = total.sum / requests;
+            writeln!(
+                section,
+                "| {} | `/{webhook}` | {requests:.0} | {:.0} | {:.0} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                row.name,
+                r.counter("HTTP/2.0"),
+                r.counter("handshakes"),
+                per_request("read"),
+                per_request("slot"),
+                per_request("parse"),
+                per_request("data"),
+                per_request("eval"),
+                per_request("hop"),
+                per_request("respond"),
+                per_request("total"),
+                total
+                    .quantile(0.99)
+                    .map_or_else(|| "-".to_owned(), |(v, _)| format!("{:.0}", v * 1e6)),
+                ms_or_dash(api_mean),
+                ms_or_dash(api_mean.map(|m| m - total_mean)),
+            )?;
+        }
     }
     writeln!(section)
 }
