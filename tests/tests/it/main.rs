@@ -25,6 +25,7 @@ mod deploy;
 mod deploy_webhook;
 mod harness_smoke;
 mod leader;
+mod logs;
 mod metrics;
 mod plugin_cli;
 mod program;

@@ -1,0 +1,101 @@
+//! `--log-format=json`: every line the operator prints, from start-up to shutdown, is one JSON
+//! object with the fields log pipelines index on (timestamp, level, target, message), and a
+//! reconcile's lines carry the Program they are about.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use kube::Api;
+use kube::api::PostParams;
+use pko_api::program::Program;
+use pko_tests::fixtures::config_map_program as program;
+use pko_tests::operator::{Operator, OperatorOptions};
+use pko_tests::{ControlPlane, wait_for};
+use serde_json::Value;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+#[tokio::test]
+async fn json_logs_are_one_object_per_line_from_start_to_shutdown() {
+    let _machine = pko_tests::serial::shared().await;
+    let plane = ControlPlane::shared().await;
+    let ns = plane.namespace("logs-json").await.expect("namespace");
+    let mut op = Operator::start(
+        &plane,
+        OperatorOptions {
+            args: vec!["--log-format=json".into()],
+            ..OperatorOptions::default()
+        },
+    )
+    .await
+    .expect("operator starts");
+    let api = Api::<Program>::namespaced(plane.client(), &ns);
+    api.create(&PostParams::default(), &program("p"))
+        .await
+        .expect("create");
+    wait_for("the Program's artifact", WAIT, || async {
+        api.get("p").await.ok()?.status?.artifact.map(|_| ())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}; log:\n{}", op.log_text()));
+    let exit = op.terminate(Duration::from_secs(30));
+    assert!(
+        exit.is_some_and(|s| s.success()),
+        "SIGTERM → {exit:?}; log:\n{}",
+        op.log_text()
+    );
+
+    let text = op.log_text();
+    let mut levels = BTreeSet::new();
+    let mut messages = BTreeSet::new();
+    let mut reconcile_of_p = false;
+    for (n, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
+        let n = n + 1;
+        let value: Value = serde_json::from_str(line)
+            .unwrap_or_else(|e| panic!("line {n} is not JSON ({e}): {line}"));
+        let object = value
+            .as_object()
+            .unwrap_or_else(|| panic!("line {n} is not a JSON object: {line}"));
+        let field = |key: &str| object.get(key).and_then(Value::as_str);
+        let timestamp = field("timestamp").unwrap_or_else(|| panic!("line {n}: no timestamp"));
+        timestamp
+            .parse::<jiff::Timestamp>()
+            .unwrap_or_else(|e| panic!("line {n}: timestamp {timestamp:?} is not RFC 3339: {e}"));
+        let level = field("level").unwrap_or_else(|| panic!("line {n}: no level: {line}"));
+        assert!(
+            ["TRACE", "DEBUG", "INFO", "WARN", "ERROR"].contains(&level),
+            "line {n}: level {level:?}"
+        );
+        assert!(
+            field("target").is_some_and(|t| !t.is_empty()),
+            "line {n}: no target: {line}"
+        );
+        let message = field("message").unwrap_or_else(|| panic!("line {n}: no message: {line}"));
+        levels.insert(level.to_owned());
+        messages.insert(message.to_owned());
+        // The reconcile span names the Program: `"span": {"program": "<ns>/p", …}`.
+        let program = format!("{ns}/p");
+        if message == "artifact ready"
+            && object
+                .get("span")
+                .and_then(|s| s.get("program"))
+                .and_then(Value::as_str)
+                == Some(program.as_str())
+        {
+            reconcile_of_p = true;
+        }
+    }
+    assert!(levels.contains("INFO"), "no INFO line in:\n{text}");
+    assert!(
+        messages.contains("shutting down"),
+        "the shutdown is not logged:\n{text}"
+    );
+    assert!(
+        reconcile_of_p,
+        "no \"artifact ready\" line in the span of {ns}/p:\n{text}"
+    );
+}
