@@ -21,7 +21,7 @@ async fn json_logs_are_one_object_per_line_from_start_to_shutdown() {
     let plane = ControlPlane::shared().await;
     let ns = plane.namespace("logs-json").await.expect("namespace");
     let mut op = Operator::start(
-        &plane,
+        plane,
         OperatorOptions {
             args: vec!["--log-format=json".into()],
             ..OperatorOptions::default()
