@@ -109,7 +109,65 @@ impl RunningPeer {
     pub fn log_tail(&self, lines: usize) -> String {
         self.guard.log_tail(lines)
     }
+
+    /// `kill -9`: no shutdown code runs, the leader lease is not released.
+    pub fn kill(&mut self) {
+        let _ = self.guard.kill();
+    }
 }
+
+/// Leader election settings, the same flags on both operators.
+#[derive(Clone, Copy, Debug)]
+pub struct LeaseSettings {
+    pub lease_duration: Duration,
+    pub renew_deadline: Duration,
+    pub retry_period: Duration,
+}
+
+impl LeaseSettings {
+    fn flags(&self) -> [String; 4] {
+        let go = |d: Duration| format!("{}ms", d.as_millis());
+        [
+            "--leader-elect=true".into(),
+            format!(
+                "--leader-election-lease-duration={}",
+                go(self.lease_duration)
+            ),
+            format!(
+                "--leader-election-renew-deadline={}",
+                go(self.renew_deadline)
+            ),
+            format!("--leader-election-retry-period={}", go(self.retry_period)),
+        ]
+    }
+
+    /// The Lease `peer` holds while it leads, in `system_ns`.
+    pub fn lease_name(peer: Peer) -> &'static str {
+        match peer {
+            Peer::Pko => "operator.pulumi.com",
+            Peer::PkoRs => "pko-rs-operator",
+        }
+    }
+}
+
+/// How [`start_with`] starts an operator beyond [`start`]'s defaults.
+#[derive(Clone, Debug, Default)]
+pub struct PeerOptions {
+    /// The file server's port; a free loopback port when `None`.
+    pub fs_port: Option<u16>,
+    /// The advertised file-server address (as behind a Service); the bound one when `None`.
+    pub advertised: Option<String>,
+    /// Leader election on, with these settings; off when `None`.
+    pub lease: Option<LeaseSettings>,
+}
+
+/// PKO's manager names no leader-election namespace, so controller-runtime reads it from the
+/// in-cluster service-account file; outside a pod that file is provided in a private mount
+/// namespace of the process (`unshare`), holding `system_ns`.
+const IN_CLUSTER_NAMESPACE: &str = "mount -t tmpfs none /run \
+    && mkdir -p /run/secrets/kubernetes.io/serviceaccount \
+    && printf %s \"$PKO_BENCH_NAMESPACE\" > /run/secrets/kubernetes.io/serviceaccount/namespace \
+    && exec \"$0\" \"$@\"";
 
 /// Starts `peer` against `plane` watching every namespace, with its file server on `fs_port`
 /// (a free loopback port when `None`) advertised as that address, leader election off,
@@ -124,38 +182,69 @@ pub async fn start(
     log: &Path,
     fs_port: Option<u16>,
 ) -> Result<RunningPeer, HarnessError> {
-    let fs_port = match fs_port {
+    let opts = PeerOptions {
+        fs_port,
+        ..PeerOptions::default()
+    };
+    start_with(peer, bins, plane, system_ns, log, &opts).await
+}
+
+/// [`start`], with an advertised address and leader election when `opts` asks for them.
+pub async fn start_with(
+    peer: Peer,
+    bins: &PeerBinaries,
+    plane: &ControlPlane,
+    system_ns: &str,
+    log: &Path,
+    opts: &PeerOptions,
+) -> Result<RunningPeer, HarnessError> {
+    let fs_port = match opts.fs_port {
         Some(port) => port,
         None => free_port()?,
     };
     let probe_port = free_port()?;
     let fs_addr = format!("127.0.0.1:{fs_port}");
+    let advertised = opts.advertised.clone().unwrap_or_else(|| fs_addr.clone());
+    let election: Vec<String> = match &opts.lease {
+        Some(lease) => lease.flags().into(),
+        None => vec!["--leader-elect=false".into()],
+    };
     let mut cmd = match peer {
         Peer::PkoRs => {
             let mut cmd = Command::new(&bins.pko_rs);
             cmd.arg(format!("--program-fs-addr={fs_addr}"))
-                .arg(format!("--program-fs-adv-addr={fs_addr}"))
+                .arg(format!("--program-fs-adv-addr={advertised}"))
                 .arg(format!(
                     "--health-probe-bind-address=127.0.0.1:{probe_port}"
                 ))
                 // The URL-signing keys live in a Secret, as in a deployment, so a restarted
                 // process keeps verifying (and does not re-sign) the URLs it published.
                 .arg(format!("--artifact-keys-namespace={system_ns}"))
-                .arg("--leader-elect=false")
+                .arg(format!("--leader-election-namespace={system_ns}"))
+                .args(&election)
                 .arg("--log-level=warn");
             cmd
         }
         Peer::Pko => {
             let metrics_port = free_port()?;
-            let mut cmd = Command::new(&bins.pko_manager);
+            let mut cmd = if opts.lease.is_some() {
+                let mut cmd = Command::new("unshare");
+                cmd.args(["--mount", "--propagation", "private", "sh", "-c"])
+                    .arg(IN_CLUSTER_NAMESPACE)
+                    .arg(&bins.pko_manager)
+                    .env("PKO_BENCH_NAMESPACE", system_ns);
+                cmd
+            } else {
+                Command::new(&bins.pko_manager)
+            };
             cmd.arg(format!("--program-fs-addr={fs_addr}"))
-                .arg(format!("--program-fs-adv-addr={fs_addr}"))
+                .arg(format!("--program-fs-adv-addr={advertised}"))
                 .arg(format!(
                     "--health-probe-bind-address=127.0.0.1:{probe_port}"
                 ))
                 .arg(format!("--metrics-bind-address=127.0.0.1:{metrics_port}"))
                 .arg("--metrics-secure=false")
-                .arg("--leader-elect=false")
+                .args(&election)
                 .arg("--zap-log-level=error")
                 .env("POD_NAMESPACE", system_ns)
                 .env("POD_SA_NAME", "controller-manager");

@@ -31,12 +31,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::coordination::v1::Lease;
 use kube::Api;
 use kube::api::{ApiResource, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use kube::core::{GroupVersionKind, WatchEvent};
 use kube::runtime::{WatchStreamExt, watcher};
 use pko_tests::bench_baseline::Baseline;
-use pko_tests::pko_peer::{self, Peer, PeerBinaries, RunningPeer};
+use pko_tests::pko_peer::{self, LeaseSettings, Peer, PeerBinaries, PeerOptions, RunningPeer};
 use pko_tests::{ControlPlane, StartOptions, measure, spawn_guarded};
 use serde_json::{Value, json};
 
@@ -253,7 +254,19 @@ impl Load {
     }
 }
 
+/// Two replicas with leader election; the leader is `kill -9`'d.
+struct Failover {
+    /// kill → the Lease names another holder.
+    to_leader: Duration,
+    /// kill → a Program created right after the kill has its artifact.
+    to_ready: Duration,
+    /// GETs of published artifacts from the surviving replica between the kill and `to_ready`.
+    served: u64,
+    failed: u64,
+}
+
 struct PeerRun {
+    failover: Option<Failover>,
     starts: Vec<Duration>,
     in_flight: InFlight,
     backlog: Backlog,
@@ -557,7 +570,20 @@ async fn peer_run(
         )
         .await?;
     drop(plane);
+    let failover = if measure_starts {
+        Some(
+            sections
+                .run(
+                    format!("{label}: failover (2 replicas, leader kill -9'd)"),
+                    failover_run(bins, peer, &log("failover")),
+                )
+                .await?,
+        )
+    } else {
+        None
+    };
     Ok(PeerRun {
+        failover,
         starts,
         in_flight,
         backlog,
@@ -927,6 +953,140 @@ async fn status_patch_run(
     })
 }
 
+/// Leader election of the failover run, the same flags for both operators: the usual
+/// Kubernetes client defaults (PKO's own are 60 s / 45 s / 10 s).
+const FAILOVER_LEASE: LeaseSettings = LeaseSettings {
+    lease_duration: Duration::from_secs(15),
+    renew_deadline: Duration::from_secs(10),
+    retry_period: Duration::from_secs(2),
+};
+/// Programs published before the leader is killed.
+const FAILOVER_PROGRAMS: usize = 100;
+
+/// The Lease's holder, once it has one other than `not`.
+async fn lease_holder(
+    leases: &Api<Lease>,
+    name: &str,
+    not: Option<&str>,
+) -> anyhow::Result<String> {
+    let deadline = Instant::now() + RUN_TIMEOUT;
+    loop {
+        if let Ok(lease) = leases.get(name).await
+            && let Some(holder) = lease.spec.and_then(|s| s.holder_identity)
+            && !holder.is_empty()
+            && Some(holder.as_str()) != not
+        {
+            return Ok(holder);
+        }
+        if Instant::now() > deadline {
+            bail!("Lease {name} got no (new) holder");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Two replicas of `peer` with leader election, both advertising the first one's file-server
+/// address (as behind a Service); the first leads. After 100 Programs are published, the leader
+/// is `kill -9`'d (its lease is not released), a Program is created, and the surviving replica's
+/// file server is asked for the published artifacts every 10 ms until that Program is ready.
+async fn failover_run(bins: &PeerBinaries, peer: Peer, log: &Path) -> anyhow::Result<Failover> {
+    let plane = fresh_plane(bins.crds_dir(peer)).await?;
+    let system_ns = plane.namespace("operator-system").await?;
+    let ns = plane.namespace("bench").await?;
+    let leases: Api<Lease> = Api::namespaced(plane.try_client()?, &system_ns);
+    let lease_name = LeaseSettings::lease_name(peer);
+    let first_port = pko_peer::free_port()?;
+    let opts = |fs_port| PeerOptions {
+        fs_port,
+        advertised: Some(format!("127.0.0.1:{first_port}")),
+        lease: Some(FAILOVER_LEASE),
+    };
+    let mut leader = pko_peer::start_with(
+        peer,
+        bins,
+        &plane,
+        &system_ns,
+        &log.with_extension("a.log"),
+        &opts(Some(first_port)),
+    )
+    .await?;
+    // The first replica leads before the second exists.
+    let holder = lease_holder(&leases, lease_name, None).await?;
+    let survivor = pko_peer::start_with(
+        peer,
+        bins,
+        &plane,
+        &system_ns,
+        &log.with_extension("b.log"),
+        &opts(None),
+    )
+    .await?;
+    let api = programs(&plane, &ns)?;
+    let watch = watch_ready(api.clone(), FAILOVER_PROGRAMS);
+    create_programs(&api, "p", FAILOVER_PROGRAMS).await?;
+    wait_ready(watch, FAILOVER_PROGRAMS).await?;
+    let urls = artifact_urls(&plane, survivor.fs_port, &ns, FAILOVER_PROGRAMS).await?;
+
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let poller = tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            let client = reqwest::Client::builder()
+                .timeout(Duration::from_secs(1))
+                .build()?;
+            let (mut served, mut failed) = (0u64, 0u64);
+            for url in urls.iter().cycle() {
+                if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    break;
+                }
+                match client.get(url).send().await {
+                    Ok(resp) if resp.status().is_success() => served += 1,
+                    _ => failed += 1,
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            anyhow::Ok((served, failed))
+        }
+    });
+    let killed = Instant::now();
+    leader.kill();
+    create_programs(&api, "f", 1).await?;
+    let new_leader = async {
+        lease_holder(&leases, lease_name, Some(&holder)).await?;
+        anyhow::Ok(killed.elapsed())
+    };
+    let new_ready = async {
+        let deadline = killed + RUN_TIMEOUT;
+        loop {
+            if let Ok(p) = api.get("f-00000").await
+                && artifact_ready(&p)
+            {
+                return anyhow::Ok(killed.elapsed());
+            }
+            if Instant::now() > deadline {
+                bail!("the Program created after the kill got no artifact");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    let (to_leader, to_ready) = tokio::join!(new_leader, new_ready);
+    let (to_leader, to_ready) = (to_leader?, to_ready?);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (served, failed) = poller.await??;
+    println!(
+        "   kill → new leader {:.2} s, → new Program ready {:.2} s; survivor's file server: {served} served, {failed} failed",
+        to_leader.as_secs_f64(),
+        to_ready.as_secs_f64()
+    );
+    drop(survivor);
+    Ok(Failover {
+        to_leader,
+        to_ready,
+        served,
+        failed,
+    })
+}
+
 /// The file server's artifact URLs of the first `programs` Programs, on loopback.
 async fn artifact_urls(
     plane: &ControlPlane,
@@ -1251,6 +1411,48 @@ fn rows(runs: &[CountRun]) -> Vec<Row> {
             ratio_lower(p.as_secs_f64(), o.as_secs_f64()),
             LOWER,
         );
+    }
+    if let Some(first) = runs.first()
+        && let (Some(p), Some(o)) = (&first.pko.failover, &first.ours.failover)
+    {
+        for (what, key, p, o) in [
+            (
+                "standby leads",
+                "failover-to-leader",
+                p.to_leader,
+                o.to_leader,
+            ),
+            (
+                "a Program created after the kill is ready",
+                "failover-to-ready",
+                p.to_ready,
+                o.to_ready,
+            ),
+        ] {
+            rows.push(Row {
+                measure: format!(
+                    "failover, 2 replicas, lease 15 s / 10 s / 2 s: leader kill -9 → {what}"
+                ),
+                key: key.into(),
+                pko: secs(p),
+                ours: secs(o),
+                advantage: ratio_lower(p.as_secs_f64(), o.as_secs_f64()),
+                way: LOWER,
+                goal: 1.0,
+                guarded: false,
+            });
+        }
+        let share = |f: &Failover| f.served as f64 / (f.served + f.failed).max(1) as f64;
+        rows.push(Row {
+            measure: "failover: artifacts the surviving replica served between the kill and the new Program ready".into(),
+            key: "failover-served".into(),
+            pko: format!("{} of {}", p.served, p.served + p.failed),
+            ours: format!("{} of {}", o.served, o.served + o.failed),
+            advantage: ratio_higher(share(p), share(o)),
+            way: HIGHER,
+            goal: 1.0,
+            guarded: false,
+        });
     }
     for r in runs {
         let (p, o) = (&r.pko.restart, &r.ours.restart);
