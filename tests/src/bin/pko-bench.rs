@@ -58,10 +58,17 @@ struct Args {
     write_baseline: Option<PathBuf>,
     check: Option<PathBuf>,
     tolerance: f64,
-    /// `--only pko-rs|pko`: one operator's runs, printed, no report (to iterate on one side).
-    only: Option<Peer>,
-    /// `--only patches`: the bare status patch runs alone, printed.
-    only_patches: bool,
+    /// `--only …`: one part of the bench, printed, no report (to iterate on one side).
+    only: Option<Only>,
+}
+
+/// What `--only` runs.
+#[derive(Clone, Copy)]
+enum Only {
+    /// `pko-rs` or `pko`: that operator's runs.
+    Peer(Peer),
+    /// `patches`: the bare status patch runs.
+    Patches,
 }
 
 fn parse_args(mut it: impl Iterator<Item = String>) -> anyhow::Result<Args> {
@@ -77,7 +84,6 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> anyhow::Result<Args> {
         check: None,
         tolerance: 0.25,
         only: None,
-        only_patches: false,
     };
     let mut out_given = false;
     let mut with_10k = false;
@@ -108,12 +114,9 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> anyhow::Result<Args> {
             "--tolerance" => args.tolerance = value.parse()?,
             "--only" => {
                 args.only = Some(match value.as_str() {
-                    "pko-rs" => Peer::PkoRs,
-                    "pko" => Peer::Pko,
-                    "patches" => {
-                        args.only_patches = true;
-                        continue;
-                    }
+                    "pko-rs" => Only::Peer(Peer::PkoRs),
+                    "pko" => Only::Peer(Peer::Pko),
+                    "patches" => Only::Patches,
                     other => bail!("--only takes pko-rs, pko or patches, not {other}"),
                 })
             }
@@ -132,7 +135,7 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> anyhow::Result<Args> {
         bail!("--starts must be at least 1");
     }
     // A check prints its comparison; it writes a report only when asked to.
-    if !out_given && args.check.is_none() && args.only.is_none() && !args.only_patches {
+    if !out_given && args.check.is_none() && args.only.is_none() {
         args.out = Some(PathBuf::from("docs/benchmarks.md"));
     }
     Ok(args)
@@ -299,13 +302,13 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let mut runs = Vec::new();
     let mut bare = None;
     let first = args.counts[0];
-    if args.only_patches {
+    if matches!(args.only, Some(Only::Patches)) {
         for &count in &args.counts {
             patch_runs(&bins, count).await?;
         }
         return Ok(());
     }
-    if let Some(peer) = args.only {
+    if let Some(Only::Peer(peer)) = args.only {
         if args.out.is_some() || args.check.is_some() || args.write_baseline.is_some() {
             bail!("--only prints one operator's runs; it writes no report, baseline or check");
         }
