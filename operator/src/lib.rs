@@ -18,6 +18,7 @@ pub mod http;
 pub mod leader;
 pub mod memory;
 pub mod metrics;
+pub mod oci;
 pub mod offline;
 pub mod probes;
 pub mod stack_metrics;

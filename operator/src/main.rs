@@ -49,6 +49,8 @@ enum Command {
 enum PluginCommand {
     /// Run a component against fixture cases: input, config, expected output or error.
     Test(pko_operator::offline::PluginTestArgs),
+    /// Publish a component to a registry as an OCI Wasm artifact; prints its digests.
+    Push(pko_operator::oci::push::PushArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -204,6 +206,13 @@ async fn main() -> anyhow::Result<()> {
             if failed > 0 {
                 anyhow::bail!("{failed} case(s) failed");
             }
+            Ok(())
+        }
+        Some(Command::Plugin {
+            command: PluginCommand::Push(args),
+        }) => {
+            let (reference, pushed) = pko_operator::oci::push::push(&args).await?;
+            print!("{}", pko_operator::oci::push::summary(&reference, &pushed));
             Ok(())
         }
         None => run(cli.run).await,

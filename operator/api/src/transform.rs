@@ -20,10 +20,27 @@ use serde_json::Value;
 
 use crate::common::Condition;
 
-/// CEL rule on a module source: exactly one of `configMap` and `url`.
-pub const SOURCE_RULE: &str = "has(self.configMap) != has(self.url)";
+/// CEL rule on a module source: exactly one of `configMap`, `url` and `oci`.
+pub const SOURCE_RULE: &str =
+    "[has(self.configMap), has(self.url), has(self.oci)].filter(x, x).size() == 1";
 /// Message of [`SOURCE_RULE`].
-pub const SOURCE_MESSAGE: &str = "set exactly one of configMap and url";
+pub const SOURCE_MESSAGE: &str = "set exactly one of configMap, url and oci";
+/// CEL rule on an OCI manifest digest.
+pub const OCI_DIGEST_RULE: &str = "self.matches('^sha256:[0-9a-f]{64}$')";
+/// Message of [`OCI_DIGEST_RULE`].
+pub const OCI_DIGEST_MESSAGE: &str = "digest must be sha256: and 64 lowercase hex characters";
+/// CEL rule on an OCI reference: a registry host and a repository, no scheme.
+pub const OCI_REFERENCE_RULE: &str = "self.matches('^[a-zA-Z0-9.-]+(:[0-9]+)?/[a-z0-9]+([._/-]+[a-z0-9]+)*(:[A-Za-z0-9_][A-Za-z0-9._-]{0,127})?$')";
+/// Message of [`OCI_REFERENCE_RULE`].
+pub const OCI_REFERENCE_MESSAGE: &str = "reference must be host[:port]/repository[:tag], without a scheme or a digest (the digest goes in digest)";
+/// CEL rule on `verify.cosign`: exactly one of `publicKeySecretRef` and `keys`.
+pub const COSIGN_RULE: &str = "has(self.publicKeySecretRef) != has(self.keys)";
+/// Message of [`COSIGN_RULE`].
+pub const COSIGN_MESSAGE: &str = "set exactly one of publicKeySecretRef and keys";
+/// CEL rule on a spec: signatures are checked on OCI sources only.
+pub const VERIFY_RULE: &str = "!has(self.verify) || has(self.source.oci)";
+/// Message of [`VERIFY_RULE`].
+pub const VERIFY_MESSAGE: &str = "verify applies to source.oci only";
 /// CEL rule on `sha256`.
 pub const SHA256_RULE: &str = "self.matches('^(sha256:)?[0-9a-fA-F]{64}$')";
 /// Message of [`SHA256_RULE`].
@@ -58,9 +75,13 @@ pub const READY: &str = "Ready";
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new(VERIFY_RULE).message(VERIFY_MESSAGE))]
 pub struct ProgramTransformSpec {
     /// Where the module comes from.
     pub source: ModuleSource,
+    /// Signatures the module must carry before it is compiled (OCI sources only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verify: Option<Verify>,
     /// sha256 of the module bytes (hex, optionally prefixed with `sha256:`). A module with
     /// another digest is not loaded.
     #[x_kube(validation = Rule::new(SHA256_RULE).message(SHA256_MESSAGE))]
@@ -93,9 +114,14 @@ pub struct ProgramTransformSpec {
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new(VERIFY_RULE).message(VERIFY_MESSAGE))]
 pub struct ClusterProgramTransformSpec {
     /// Where the module comes from (a ConfigMap names its namespace).
     pub source: ClusterModuleSource,
+    /// Signatures the module must carry before it is compiled (OCI sources only; a Secret
+    /// names its namespace).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verify: Option<ClusterVerify>,
     /// sha256 of the module bytes (hex, optionally prefixed with `sha256:`). A module with
     /// another digest is not loaded.
     #[x_kube(validation = Rule::new(SHA256_RULE).message(SHA256_MESSAGE))]
@@ -147,6 +173,9 @@ pub struct ModuleSource {
     #[x_kube(validation = Rule::new(URL_RULE).message(URL_MESSAGE))]
     #[schemars(length(max = 2048))]
     pub url: Option<String>,
+    /// An OCI Wasm artifact in a registry, pinned by its manifest digest.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oci: Option<OciSource>,
 }
 
 /// Where a cluster-scoped transform's module comes from.
@@ -162,6 +191,98 @@ pub struct ClusterModuleSource {
     #[x_kube(validation = Rule::new(URL_RULE).message(URL_MESSAGE))]
     #[schemars(length(max = 2048))]
     pub url: Option<String>,
+    /// An OCI Wasm artifact in a registry, pinned by its manifest digest.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oci: Option<OciSource>,
+}
+
+/// An OCI Wasm artifact (an `application/wasm` layer and an `application/vnd.wasm.config`
+/// config), pulled over https by manifest digest.
+#[derive(Serialize, Deserialize, KubeSchema, Clone, Debug, PartialEq, Eq, Hash, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct OciSource {
+    /// `host[:port]/repository`, optionally with a tag that is informational only (the
+    /// digest decides what is pulled).
+    #[x_kube(validation = Rule::new(OCI_REFERENCE_RULE).message(OCI_REFERENCE_MESSAGE))]
+    #[schemars(length(min = 3, max = 512))]
+    pub reference: String,
+    /// `sha256:<hex>` of the artifact's manifest.
+    #[x_kube(validation = Rule::new(OCI_DIGEST_RULE).message(OCI_DIGEST_MESSAGE))]
+    #[schemars(length(max = 71))]
+    pub digest: String,
+}
+
+/// Signature checks of a module.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct Verify {
+    /// cosign signatures (the `sha256-<digest>.sig` tag next to the artifact), checked
+    /// offline against public keys.
+    pub cosign: CosignVerify,
+}
+
+/// Public keys, one of which must have signed the artifact's manifest digest.
+#[derive(Serialize, Deserialize, KubeSchema, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new(COSIGN_RULE).message(COSIGN_MESSAGE))]
+pub struct CosignVerify {
+    /// A key of a Secret in the transform's namespace holding PEM public keys (`cosign.pub`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub public_key_secret_ref: Option<SecretKeyRef>,
+    /// PEM public keys (ECDSA P-256, as `cosign generate-key-pair` writes them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 16), inner(length(max = 4096)))]
+    pub keys: Option<Vec<String>>,
+}
+
+/// Signature checks of a cluster-scoped transform's module.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct ClusterVerify {
+    /// cosign signatures (the `sha256-<digest>.sig` tag next to the artifact), checked
+    /// offline against public keys.
+    pub cosign: ClusterCosignVerify,
+}
+
+/// Public keys, one of which must have signed the artifact's manifest digest.
+#[derive(Serialize, Deserialize, KubeSchema, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new(COSIGN_RULE).message(COSIGN_MESSAGE))]
+pub struct ClusterCosignVerify {
+    /// A key of a Secret holding PEM public keys (`cosign.pub`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub public_key_secret_ref: Option<NamespacedSecretKeyRef>,
+    /// PEM public keys (ECDSA P-256, as `cosign generate-key-pair` writes them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 16), inner(length(max = 4096)))]
+    pub keys: Option<Vec<String>>,
+}
+
+/// A key of a Secret in the same namespace.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct SecretKeyRef {
+    /// Name of the Secret.
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+    /// Key under `data`.
+    #[schemars(length(min = 1, max = 253))]
+    pub key: String,
+}
+
+/// A key of a Secret in a named namespace.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct NamespacedSecretKeyRef {
+    /// Namespace of the Secret.
+    #[schemars(length(min = 1, max = 63))]
+    pub namespace: String,
+    /// Name of the Secret.
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+    /// Key under `data`.
+    #[schemars(length(min = 1, max = 253))]
+    pub key: String,
 }
 
 /// A key of a ConfigMap in the same namespace.
@@ -272,6 +393,21 @@ pub enum ResolvedSource {
         key: String,
     },
     Url(String),
+    Oci {
+        artifact: OciSource,
+        verify: Option<ResolvedKeys>,
+    },
+}
+
+/// Where the public keys of a cosign check are, with the Secret's namespace resolved.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum ResolvedKeys {
+    Inline(Vec<String>),
+    Secret {
+        namespace: String,
+        name: String,
+        key: String,
+    },
 }
 
 /// The fields of either kind, in one shape.
@@ -296,11 +432,31 @@ impl ProgramTransform {
                     .config_map
                     .as_ref()
                     .map(|c| ResolvedSource::ConfigMap {
-                        namespace,
+                        namespace: namespace.clone(),
                         name: c.name.clone(),
                         key: c.key.clone(),
                     }),
                 self.spec.source.url.as_deref(),
+                self.spec
+                    .source
+                    .oci
+                    .as_ref()
+                    .map(|artifact| ResolvedSource::Oci {
+                        artifact: artifact.clone(),
+                        verify: self.spec.verify.as_ref().map(|v| match &v.cosign {
+                            CosignVerify {
+                                public_key_secret_ref: Some(r),
+                                ..
+                            } => ResolvedKeys::Secret {
+                                namespace: namespace.clone(),
+                                name: r.name.clone(),
+                                key: r.key.clone(),
+                            },
+                            CosignVerify { keys, .. } => {
+                                ResolvedKeys::Inline(keys.clone().unwrap_or_default())
+                            }
+                        }),
+                    }),
             ),
             sha256: &self.spec.sha256,
             namespace_selector: None,
@@ -325,6 +481,26 @@ impl ClusterProgramTransform {
                         key: c.key.clone(),
                     }),
                 self.spec.source.url.as_deref(),
+                self.spec
+                    .source
+                    .oci
+                    .as_ref()
+                    .map(|artifact| ResolvedSource::Oci {
+                        artifact: artifact.clone(),
+                        verify: self.spec.verify.as_ref().map(|v| match &v.cosign {
+                            ClusterCosignVerify {
+                                public_key_secret_ref: Some(r),
+                                ..
+                            } => ResolvedKeys::Secret {
+                                namespace: r.namespace.clone(),
+                                name: r.name.clone(),
+                                key: r.key.clone(),
+                            },
+                            ClusterCosignVerify { keys, .. } => {
+                                ResolvedKeys::Inline(keys.clone().unwrap_or_default())
+                            }
+                        }),
+                    }),
             ),
             sha256: &self.spec.sha256,
             namespace_selector: self.spec.namespace_selector.as_ref(),
@@ -335,10 +511,15 @@ impl ClusterProgramTransform {
 }
 
 /// Exactly one source, else `None` (the CRD rule makes that unreachable for stored objects).
-fn resolve(config_map: Option<ResolvedSource>, url: Option<&str>) -> Option<ResolvedSource> {
-    match (config_map, url) {
-        (Some(cm), None) => Some(cm),
-        (None, Some(url)) => Some(ResolvedSource::Url(url.to_owned())),
+fn resolve(
+    config_map: Option<ResolvedSource>,
+    url: Option<&str>,
+    oci: Option<ResolvedSource>,
+) -> Option<ResolvedSource> {
+    match (config_map, url, oci) {
+        (Some(cm), None, None) => Some(cm),
+        (None, Some(url), None) => Some(ResolvedSource::Url(url.to_owned())),
+        (None, None, Some(oci)) => Some(oci),
         _ => None,
     }
 }

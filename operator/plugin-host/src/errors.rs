@@ -9,6 +9,9 @@ pub enum PluginError {
     /// The module bytes could not be read from their source.
     #[error("cannot read the module: {0}")]
     Source(String),
+    /// The module's signature is missing or does not verify.
+    #[error("signature refused: {0}")]
+    Signature(String),
     #[error("module sha256 is {actual}, but {expected} is pinned")]
     DigestMismatch { expected: String, actual: String },
     #[error("module is {size} bytes, more than the limit of {limit}")]
@@ -61,6 +64,7 @@ pub enum PluginError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ErrorKind {
     Source,
+    Signature,
     DigestMismatch,
     ModuleTooLarge,
     Compile,
@@ -81,8 +85,9 @@ pub enum ErrorKind {
 
 impl ErrorKind {
     /// Every kind, in declaration order.
-    pub const ALL: [ErrorKind; 17] = [
+    pub const ALL: [ErrorKind; 18] = [
         Self::Source,
+        Self::Signature,
         Self::DigestMismatch,
         Self::ModuleTooLarge,
         Self::Compile,
@@ -105,6 +110,7 @@ impl ErrorKind {
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Source => "source",
+            Self::Signature => "signature",
             Self::DigestMismatch => "digest-mismatch",
             Self::ModuleTooLarge => "module-too-large",
             Self::Compile => "compile",
@@ -128,6 +134,7 @@ impl ErrorKind {
     pub fn camel(self) -> &'static str {
         match self {
             Self::Source => "Source",
+            Self::Signature => "Signature",
             Self::DigestMismatch => "DigestMismatch",
             Self::ModuleTooLarge => "ModuleTooLarge",
             Self::Compile => "Compile",
@@ -163,6 +170,7 @@ impl PluginError {
     pub fn kind(&self) -> ErrorKind {
         match self {
             Self::Source(_) => ErrorKind::Source,
+            Self::Signature(_) => ErrorKind::Signature,
             Self::DigestMismatch { .. } => ErrorKind::DigestMismatch,
             Self::ModuleTooLarge { .. } => ErrorKind::ModuleTooLarge,
             Self::Compile(_) => ErrorKind::Compile,

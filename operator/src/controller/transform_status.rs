@@ -227,6 +227,29 @@ fn desired(snapshot: &Snapshot) -> Option<Desired> {
             digest: None,
             plugin: None,
         }),
+        LoadState::Previous { previous, error } => {
+            let info = previous.module.info();
+            Some(Desired {
+                generation,
+                ready: false,
+                reason: "ServingPrevious".into(),
+                message: truncate(
+                    &format!(
+                        "the new module cannot be fetched ({error}); the previous one, plugin {} {} ({}), keeps serving until it can",
+                        info.name,
+                        info.version,
+                        previous.module.digest()
+                    ),
+                    1000,
+                ),
+                digest: Some(previous.module.digest().to_owned()),
+                plugin: Some(PluginStatus {
+                    name: info.name.clone(),
+                    version: info.version.clone(),
+                    description: info.description.clone(),
+                }),
+            })
+        }
     }
 }
 

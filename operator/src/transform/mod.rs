@@ -107,6 +107,21 @@ pub enum LoadState {
     Loading,
     Ready(Arc<Module>),
     Failed(PluginError),
+    /// The transform changed and its new module cannot be fetched (a registry or ConfigMap
+    /// out of reach): the module it had keeps running, with the settings it was loaded with,
+    /// while the new one is retried.
+    Previous {
+        previous: Arc<Previous>,
+        error: PluginError,
+    },
+}
+
+/// A transform's module as it was loaded before the transform changed.
+#[derive(Debug)]
+pub struct Previous {
+    pub module: Arc<Module>,
+    config: Value,
+    limits: Limits,
 }
 
 impl LoadState {
@@ -115,6 +130,16 @@ impl LoadState {
             (Self::Loading, Self::Loading) => true,
             (Self::Ready(a), Self::Ready(b)) => Arc::ptr_eq(a, b),
             (Self::Failed(a), Self::Failed(b)) => a == b,
+            (
+                Self::Previous {
+                    previous: a,
+                    error: ea,
+                },
+                Self::Previous {
+                    previous: b,
+                    error: eb,
+                },
+            ) => Arc::ptr_eq(a, b) && ea == eb,
             _ => false,
         }
     }

@@ -42,19 +42,38 @@ pub(super) fn matching<'a>(
 pub(super) fn resolve(state: &State, namespace: &str, labels: &BTreeMap<String, String>) -> Chain {
     let steps = matching(state, namespace, labels)
         .into_iter()
-        .map(|(key, entry)| Step {
-            id: key.to_string(),
-            priority: entry.priority,
-            policy: entry.policy,
-            module: match &*entry.state.borrow() {
-                LoadState::Ready(module) => Ok(module.clone()),
-                LoadState::Failed(err) => Err(err.clone()),
-                LoadState::Loading => {
-                    Err(PluginError::Source("the module is still loading".into()))
-                }
-            },
-            config: entry.load.config.clone(),
-            limits: entry.load.limits,
+        .map(|(key, entry)| {
+            let state = entry.state.borrow();
+            let (module, config, limits) = match &*state {
+                LoadState::Ready(module) => (
+                    Ok(module.clone()),
+                    entry.load.config.clone(),
+                    entry.load.limits,
+                ),
+                LoadState::Previous { previous, .. } => (
+                    Ok(previous.module.clone()),
+                    previous.config.clone(),
+                    previous.limits,
+                ),
+                LoadState::Failed(err) => (
+                    Err(err.clone()),
+                    entry.load.config.clone(),
+                    entry.load.limits,
+                ),
+                LoadState::Loading => (
+                    Err(PluginError::Source("the module is still loading".into())),
+                    entry.load.config.clone(),
+                    entry.load.limits,
+                ),
+            };
+            Step {
+                id: key.to_string(),
+                priority: entry.priority,
+                policy: entry.policy,
+                module,
+                config,
+                limits,
+            }
         })
         .collect();
     Chain { steps }

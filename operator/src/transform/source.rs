@@ -1,6 +1,7 @@
 //! Reads module bytes from where a transform says they are: a ConfigMap key (one namespaced
-//! `get`, no watch), an `https://` URL, or a `file:///` path under the plugin folder. Offline
-//! (the `render` command), ConfigMaps come from manifests and modules from a folder, by digest.
+//! `get`, no watch), an `https://` URL, a `file:///` path under the plugin folder, or an OCI
+//! artifact (its cosign signature checked first when the transform asks for it). Offline (the
+//! `render` command), ConfigMaps come from manifests and modules from a folder, by digest.
 
 use crate::egress::EgressPolicy;
 use std::collections::HashMap;
@@ -8,9 +9,10 @@ use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::ConfigMap;
+use crate::oci::{OciError, Reference, cosign, registry::Session};
+use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use kube::{Api, Client};
-use pko_api::transform::ResolvedSource;
+use pko_api::transform::{OciSource, ResolvedKeys, ResolvedSource};
 use pko_plugin_host::PluginError;
 
 /// Timeout of one https fetch.
@@ -144,7 +146,81 @@ impl ModuleFetcher {
                 Some(path) => self.file(path).await,
                 None => self.https(url).await,
             },
+            ResolvedSource::Oci { artifact, verify } => self.oci(artifact, verify.as_ref()).await,
         }
+    }
+
+    /// The module of an OCI artifact; with `verify`, only once a trusted key's signature of
+    /// the manifest digest is found.
+    async fn oci(
+        &self,
+        artifact: &OciSource,
+        verify: Option<&ResolvedKeys>,
+    ) -> Result<Vec<u8>, PluginError> {
+        let http = self.http.as_ref().ok_or_else(|| {
+            PluginError::Source(
+                "OCI modules are not pulled offline (put the module in the module folder)".into(),
+            )
+        })?;
+        let reference = Reference::parse(&artifact.reference)?;
+        let keys = match verify {
+            Some(keys) => Some(self.keys(keys).await?),
+            None => None,
+        };
+        let mut session = Session::new(http, Some(&self.egress), &reference);
+        let pulled = session
+            .pull(&artifact.digest, keys.as_deref(), self.max_bytes)
+            .await?;
+        if let Some(key) = &pulled.signed_by {
+            tracing::info!(artifact = %reference, digest = %artifact.digest, key = %key, "cosign signature verified");
+        }
+        Ok(pulled.module)
+    }
+
+    /// The trusted public keys of a cosign check.
+    async fn keys(&self, keys: &ResolvedKeys) -> Result<Vec<cosign::PublicKey>, PluginError> {
+        let text = match keys {
+            ResolvedKeys::Inline(pems) => pems.join("\n"),
+            ResolvedKeys::Secret {
+                namespace,
+                name,
+                key,
+            } => {
+                let client = self
+                    .client
+                    .as_ref()
+                    .ok_or_else(|| PluginError::Source("Secrets are not read offline".into()))?;
+                let api: Api<Secret> = Api::namespaced(client.clone(), namespace);
+                let secret = api
+                    .get_opt(name)
+                    .await
+                    .map_err(|e| PluginError::Source(format!("Secret {namespace}/{name}: {e}")))?;
+                let secret = secret.ok_or_else(|| {
+                    PluginError::Source(format!("Secret {namespace}/{name} not found"))
+                })?;
+                let bytes = secret
+                    .data
+                    .as_ref()
+                    .and_then(|d| d.get(key))
+                    .map(|b| b.0.clone())
+                    .or_else(|| {
+                        secret
+                            .string_data
+                            .as_ref()
+                            .and_then(|d| d.get(key))
+                            .map(|s| s.clone().into_bytes())
+                    })
+                    .ok_or_else(|| {
+                        PluginError::Source(format!("Secret {namespace}/{name} has no key {key:?}"))
+                    })?;
+                String::from_utf8(bytes).map_err(|_| {
+                    PluginError::Signature(format!(
+                        "Secret {namespace}/{name} key {key:?} is not PEM text"
+                    ))
+                })?
+            }
+        };
+        cosign::parse_keys(&text).map_err(|e: OciError| e.into())
     }
 
     async fn config_map(

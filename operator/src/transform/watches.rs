@@ -162,8 +162,23 @@ impl TransformRegistry {
             if state.entries.contains_key(&key) {
                 self.host.forget_transform(&key.to_string());
             }
+            // The same object's running module stays at hand, for when the new one cannot
+            // be fetched.
+            let previous = state
+                .entries
+                .get(&key)
+                .filter(|e| e.uid == uid)
+                .and_then(|e| match &*e.state.borrow() {
+                    LoadState::Ready(module) => Some(Arc::new(Previous {
+                        module: module.clone(),
+                        config: e.load.config.clone(),
+                        limits: e.load.limits,
+                    })),
+                    LoadState::Previous { previous, .. } => Some(previous.clone()),
+                    LoadState::Loading | LoadState::Failed(_) => None,
+                });
             let (tx, _) = watch::channel(LoadState::Loading);
-            let task = self.spawn_load(key.clone(), load.clone(), tx.clone());
+            let task = self.spawn_load(key.clone(), load.clone(), tx.clone(), previous);
             debug!(transform = %key, generation, "loading transform");
             state.entries.insert(
                 key.clone(),
@@ -205,6 +220,7 @@ impl TransformRegistry {
         key: TransformKey,
         load: LoadSpec,
         tx: watch::Sender<LoadState>,
+        previous: Option<Arc<Previous>>,
     ) -> AbortHandle {
         let this = Arc::downgrade(self);
         tokio::spawn(async move {
@@ -216,9 +232,12 @@ impl TransformRegistry {
                 let result = registry.load(&key, &load).await;
                 let retry = match &result {
                     Ok(_) => false,
+                    // A digest mismatch or a missing signature may be fixed at the source
+                    // (a ConfigMap updated, an artifact signed) without the object changing.
                     Err(e) => {
                         e.kind().is_transient()
                             || e.kind() == pko_plugin_host::ErrorKind::DigestMismatch
+                            || e.kind() == pko_plugin_host::ErrorKind::Signature
                     }
                 };
                 let next = match result {
@@ -226,10 +245,21 @@ impl TransformRegistry {
                         info!(transform = %key, plugin = %module.info().name, digest = %module.digest(), "transform ready");
                         LoadState::Ready(module)
                     }
-                    Err(err) => {
-                        warn!(transform = %key, error = %err, "transform not ready");
-                        LoadState::Failed(err)
-                    }
+                    Err(err) => match &previous {
+                        // Only an unreachable source keeps the old module: anything the
+                        // fetched bytes themselves fail (digest, signature, compile) does not.
+                        Some(previous) if err.kind() == pko_plugin_host::ErrorKind::Source => {
+                            warn!(transform = %key, error = %err, digest = %previous.module.digest(), "new module out of reach; the previous one keeps serving");
+                            LoadState::Previous {
+                                previous: previous.clone(),
+                                error: err,
+                            }
+                        }
+                        _ => {
+                            warn!(transform = %key, error = %err, "transform not ready");
+                            LoadState::Failed(err)
+                        }
+                    },
                 };
                 let changed = !tx.borrow().same(&next);
                 tx.send_replace(next);
