@@ -7,8 +7,8 @@
 # tarball: $PKO_SRC_TARBALL, by default ../shared/reference/pko-v2.9.0-src.tar.gz next to the
 # repository. Its folder is keyed by the version and the tarball's sha256. `all` leaves it out.
 #
-#   tools/build.sh kube|opa|pulumi|pko|all      prints nothing but progress; exits non-zero on failure
-#   tools/build.sh dir kube|opa|pulumi|pko      prints the bin folder of a component
+#   tools/build.sh kube|opa|pulumi|pko|helm|all  prints nothing but progress; exits non-zero on failure
+#   tools/build.sh dir kube|opa|pulumi|pko|helm  prints the bin folder of a component
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -24,6 +24,8 @@ PULUMI_YAML_VERSION=1.25.0
 # the module proxy serves); this is the version it reports.
 PULUMI_KUBERNETES_VERSION=4.0.0-f47bc2d6f199
 PKO_VERSION=2.9.0
+# Helm is pinned by tools/helm/go.mod (helm.sh/helm/v3); this is the version it reports.
+HELM_VERSION=3.22.0
 PKO_SRC_TARBALL=${PKO_SRC_TARBALL:-$here/../../shared/reference/pko-v$PKO_VERSION-src.tar.gz}
 
 # The folder's name carries every version and a hash of the helper module's go.sum, so a bump
@@ -39,6 +41,7 @@ dir_for() {
     opa) echo "$cache/opa-v$OPA_VERSION" ;;
     pulumi) echo "$cache/pulumi-v$PULUMI_VERSION-yaml-v$PULUMI_YAML_VERSION-$(key pulumi)" ;;
     pko) echo "$cache/pko-v$PKO_VERSION-$(pko_src_sum)" ;;
+    helm) echo "$cache/helm-v$HELM_VERSION-$(key helm)" ;;
     *) echo "unknown component: $1" >&2; exit 2 ;;
   esac
 }
@@ -141,6 +144,19 @@ build_pulumi() {
   build_pulumi_kubernetes "$out"
 }
 
+# Helm's CLI, which the tests run `helm lint` and `helm template` of deploy/helm/pko-rs with.
+build_helm() {
+  local out; out=$(dir_for helm)
+  if [[ -x $out/helm ]]; then return; fi
+  echo "building helm v$HELM_VERSION into $out" >&2
+  mkdir -p "$out.tmp"
+  (cd "$here/helm" &&
+    go build -trimpath -o "$out.tmp/helm" \
+      -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=v$HELM_VERSION" \
+      helm.sh/helm/v3/cmd/helm)
+  rm -rf "$out" && mv "$out.tmp" "$out"
+}
+
 case ${1:-all} in
   dir)
     if [[ ${2:-} == pko ]]; then require_pko_src; fi
@@ -150,6 +166,7 @@ case ${1:-all} in
   opa) build_opa ;;
   pulumi) build_pulumi ;;
   pko) build_pko ;;
-  all) build_kube; build_opa; build_pulumi ;;
-  *) echo "usage: $0 kube|opa|pulumi|pko|all | dir COMPONENT" >&2; exit 2 ;;
+  helm) build_helm ;;
+  all) build_kube; build_opa; build_pulumi; build_helm ;;
+  *) echo "usage: $0 kube|opa|pulumi|pko|helm|all | dir COMPONENT" >&2; exit 2 ;;
 esac

@@ -20,6 +20,7 @@ pub mod memory;
 pub mod metrics;
 pub mod offline;
 pub mod probes;
+pub mod scope;
 pub mod stack_metrics;
 pub mod telemetry;
 pub mod transform;
