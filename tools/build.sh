@@ -26,6 +26,9 @@ PULUMI_KUBERNETES_VERSION=4.0.0-f47bc2d6f199
 PKO_VERSION=2.9.0
 # Helm is pinned by tools/helm/go.mod (helm.sh/helm/v3); this is the version it reports.
 HELM_VERSION=3.22.0
+# The Kubernetes version `helm template` and `helm lint` assume without a cluster, as Helm's own
+# Makefile stamps it: one above the major of its client-go modules (v0.37 -> 1.37).
+HELM_KUBE_VERSION=1.37
 PKO_SRC_TARBALL=${PKO_SRC_TARBALL:-$here/../../shared/reference/pko-v$PKO_VERSION-src.tar.gz}
 
 # The folder's name carries every version and a hash of the helper module's go.sum, so a bump
@@ -41,7 +44,7 @@ dir_for() {
     opa) echo "$cache/opa-v$OPA_VERSION" ;;
     pulumi) echo "$cache/pulumi-v$PULUMI_VERSION-yaml-v$PULUMI_YAML_VERSION-$(key pulumi)" ;;
     pko) echo "$cache/pko-v$PKO_VERSION-$(pko_src_sum)" ;;
-    helm) echo "$cache/helm-v$HELM_VERSION-$(key helm)" ;;
+    helm) echo "$cache/helm-v$HELM_VERSION-k$HELM_KUBE_VERSION-$(key helm)" ;;
     *) echo "unknown component: $1" >&2; exit 2 ;;
   esac
 }
@@ -150,10 +153,13 @@ build_helm() {
   if [[ -x $out/helm ]]; then return; fi
   echo "building helm v$HELM_VERSION into $out" >&2
   mkdir -p "$out.tmp"
+  local stamp="-X helm.sh/helm/v3/internal/version.version=v$HELM_VERSION" pkg
+  for pkg in pkg/lint/rules pkg/chartutil; do
+    stamp+=" -X helm.sh/helm/v3/$pkg.k8sVersionMajor=${HELM_KUBE_VERSION%%.*}"
+    stamp+=" -X helm.sh/helm/v3/$pkg.k8sVersionMinor=${HELM_KUBE_VERSION#*.}"
+  done
   (cd "$here/helm" &&
-    go build -trimpath -o "$out.tmp/helm" \
-      -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=v$HELM_VERSION" \
-      helm.sh/helm/v3/cmd/helm)
+    go build -trimpath -o "$out.tmp/helm" -ldflags "-s -w $stamp" helm.sh/helm/v3/cmd/helm)
   rm -rf "$out" && mv "$out.tmp" "$out"
 }
 
