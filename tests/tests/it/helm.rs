@@ -348,3 +348,47 @@ async fn helm_template_applies_with_server_side_dry_run() {
             .is_none()
     );
 }
+
+/// The operator knows every flag the chart's Deployment passes, whatever the values (clap
+/// refuses an unknown flag before it reaches `--help`).
+#[test]
+fn the_operator_accepts_the_charts_arguments() {
+    for sets in [
+        &[][..],
+        &[
+            "scope.mode=namespaces",
+            "scope.namespaces={a,b}",
+            "logLevel=debug",
+            "image.tag=v1",
+            "leaderElection.id=other",
+            "leaderElection.leaseDuration=90s",
+            "leaderElection.renewDeadline=60s",
+            "leaderElection.retryPeriod=5s",
+            "pluginCache.enabled=false",
+            "extraArgs={--max-concurrent-reconciles=50}",
+        ][..],
+        &["leaderElection.enabled=false", "webhook.enabled=false"][..],
+    ] {
+        let objects = parse(&template(RELEASE_NAMESPACE, sets));
+        let deployment = objects
+            .iter()
+            .find(|o| o["kind"] == "Deployment")
+            .expect("deployment");
+        let args: Vec<&str> = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+            .as_array()
+            .expect("args")
+            .iter()
+            .filter_map(Value::as_str)
+            .collect();
+        let parsed = Command::new(pko_tests::operator::operator_binary().expect("operator binary"))
+            .args(&args)
+            .arg("--help")
+            .output()
+            .expect("run the operator");
+        assert!(
+            parsed.status.success(),
+            "{sets:?} → {args:?}: {}",
+            String::from_utf8_lossy(&parsed.stderr)
+        );
+    }
+}
