@@ -7,8 +7,8 @@
 # tarball: $PKO_SRC_TARBALL, by default ../shared/reference/pko-v2.9.0-src.tar.gz next to the
 # repository. Its folder is keyed by the version and the tarball's sha256. `all` leaves it out.
 #
-#   tools/build.sh kube|opa|pulumi|pko|oci|all      prints nothing but progress; exits non-zero on failure
-#   tools/build.sh dir kube|opa|pulumi|pko|oci      prints the bin folder of a component
+#   tools/build.sh kube|opa|pulumi|pko|helm|oci|all  prints nothing but progress; exits non-zero on failure
+#   tools/build.sh dir kube|opa|pulumi|pko|helm|oci  prints the bin folder of a component
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -27,6 +27,11 @@ PKO_VERSION=2.9.0
 # The OCI registry and cosign the signed-plugin tests push to and sign with.
 REGISTRY_VERSION=3.1.2
 COSIGN_VERSION=2.6.5
+# Helm is pinned by tools/helm/go.mod (helm.sh/helm/v3); this is the version it reports.
+HELM_VERSION=3.22.0
+# The Kubernetes version `helm template` and `helm lint` assume without a cluster, as Helm's own
+# Makefile stamps it: one above the major of its client-go modules (v0.37 -> 1.37).
+HELM_KUBE_VERSION=1.37
 PKO_SRC_TARBALL=${PKO_SRC_TARBALL:-$here/../../shared/reference/pko-v$PKO_VERSION-src.tar.gz}
 
 # The folder's name carries every version and a hash of the helper module's go.sum, so a bump
@@ -43,6 +48,7 @@ dir_for() {
     pulumi) echo "$cache/pulumi-v$PULUMI_VERSION-yaml-v$PULUMI_YAML_VERSION-$(key pulumi)" ;;
     pko) echo "$cache/pko-v$PKO_VERSION-$(pko_src_sum)" ;;
     oci) echo "$cache/registry-v$REGISTRY_VERSION-cosign-v$COSIGN_VERSION" ;;
+    helm) echo "$cache/helm-v$HELM_VERSION-k$HELM_KUBE_VERSION-$(key helm)" ;;
     *) echo "unknown component: $1" >&2; exit 2 ;;
   esac
 }
@@ -159,6 +165,22 @@ build_pulumi() {
   build_pulumi_kubernetes "$out"
 }
 
+# Helm's CLI, which the tests run `helm lint` and `helm template` of deploy/helm/pko-rs with.
+build_helm() {
+  local out; out=$(dir_for helm)
+  if [[ -x $out/helm ]]; then return; fi
+  echo "building helm v$HELM_VERSION into $out" >&2
+  mkdir -p "$out.tmp"
+  local stamp="-X helm.sh/helm/v3/internal/version.version=v$HELM_VERSION" pkg
+  for pkg in pkg/lint/rules pkg/chartutil; do
+    stamp+=" -X helm.sh/helm/v3/$pkg.k8sVersionMajor=${HELM_KUBE_VERSION%%.*}"
+    stamp+=" -X helm.sh/helm/v3/$pkg.k8sVersionMinor=${HELM_KUBE_VERSION#*.}"
+  done
+  (cd "$here/helm" &&
+    go build -trimpath -o "$out.tmp/helm" -ldflags "-s -w $stamp" helm.sh/helm/v3/cmd/helm)
+  rm -rf "$out" && mv "$out.tmp" "$out"
+}
+
 case ${1:-all} in
   dir)
     if [[ ${2:-} == pko ]]; then require_pko_src; fi
@@ -169,6 +191,7 @@ case ${1:-all} in
   pulumi) build_pulumi ;;
   pko) build_pko ;;
   oci) build_oci ;;
-  all) build_kube; build_opa; build_pulumi; build_oci ;;
-  *) echo "usage: $0 kube|opa|pulumi|pko|oci|all | dir COMPONENT" >&2; exit 2 ;;
+  helm) build_helm ;;
+  all) build_kube; build_opa; build_pulumi; build_helm; build_oci ;;
+  *) echo "usage: $0 kube|opa|pulumi|pko|helm|oci|all | dir COMPONENT" >&2; exit 2 ;;
 esac

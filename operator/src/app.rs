@@ -138,6 +138,13 @@ impl App {
         );
         info!(advertised = advertised.as_str(), "artifact URLs");
 
+        let (scope, cluster) = args.scope();
+        if !cluster {
+            info!(
+                namespaces = ?scope.each(),
+                "namespace-scoped: watching these namespaces only; ClusterProgramTransforms, TenancyPolicies, Namespace labels and the admission webhook are off"
+            );
+        }
         let mut tasks = JoinSet::new();
         let watches = Watches::start(&args, &client, &metrics, &memory, &shutdown, &mut tasks)?;
         let (key_secret, keys) =
@@ -171,7 +178,7 @@ impl App {
             ctx,
             concurrency: args.max_concurrent_reconciles,
             execution_args: args.execution.clone(),
-            namespace: args.watch_namespace.clone().filter(|n| !n.is_empty()),
+            scope,
             egress: watches.egress,
             file_server: served.file_server,
             transforms: watches.transforms,
@@ -262,11 +269,8 @@ impl Watches {
         shutdown: &CancellationToken,
         tasks: &mut JoinSet<()>,
     ) -> Result<Self, AppError> {
-        let namespace = args.watch_namespace.as_deref().filter(|n| !n.is_empty());
-        let programs: Api<StoredProgram> = match namespace {
-            Some(namespace) => Api::namespaced(client.clone(), namespace),
-            None => Api::all(client.clone()),
-        };
+        let (scope, cluster) = args.scope();
+        let programs: Vec<Api<StoredProgram>> = scope.apis(client);
         // Where the operator may connect for a tenant's URL (git refs, https modules).
         let egress = Arc::new(EgressPolicy::from_args(&args.egress));
         // Transform plugins, on every replica: each file server runs the chains too.
@@ -293,17 +297,14 @@ impl Watches {
         if let Some(transforms) = &transforms {
             let driver = transforms
                 .clone()
-                .run(client.clone(), namespace.map(str::to_owned));
+                .run(client.clone(), scope.clone(), cluster);
             spawn_until(tasks, shutdown, driver);
         }
         spawn_until(tasks, shutdown, index_driver);
 
         // Stack gauges: a watch on every replica, like the Program watch above.
         let stack_resource = ApiResource::erase::<Stack>(&());
-        let stacks: Api<DynamicObject> = match namespace {
-            Some(namespace) => Api::namespaced_with(client.clone(), namespace, &stack_resource),
-            None => Api::all_with(client.clone(), &stack_resource),
-        };
+        let stacks: Vec<Api<DynamicObject>> = scope.apis_with(client, &stack_resource);
         let (stacks_synced, stacks_driver) = stack_metrics::watch(stacks, metrics.clone());
         spawn_until(tasks, shutdown, stacks_driver);
         Ok(Self {
@@ -399,6 +400,17 @@ async fn serve(
         env.pod_namespace.as_deref(),
         memory.admission_slots,
     )?;
+    // A webhook configuration is cluster-scoped, and so are the TenancyPolicies it enforces.
+    let webhook_config = if args.scope().1 {
+        webhook_config
+    } else {
+        if webhook_config.is_some() {
+            info!(
+                "namespace-scoped: the admission webhook is off (its --webhook-* flags are ignored)"
+            );
+        }
+        None
+    };
     // The Workspace controller judges flux URLs by the same file-server names as the webhook.
     let (file_server, _) = args.webhook.file_server_names(fs_host)?;
     // TenancyPolicies matter only to the webhook; their status is reported where it runs.
@@ -472,7 +484,7 @@ fn memory_plan(args: &RunArgs) -> Result<memory::Plan, AppError> {
         },
         plugin_default_bytes: args.plugins.default_memory_bytes(),
         plugin_unlimited_bytes: args.plugins.unlimited_memory_budget_bytes(),
-        admission: args.webhook.enabled().then(|| AdmissionDemand {
+        admission: (args.webhook.enabled() && args.scope().1).then(|| AdmissionDemand {
             per_slot_bytes: args.webhook.per_slot_bytes(),
             fixed_bytes: args.webhook.review_limits().body_budget_bytes as u64,
             slots: args.webhook.policy_concurrency,

@@ -21,6 +21,7 @@ pub mod metrics;
 pub mod oci;
 pub mod offline;
 pub mod probes;
+pub mod scope;
 pub mod stack_metrics;
 pub mod telemetry;
 pub mod transform;

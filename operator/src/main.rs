@@ -67,7 +67,19 @@ struct RunArgs {
     /// Extra address serving /metrics ("0" disables it).
     #[arg(long, default_value = "0")]
     metrics_bind_address: String,
-    /// Watch Programs in this namespace only (default: every namespace).
+    /// Namespace-scoped mode: watch and reconcile in these namespaces only (comma-separated).
+    /// Nothing cluster-scoped is watched: ClusterProgramTransforms, TenancyPolicies, Namespace
+    /// labels and the admission webhook are off. Default: every namespace.
+    #[arg(
+        long,
+        env = "WATCH_NAMESPACES",
+        value_delimiter = ',',
+        conflicts_with = "watch_namespace"
+    )]
+    watch_namespaces: Vec<String>,
+    /// One namespace's Programs, Stacks, Workspaces and Updates only, with the cluster-scoped
+    /// parts still on (PKO's flag; for development and tests, the installs use
+    /// --watch-namespaces).
     #[arg(long, env = "WATCH_NAMESPACE")]
     watch_namespace: Option<String>,
     /// Kubeconfig file; in-cluster config or $KUBECONFIG when absent.
@@ -241,4 +253,17 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     telemetry::init(args.log_format, &args.log_level)?;
     let app = App::build(args, pod_env()).await?;
     Ok(app.run().await?)
+}
+
+impl RunArgs {
+    /// The namespaces the namespaced watches cover, and whether anything cluster-scoped is
+    /// watched (not with --watch-namespaces: that install has no cluster-wide rights).
+    fn scope(&self) -> (pko_operator::scope::WatchScope, bool) {
+        use pko_operator::scope::WatchScope;
+        let listed = WatchScope::from_names(&self.watch_namespaces);
+        if listed != WatchScope::All {
+            return (listed, false);
+        }
+        (WatchScope::from_names(self.watch_namespace.iter()), true)
+    }
 }

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use futures::TryStreamExt;
 use kube::Api;
 use kube::api::DynamicObject;
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::watcher;
 use serde_json::Value;
 use tracing::warn;
 
@@ -122,10 +122,10 @@ fn labels_of(object: &DynamicObject) -> Option<StackLabels> {
     })
 }
 
-/// Watch Stacks through `api` and keep the gauges current. Returns the "initial list received"
+/// Watch Stacks through `apis` (one per watched namespace, or one cluster-wide) and keep the gauges current. Returns the "initial list received"
 /// flag (for `/readyz`) and the future that drives the watch; the caller spawns it.
 pub fn watch(
-    api: Api<DynamicObject>,
+    apis: Vec<Api<DynamicObject>>,
     metrics: Metrics,
 ) -> (Arc<AtomicBool>, impl std::future::Future<Output = ()>) {
     let synced = Arc::new(AtomicBool::new(false));
@@ -137,7 +137,11 @@ pub fn watch(
                 known: HashSet::new(),
                 relisting: HashSet::new(),
             };
-            let events = watcher(api, watcher::Config::default().any_semantic()).default_backoff();
+            let events = crate::scope::merged_watch(
+                apis,
+                watcher::Config::default().any_semantic(),
+                crate::scope::Known::Keep,
+            );
             let mut events = std::pin::pin!(events);
             loop {
                 match events.try_next().await {

@@ -48,7 +48,19 @@ pub struct StartOptions {
     /// CRD manifests to install after start; default `<repo>/deploy/crds`. A missing or empty
     /// folder installs nothing.
     pub crds_dir: Option<PathBuf>,
+    /// Write the apiserver's audit log (every request, at the Metadata level, JSON lines) to
+    /// `logs/audit.log` in the state folder; see [`ControlPlane::audit_log`].
+    pub audit_log: bool,
 }
+
+/// The audit policy of [`StartOptions::audit_log`]: who did what to which object, and the
+/// answer's code; no bodies.
+const AUDIT_POLICY: &str = "apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+  - level: Metadata
+";
 
 /// A running etcd + kube-apiserver pair.
 ///
@@ -211,7 +223,7 @@ impl ControlPlane {
 
         let mut attempt = 1;
         let launched = loop {
-            match launch(&bins, &dir, &token).await {
+            match launch(&bins, &dir, &token, opts.audit_log).await {
                 Ok(launched) => break launched,
                 Err(e) if attempt < LAUNCH_ATTEMPTS && is_port_clash(&e) => attempt += 1,
                 Err(e) => {
@@ -285,6 +297,11 @@ impl ControlPlane {
         let mut cmd = Command::new(&self.kubectl_path);
         cmd.arg("--kubeconfig").arg(&self.kubeconfig_path);
         cmd
+    }
+
+    /// The apiserver's audit log (JSON lines), when started with [`StartOptions::audit_log`].
+    pub fn audit_log(&self) -> PathBuf {
+        self.dir.join("logs").join("audit.log")
     }
 
     /// The state folder: `kubeconfig`, `pki/`, `logs/{etcd,kube-apiserver}.log`, `etcd/`.
@@ -506,7 +523,12 @@ struct Launched {
 
 /// Starts etcd, waits for it, starts kube-apiserver, waits for `/readyz`. On error the guards
 /// drop and kill what was started.
-async fn launch(bins: &KubeBinaries, dir: &Path, token: &str) -> Result<Launched, HarnessError> {
+async fn launch(
+    bins: &KubeBinaries,
+    dir: &Path,
+    token: &str,
+    audit_log: bool,
+) -> Result<Launched, HarnessError> {
     let [client_port, peer_port, api_port] = free_ports()?;
     let etcd_data = dir.join("etcd");
     if etcd_data.exists() {
@@ -570,6 +592,20 @@ async fn launch(bins: &KubeBinaries, dir: &Path, token: &str) -> Result<Launched
         .arg("--allow-privileged=true")
         .arg("--enable-priority-and-fairness=false")
         .arg("--profiling=false");
+    if audit_log {
+        let policy = dir.join("audit-policy.yaml");
+        std::fs::write(&policy, AUDIT_POLICY)
+            .map_err(|e| HarnessError::io(format!("writing {}", policy.display()), e))?;
+        api_cmd
+            .arg(format!("--audit-policy-file={}", policy.display()))
+            .arg(format!(
+                "--audit-log-path={}",
+                logs.join("audit.log").display()
+            ))
+            .arg("--audit-log-format=json")
+            // Written as each request completes, so a test reads every request made so far.
+            .arg("--audit-log-mode=blocking");
+    }
     let apiserver_cmd = StoredCommand::of(&api_cmd);
     let mut apiserver = spawn_guarded(api_cmd, "kube-apiserver", &logs.join("kube-apiserver.log"))?;
     write_pid_file(dir, &apiserver)?;

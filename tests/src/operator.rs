@@ -30,9 +30,12 @@ impl Operator {
         let fs_port = free_port()?;
         let probe_port = free_port()?;
         let mut cmd = Command::new(operator_binary()?);
-        cmd.arg("--kubeconfig")
-            .arg(plane.kubeconfig_path())
-            .arg(format!("--program-fs-addr=127.0.0.1:{fs_port}"))
+        // A test may run the operator with a kubeconfig of its own (e.g. impersonating a
+        // service account); otherwise the plane's admin one.
+        if !opts.args.iter().any(|a| a.starts_with("--kubeconfig")) {
+            cmd.arg("--kubeconfig").arg(plane.kubeconfig_path());
+        }
+        cmd.arg(format!("--program-fs-addr=127.0.0.1:{fs_port}"))
             .arg(format!(
                 "--health-probe-bind-address=127.0.0.1:{probe_port}"
             ))

@@ -42,7 +42,9 @@ pub(super) struct Controllers {
     pub(super) ctx: Arc<ProgramContext>,
     pub(super) concurrency: u16,
     pub(super) execution_args: pko_operator::controller::execution::ExecutionArgs,
-    pub(super) namespace: Option<String>,
+    /// One set of execution controllers per watched namespace (a watcher covers one namespace
+    /// or all of them).
+    pub(super) scope: pko_operator::scope::WatchScope,
     pub(super) egress: Arc<EgressPolicy>,
     pub(super) file_server: pko_admission::tenancy::FileServerNames,
     pub(super) transforms: Option<Arc<TransformRegistry>>,
@@ -57,17 +59,19 @@ impl Controllers {
         use pko_operator::controller::{execution, tenancy, transform_status};
         let ctx = self.ctx.clone();
         let concurrency = self.concurrency;
-        let execution = execution::run(
-            self.kit.clone(),
-            self.namespace.clone(),
-            self.execution_args.clone(),
-            concurrency,
-            execution::TenantBounds {
-                egress: self.egress.clone(),
-                file_server: self.file_server.clone(),
-            },
-            stop.clone(),
-        );
+        let execution = futures::future::join_all(self.scope.each().into_iter().map(|namespace| {
+            execution::run(
+                self.kit.clone(),
+                namespace,
+                self.execution_args.clone(),
+                concurrency,
+                execution::TenantBounds {
+                    egress: self.egress.clone(),
+                    file_server: self.file_server.clone(),
+                },
+                stop.clone(),
+            )
+        }));
         let transform_status = self.transforms.clone().map(|registry| {
             transform_status::run(registry, self.kit.clone(), stop.clone().cancelled_owned())
         });

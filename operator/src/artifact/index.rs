@@ -514,11 +514,12 @@ pub struct IndexOptions {
     pub publish_wait: Duration,
 }
 
-/// Start watching Programs cluster-wide. Returns the index and the future that drives the watch;
+/// Start watching Programs through `apis` (one per watched namespace, or one cluster-wide, see
+/// [`crate::scope`]), into one store. Returns the index and the future that drives the watch;
 /// the caller spawns it. Applied Programs are pre-built so requests are served from memory.
 /// With `transforms`, each Program's chain runs before its artifact is built.
 pub fn watch(
-    api: Api<StoredProgram>,
+    apis: Vec<Api<StoredProgram>>,
     options: IndexOptions,
     metrics: Metrics,
     transforms: Option<Arc<TransformRegistry>>,
@@ -540,31 +541,34 @@ pub fn watch(
         async move {
             // Judged before the store applies an event, used after: one task runs both.
             let needs = Arc::new(AtomicBool::new(true));
-            let events = watcher(api, watcher::Config::default().any_semantic())
-                .default_backoff()
-                // managedFields are often the largest part of a small object and nothing here
-                // reads them: drop them before they reach the store.
-                .modify(|program| program.managed_fields_mut().clear())
-                .inspect_ok({
-                    let (index, needs) = (index.clone(), needs.clone());
-                    move |event| needs.store(index.needs_reconcile(event), Ordering::Relaxed)
-                })
-                .reflect(writer)
-                .inspect_ok({
-                    let (index, needs) = (index.clone(), needs.clone());
-                    move |event| index.observe_judged(event, needs.load(Ordering::Relaxed))
-                })
-                // A status write changes no artifact: nothing to pre-build. A pre-build waiting
-                // for its turn holds the name and generation only: the store has the object.
-                .try_filter_map(|event| {
-                    let program = match event {
-                        watcher::Event::Apply(p) if needs.load(Ordering::Relaxed) => Some(p),
-                        watcher::Event::InitApply(p) => Some(p),
-                        _ => None,
-                    };
-                    let wanted = program.map(|p| (ObjectRef::from_obj(&p), p.metadata.generation));
-                    std::future::ready(Ok(wanted))
-                });
+            let events = crate::scope::merged_watch(
+                apis,
+                watcher::Config::default().any_semantic(),
+                crate::scope::Known::Store(index.store.clone()),
+            )
+            // managedFields are often the largest part of a small object and nothing here
+            // reads them: drop them before they reach the store.
+            .modify(|program| program.managed_fields_mut().clear())
+            .inspect_ok({
+                let (index, needs) = (index.clone(), needs.clone());
+                move |event| needs.store(index.needs_reconcile(event), Ordering::Relaxed)
+            })
+            .reflect(writer)
+            .inspect_ok({
+                let (index, needs) = (index.clone(), needs.clone());
+                move |event| index.observe_judged(event, needs.load(Ordering::Relaxed))
+            })
+            // A status write changes no artifact: nothing to pre-build. A pre-build waiting
+            // for its turn holds the name and generation only: the store has the object.
+            .try_filter_map(|event| {
+                let program = match event {
+                    watcher::Event::Apply(p) if needs.load(Ordering::Relaxed) => Some(p),
+                    watcher::Event::InitApply(p) => Some(p),
+                    _ => None,
+                };
+                let wanted = program.map(|p| (ObjectRef::from_obj(&p), p.metadata.generation));
+                std::future::ready(Ok(wanted))
+            });
             let mut events = std::pin::pin!(events);
             loop {
                 match events.try_next().await {

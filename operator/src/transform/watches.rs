@@ -2,36 +2,48 @@
 //! applied as it changes, with module loads retried and chains recomputed.
 
 use super::*;
+use crate::scope::{Known, WatchScope, merged_watch};
 
 impl TransformRegistry {
-    /// Runs the watches of both kinds and of namespaces until the stream ends. With
-    /// `namespace`, only that namespace's ProgramTransforms and labels are watched.
-    pub async fn run(self: Arc<Self>, client: Client, namespace: Option<String>) {
+    /// Runs the watches of both kinds and of namespaces until the stream ends. ProgramTransforms
+    /// are watched in `scope`. With `cluster` false nothing cluster-scoped is watched (no
+    /// ClusterProgramTransforms, no Namespace labels): the namespace-scoped install has no
+    /// right to them. With `cluster` and one namespace, only that Namespace's labels are watched.
+    pub async fn run(self: Arc<Self>, client: Client, scope: WatchScope, cluster: bool) {
         let config = watcher::Config::default().any_semantic();
-        let (transforms, namespaces): (Api<ProgramTransform>, Api<Namespace>) = match &namespace {
-            Some(ns) => (
-                Api::namespaced(client.clone(), ns),
-                Api::all(client.clone()),
-            ),
-            None => (Api::all(client.clone()), Api::all(client.clone())),
+        let transforms: Vec<Api<ProgramTransform>> = scope.apis(&client);
+        let transforms = self
+            .clone()
+            .watch_transforms(merged_watch(transforms, config.clone(), Known::Keep), 0);
+        if !cluster {
+            self.mark_synced(1);
+            self.mark_synced(2);
+            transforms.await;
+            return;
+        }
+        let ns_config = match &scope {
+            WatchScope::Namespaces(list) if list.len() == 1 => {
+                config.clone().fields(&format!("metadata.name={}", list[0]))
+            }
+            _ => config.clone(),
         };
-        let ns_config = match &namespace {
-            Some(ns) => config.clone().fields(&format!("metadata.name={ns}")),
-            None => config.clone(),
-        };
+        let namespaces: Api<Namespace> = Api::all(client.clone());
         let clusters: Api<ClusterProgramTransform> = Api::all(client);
         tokio::join!(
-            self.clone().watch_transforms(transforms, config.clone(), 0),
-            self.clone().watch_transforms(clusters, config, 1),
+            transforms,
+            self.clone()
+                .watch_transforms(watcher(clusters, config).default_backoff().boxed(), 1),
             self.clone().watch_namespaces(namespaces, ns_config),
         );
     }
 
-    async fn watch_transforms<K>(self: Arc<Self>, api: Api<K>, config: watcher::Config, part: usize)
-    where
+    async fn watch_transforms<K>(
+        self: Arc<Self>,
+        events: impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>>,
+        part: usize,
+    ) where
         K: TransformObject,
     {
-        let events = watcher(api, config).default_backoff();
         let mut events = std::pin::pin!(events);
         while let Some(event) = events.next().await {
             match event {

@@ -462,6 +462,7 @@ async fn fresh_plane(crds: &Path) -> anyhow::Result<ControlPlane> {
     Ok(ControlPlane::start(StartOptions {
         dir: None,
         crds_dir: Some(crds.to_path_buf()),
+        ..StartOptions::default()
     })
     .await?)
 }

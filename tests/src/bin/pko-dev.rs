@@ -55,6 +55,7 @@ async fn run(mode: Mode) -> anyhow::Result<()> {
     let plane = ControlPlane::start(StartOptions {
         dir: Some(state.path().to_path_buf()),
         crds_dir: None,
+        ..StartOptions::default()
     })
     .await
     .context("starting the local control plane")?;

@@ -106,6 +106,7 @@ pub async fn apiserver_restart(scale: &Scale) -> Result<Section, HarnessError> {
     let plane = ControlPlane::start(StartOptions {
         dir: Some(state.path().to_path_buf()),
         crds_dir: None,
+        ..StartOptions::default()
     })
     .await?;
     let ns = plane.namespace("chaos-restart").await?;

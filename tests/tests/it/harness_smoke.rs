@@ -216,6 +216,7 @@ async fn private_plane_starts_and_stops() {
     let plane = ControlPlane::start(StartOptions {
         dir: Some(dir.clone()),
         crds_dir: Some(state.path().join("no-crds")),
+        ..StartOptions::default()
     })
     .await
     .expect("start");

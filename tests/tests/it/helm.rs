@@ -1,0 +1,394 @@
+//! deploy/helm/pko-rs: `helm lint`, one source of truth with the kustomize manifests (the
+//! chart's defaults render the objects of `kubectl kustomize deploy/`, and its namespaces scope
+//! those of deploy/overlays/namespaced), and `helm template` accepted by the real apiserver
+//! (server-side apply, dry run).
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+
+use pko_tests::{ControlPlane, repo_root, tool_dir};
+use serde::Deserialize;
+use serde_json::Value;
+
+const RELEASE_NAMESPACE: &str = "pko-rs-system";
+
+pub(crate) fn chart() -> PathBuf {
+    repo_root().join("deploy/helm/pko-rs")
+}
+
+fn helm() -> Command {
+    let dir = tool_dir("helm").unwrap_or_else(|e| panic!("{e}"));
+    let mut cmd = Command::new(dir.join("helm"));
+    // No user or machine state: repositories, plugins and caches of the caller stay out.
+    let home = std::env::temp_dir().join("pko-rs-helm-home");
+    cmd.env("HELM_CONFIG_HOME", home.join("config"))
+        .env("HELM_CACHE_HOME", home.join("cache"))
+        .env("HELM_DATA_HOME", home.join("data"));
+    cmd
+}
+
+fn run(mut cmd: Command, stdin: Option<&str>, what: &str) -> String {
+    cmd.stdin(if stdin.is_some() {
+        Stdio::piped()
+    } else {
+        Stdio::null()
+    })
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    let mut child = cmd
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {what}: {e}"));
+    if let (Some(text), Some(mut pipe)) = (stdin, child.stdin.take()) {
+        pipe.write_all(text.as_bytes())
+            .unwrap_or_else(|e| panic!("writing to {what}: {e}"));
+    }
+    let out = child
+        .wait_with_output()
+        .unwrap_or_else(|e| panic!("waiting for {what}: {e}"));
+    assert!(
+        out.status.success(),
+        "{what} failed ({}):\n{}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// `helm template` of the chart into `namespace` with `sets` (`key=value`), CRDs included.
+pub(crate) fn template(namespace: &str, sets: &[&str]) -> String {
+    let mut cmd = helm();
+    cmd.args(["template", "pko-rs"]).arg(chart()).args([
+        "--namespace",
+        namespace,
+        "--include-crds",
+    ]);
+    for set in sets {
+        cmd.args(["--set", set]);
+    }
+    run(cmd, None, &format!("helm template {sets:?}"))
+}
+
+pub(crate) fn parse(text: &str) -> Vec<Value> {
+    yaml_serde::Deserializer::from_str(text)
+        .map(|doc| Value::deserialize(doc).expect("rendered YAML parses"))
+        .filter(|v| !v.is_null())
+        .collect()
+}
+
+fn kustomize(plane: &ControlPlane, dir: &str) -> Vec<Value> {
+    let mut cmd = plane.kubectl();
+    cmd.arg("kustomize").arg(repo_root().join(dir));
+    parse(&run(cmd, None, &format!("kubectl kustomize {dir}")))
+}
+
+/// 1.0 and 1 are one number to the apiserver; YAML parsers keep them apart.
+fn normalize_numbers(v: &mut Value) {
+    match v {
+        Value::Number(n) => {
+            if let Some(f) = n.as_f64().filter(|f| f.fract() == 0.0 && n.is_f64()) {
+                #[allow(clippy::cast_possible_truncation, reason = "integral, checked above")]
+                let i = f as i64;
+                *v = Value::from(i);
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(normalize_numbers),
+        Value::Object(map) => map.values_mut().for_each(normalize_numbers),
+        _ => {}
+    }
+}
+
+/// The objects by (kind, namespace, name), comparable: numbers normalized; the Namespace left
+/// out (Helm installs into an existing one, `--create-namespace`); CRDs without the label
+/// kustomize adds to every object (Helm installs crds/ untemplated).
+fn comparable(objects: Vec<Value>) -> BTreeMap<(String, String, String), Value> {
+    objects
+        .into_iter()
+        .filter(|o| o["kind"] != "Namespace")
+        .map(|mut o| {
+            normalize_numbers(&mut o);
+            if o["kind"] == "CustomResourceDefinition"
+                && let Some(meta) = o["metadata"].as_object_mut()
+            {
+                if let Some(labels) = meta.get_mut("labels").and_then(Value::as_object_mut) {
+                    labels.remove("app.kubernetes.io/part-of");
+                }
+                if meta
+                    .get("labels")
+                    .and_then(Value::as_object)
+                    .is_some_and(|l| l.is_empty())
+                {
+                    meta.remove("labels");
+                }
+            }
+            let key = (
+                o["kind"].as_str().unwrap_or_default().to_owned(),
+                o["metadata"]["namespace"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned(),
+                o["metadata"]["name"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned(),
+            );
+            (key, o)
+        })
+        .collect()
+}
+
+fn assert_same(chart: Vec<Value>, kustomize: Vec<Value>, what: &str) {
+    let (chart, kustomize) = (comparable(chart), comparable(kustomize));
+    let only = |a: &BTreeMap<_, Value>, b: &BTreeMap<_, Value>| -> Vec<(String, String, String)> {
+        a.keys().filter(|k| !b.contains_key(*k)).cloned().collect()
+    };
+    assert!(
+        only(&chart, &kustomize).is_empty() && only(&kustomize, &chart).is_empty(),
+        "{what}: only in the chart: {:?}; only in kustomize: {:?}",
+        only(&chart, &kustomize),
+        only(&kustomize, &chart)
+    );
+    for (key, object) in &chart {
+        assert_eq!(
+            object, &kustomize[key],
+            "{what}: {key:?} differs (left: chart, right: kustomize)"
+        );
+    }
+}
+
+#[test]
+fn helm_lint_passes_for_each_scope() {
+    for sets in [
+        &[][..],
+        &["scope.mode=namespaces", "scope.namespaces={a,b}"][..],
+        &["serviceMonitor.enabled=true", "webhook.enabled=false"][..],
+    ] {
+        let mut cmd = helm();
+        cmd.args(["lint", "--strict", "--namespace", RELEASE_NAMESPACE])
+            .arg(chart());
+        for set in sets {
+            cmd.args(["--set", set]);
+        }
+        let out = run(cmd, None, &format!("helm lint --strict {sets:?}"));
+        assert!(out.contains("0 chart(s) failed"), "{out}");
+    }
+}
+
+#[test]
+fn an_unknown_scope_is_refused() {
+    let mut cmd = helm();
+    cmd.args(["template", "pko-rs"])
+        .arg(chart())
+        .args(["--set", "scope.mode=namespace"]);
+    let out = cmd.output().expect("run helm");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("scope.mode must be cluster or namespaces"),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn chart_defaults_render_the_kustomize_install() {
+    let _machine = pko_tests::serial::shared().await;
+    let plane = ControlPlane::shared().await;
+    let chart = parse(&template(RELEASE_NAMESPACE, &[]));
+    assert_same(
+        chart,
+        kustomize(plane, "deploy"),
+        "chart defaults vs deploy/",
+    );
+}
+
+#[tokio::test]
+async fn chart_namespaces_scope_renders_the_namespaced_overlay() {
+    let _machine = pko_tests::serial::shared().await;
+    let plane = ControlPlane::shared().await;
+    let chart = parse(&template(RELEASE_NAMESPACE, &["scope.mode=namespaces"]));
+    // CRDs are the admin's part in this scope (the overlay leaves them out); --include-crds
+    // still renders them from crds/.
+    let chart = chart
+        .into_iter()
+        .filter(|o| o["kind"] != "CustomResourceDefinition")
+        .collect();
+    assert_same(
+        chart,
+        kustomize(plane, "deploy/overlays/namespaced"),
+        "chart scope=namespaces vs deploy/overlays/namespaced",
+    );
+}
+
+#[test]
+fn namespaces_scope_has_no_cluster_scoped_object_but_the_crds() {
+    let objects = parse(&template(
+        "op",
+        &["scope.mode=namespaces", "scope.namespaces={a,b}"],
+    ));
+    let cluster: Vec<&Value> = objects
+        .iter()
+        .filter(|o| o["metadata"]["namespace"].is_null() && o["kind"] != "CustomResourceDefinition")
+        .collect();
+    assert!(cluster.is_empty(), "cluster-scoped objects: {cluster:?}");
+    let roles: std::collections::BTreeSet<(&str, &str)> = objects
+        .iter()
+        .filter(|o| o["kind"] == "Role" || o["kind"] == "RoleBinding")
+        .filter(|o| o["metadata"]["name"] == "pko-rs-operator")
+        .map(|o| {
+            (
+                o["kind"].as_str().unwrap_or_default(),
+                o["metadata"]["namespace"].as_str().unwrap_or_default(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        roles,
+        [
+            ("Role", "a"),
+            ("RoleBinding", "a"),
+            ("Role", "b"),
+            ("RoleBinding", "b")
+        ]
+        .into()
+    );
+    let deployment = objects
+        .iter()
+        .find(|o| o["kind"] == "Deployment")
+        .expect("deployment");
+    let args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+        .as_array()
+        .expect("args");
+    assert!(
+        args.contains(&Value::from("--watch-namespaces=a,b")),
+        "{args:?}"
+    );
+    assert!(
+        !args
+            .iter()
+            .any(|a| a.as_str().is_some_and(|a| a.starts_with("--webhook"))),
+        "{args:?}"
+    );
+}
+
+/// `kubectl apply --server-side --dry-run=server` of `text`: the apiserver validates every
+/// object against its schema (CRDs included) without storing anything.
+fn dry_run(plane: &ControlPlane, text: &str, what: &str) -> String {
+    let mut cmd = plane.kubectl();
+    cmd.args([
+        "apply",
+        "--server-side",
+        "--dry-run=server",
+        "--force-conflicts",
+        "--field-manager=pko-rs-helm-test",
+        "-f",
+        "-",
+    ]);
+    run(cmd, Some(text), what)
+}
+
+#[tokio::test]
+async fn helm_template_applies_with_server_side_dry_run() {
+    let _machine = pko_tests::serial::shared().await;
+    let plane = ControlPlane::shared().await;
+    let op = plane.namespace("helm-op").await.expect("namespace");
+    let a = plane.namespace("helm-a").await.expect("namespace");
+    let b = plane.namespace("helm-b").await.expect("namespace");
+    let cluster = template(
+        &op,
+        &[
+            "replicas=3",
+            "logFormat=text",
+            "webhook.failurePolicy=Ignore",
+            "leaderElection.leaseDuration=90s",
+        ],
+    );
+    let scoped = format!("scope.namespaces={{{a},{b}}}");
+    let namespaced = template(&op, &["scope.mode=namespaces", &scoped]);
+    let (plane2, op2) = (plane, op.clone());
+    let outputs = tokio::task::spawn_blocking(move || {
+        (
+            dry_run(plane2, &cluster, "dry run of the cluster scope"),
+            dry_run(plane2, &namespaced, "dry run of the namespaces scope"),
+        )
+    })
+    .await
+    .expect("dry run task");
+    assert!(
+        outputs
+            .0
+            .contains("deployment.apps/pko-rs-operator serverside-applied (server dry run)"),
+        "{}",
+        outputs.0
+    );
+    assert!(
+        outputs.0.contains(
+            "validatingwebhookconfiguration.admissionregistration.k8s.io/pko-rs-validating"
+        ),
+        "{}",
+        outputs.0
+    );
+    assert!(
+        outputs
+            .1
+            .contains("role.rbac.authorization.k8s.io/pko-rs-operator serverside-applied"),
+        "{}",
+        outputs.1
+    );
+    assert!(!outputs.1.contains("clusterrole"), "{}", outputs.1);
+    // A dry run stores nothing.
+    let deployments: kube::Api<k8s_openapi::api::apps::v1::Deployment> =
+        kube::Api::namespaced(plane.client(), &op2);
+    assert!(
+        deployments
+            .get_opt("pko-rs-operator")
+            .await
+            .expect("get")
+            .is_none()
+    );
+}
+
+/// The operator knows every flag the chart's Deployment passes, whatever the values (clap
+/// refuses an unknown flag before it reaches `--help`).
+#[test]
+fn the_operator_accepts_the_charts_arguments() {
+    for sets in [
+        &[][..],
+        &[
+            "scope.mode=namespaces",
+            "scope.namespaces={a,b}",
+            "logLevel=debug",
+            "image.tag=v1",
+            "leaderElection.id=other",
+            "leaderElection.leaseDuration=90s",
+            "leaderElection.renewDeadline=60s",
+            "leaderElection.retryPeriod=5s",
+            "pluginCache.enabled=false",
+            "extraArgs={--max-concurrent-reconciles=50}",
+        ][..],
+        &["leaderElection.enabled=false", "webhook.enabled=false"][..],
+    ] {
+        let objects = parse(&template(RELEASE_NAMESPACE, sets));
+        let deployment = objects
+            .iter()
+            .find(|o| o["kind"] == "Deployment")
+            .expect("deployment");
+        let args: Vec<&str> = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+            .as_array()
+            .expect("args")
+            .iter()
+            .filter_map(Value::as_str)
+            .collect();
+        let parsed = Command::new(pko_tests::operator::operator_binary().expect("operator binary"))
+            .args(&args)
+            .arg("--help")
+            .output()
+            .expect("run the operator");
+        assert!(
+            parsed.status.success(),
+            "{sets:?} → {args:?}: {}",
+            String::from_utf8_lossy(&parsed.stderr)
+        );
+    }
+}
