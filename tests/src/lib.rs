@@ -34,6 +34,7 @@ pub mod plugins;
 mod process;
 pub mod prom;
 pub mod refusal;
+pub mod registry;
 pub mod serial;
 pub mod webhook;
 

@@ -1359,3 +1359,6 @@ async fn a_plugin_asking_more_memory_than_the_budget_fails_alone_and_nothing_res
     assert_eq!(op.pid(), pid);
     assert!(op.metrics_text().await.is_some(), "the operator answers");
 }
+
+#[path = "transforms_oci.rs"]
+mod oci;
