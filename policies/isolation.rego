@@ -267,18 +267,92 @@ _has_prefix(s, prefixes) if {
 	startswith(s, prefix)
 }
 
-# Transform modules are pinned by sha256; the digest must be allowed for the namespace.
+# Transform modules are pinned by sha256: the digest must be allowed for the namespace, or the
+# module must be an OCI artifact from an allowed registry, verified with allowed keys.
 _violations contains _pv(
 	"transform-module",
 	"spec.sha256",
-	concat("", ["transform module sha256:", digest, " is not allowed in namespace ", lib.namespace, " (TenancyPolicy ", p.name, ")"]),
+	concat("", ["transform module sha256:", digest, " is not allowed in namespace ", lib.namespace, " (", _transform_rules(p), "; TenancyPolicy ", p.name, ")"]),
 	p,
 ) if {
 	lib.is_program_transform
-	digest := normalize_digest(lib.object.spec.sha256)
+	digest := normalize_digest(object.get(lib.object, ["spec", "sha256"], ""))
 	some p in lib.tenancy_policies
-	is_array(p.allowedTransformDigests)
-	not digest in {normalize_digest(d) | some d in p.allowedTransformDigests}
+	_restricts_transforms(p)
+	not _transform_allowed(p, digest)
 }
+
+_restricts_transforms(p) if is_array(p.allowedTransformDigests)
+
+_restricts_transforms(p) if _restricts_sources(p)
+
+_restricts_sources(p) if is_array(p.allowedTransformRegistries)
+
+_restricts_sources(p) if is_array(p.allowedTransformKeys)
+
+_transform_allowed(p, digest) if {
+	is_array(p.allowedTransformDigests)
+	digest in {normalize_digest(d) | some d in p.allowedTransformDigests}
+}
+
+_transform_allowed(p, _) if {
+	_restricts_sources(p)
+	reference := lib.object.spec.source.oci.reference
+	_registry_allowed(p, reference)
+	_keys_allowed(p)
+}
+
+_registry_allowed(p, _) if not is_array(p.allowedTransformRegistries)
+
+_registry_allowed(p, reference) if {
+	is_array(p.allowedTransformRegistries)
+	name := oci_name(reference)
+	some prefix in p.allowedTransformRegistries
+	_under(name, lower(trim_suffix(prefix, "/")))
+}
+
+_under(name, prefix) if name == prefix
+
+_under(name, prefix) if startswith(name, concat("", [prefix, "/"]))
+
+_keys_allowed(p) if not is_array(p.allowedTransformKeys)
+
+_keys_allowed(p) if {
+	is_array(p.allowedTransformKeys)
+	keys := lib.object.spec.verify.cosign.keys
+	count(keys) > 0
+	allowed := {normalize_key(k) | some k in p.allowedTransformKeys}
+	every k in keys {
+		normalize_key(k) in allowed
+	}
+}
+
+_transform_rules(p) := "allowed: the listed digests" if not _restricts_sources(p)
+
+_transform_rules(p) := concat("", [
+	"allowed: the listed digests, or OCI artifacts from ",
+	_registries_text(p), " verified with ", _keys_text(p),
+]) if _restricts_sources(p)
+
+_registries_text(p) := concat(", ", p.allowedTransformRegistries) if is_array(p.allowedTransformRegistries)
+
+_registries_text(p) := "any registry" if not is_array(p.allowedTransformRegistries)
+
+_keys_text(p) := sprintf("one of %d allowed keys listed inline in verify.cosign.keys", [count(p.allowedTransformKeys)]) if is_array(p.allowedTransformKeys)
+
+_keys_text(p) := "any key or none" if not is_array(p.allowedTransformKeys)
+
+# The repository name of an OCI reference, as the operator parses it: the host lowercased, the
+# tag (after a ':' in the last path segment) dropped.
+oci_name(reference) := name if {
+	parts := split(reference, "/")
+	n := count(parts)
+	last := split(parts[n - 1], ":")[0]
+	name := lower(concat("/", array.concat(array.slice(parts, 0, n - 1), [last])))
+}
+
+# A PEM key without its line breaks and spaces, so that the same key compares equal however it
+# was wrapped.
+normalize_key(k) := replace(replace(replace(replace(k, "\r", ""), "\n", ""), " ", ""), "\t", "")
 
 normalize_digest(d) := lower(trim_prefix(d, "sha256:"))

@@ -285,6 +285,55 @@ test_transform_modules if {
 	count(found(transform({"sha256": "123456"}))) == 0
 }
 
+oci(reference, keys) := {
+	"sha256": "123456",
+	"source": {"oci": {"reference": reference, "digest": "sha256:00"}},
+	"verify": {"cosign": {"keys": keys}},
+}
+
+key_a := "-----BEGIN PUBLIC KEY-----\nAAAA\nBBBB\n-----END PUBLIC KEY-----\n"
+
+key_b := "-----BEGIN PUBLIC KEY-----\nCCCC\n-----END PUBLIC KEY-----\n"
+
+team_a_registry := {"policies": [object.union(team_a.policies[0], {
+	"allowedTransformRegistries": ["Registry.Team-A.example/plugins/"],
+	"allowedTransformKeys": [key_a],
+})]}
+
+team_a_registry_only := {"policies": [object.union(team_a.policies[0], {"allowedTransformRegistries": ["registry.team-a.example/plugins"]})]}
+
+test_transform_modules_from_allowed_registries_and_keys if {
+	# Allowed: the registry (host case and a tag do not matter) and a key listed, rewrapped.
+	count(found(transform(oci("registry.team-a.example/plugins/tags:v1", ["-----BEGIN PUBLIC KEY-----\r\nAAAABBBB\r\n-----END PUBLIC KEY-----"])))) == 0 with data.tenancy as team_a_registry
+	count(found(transform(oci("REGISTRY.team-a.example/plugins/a/b", [key_a])))) == 0 with data.tenancy as team_a_registry
+
+	# A prefix matches whole path segments only; other registries and hosts are refused.
+	found(transform(oci("registry.team-a.example/plugins-evil/tags", [key_a]))) == {["transform-module", "spec.sha256"]} with data.tenancy as team_a_registry
+	found(transform(oci("registry.team-a.example.evil.com/plugins/tags", [key_a]))) == {["transform-module", "spec.sha256"]} with data.tenancy as team_a_registry
+	found(transform(oci("evil.example/registry.team-a.example/plugins/tags", [key_a]))) == {["transform-module", "spec.sha256"]} with data.tenancy as team_a_registry
+
+	# Keys: every inline key must be allowed, there must be one, and a Secret cannot be checked.
+	found(transform(oci("registry.team-a.example/plugins/tags", [key_a, key_b]))) == {["transform-module", "spec.sha256"]} with data.tenancy as team_a_registry
+	found(transform(oci("registry.team-a.example/plugins/tags", []))) == {["transform-module", "spec.sha256"]} with data.tenancy as team_a_registry
+	found(transform({
+		"sha256": "123456",
+		"source": {"oci": {"reference": "registry.team-a.example/plugins/tags", "digest": "sha256:00"}},
+		"verify": {"cosign": {"publicKeySecretRef": {"name": "keys", "key": "cosign.pub"}}},
+	})) == {["transform-module", "spec.sha256"]} with data.tenancy as team_a_registry
+
+	# Not an OCI source: only the digest list applies.
+	found(transform({"sha256": "123456", "source": {"url": "https://registry.team-a.example/plugins/tags.wasm"}})) == {["transform-module", "spec.sha256"]} with data.tenancy as team_a_registry
+	count(found(transform({"sha256": "abcdef", "source": {"url": "https://x.example/a.wasm"}}))) == 0 with data.tenancy as team_a_registry
+
+	# Registries without keys: the registry is enough, signed or not.
+	count(found(transform({"sha256": "123456", "source": {"oci": {"reference": "registry.team-a.example/plugins/x", "digest": "sha256:00"}}}))) == 0 with data.tenancy as team_a_registry_only
+}
+
+test_transform_refusals_say_what_is_allowed if {
+	vs := isolation.violations with input as transform(oci("evil.example/x", [key_a])) with data.tenancy as team_a_registry
+	[v.message | some v in vs] == ["transform module sha256:123456 is not allowed in namespace team-a (allowed: the listed digests, or OCI artifacts from Registry.Team-A.example/plugins/ verified with one of 1 allowed keys listed inline in verify.cosign.keys; TenancyPolicy team-a)"]
+}
+
 test_allowance_violations_name_their_policy if {
 	vs := isolation.violations with input as workspace({"serviceAccountName": "admin"}) with data.tenancy as team_a
 	[v.tenancyPolicy | some v in vs] == ["team-a"]

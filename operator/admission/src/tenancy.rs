@@ -508,6 +508,11 @@ fn policy_entry(p: &TenancyPolicy, namespaces: Vec<&str>) -> Value {
         ("allowedServiceAccounts", &p.spec.allowed_service_accounts),
         ("allowedImagePrefixes", &p.spec.allowed_image_prefixes),
         ("allowedTransformDigests", &p.spec.allowed_transform_digests),
+        (
+            "allowedTransformRegistries",
+            &p.spec.allowed_transform_registries,
+        ),
+        ("allowedTransformKeys", &p.spec.allowed_transform_keys),
     ];
     for (key, list) in lists {
         if let Some(list) = list {

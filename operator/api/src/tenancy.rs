@@ -81,6 +81,19 @@ pub struct TenancyPolicySpec {
     #[schemars(length(max = 1024), inner(length(max = 71)))]
     #[x_kube(validation = Rule::new(DIGESTS_RULE).message(DIGESTS_MESSAGE))]
     pub allowed_transform_digests: Option<Vec<String>>,
+    /// Registries (and repository prefixes, e.g. `registry.example.com/team-a`) that
+    /// ProgramTransforms may pull OCI modules from; matched on whole path segments. A module
+    /// not allowed by digest is allowed when it comes from one of these and, if
+    /// `allowedTransformKeys` is set too, is verified with those keys. Unset: by digest only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 256), inner(length(min = 1, max = 512)))]
+    pub allowed_transform_registries: Option<Vec<String>>,
+    /// PEM public keys that ProgramTransforms may verify OCI modules with: a transform
+    /// allowed this way lists its keys inline under `verify.cosign.keys`, all from this list
+    /// (a key in a Secret cannot be checked at admission). Unset: by digest only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 64), inner(length(min = 1, max = 4096)))]
+    pub allowed_transform_keys: Option<Vec<String>>,
 }
 
 /// Observed state of a TenancyPolicy, written by the operator's leader.

@@ -299,10 +299,9 @@ impl TransformRegistry {
         // Always read the source, even when a module with this digest is already loaded: a
         // transform is ready only if its own source holds the pinned bytes (a digest alone does
         // not grant another namespace's module). Loading known bytes costs only their sha256.
-        let source = load
-            .source
-            .as_ref()
-            .ok_or_else(|| PluginError::Source("set exactly one of configMap and url".into()))?;
+        let source = load.source.as_ref().ok_or_else(|| {
+            PluginError::Source("set exactly one of configMap, url and oci".into())
+        })?;
         let bytes = self.fetcher.fetch(source, &load.sha256).await?;
         let module = self.host.load(bytes, &load.sha256, &site).await?;
         self.host

@@ -282,6 +282,22 @@ fn transform(name: &str, sha256: &str) -> Value {
     })
 }
 
+/// A P-256 public key as `cosign generate-key-pair` writes it.
+const PLUGIN_KEY: &str = "-----BEGIN PUBLIC KEY-----\nMFkwEwYHKoZIzj0CAQYIKoZIzj0DAQcDQgAEqj9RNIZ00Bm+g8JOWNI9jk8U1L3S\nkdvDTfkCNxpe9wR32hA7chX98gqgBuJN/XSsV58AOQr+yz/I5oxUkJrTwA==\n-----END PUBLIC KEY-----\n";
+
+fn oci_transform(name: &str, reference: &str) -> Value {
+    json!({
+        "apiVersion": "pko-rs.dev/v1alpha1",
+        "kind": "ProgramTransform",
+        "metadata": {"name": name},
+        "spec": {
+            "source": {"oci": {"reference": reference, "digest": format!("sha256:{}", "2".repeat(64))}},
+            "sha256": DIGEST_OTHER,
+            "verify": {"cosign": {"keys": [PLUGIN_KEY]}},
+        },
+    })
+}
+
 fn good_pod() -> Value {
     json!({
         "securityContext": {"runAsNonRoot": true, "seccompProfile": {"type": "RuntimeDefault"}},
@@ -641,6 +657,8 @@ async fn isolation_rules_on_the_real_apiserver() {
             "allowedServiceAccounts": ["pulumi"],
             "allowedImagePrefixes": ["pulumi/pulumi:"],
             "allowedTransformDigests": [DIGEST_OK],
+            "allowedTransformRegistries": ["registry.team-a.example/plugins"],
+            "allowedTransformKeys": [PLUGIN_KEY],
         }),
     )
     .await;
@@ -838,6 +856,25 @@ async fn isolation_rules_on_the_real_apiserver() {
     .await;
     env.allowed(&a, &transform("known-module", DIGEST_OK)).await;
     env.allowed(&b, &transform("any-module", DIGEST_OTHER))
+        .await;
+    // ... or an OCI artifact of an allowed registry, verified with an allowed key.
+    env.allowed(
+        &a,
+        &oci_transform("registry-module", "registry.team-a.example/plugins/tags:v2"),
+    )
+    .await;
+    env.denied(
+        &a,
+        &oci_transform("lookalike-module", "registry.team-a.example/plugins-x/tags"),
+        "isolation/transform-module",
+        "spec.sha256",
+    )
+    .await;
+    let mut unverified = oci_transform("unverified-module", "registry.team-a.example/plugins/tags");
+    unverified["spec"]
+        .as_object_mut()
+        .map(|spec| spec.remove("verify"));
+    env.denied(&a, &unverified, "isolation/transform-module", "spec.sha256")
         .await;
     env.cleanup().await;
 }

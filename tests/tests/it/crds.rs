@@ -242,3 +242,94 @@ async fn pko_examples_are_accepted_unchanged() {
     }
     assert!(checked >= 20, "only {checked} PKO objects found");
 }
+
+#[tokio::test]
+async fn transform_module_sources_are_one_of_three_and_signatures_need_oci() {
+    let _machine = pko_tests::serial::shared().await;
+    let plane = ControlPlane::shared().await;
+    let ns = plane.namespace("crd-oci").await.expect("namespace");
+    let sha = "ab".repeat(32);
+    let digest = format!("sha256:{}", "cd".repeat(32));
+    let key = "-----BEGIN PUBLIC KEY-----\nAAAA\n-----END PUBLIC KEY-----\n";
+    let transform = |name: &str, spec: Value| json!({"apiVersion": "pko-rs.dev/v1alpha1", "kind": "ProgramTransform", "metadata": {"name": name}, "spec": spec});
+    let oci =
+        |reference: &str, digest: &str| json!({"oci": {"reference": reference, "digest": digest}});
+
+    let ok = create(
+        &plane,
+        &ns,
+        transform(
+            "signed",
+            json!({"source": oci("registry.example.com:5000/team-a/tags:v1", &digest), "sha256": sha, "verify": {"cosign": {"keys": [key]}}}),
+        ),
+    )
+    .await;
+    assert_eq!(ok, None);
+    assert_rejected(
+        create(
+            &plane,
+            &ns,
+            transform(
+                "two",
+                json!({"source": {"url": "https://x.example/a.wasm", "oci": {"reference": "r.example/a", "digest": digest}}, "sha256": sha}),
+            ),
+        )
+        .await,
+        "set exactly one of configMap, url and oci",
+    );
+    assert_rejected(
+        create(
+            &plane,
+            &ns,
+            transform(
+                "verify-url",
+                json!({"source": {"url": "https://x.example/a.wasm"}, "sha256": sha, "verify": {"cosign": {"keys": [key]}}}),
+            ),
+        )
+        .await,
+        "verify applies to source.oci only",
+    );
+    assert_rejected(
+        create(
+            &plane,
+            &ns,
+            transform(
+                "both-keys",
+                json!({"source": oci("r.example/a", &digest), "sha256": sha, "verify": {"cosign": {"keys": [key], "publicKeySecretRef": {"name": "k", "key": "cosign.pub"}}}}),
+            ),
+        )
+        .await,
+        "set exactly one of publicKeySecretRef and keys",
+    );
+    for reference in [
+        "https://r.example/a",
+        "r.example/a@sha256:00",
+        "r.example/A",
+        "r.example",
+    ] {
+        assert_rejected(
+            create(
+                &plane,
+                &ns,
+                transform(
+                    "bad-ref",
+                    json!({"source": oci(reference, &digest), "sha256": sha}),
+                ),
+            )
+            .await,
+            "reference must be host[:port]/repository[:tag]",
+        );
+    }
+    assert_rejected(
+        create(
+            &plane,
+            &ns,
+            transform(
+                "bad-digest",
+                json!({"source": oci("r.example/a", "sha256:AB"), "sha256": sha}),
+            ),
+        )
+        .await,
+        "digest must be sha256: and 64 lowercase hex characters",
+    );
+}
