@@ -256,7 +256,7 @@ async fn transform_module_sources_are_one_of_three_and_signatures_need_oci() {
         |reference: &str, digest: &str| json!({"oci": {"reference": reference, "digest": digest}});
 
     let ok = create(
-        &plane,
+        plane,
         &ns,
         transform(
             "signed",
@@ -267,7 +267,7 @@ async fn transform_module_sources_are_one_of_three_and_signatures_need_oci() {
     assert_eq!(ok, None);
     assert_rejected(
         create(
-            &plane,
+            plane,
             &ns,
             transform(
                 "two",
@@ -279,7 +279,7 @@ async fn transform_module_sources_are_one_of_three_and_signatures_need_oci() {
     );
     assert_rejected(
         create(
-            &plane,
+            plane,
             &ns,
             transform(
                 "verify-url",
@@ -291,7 +291,7 @@ async fn transform_module_sources_are_one_of_three_and_signatures_need_oci() {
     );
     assert_rejected(
         create(
-            &plane,
+            plane,
             &ns,
             transform(
                 "both-keys",
@@ -309,7 +309,7 @@ async fn transform_module_sources_are_one_of_three_and_signatures_need_oci() {
     ] {
         assert_rejected(
             create(
-                &plane,
+                plane,
                 &ns,
                 transform(
                     "bad-ref",
@@ -322,7 +322,7 @@ async fn transform_module_sources_are_one_of_three_and_signatures_need_oci() {
     }
     assert_rejected(
         create(
-            &plane,
+            plane,
             &ns,
             transform(
                 "bad-digest",
