@@ -24,6 +24,7 @@ mod crds;
 mod deploy;
 mod deploy_webhook;
 mod harness_smoke;
+mod image;
 mod leader;
 mod logs;
 mod metrics;
