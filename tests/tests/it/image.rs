@@ -4,9 +4,10 @@
 //! `pko-agent --version` and `pulumi version`. Both match the Dockerfile's last stages (paths,
 //! user, entrypoint).
 //!
-//! runc needs root. crun 1.8.1 (Debian 12) cannot run here at all ("cgroups in hybrid mode not
-//! supported, drop all controllers from cgroupv2", even with `--cgroup-manager=disabled`), so
-//! runc it is; a runtime that fails fails the test with its own error output.
+//! runc needs root. crun 1.8.1 (Debian 12) cannot run on the project's machines at all ("cgroups
+//! in hybrid mode not supported, drop all controllers from cgroupv2", even with
+//! `--cgroup-manager=disabled`), so runc it is (`PKO_OCI_RUNTIME` names another); a runtime that
+//! fails fails the test with its own error output.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -20,7 +21,14 @@ use serde_json::{Value, json};
 
 const TAG: &str = "latest";
 const NONROOT: u32 = 65532;
-const RUNTIME: &str = "runc";
+
+/// The OCI runtime: runc, or `$PKO_OCI_RUNTIME` (e.g. `crun`, to see how it fails here).
+fn runtime() -> String {
+    std::env::var("PKO_OCI_RUNTIME")
+        .ok()
+        .filter(|v| !v.is_empty())
+        .unwrap_or_else(|| "runc".to_owned())
+}
 
 fn image_dir() -> PathBuf {
     match std::env::var_os("PKO_IMAGE_DIR").filter(|v| !v.is_empty()) {
@@ -152,7 +160,7 @@ struct Container {
 
 impl Drop for Container {
     fn drop(&mut self) {
-        let _ = Command::new(RUNTIME)
+        let _ = Command::new(runtime())
             .args(["delete", "--force", &self.id])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -165,13 +173,13 @@ impl Drop for Container {
 fn run_to_end(bundle: &Bundle) -> String {
     let container = Container { id: container_id() };
     run(
-        Command::new(RUNTIME)
+        Command::new(runtime())
             .arg("run")
             .arg("--bundle")
             .arg(bundle.path())
             .arg(&container.id)
             .stdin(Stdio::null()),
-        &format!("{RUNTIME} run {}", bundle.image_args().join(" ")),
+        &format!("{} run {}", runtime(), bundle.image_args().join(" ")),
     )
 }
 
@@ -260,12 +268,16 @@ fn agent_image_runs_the_agent_and_pulumi_read_only_as_nonroot() {
     bundle.prepare(
         &["/usr/local/bin/pko-agent".into(), "--version".into()],
         &[],
-        &[home.clone()],
+        std::slice::from_ref(&home),
     );
     let version = run_to_end(&bundle);
     assert!(version.starts_with("pko-agent "), "{version}");
 
-    bundle.prepare(&["pulumi".into(), "version".into()], &[], &[home.clone()]);
+    bundle.prepare(
+        &["pulumi".into(), "version".into()],
+        &[],
+        std::slice::from_ref(&home),
+    );
     let pulumi = run_to_end(&bundle);
     assert!(pulumi.trim().starts_with("v3."), "{pulumi}");
 
@@ -275,7 +287,7 @@ fn agent_image_runs_the_agent_and_pulumi_read_only_as_nonroot() {
         &[],
         &[home],
     );
-    let out = Command::new(RUNTIME)
+    let out = Command::new(runtime())
         .arg("run")
         .arg("--bundle")
         .arg(bundle.path())
@@ -376,14 +388,14 @@ async fn operator_image_gets_ready_read_only_as_nonroot() {
     bundle.prepare(&args, &[format!("POD_NAMESPACE={namespace}")], &mounts);
 
     let container = Container { id: container_id() };
-    let mut cmd = Command::new(RUNTIME);
+    let mut cmd = Command::new(runtime());
     cmd.arg("run")
         .arg("--bundle")
         .arg(bundle.path())
         .arg(&container.id)
         .stdin(Stdio::null());
     let log = plane.dir().join(format!("{}.log", container.id));
-    let mut runtime = spawn_guarded(cmd, "runc run pko-rs", &log).expect("runc run");
+    let mut running = spawn_guarded(cmd, "runc run pko-rs", &log).expect("runc run");
 
     let url = format!("http://127.0.0.1:{probe_port}/readyz");
     let ready = pko_tests::wait_for(
@@ -391,7 +403,7 @@ async fn operator_image_gets_ready_read_only_as_nonroot() {
         Duration::from_secs(120),
         || {
             let url = url.clone();
-            let exited = runtime.try_wait().ok().flatten();
+            let exited = running.try_wait().ok().flatten();
             async move {
                 if exited.is_some() {
                     return Some(false);
@@ -406,7 +418,8 @@ async fn operator_image_gets_ready_read_only_as_nonroot() {
     match ready {
         Ok(true) => {}
         Ok(false) => panic!(
-            "{RUNTIME} run exited before /readyz answered:\n{}",
+            "{} run exited before /readyz answered:\n{}",
+            runtime(),
             log_text()
         ),
         Err(e) => panic!("{e}:\n{}", log_text()),
@@ -414,7 +427,7 @@ async fn operator_image_gets_ready_read_only_as_nonroot() {
 
     // The process that answered is the container's: the image's user, a read-only root.
     let state: Value = serde_json::from_str(&run(
-        Command::new(RUNTIME).args(["state", &container.id]),
+        Command::new(runtime()).args(["state", &container.id]),
         "runc state",
     ))
     .expect("runc state json");
@@ -429,5 +442,5 @@ async fn operator_image_gets_ready_read_only_as_nonroot() {
         "root mounted {options}"
     );
     drop(container);
-    drop(runtime);
+    drop(running);
 }
