@@ -155,15 +155,16 @@ dist-pulumi: go-toolchain ## the pulumi CLI and YAML language host the agent ima
 	install -D -m 0755 "$$(tools/build.sh dir pulumi)/pulumi" $(DIST_DIR)/pulumi
 	install -D -m 0755 "$$(tools/build.sh dir pulumi)/pulumi-language-yaml" $(DIST_DIR)/pulumi-language-yaml
 
-# The images have no base: the user 65532 (nonroot) and the CA bundle of Debian's
-# ca-certificates (https plugin sources, pulumi) are all they carry besides the binaries.
+# The images have no base: the users 65532 (nonroot) and 1000 (pulumi, as which restricted
+# workspace pods run) and the CA bundle of Debian's ca-certificates (https plugin sources,
+# pulumi) are all they carry besides the binaries.
 .PHONY: dist-rootfs
 dist-rootfs: ## /etc/passwd, /etc/group, the CA bundle, /tmp and the user's home the container images ship, into $(DIST_DIR)/
 	install -D -m 0644 tools/rootfs/passwd $(DIST_DIR)/passwd
 	install -D -m 0644 tools/rootfs/group $(DIST_DIR)/group
 	install -D -m 0644 /etc/ssl/certs/ca-certificates.crt $(DIST_DIR)/ca-certificates.crt
 	install -d -m 1777 $(DIST_DIR)/tmp
-	install -d -m 0700 $(DIST_DIR)/home/nonroot
+	install -d -m 1777 $(DIST_DIR)/home/nonroot
 
 # `make image`: the operator and agent images as OCI layouts, assembled with umoci (no
 # container daemon); the tests unpack and run them with runc (tests/tests/it/image.rs).

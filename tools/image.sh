@@ -100,8 +100,9 @@ build() {
 
   local ag=$work/agent
   stage_base "$ag"
-  # pulumi keeps its state and plugins under $HOME/.pulumi.
-  install -d -m 0700 "$ag/home/nonroot"
+  # pulumi keeps its state and plugins under $HOME/.pulumi. Writable by any user, like /tmp:
+  # the restricted workspace pods run as 1000:1000 (PKO's pulumi images' user), not 65532.
+  install -d -m 1777 "$ag/home/nonroot"
   install -D -m 0755 "$dist/pko-agent" "$ag/usr/local/bin/pko-agent"
   install -D -m 0755 "$dist/pulumi" "$ag/usr/local/bin/pulumi"
   install -D -m 0755 "$dist/pulumi-language-yaml" "$ag/usr/local/bin/pulumi-language-yaml"

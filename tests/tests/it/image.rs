@@ -54,7 +54,10 @@ fn run(cmd: &mut Command, what: &str) -> String {
 /// An image unpacked into a runtime bundle (`config.json` + `rootfs/`), removed on drop.
 struct Bundle {
     dir: tempfile::TempDir,
+    /// The runtime config umoci derived from the image's config.
     config: Value,
+    /// The arguments of the last [`Bundle::prepare`].
+    args: Vec<String>,
 }
 
 impl Bundle {
@@ -80,7 +83,11 @@ impl Bundle {
         );
         let text = std::fs::read_to_string(bundle.join("config.json")).expect("config.json");
         let config = serde_json::from_str(&text).expect("config.json parses");
-        Self { dir, config }
+        Self {
+            dir,
+            config,
+            args: Vec::new(),
+        }
     }
 
     fn path(&self) -> PathBuf {
@@ -100,8 +107,25 @@ impl Bundle {
     /// image's user, no new privileges, `args` run with `env` added; plus the host's network
     /// namespace (the test apiserver listens on loopback), a tmpfs at /tmp and `mounts`.
     fn prepare(&mut self, args: &[String], env: &[String], mounts: &[Value]) {
-        let c = &mut self.config;
-        c["root"]["readonly"] = json!(true);
+        self.prepare_as(None, true, args, env, mounts);
+    }
+
+    /// [`Bundle::prepare`] with another user and a choice of read-only root.
+    fn prepare_as(
+        &mut self,
+        user: Option<u32>,
+        read_only: bool,
+        args: &[String],
+        env: &[String],
+        mounts: &[Value],
+    ) {
+        self.args = args.to_vec();
+        let mut config = self.config.clone();
+        let c = &mut config;
+        if let Some(id) = user {
+            c["process"]["user"] = json!({"uid": id, "gid": id});
+        }
+        c["root"]["readonly"] = json!(read_only);
         c["process"]["terminal"] = json!(false);
         c["process"]["noNewPrivileges"] = json!(true);
         c["process"]["args"] = json!(args);
@@ -119,7 +143,7 @@ impl Bundle {
         let list = c["mounts"].as_array_mut().expect("mounts");
         list.push(tmpfs("/tmp", "mode=1777"));
         list.extend(mounts.iter().cloned());
-        let text = serde_json::to_string_pretty(c).expect("config json");
+        let text = serde_json::to_string_pretty(&config).expect("config json");
         std::fs::write(self.path().join("config.json"), text).expect("write config.json");
     }
 }
@@ -179,7 +203,7 @@ fn run_to_end(bundle: &Bundle) -> String {
             .arg(bundle.path())
             .arg(&container.id)
             .stdin(Stdio::null()),
-        &format!("{} run {}", runtime(), bundle.image_args().join(" ")),
+        &format!("{} run {}", runtime(), bundle.args.join(" ")),
     )
 }
 
@@ -285,16 +309,18 @@ fn agent_image_runs_the_agent_and_pulumi_read_only_as_nonroot() {
     bundle.prepare(
         &["pulumi-language-yaml".into(), "--help".into()],
         &[],
-        &[home],
+        std::slice::from_ref(&home),
     );
+    let container = Container { id: container_id() };
     let out = Command::new(runtime())
         .arg("run")
         .arg("--bundle")
         .arg(bundle.path())
-        .arg(container_id())
+        .arg(&container.id)
         .stdin(Stdio::null())
         .output()
         .expect("runc run");
+    drop(container);
     let text =
         String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
     assert!(
@@ -302,6 +328,23 @@ fn agent_image_runs_the_agent_and_pulumi_read_only_as_nonroot() {
         "{}: {text}",
         out.status
     );
+
+    // As a restricted workspace pod runs it (PKO's pulumi user 1000:1000, the image's root
+    // filesystem writable, no volume at $HOME): pulumi writes its credentials under
+    // $HOME/.pulumi.
+    bundle.prepare_as(
+        Some(1000),
+        false,
+        &["pulumi".into(), "login".into(), "--local".into()],
+        &[],
+        &[],
+    );
+    let login = run_to_end(&bundle);
+    assert!(login.contains("Logged in"), "{login}");
+    let credentials = bundle
+        .rootfs()
+        .join("home/nonroot/.pulumi/credentials.json");
+    assert!(credentials.is_file(), "{login}");
 }
 
 /// The kubeconfig of `plane` with the CA certificate inline, for a container that sees none of
