@@ -19,7 +19,8 @@ COPY . .
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/cache \
     make dist CACHE_DIR=/cache DIST_DIR=/out
-# /etc/passwd and /etc/group (nonroot 65532) and Debian's CA bundle: the images have no base.
+# /etc/passwd and /etc/group (nonroot 65532, pulumi 1000), Debian's CA bundle, /tmp and the
+# agent image's home: the images have no base.
 RUN make dist-rootfs DIST_DIR=/out
 
 FROM ${GO_IMAGE} AS policies
