@@ -79,7 +79,7 @@ lint: toolchain ## rustfmt and clippy, warnings are errors
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 .PHONY: test
-test: tools policies plugins build lint ## every test: unit + integration on a real etcd + kube-apiserver
+test: tools policies plugins build lint image ## every test: unit + integration on a real etcd + kube-apiserver
 	$(CARGO) test --workspace --all-targets --no-fail-fast
 
 # Property tests (proptest) of every parser of outside input run in `make test` with a bounded
@@ -126,15 +126,15 @@ bench-check: tools pko bench-build ## short bench; fails when a pko-rs/PKO ratio
 chaos: tools policies build ## chaos and hostile-load run (webhook storm, invented methods, hostile agent, kill -9, apiserver restart, leader kill): figures to docs/reliability.md
 	$(CARGO_TARGET_DIR)/debug/pko-chaos --out docs/reliability.md
 
-# The container image ships exactly what `make dist` leaves in $(DIST_DIR); the Dockerfile runs
-# this target and copies nothing else (tests/tests/it/deploy.rs checks both).
+# The container images ship exactly what the `dist*` targets leave in $(DIST_DIR); the
+# Dockerfile runs these targets and copies nothing else (tests/tests/it/deploy.rs checks both).
 DIST_DIR ?= dist
 
 .PHONY: dist
-dist: agent-target ## release binaries the container image ships, into $(DIST_DIR)/
-	$(CARGO) build --locked --release -p pko-operator --bin pko-operator
+dist: agent-target ## static release binaries the container images ship, into $(DIST_DIR)/
+	$(CARGO) build --locked --release -p pko-operator --bin pko-operator --target $(AGENT_TARGET)
 	$(CARGO) build --locked --release -p pko-agent --bin pko-agent --target $(AGENT_TARGET)
-	install -D -m 0755 $(CARGO_TARGET_DIR)/release/pko-operator $(DIST_DIR)/pko-operator
+	install -D -m 0755 $(CARGO_TARGET_DIR)/$(AGENT_TARGET)/release/pko-operator $(DIST_DIR)/pko-operator
 	install -D -m 0755 $(CARGO_TARGET_DIR)/$(AGENT_TARGET)/release/pko-agent $(DIST_DIR)/pko-agent
 
 .PHONY: dist-policies
@@ -149,6 +149,36 @@ dist-plugins: plugins ## the example transform plugins the container image ships
 	install -D -m 0644 $(PKO_PLUGINS_DIR)/default_tags.wasm $(DIST_DIR)/plugins/default_tags.wasm
 	install -D -m 0644 $(PKO_PLUGINS_DIR)/naming_policy.wasm $(DIST_DIR)/plugins/naming_policy.wasm
 	install -D -m 0644 $(PKO_PLUGINS_DIR)/resource_allowlist.wasm $(DIST_DIR)/plugins/resource_allowlist.wasm
+
+# The agent image's pulumi CLI and YAML language host (static Go binaries, `tools/build.sh pulumi`).
+.PHONY: dist-pulumi
+dist-pulumi: go-toolchain ## the pulumi CLI and YAML language host the agent image ships, into $(DIST_DIR)/
+	tools/build.sh pulumi
+	install -D -m 0755 "$$(tools/build.sh dir pulumi)/pulumi" $(DIST_DIR)/pulumi
+	install -D -m 0755 "$$(tools/build.sh dir pulumi)/pulumi-language-yaml" $(DIST_DIR)/pulumi-language-yaml
+
+# The images have no base: the users 65532 (nonroot) and 1000 (pulumi, as which restricted
+# workspace pods run) and the CA bundle of Debian's ca-certificates (https plugin sources,
+# pulumi) are all they carry besides the binaries.
+.PHONY: dist-rootfs
+dist-rootfs: ## /etc/passwd, /etc/group, the CA bundle, /tmp and the user's home the container images ship, into $(DIST_DIR)/
+	install -D -m 0644 tools/rootfs/passwd $(DIST_DIR)/passwd
+	install -D -m 0644 tools/rootfs/group $(DIST_DIR)/group
+	install -D -m 0644 /etc/ssl/certs/ca-certificates.crt $(DIST_DIR)/ca-certificates.crt
+	install -d -m 1777 $(DIST_DIR)/tmp
+	install -d -m 1777 $(DIST_DIR)/home/nonroot
+
+# `make image`: the operator and agent images as OCI layouts, assembled with umoci (no
+# container daemon); the tests unpack and run them with runc (tests/tests/it/image.rs).
+export PKO_IMAGE_DIR ?= $(CACHE_DIR)/images
+
+.PHONY: image-deps
+image-deps:
+	tools/image.sh deps
+
+.PHONY: image
+image: image-deps dist dist-policies dist-plugins dist-pulumi dist-rootfs ## operator and agent images (OCI layouts, digests printed) into $(PKO_IMAGE_DIR)
+	tools/image.sh build $(DIST_DIR) $(PKO_IMAGE_DIR)
 
 .PHONY: clean-cache
 clean-cache: ## remove built tools and the Rust target dir

@@ -572,8 +572,12 @@ fn dockerfile_builds_with_make_and_copies_only_make_outputs() {
         .collect();
     assert!(!copies.is_empty());
     for copy in copies {
-        let words: Vec<&str> = copy.split_whitespace().collect();
-        let sources = &words[2..words.len() - 1];
+        // COPY --from=stage [--chown=…] sources… destination
+        let words: Vec<&str> = copy
+            .split_whitespace()
+            .filter(|w| !w.starts_with("--"))
+            .collect();
+        let sources = &words[1..words.len() - 1];
         for source in sources {
             assert!(
                 outputs

@@ -26,6 +26,7 @@ mod deploy_scope;
 mod deploy_webhook;
 mod harness_smoke;
 mod helm;
+mod image;
 mod leader;
 mod logs;
 mod metrics;
