@@ -17,6 +17,8 @@ use pko_plugin_host::PluginError;
 
 /// Timeout of one https fetch.
 const FETCH_TIMEOUT: Duration = Duration::from_secs(30);
+/// Timeout of a whole OCI pull (manifest, signatures, layer).
+const OCI_PULL_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Fetches module bytes.
 #[derive(Clone)]
@@ -168,9 +170,20 @@ impl ModuleFetcher {
             None => None,
         };
         let mut session = Session::new(http, Some(&self.egress), &reference);
-        let pulled = session
-            .pull(&artifact.digest, keys.as_deref(), self.max_bytes)
-            .await?;
+        // Each request has its own timeout; this bounds the whole conversation (manifest,
+        // signatures, layer, tokens) that a slow registry could otherwise stretch.
+        let pulled = tokio::time::timeout(
+            OCI_PULL_TIMEOUT,
+            session.pull(&artifact.digest, keys.as_deref(), self.max_bytes),
+        )
+        .await
+        .map_err(|_| {
+            PluginError::Source(format!(
+                "{reference}@{}: the pull took more than {}s",
+                artifact.digest,
+                OCI_PULL_TIMEOUT.as_secs()
+            ))
+        })??;
         if let Some(key) = &pulled.signed_by {
             tracing::info!(artifact = %reference, digest = %artifact.digest, key = %key, "cosign signature verified");
         }
