@@ -25,6 +25,19 @@ impl Registry {
     /// Starts a registry storing under `dir`, with a certificate for 127.0.0.1 signed by a
     /// CA written to `dir/ca.pem`.
     pub async fn start(dir: &Path) -> Result<Self, HarnessError> {
+        Self::start_with(dir, None).await
+    }
+
+    /// A registry that answers only to `user` with `password` (basic auth, htpasswd).
+    pub async fn start_private(
+        dir: &Path,
+        user: &str,
+        password: &str,
+    ) -> Result<Self, HarnessError> {
+        Self::start_with(dir, Some((user, password))).await
+    }
+
+    async fn start_with(dir: &Path, login: Option<(&str, &str)>) -> Result<Self, HarnessError> {
         std::fs::create_dir_all(dir).map_err(|e| HarnessError::io("registry folder", e))?;
         let pki = pki::generate()?;
         let write = |name: &str, text: &str| -> Result<PathBuf, HarnessError> {
@@ -37,10 +50,23 @@ impl Registry {
         let cert = write("cert.pem", &pki.serving_cert_pem)?;
         let key = write("key.pem", &pki.serving_key_pem)?;
         let port = free_port()?;
+        let auth = match login {
+            Some((user, password)) => {
+                let hash = bcrypt::hash(password, 4).map_err(|e| HarnessError::Missing {
+                    what: format!("a bcrypt hash: {e}"),
+                })?;
+                let file = write("htpasswd", &format!("{user}:{hash}\n"))?;
+                format!(
+                    "auth:\n  htpasswd:\n    realm: pko-tests\n    path: {}\n",
+                    file.display()
+                )
+            }
+            None => String::new(),
+        };
         write(
             "config.yml",
             &format!(
-                "version: 0.1\nlog:\n  level: info\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  addr: 127.0.0.1:{port}\n  tls:\n    certificate: {}\n    key: {}\n",
+                "version: 0.1\nlog:\n  level: info\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  addr: 127.0.0.1:{port}\n  tls:\n    certificate: {}\n    key: {}\n{auth}",
                 dir.join("data").display(),
                 cert.display(),
                 key.display()
@@ -69,7 +95,8 @@ impl Registry {
             let (http, url) = (http.clone(), url.clone());
             async move {
                 let r = http.get(&url).send().await.ok()?;
-                r.status().is_success().then_some(())
+                // A private registry answers 401 until asked with credentials.
+                (r.status().is_success() || r.status() == 401).then_some(())
             }
         })
         .await

@@ -41,6 +41,15 @@ pub const COSIGN_MESSAGE: &str = "set exactly one of publicKeySecretRef and keys
 pub const VERIFY_RULE: &str = "!has(self.verify) || has(self.source.oci)";
 /// Message of [`VERIFY_RULE`].
 pub const VERIFY_MESSAGE: &str = "verify applies to source.oci only";
+/// CEL rule on a ProgramTransform's spec: its pull Secret is in its own namespace.
+pub const LOCAL_PULL_SECRET_RULE: &str = "!has(self.source.oci) || !has(self.source.oci.pullSecretRef) || !has(self.source.oci.pullSecretRef.__namespace__)";
+/// Message of [`LOCAL_PULL_SECRET_RULE`].
+pub const LOCAL_PULL_SECRET_MESSAGE: &str = "a ProgramTransform reads its pull Secret from its own namespace: leave out pullSecretRef.namespace";
+/// CEL rule on a ClusterProgramTransform's spec: its pull Secret names its namespace.
+pub const CLUSTER_PULL_SECRET_RULE: &str = "!has(self.source.oci) || !has(self.source.oci.pullSecretRef) || has(self.source.oci.pullSecretRef.__namespace__)";
+/// Message of [`CLUSTER_PULL_SECRET_RULE`].
+pub const CLUSTER_PULL_SECRET_MESSAGE: &str =
+    "a ClusterProgramTransform's pullSecretRef names its namespace";
 /// CEL rule on `sha256`.
 pub const SHA256_RULE: &str = "self.matches('^(sha256:)?[0-9a-fA-F]{64}$')";
 /// Message of [`SHA256_RULE`].
@@ -76,6 +85,7 @@ pub const READY: &str = "Ready";
 )]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = Rule::new(VERIFY_RULE).message(VERIFY_MESSAGE))]
+#[x_kube(validation = Rule::new(LOCAL_PULL_SECRET_RULE).message(LOCAL_PULL_SECRET_MESSAGE))]
 pub struct ProgramTransformSpec {
     /// Where the module comes from.
     pub source: ModuleSource,
@@ -115,6 +125,7 @@ pub struct ProgramTransformSpec {
 )]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = Rule::new(VERIFY_RULE).message(VERIFY_MESSAGE))]
+#[x_kube(validation = Rule::new(CLUSTER_PULL_SECRET_RULE).message(CLUSTER_PULL_SECRET_MESSAGE))]
 pub struct ClusterProgramTransformSpec {
     /// Where the module comes from (a ConfigMap names its namespace).
     pub source: ClusterModuleSource,
@@ -210,6 +221,23 @@ pub struct OciSource {
     #[x_kube(validation = Rule::new(OCI_DIGEST_RULE).message(OCI_DIGEST_MESSAGE))]
     #[schemars(length(max = 71))]
     pub digest: String,
+    /// A `kubernetes.io/dockerconfigjson` Secret holding credentials for the registry (a
+    /// ProgramTransform's is in its own namespace; a ClusterProgramTransform's names it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pull_secret_ref: Option<PullSecretRef>,
+}
+
+/// A registry credentials Secret.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Eq, Hash, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct PullSecretRef {
+    /// Name of the Secret.
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+    /// Namespace of the Secret (ClusterProgramTransforms only, where it is required).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 63))]
+    pub namespace: Option<String>,
 }
 
 /// Signature checks of a module.
@@ -396,6 +424,8 @@ pub enum ResolvedSource {
     Oci {
         artifact: OciSource,
         verify: Option<ResolvedKeys>,
+        /// The credentials Secret, as (namespace, name).
+        pull_secret: Option<(String, String)>,
     },
 }
 
@@ -443,6 +473,10 @@ impl ProgramTransform {
                     .as_ref()
                     .map(|artifact| ResolvedSource::Oci {
                         artifact: artifact.clone(),
+                        pull_secret: artifact
+                            .pull_secret_ref
+                            .as_ref()
+                            .map(|r| (namespace.clone(), r.name.clone())),
                         verify: self.spec.verify.as_ref().map(|v| match &v.cosign {
                             CosignVerify {
                                 public_key_secret_ref: Some(r),
@@ -487,6 +521,10 @@ impl ClusterProgramTransform {
                     .as_ref()
                     .map(|artifact| ResolvedSource::Oci {
                         artifact: artifact.clone(),
+                        pull_secret: artifact
+                            .pull_secret_ref
+                            .as_ref()
+                            .map(|r| (r.namespace.clone().unwrap_or_default(), r.name.clone())),
                         verify: self.spec.verify.as_ref().map(|v| match &v.cosign {
                             ClusterCosignVerify {
                                 public_key_secret_ref: Some(r),

@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use super::registry::{Pushed, Session};
+use super::registry::{Credentials, Pushed, Session};
 use super::{OciError, Reference};
 
 /// Arguments of `plugin push`.
@@ -16,6 +16,9 @@ pub struct PushArgs {
     /// Extra PEM CA certificates to trust for the registry (the OS's roots always are).
     #[arg(long)]
     pub ca_file: Option<PathBuf>,
+    /// User name for a registry that wants credentials; the password is read from stdin.
+    #[arg(long)]
+    pub username: Option<String>,
 }
 
 /// Failures of `plugin push`.
@@ -64,7 +67,27 @@ pub async fn push(args: &PushArgs) -> Result<(Reference, Pushed), PushError> {
         }
     }
     let http = builder.build().map_err(PushError::Http)?;
-    let pushed = Session::new(&http, None, &reference).push(&module).await?;
+    let credentials = match &args.username {
+        Some(username) => {
+            // One line on stdin, as `docker login --password-stdin` reads it.
+            let mut password = String::new();
+            std::io::stdin()
+                .read_line(&mut password)
+                .map_err(|source| PushError::Read {
+                    path: PathBuf::from("<stdin>"),
+                    source,
+                })?;
+            Some(Credentials {
+                username: username.clone(),
+                password: password.trim_end_matches(['\r', '\n']).to_owned(),
+            })
+        }
+        None => None,
+    };
+    let pushed = Session::new(&http, None, &reference)
+        .with_credentials(credentials)
+        .push(&module)
+        .await?;
     Ok((reference, pushed))
 }
 

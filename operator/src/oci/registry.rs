@@ -63,12 +63,34 @@ pub struct Pushed {
     pub module_digest: String,
 }
 
+/// A user name and password for a registry.
+#[derive(Clone)]
+pub struct Credentials {
+    pub username: String,
+    pub password: String,
+}
+
+impl std::fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the password, not even in a debug line.
+        write!(f, "Credentials({})", self.username)
+    }
+}
+
+/// What the requests of a session carry, once the registry asked for it.
+enum Authorization {
+    None,
+    Basic,
+    Bearer(String),
+}
+
 /// One conversation with one repository (a bearer token, once obtained, is reused).
 pub struct Session<'a> {
     http: &'a reqwest::Client,
     egress: Option<&'a EgressPolicy>,
     reference: &'a Reference,
-    token: Option<String>,
+    credentials: Option<Credentials>,
+    authorization: Authorization,
 }
 
 impl<'a> Session<'a> {
@@ -82,8 +104,15 @@ impl<'a> Session<'a> {
             http,
             egress,
             reference,
-            token: None,
+            credentials: None,
+            authorization: Authorization::None,
         }
+    }
+
+    /// Sends `credentials` where the registry asks for them (basic auth, or to get a token).
+    pub fn with_credentials(mut self, credentials: Option<Credentials>) -> Self {
+        self.credentials = credentials;
+        self
     }
 
     /// The module of the artifact `digest`, checked: the manifest's digest, its Wasm layout,
@@ -324,12 +353,25 @@ impl<'a> Session<'a> {
     ) -> Result<reqwest::Response, OciError> {
         for attempt in 0..2 {
             let mut request = build(self.http.request(method.clone(), url));
-            if let Some(token) = &self.token {
-                request = request.bearer_auth(token);
-            }
+            request = match (&self.authorization, &self.credentials) {
+                (Authorization::Bearer(token), _) => request.bearer_auth(token),
+                (Authorization::Basic, Some(c)) => {
+                    request.basic_auth(&c.username, Some(&c.password))
+                }
+                _ => request,
+            };
             let response = self.checked(request, url).await?;
-            if response.status() != StatusCode::UNAUTHORIZED || attempt == 1 {
+            if response.status() != StatusCode::UNAUTHORIZED {
                 return Ok(response);
+            }
+            if attempt == 1 {
+                return Err(OciError::Auth(format!(
+                    "{url}: the registry refused {}",
+                    match &self.credentials {
+                        Some(c) => format!("the credentials of {:?}", c.username),
+                        None => "an anonymous token".to_owned(),
+                    }
+                )));
             }
             let challenge = response
                 .headers()
@@ -337,11 +379,18 @@ impl<'a> Session<'a> {
                 .and_then(|v| v.to_str().ok())
                 .map(str::to_owned)
                 .ok_or_else(|| OciError::Auth(format!("{url}: 401 without a challenge")))?;
-            self.token = Some(self.token_for(&challenge).await?);
+            self.authorization = if challenge.trim_start().starts_with("Basic") {
+                if self.credentials.is_none() {
+                    return Err(OciError::Auth(format!(
+                        "{url}: the registry wants credentials (set source.oci.pullSecretRef)"
+                    )));
+                }
+                Authorization::Basic
+            } else {
+                Authorization::Bearer(self.token_for(&challenge).await?)
+            };
         }
-        Err(OciError::Auth(format!(
-            "{url}: still unauthorized with a token"
-        )))
+        Err(OciError::Auth(format!("{url}: unauthorized")))
     }
 
     async fn checked(
@@ -388,7 +437,11 @@ impl<'a> Session<'a> {
             url.query_pairs_mut().append_pair(k, v);
         }
         let text = url.to_string();
-        let response = self.checked(self.http.get(url), &text).await?;
+        let mut request = self.http.get(url);
+        if let Some(c) = &self.credentials {
+            request = request.basic_auth(&c.username, Some(&c.password));
+        }
+        let response = self.checked(request, &text).await?;
         let body = read_bounded(ok(response, &text)?, MAX_TOKEN_BYTES, "a token", &text).await?;
         #[derive(Deserialize)]
         struct Token {
@@ -403,6 +456,70 @@ impl<'a> Session<'a> {
             .filter(|t| !t.is_empty())
             .ok_or_else(|| OciError::Auth(format!("{text}: no token in the answer")))
     }
+}
+
+/// The credentials for `registry` in a `.dockerconfigjson` document (`auths` keyed by host,
+/// with or without a scheme or path, each with `auth` = base64 `user:password` or
+/// `username` and `password`).
+pub fn docker_config_credentials(
+    config: &[u8],
+    registry: &str,
+) -> Result<Option<Credentials>, OciError> {
+    use base64::Engine;
+    #[derive(Deserialize)]
+    struct Config {
+        #[serde(default)]
+        auths: std::collections::BTreeMap<String, Entry>,
+    }
+    #[derive(Deserialize)]
+    struct Entry {
+        auth: Option<String>,
+        username: Option<String>,
+        password: Option<String>,
+    }
+    let config: Config = serde_json::from_slice(config)
+        .map_err(|e| OciError::Auth(format!("not a .dockerconfigjson document: {e}")))?;
+    let host_of = |key: &str| {
+        let key = key.trim();
+        let key = key
+            .strip_prefix("https://")
+            .or_else(|| key.strip_prefix("http://"))
+            .unwrap_or(key);
+        key.split('/')
+            .next()
+            .unwrap_or_default()
+            .to_ascii_lowercase()
+    };
+    let Some(entry) = config
+        .auths
+        .iter()
+        .find(|(key, _)| host_of(key) == registry)
+        .map(|(_, e)| e)
+    else {
+        return Ok(None);
+    };
+    if let (Some(username), Some(password)) = (&entry.username, &entry.password) {
+        return Ok(Some(Credentials {
+            username: username.clone(),
+            password: password.clone(),
+        }));
+    }
+    let auth = entry
+        .auth
+        .as_deref()
+        .ok_or_else(|| OciError::Auth(format!("the entry for {registry} has no auth")))?;
+    let decoded = base64::engine::general_purpose::STANDARD
+        .decode(auth.trim())
+        .ok()
+        .and_then(|b| String::from_utf8(b).ok())
+        .ok_or_else(|| OciError::Auth(format!("the auth of {registry} is not base64 text")))?;
+    let (username, password) = decoded
+        .split_once(':')
+        .ok_or_else(|| OciError::Auth(format!("the auth of {registry} is not user:password")))?;
+    Ok(Some(Credentials {
+        username: username.to_owned(),
+        password: password.to_owned(),
+    }))
 }
 
 /// The single Wasm layer of an artifact manifest.
@@ -525,6 +642,33 @@ mod tests {
         );
         let none = manifest(WASM_CONFIG_TYPE, &[]);
         assert!(wasm_layer(&none).is_err());
+    }
+
+    #[test]
+    fn docker_configs_give_the_registry_s_credentials() {
+        let config = br#"{"auths": {
+            "https://Registry.Example.com:5000/v1/": {"auth": "dXNlcjpwYTpzcw=="},
+            "other.example": {"username": "u2", "password": "p2"}
+        }}"#;
+        let c = docker_config_credentials(config, "registry.example.com:5000")
+            .expect("parses")
+            .expect("found");
+        assert_eq!(
+            (c.username.as_str(), c.password.as_str()),
+            ("user", "pa:ss")
+        );
+        let c = docker_config_credentials(config, "other.example")
+            .expect("parses")
+            .expect("found");
+        assert_eq!((c.username.as_str(), c.password.as_str()), ("u2", "p2"));
+        assert!(
+            docker_config_credentials(config, "registry.example.com")
+                .expect("parses")
+                .is_none()
+        );
+        assert!(docker_config_credentials(b"[]", "x").is_err());
+        assert!(docker_config_credentials(br#"{"auths": {"x": {"auth": "!!"}}}"#, "x").is_err());
+        assert!(!format!("{c:?}").contains("p2"));
     }
 
     #[test]

@@ -9,7 +9,8 @@ use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::oci::{OciError, Reference, cosign, registry::Session};
+use crate::oci::registry::{Credentials, Session, docker_config_credentials};
+use crate::oci::{OciError, Reference, cosign};
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use kube::{Api, Client};
 use pko_api::transform::{OciSource, ResolvedKeys, ResolvedSource};
@@ -148,7 +149,14 @@ impl ModuleFetcher {
                 Some(path) => self.file(path).await,
                 None => self.https(url).await,
             },
-            ResolvedSource::Oci { artifact, verify } => self.oci(artifact, verify.as_ref()).await,
+            ResolvedSource::Oci {
+                artifact,
+                verify,
+                pull_secret,
+            } => {
+                self.oci(artifact, verify.as_ref(), pull_secret.as_ref())
+                    .await
+            }
         }
     }
 
@@ -158,6 +166,7 @@ impl ModuleFetcher {
         &self,
         artifact: &OciSource,
         verify: Option<&ResolvedKeys>,
+        pull_secret: Option<&(String, String)>,
     ) -> Result<Vec<u8>, PluginError> {
         let http = self.http.as_ref().ok_or_else(|| {
             PluginError::Source(
@@ -169,7 +178,12 @@ impl ModuleFetcher {
             Some(keys) => Some(self.keys(keys).await?),
             None => None,
         };
-        let mut session = Session::new(http, Some(&self.egress), &reference);
+        let credentials = match pull_secret {
+            Some((namespace, name)) => Some(self.credentials(namespace, name, &reference).await?),
+            None => None,
+        };
+        let mut session =
+            Session::new(http, Some(&self.egress), &reference).with_credentials(credentials);
         // Each request has its own timeout; this bounds the whole conversation (manifest,
         // signatures, layer, tokens) that a slow registry could otherwise stretch.
         let pulled = tokio::time::timeout(
@@ -190,6 +204,47 @@ impl ModuleFetcher {
         Ok(pulled.module)
     }
 
+    /// One Secret, read by name (no list or watch).
+    async fn secret(&self, namespace: &str, name: &str) -> Result<Secret, PluginError> {
+        let client = self
+            .client
+            .as_ref()
+            .ok_or_else(|| PluginError::Source("Secrets are not read offline".into()))?;
+        let api: Api<Secret> = Api::namespaced(client.clone(), namespace);
+        api.get_opt(name)
+            .await
+            .map_err(|e| PluginError::Source(format!("Secret {namespace}/{name}: {e}")))?
+            .ok_or_else(|| PluginError::Source(format!("Secret {namespace}/{name} not found")))
+    }
+
+    /// The registry credentials in a `kubernetes.io/dockerconfigjson` Secret.
+    async fn credentials(
+        &self,
+        namespace: &str,
+        name: &str,
+        reference: &Reference,
+    ) -> Result<Credentials, PluginError> {
+        let secret = self.secret(namespace, name).await?;
+        let config = secret
+            .data
+            .as_ref()
+            .and_then(|d| d.get(".dockerconfigjson"))
+            .map(|b| b.0.clone())
+            .ok_or_else(|| {
+                PluginError::Source(format!(
+                    "Secret {namespace}/{name} has no .dockerconfigjson (make it with `kubectl create secret docker-registry`)"
+                ))
+            })?;
+        docker_config_credentials(&config, &reference.registry)
+            .map_err(|e| PluginError::Source(format!("Secret {namespace}/{name}: {e}")))?
+            .ok_or_else(|| {
+                PluginError::Source(format!(
+                    "Secret {namespace}/{name} has no credentials for {}",
+                    reference.registry
+                ))
+            })
+    }
+
     /// The trusted public keys of a cosign check.
     async fn keys(&self, keys: &ResolvedKeys) -> Result<Vec<cosign::PublicKey>, PluginError> {
         let text = match keys {
@@ -199,18 +254,7 @@ impl ModuleFetcher {
                 name,
                 key,
             } => {
-                let client = self
-                    .client
-                    .as_ref()
-                    .ok_or_else(|| PluginError::Source("Secrets are not read offline".into()))?;
-                let api: Api<Secret> = Api::namespaced(client.clone(), namespace);
-                let secret = api
-                    .get_opt(name)
-                    .await
-                    .map_err(|e| PluginError::Source(format!("Secret {namespace}/{name}: {e}")))?;
-                let secret = secret.ok_or_else(|| {
-                    PluginError::Source(format!("Secret {namespace}/{name} not found"))
-                })?;
+                let secret = self.secret(namespace, name).await?;
                 let bytes = secret
                     .data
                     .as_ref()

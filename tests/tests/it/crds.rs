@@ -325,6 +325,18 @@ async fn transform_module_sources_are_one_of_three_and_signatures_need_oci() {
             plane,
             &ns,
             transform(
+                "foreign-pull-secret",
+                json!({"source": {"oci": {"reference": "r.example/a", "digest": digest, "pullSecretRef": {"name": "creds", "namespace": "kube-system"}}}, "sha256": sha}),
+            ),
+        )
+        .await,
+        "a ProgramTransform reads its pull Secret from its own namespace",
+    );
+    assert_rejected(
+        create(
+            plane,
+            &ns,
+            transform(
                 "bad-digest",
                 json!({"source": oci("r.example/a", "sha256:AB"), "sha256": sha}),
             ),

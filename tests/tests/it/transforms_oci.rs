@@ -14,14 +14,34 @@ use super::*;
 
 /// `pko-operator plugin push`; returns (manifest digest, module sha256).
 fn push(registry: &Registry, module: &str, reference: &str) -> (String, String) {
+    push_as(registry, module, reference, None)
+}
+
+/// `pko-operator plugin push`, logged in as `login` (the password on stdin).
+fn push_as(
+    registry: &Registry,
+    module: &str,
+    reference: &str,
+    login: Option<(&str, &str)>,
+) -> (String, String) {
+    use std::io::Write;
     let path = plugins_dir().join(format!("{module}.wasm"));
-    let out = Command::new(operator_binary().expect("pko-operator binary"))
-        .args(["plugin", "push", "--ca-file"])
+    let mut cmd = Command::new(operator_binary().expect("pko-operator binary"));
+    cmd.args(["plugin", "push", "--ca-file"])
         .arg(registry.ca_file())
         .arg(&path)
         .arg(reference)
-        .output()
-        .expect("run plugin push");
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    if let Some((user, _)) = login {
+        cmd.args(["--username", user]);
+    }
+    let mut child = cmd.spawn().expect("run plugin push");
+    if let (Some((_, password)), Some(mut stdin)) = (login, child.stdin.take()) {
+        writeln!(stdin, "{password}").expect("password on stdin");
+    }
+    let out = child.wait_with_output().expect("plugin push output");
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success(),
@@ -404,4 +424,109 @@ async fn while_the_registry_is_down_the_previous_module_keeps_serving() {
     .await
     .unwrap_or_else(|e| panic!("{e}; first artifact {artifact}\nlog:\n{}", op.log_text()));
     assert_eq!(tag, "v2");
+}
+
+fn registry_secret(name: &str, host: &str, user: &str, password: &str) -> Secret {
+    use base64::Engine;
+    let auth = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
+    let config = json!({"auths": {format!("https://{host}"): {"auth": auth}}}).to_string();
+    serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "type": "kubernetes.io/dockerconfigjson",
+        "stringData": {".dockerconfigjson": config},
+    }))
+    .expect("secret")
+}
+
+#[tokio::test]
+async fn a_private_registry_is_pulled_from_with_the_pull_secret_only() {
+    let _machine = pko_tests::serial::shared().await;
+    let plane = ControlPlane::shared().await;
+    let ns = plane.namespace("tf-oci-private").await.expect("namespace");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (user, password) = ("plugins", "s3cret-pw");
+    let registry = Registry::start_private(&dir.path().join("registry"), user, password)
+        .await
+        .expect("registry");
+    let name = format!("{}/team-a/tags", registry.host());
+    let (digest, sha) = push_as(&registry, "default_tags", &name, Some((user, password)));
+
+    let secrets: Api<Secret> = Api::namespaced(plane.client(), &ns);
+    for secret in [
+        registry_secret("registry-creds", &registry.host(), user, password),
+        registry_secret("wrong-creds", &registry.host(), user, "not-it"),
+        registry_secret("other-registry", "registry.example.com", user, password),
+    ] {
+        secrets
+            .create(&PostParams::default(), &secret)
+            .await
+            .expect("pull Secret");
+    }
+    let op = operator_trusting(plane, &ns, registry.ca_file()).await;
+    let programs: Api<Program> = Api::namespaced(plane.client(), &ns);
+    let transforms: Api<ProgramTransform> = Api::namespaced(plane.client(), &ns);
+    programs
+        .create(&PostParams::default(), &program("web", &[], bucket_spec()))
+        .await
+        .expect("program");
+
+    let with_secret = |secret: Option<&str>, selects: bool| {
+        let mut spec = oci_spec(&name, &digest, &sha, "private", json!({}));
+        if let Some(secret) = secret {
+            spec["source"]["oci"]["pullSecretRef"] = json!({"name": secret});
+        }
+        if !selects {
+            spec["programSelector"] = json!({"matchLabels": {"app": "none"}});
+        }
+        spec
+    };
+    let refused = [
+        (
+            "anonymous",
+            None,
+            "wants credentials (set source.oci.pullSecretRef)",
+        ),
+        (
+            "wrong-password",
+            Some("wrong-creds"),
+            "refused the credentials of \"plugins\"",
+        ),
+        ("no-entry", Some("other-registry"), "has no credentials for"),
+        ("missing-secret", Some("absent"), "not found"),
+    ];
+    for (transform_name, secret, _) in refused {
+        transforms
+            .create(
+                &PostParams::default(),
+                &transform(transform_name, with_secret(secret, false)),
+            )
+            .await
+            .expect("transform");
+    }
+    for (transform_name, _, needle) in refused {
+        let (_, reason, message, _) =
+            transform_ready(&transforms, &op, transform_name, "refused", |s, _, _| {
+                s == "False"
+            })
+            .await;
+        assert_eq!(reason, "Source", "{transform_name}: {message}");
+        assert!(message.contains(needle), "{transform_name}: {message}");
+        assert!(
+            !message.contains(password),
+            "{transform_name} shows the password: {message}"
+        );
+    }
+
+    transforms
+        .create(
+            &PostParams::default(),
+            &transform("tags", with_secret(Some("registry-creds"), true)),
+        )
+        .await
+        .expect("transform");
+    assert_eq!(fetched_tag(&op, &programs, &ns, "web", 1).await, "private");
+    assert!(
+        !op.log_text().contains(password),
+        "the operator logged the password"
+    );
 }
