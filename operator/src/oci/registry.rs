@@ -666,7 +666,8 @@ mod tests {
                 .expect("parses")
                 .is_none()
         );
-        assert!(docker_config_credentials(b"[]", "x").is_err());
+        assert!(docker_config_credentials(b"not json", "x").is_err());
+        assert!(docker_config_credentials(br#"{"auths": ["x"]}"#, "x").is_err());
         assert!(docker_config_credentials(br#"{"auths": {"x": {"auth": "!!"}}}"#, "x").is_err());
         assert!(!format!("{c:?}").contains("p2"));
     }
