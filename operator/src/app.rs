@@ -520,8 +520,16 @@ async fn task_ended(task: &mut Option<JoinHandle<()>>) {
     }
 }
 
-/// A client for `args`; `read_timeout` bounds every response (not for watches).
-async fn kube_client(args: &RunArgs, read_timeout: Option<Duration>) -> Result<Client, AppError> {
+/// A client for `args`; `request_timeout` bounds every request: its response headers, then each
+/// wait for more of the body (not for watches, which stay open for minutes by design).
+///
+/// Not kube's `read_timeout`: that one times the socket, so a pooled keep-alive connection
+/// idle for that long is closed under a request about to reuse it, which then fails with
+/// `SendRequest` (the lease client, idle between renewals, hit exactly that).
+async fn kube_client(
+    args: &RunArgs,
+    request_timeout: Option<Duration>,
+) -> Result<Client, AppError> {
     let mut config = match &args.kubeconfig {
         Some(path) => {
             let kubeconfig =
@@ -539,13 +547,16 @@ async fn kube_client(args: &RunArgs, read_timeout: Option<Duration>) -> Result<C
         None => kube::Config::infer().await.map_err(AppError::InferConfig)?,
     };
     let timeout = Duration::from_secs(args.kube_api_timeout_seconds);
-    // No read timeout: watches stay open for minutes by design.
     config.write_timeout = Some(timeout);
     config.connect_timeout = Some(timeout);
-    if let Some(read_timeout) = read_timeout {
-        config.read_timeout = Some(read_timeout);
-    }
-    Client::try_from(config).map_err(AppError::Client)
+    let builder = kube::client::ClientBuilder::try_from(config).map_err(AppError::Client)?;
+    Ok(match request_timeout {
+        Some(bound) => builder
+            .with_layer(&tower_http::timeout::ResponseBodyTimeoutLayer::new(bound))
+            .with_layer(&tower::timeout::TimeoutLayer::new(bound))
+            .build(),
+        None => builder.build(),
+    })
 }
 
 async fn wait_for_signal() -> Result<(), AppError> {
