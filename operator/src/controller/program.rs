@@ -56,6 +56,30 @@ const TRANSIENT_REQUEUE: Duration = Duration::from_secs(30);
 /// listed them): there is nothing true to report meanwhile, and they usually arrive in seconds.
 const TRANSFORMS_UNKNOWN_REQUEUE: Duration = Duration::from_secs(5);
 
+/// Delay before looking again at a Program the store has an older generation of.
+const STORE_BEHIND_REQUEUE: Duration = Duration::from_secs(1);
+
+/// What to compare the desired status with after a failed write, given the Program as the
+/// apiserver holds it now.
+#[derive(Debug, PartialEq)]
+enum Reread {
+    /// Its status: the store's generation is current.
+    Compare(ProgramStatus),
+    /// Deleted meanwhile.
+    Gone,
+    /// A newer generation than the store's: wait for the store rather than write an older
+    /// generation's status over it.
+    StoreBehind,
+}
+
+fn reread_status(stored_generation: i64, fresh: Option<Program>) -> Reread {
+    match fresh {
+        None => Reread::Gone,
+        Some(p) if p.metadata.generation.unwrap_or(0) > stored_generation => Reread::StoreBehind,
+        Some(p) => Reread::Compare(p.status.unwrap_or_default()),
+    }
+}
+
 /// Failures of one reconcile.
 #[derive(Debug, thiserror::Error)]
 pub enum ProgramError {
@@ -63,6 +87,8 @@ pub enum ProgramError {
     NoNamespace,
     #[error("cannot write program status: {0}")]
     Status(#[source] kube::Error),
+    #[error("cannot read the program after a failed status write: {0}")]
+    Reread(#[source] kube::Error),
     #[error("cannot encode the transforms of the artifact metadata: {0}")]
     Encode(#[source] serde_json::Error),
 }
@@ -72,6 +98,7 @@ impl kit::MetricLabel for ProgramError {
         match self {
             Self::NoNamespace => "no_namespace",
             Self::Status(_) => "status_write",
+            Self::Reread(_) => "status_reread",
             Self::Encode(_) => "encode",
         }
     }
@@ -79,12 +106,13 @@ impl kit::MetricLabel for ProgramError {
 
 impl ProgramError {
     /// Every value of its metric label, exported at zero from the start.
-    pub const KINDS: &'static [&'static str] = &["no_namespace", "status_write", "encode"];
+    pub const KINDS: &'static [&'static str] =
+        &["no_namespace", "status_write", "status_reread", "encode"];
 
     /// Whether retrying may help (see [`backoff`]).
     fn verdict(&self) -> Verdict {
         match self {
-            Self::Status(source) => backoff::classify(source),
+            Self::Status(source) | Self::Reread(source) => backoff::classify(source),
             Self::NoNamespace | Self::Encode(_) => Verdict::Permanent,
         }
     }
@@ -111,6 +139,9 @@ pub struct ProgramContext {
     pub keys: KeyRing,
     /// Failed reconciles per Program.
     pub backoff: Backoff,
+    /// Programs whose last status write failed: the apiserver may have applied it all the same
+    /// (its answer lost, as in an apiserver restart) while the watch has not shown it yet.
+    unsure: std::sync::Mutex<std::collections::HashSet<(String, String)>>,
 }
 
 impl ProgramContext {
@@ -128,7 +159,29 @@ impl ProgramContext {
             metrics: kit.metrics.clone(),
             keys,
             backoff: Backoff::default(),
+            unsure: std::sync::Mutex::default(),
         }
+    }
+
+    /// Marks (or clears) a Program whose status may differ from what the store holds.
+    fn set_unsure(&self, namespace: &str, name: &str, unsure: bool) {
+        let mut set = self
+            .unsure
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let key = (namespace.to_owned(), name.to_owned());
+        if unsure {
+            set.insert(key);
+        } else {
+            set.remove(&key);
+        }
+    }
+
+    fn is_unsure(&self, namespace: &str, name: &str) -> bool {
+        self.unsure
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .contains(&(namespace.to_owned(), name.to_owned()))
     }
 
     /// The capability URL of one artifact (see [`crate::capability`]).
@@ -277,7 +330,32 @@ async fn reconcile_inner(
     let name = program.name_any();
     let generation = program.metadata.generation.unwrap_or(0);
     let none = ProgramStatus::default();
-    let current = program.status.as_ref().unwrap_or(&none);
+    let api = Api::<Program>::namespaced(ctx.client.clone(), &namespace);
+    let reread;
+    let current = if ctx.is_unsure(&namespace, &name) {
+        // Compared with the store, a write that did land would be made again, with a new
+        // lastUpdateTime: compare with what the apiserver holds instead.
+        let fresh = match api.get_status(&name).await {
+            Ok(fresh) => Some(fresh),
+            Err(kube::Error::Api(status)) if status.code == 404 => None,
+            Err(err) => return Err(ProgramError::Reread(err)),
+        };
+        match reread_status(generation, fresh) {
+            Reread::Compare(status) => {
+                ctx.set_unsure(&namespace, &name, false);
+                reread = status;
+                &reread
+            }
+            Reread::Gone => {
+                ctx.set_unsure(&namespace, &name, false);
+                return Ok(None);
+            }
+            // The store lags behind a newer generation: its event brings the next reconcile.
+            Reread::StoreBehind => return Ok(Some(STORE_BEHIND_REQUEUE)),
+        }
+    } else {
+        program.status.as_ref().unwrap_or(&none)
+    };
 
     let built = ctx.index.artifact_for(program.clone()).await;
     if let Err(err) = &built
@@ -301,14 +379,17 @@ async fn reconcile_inner(
 
     // Server-side apply, by measurement: the same client's N bare status patches take about
     // 12% longer as JSON merge patches on this apiserver (docs/benchmarks.md).
-    let api = Api::<Program>::namespaced(ctx.client.clone(), &namespace);
-    api.patch_status(
-        &name,
-        &PatchParams::apply(PROGRAM_STATUS_MANAGER).force(),
-        &Patch::Apply(&kit::StatusPatch::new::<Program>(&desired)),
-    )
-    .await
-    .map_err(ProgramError::Status)?;
+    if let Err(err) = api
+        .patch_status(
+            &name,
+            &PatchParams::apply(PROGRAM_STATUS_MANAGER).force(),
+            &Patch::Apply(&kit::StatusPatch::new::<Program>(&desired)),
+        )
+        .await
+    {
+        ctx.set_unsure(&namespace, &name, true);
+        return Err(ProgramError::Status(err));
+    }
 
     let was_ready = conditions::get(&current.conditions, READY).map(|c| c.status == "True");
     for event in events(ctx, &namespace, &name, generation, &built, was_ready) {
@@ -869,5 +950,32 @@ mod tests {
         };
         let metadata = chain_metadata(&nothing_skipped).unwrap().unwrap();
         assert!(!metadata.contains_key(METADATA_SKIPPED));
+    }
+
+    fn stored(generation: i64, status: Option<ProgramStatus>) -> Program {
+        let mut p = Program::new("p", pko_api::program::ProgramSpec::default());
+        p.metadata.generation = Some(generation);
+        p.status = status;
+        p
+    }
+
+    #[test]
+    fn after_a_failed_write_the_apiservers_status_is_compared() {
+        let written = ProgramStatus {
+            observed_generation: Some(3),
+            artifact: Some(artifact("sha256:a", "u", "2025-01-01T00:00:00Z")),
+            ..ProgramStatus::default()
+        };
+        assert_eq!(
+            reread_status(3, Some(stored(3, Some(written.clone())))),
+            Reread::Compare(written)
+        );
+        assert_eq!(
+            reread_status(3, Some(stored(3, None))),
+            Reread::Compare(ProgramStatus::default())
+        );
+        assert_eq!(reread_status(3, None), Reread::Gone);
+        // Never an older generation's status written over a newer one.
+        assert_eq!(reread_status(3, Some(stored(4, None))), Reread::StoreBehind);
     }
 }
