@@ -16,6 +16,7 @@ use k8s_openapi::api::authorization::v1::{
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::api::PostParams;
+use pko_tests::command::run;
 use pko_tests::{ControlPlane, repo_root};
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -24,25 +25,11 @@ const NAMESPACE: &str = "pko-rs-system";
 const SERVICE_ACCOUNT: &str = "pko-rs-operator";
 const APPLY_MANAGER: &str = "pko-rs-deploy-test";
 
-fn run(mut cmd: Command, what: &str) -> String {
-    let out = cmd
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {what}: {e}"));
-    assert!(
-        out.status.success(),
-        "{what} failed ({}):\n{}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 /// `kubectl kustomize deploy`, parsed.
 fn render(plane: &ControlPlane) -> Vec<Value> {
     let mut cmd = plane.kubectl();
     cmd.arg("kustomize").arg(repo_root().join("deploy"));
-    let text = run(cmd, "kubectl kustomize deploy");
+    let text = run(&mut cmd, None, "kubectl kustomize deploy");
     yaml_serde::Deserializer::from_str(&text)
         .map(|doc| Value::deserialize(doc).expect("rendered YAML parses"))
         .filter(|v| !v.is_null())
@@ -321,7 +308,7 @@ fn apply_once(plane: &ControlPlane) {
         .arg(format!("--field-manager={APPLY_MANAGER}"))
         .arg("-k")
         .arg(repo_root().join("deploy"));
-    let out = run(cmd, "kubectl apply --server-side -k deploy/");
+    let out = run(&mut cmd, None, "kubectl apply --server-side -k deploy/");
     assert!(
         out.contains("deployment.apps/pko-rs-operator serverside-applied"),
         "{out}"
@@ -521,7 +508,7 @@ fn make_dry_run(target: &str, vars: &[String]) -> String {
         .env_remove("PKO_POLICY_BUNDLE")
         .env_remove("PKO_TOOLS_CACHE")
         .env_remove("PKO_AGENT_BINARY");
-    run(cmd, &format!("make -n {target}"))
+    run(&mut cmd, None, &format!("make -n {target}"))
 }
 
 #[test]

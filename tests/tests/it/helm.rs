@@ -4,10 +4,10 @@
 //! (server-side apply, dry run).
 
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::process::Command;
 
+use pko_tests::command::run;
 use pko_tests::{ControlPlane, repo_root, tool_dir};
 use serde::Deserialize;
 use serde_json::Value;
@@ -29,34 +29,6 @@ fn helm() -> Command {
     cmd
 }
 
-fn run(mut cmd: Command, stdin: Option<&str>, what: &str) -> String {
-    cmd.stdin(if stdin.is_some() {
-        Stdio::piped()
-    } else {
-        Stdio::null()
-    })
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped());
-    let mut child = cmd
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot run {what}: {e}"));
-    if let (Some(text), Some(mut pipe)) = (stdin, child.stdin.take()) {
-        pipe.write_all(text.as_bytes())
-            .unwrap_or_else(|e| panic!("writing to {what}: {e}"));
-    }
-    let out = child
-        .wait_with_output()
-        .unwrap_or_else(|e| panic!("waiting for {what}: {e}"));
-    assert!(
-        out.status.success(),
-        "{what} failed ({}):\n{}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 /// `helm template` of the chart into `namespace` with `sets` (`key=value`), CRDs included.
 pub(crate) fn template(namespace: &str, sets: &[&str]) -> String {
     let mut cmd = helm();
@@ -68,7 +40,7 @@ pub(crate) fn template(namespace: &str, sets: &[&str]) -> String {
     for set in sets {
         cmd.args(["--set", set]);
     }
-    run(cmd, None, &format!("helm template {sets:?}"))
+    run(&mut cmd, None, &format!("helm template {sets:?}"))
 }
 
 pub(crate) fn parse(text: &str) -> Vec<Value> {
@@ -81,7 +53,7 @@ pub(crate) fn parse(text: &str) -> Vec<Value> {
 fn kustomize(plane: &ControlPlane, dir: &str) -> Vec<Value> {
     let mut cmd = plane.kubectl();
     cmd.arg("kustomize").arg(repo_root().join(dir));
-    parse(&run(cmd, None, &format!("kubectl kustomize {dir}")))
+    parse(&run(&mut cmd, None, &format!("kubectl kustomize {dir}")))
 }
 
 /// 1.0 and 1 are one number to the apiserver; YAML parsers keep them apart.
@@ -171,7 +143,7 @@ fn helm_lint_passes_for_each_scope() {
         for set in sets {
             cmd.args(["--set", set]);
         }
-        let out = run(cmd, None, &format!("helm lint --strict {sets:?}"));
+        let out = run(&mut cmd, None, &format!("helm lint --strict {sets:?}"));
         assert!(out.contains("0 chart(s) failed"), "{out}");
     }
 }
@@ -285,7 +257,7 @@ fn dry_run(plane: &ControlPlane, text: &str, what: &str) -> String {
         "-f",
         "-",
     ]);
-    run(cmd, Some(text), what)
+    run(&mut cmd, Some(text), what)
 }
 
 #[tokio::test]

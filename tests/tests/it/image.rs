@@ -16,6 +16,7 @@ use std::time::Duration;
 
 use base64::Engine;
 use kube::config::Kubeconfig;
+use pko_tests::command::run;
 use pko_tests::{ControlPlane, repo_root, spawn_guarded};
 use serde_json::{Value, json};
 
@@ -35,20 +36,6 @@ fn image_dir() -> PathBuf {
         Some(dir) => PathBuf::from(dir),
         None => PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/pko-rs/images"),
     }
-}
-
-fn run(cmd: &mut Command, what: &str) -> String {
-    let out = cmd
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {what}: {e}"));
-    assert!(
-        out.status.success(),
-        "{what} failed ({}):\n{}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// An image unpacked into a runtime bundle (`config.json` + `rootfs/`), removed on drop.
@@ -79,6 +66,7 @@ impl Bundle {
                 .arg("--image")
                 .arg(format!("{}:{TAG}", layout.display()))
                 .arg(&bundle),
+            None,
             &format!("umoci unpack {name}"),
         );
         let text = std::fs::read_to_string(bundle.join("config.json")).expect("config.json");
@@ -201,8 +189,8 @@ fn run_to_end(bundle: &Bundle) -> String {
             .arg("run")
             .arg("--bundle")
             .arg(bundle.path())
-            .arg(&container.id)
-            .stdin(Stdio::null()),
+            .arg(&container.id),
+        None,
         &format!("{} run {}", runtime(), bundle.args.join(" ")),
     )
 }
@@ -471,6 +459,7 @@ async fn operator_image_gets_ready_read_only_as_nonroot() {
     // The process that answered is the container's: the image's user, a read-only root.
     let state: Value = serde_json::from_str(&run(
         Command::new(runtime()).args(["state", &container.id]),
+        None,
         "runc state",
     ))
     .expect("runc state json");
