@@ -110,6 +110,22 @@ async fn transform_ready(
     }
 }
 
+/// Creates transform `name` with `spec`, then waits for it to be refused (`Ready=False`):
+/// (reason, message, status).
+async fn create_refused(
+    api: &Api<ProgramTransform>,
+    op: &Operator,
+    name: &str,
+    spec: Value,
+) -> (String, String, TransformStatus) {
+    api.create(&PostParams::default(), &transform(name, spec))
+        .await
+        .expect("transform");
+    let (_, reason, message, status) =
+        transform_ready(api, op, name, "refused", |s, _, _| s == "False").await;
+    (reason, message, status)
+}
+
 /// The `fetched` tag the bucket of `name` carries in the artifact served at `generation`.
 async fn fetched_tag(
     op: &Operator,
@@ -201,27 +217,19 @@ async fn signed_oci_modules_load_and_unsigned_wrongly_signed_or_tampered_ones_ar
 
     // Unsigned.
     let (naming_digest, naming_sha) = push(&registry, "naming_policy", &repo("naming"));
-    transforms
-        .create(
-            &PostParams::default(),
-            &transform(
-                "unsigned",
-                oci_spec(
-                    &repo("naming"),
-                    &naming_digest,
-                    &naming_sha,
-                    "x",
-                    nothing(trusted_inline.clone()),
-                ),
-            ),
-        )
-        .await
-        .expect("transform");
-    let (_, reason, message, status) =
-        transform_ready(&transforms, &op, "unsigned", "refused", |s, _, _| {
-            s == "False"
-        })
-        .await;
+    let (reason, message, status) = create_refused(
+        &transforms,
+        &op,
+        "unsigned",
+        oci_spec(
+            &repo("naming"),
+            &naming_digest,
+            &naming_sha,
+            "x",
+            nothing(trusted_inline.clone()),
+        ),
+    )
+    .await;
     assert_eq!(reason, "Signature", "{message}");
     assert!(message.contains("no signature manifest"), "{message}");
     assert_eq!(status.digest, None);
@@ -229,27 +237,19 @@ async fn signed_oci_modules_load_and_unsigned_wrongly_signed_or_tampered_ones_ar
     // Signed, but by a key the transform does not trust.
     let (allow_digest, allow_sha) = push(&registry, "resource_allowlist", &repo("allow"));
     other.sign(&repo("allow"), &allow_digest).expect("sign");
-    transforms
-        .create(
-            &PostParams::default(),
-            &transform(
-                "wrong-key",
-                oci_spec(
-                    &repo("allow"),
-                    &allow_digest,
-                    &allow_sha,
-                    "x",
-                    nothing(trusted_inline.clone()),
-                ),
-            ),
-        )
-        .await
-        .expect("transform");
-    let (_, reason, message, _) =
-        transform_ready(&transforms, &op, "wrong-key", "refused", |s, _, _| {
-            s == "False"
-        })
-        .await;
+    let (reason, message, _) = create_refused(
+        &transforms,
+        &op,
+        "wrong-key",
+        oci_spec(
+            &repo("allow"),
+            &allow_digest,
+            &allow_sha,
+            "x",
+            nothing(trusted_inline.clone()),
+        ),
+    )
+    .await;
     assert_eq!(reason, "Signature", "{message}");
     assert!(
         message.contains("verifies with the 1 trusted key"),
@@ -314,27 +314,19 @@ async fn signed_oci_modules_load_and_unsigned_wrongly_signed_or_tampered_ones_ar
         )
         .await
         .expect("forged signature");
-    transforms
-        .create(
-            &PostParams::default(),
-            &transform(
-                "tampered",
-                oci_spec(
-                    &repo("naming"),
-                    &naming_digest,
-                    &naming_sha,
-                    "x",
-                    nothing(trusted_inline),
-                ),
-            ),
-        )
-        .await
-        .expect("transform");
-    let (_, reason, message, _) =
-        transform_ready(&transforms, &op, "tampered", "refused", |s, _, _| {
-            s == "False"
-        })
-        .await;
+    let (reason, message, _) = create_refused(
+        &transforms,
+        &op,
+        "tampered",
+        oci_spec(
+            &repo("naming"),
+            &naming_digest,
+            &naming_sha,
+            "x",
+            nothing(trusted_inline),
+        ),
+    )
+    .await;
     assert_eq!(reason, "Signature", "{message}");
     assert!(
         message.contains("verifies with the 1 trusted key"),
