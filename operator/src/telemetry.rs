@@ -39,7 +39,29 @@ pub fn init(format: LogFormat, filter: &str) -> Result<(), TelemetryError> {
         .with_writer(std::io::stderr);
     let result = match format {
         LogFormat::Text => builder.try_init(),
-        LogFormat::Json => builder.json().flatten_event(true).try_init(),
+        LogFormat::Json => builder.json().flatten_event(true).try_init().inspect(|()| {
+            // The default hook prints plain text, the one line a JSON log pipeline cannot parse.
+            std::panic::set_hook(Box::new(log_panic));
+        }),
     };
     result.map_err(|err| TelemetryError::Install(err.to_string()))
+}
+
+/// A panic as one ERROR event (with the backtrace when `RUST_BACKTRACE` asks for it).
+fn log_panic(info: &std::panic::PanicHookInfo<'_>) {
+    let payload = info
+        .payload_as_str()
+        .unwrap_or("(a payload that is not a string)");
+    let location = info
+        .location()
+        .map(|l| format!("{}:{}:{}", l.file(), l.line(), l.column()))
+        .unwrap_or_default();
+    let current = std::thread::current();
+    let thread = current.name().unwrap_or("unnamed");
+    let backtrace = std::backtrace::Backtrace::capture();
+    if backtrace.status() == std::backtrace::BacktraceStatus::Captured {
+        tracing::error!(target: "panic", thread, location, %backtrace, "panicked: {payload}");
+    } else {
+        tracing::error!(target: "panic", thread, location, "panicked: {payload}");
+    }
 }
