@@ -38,6 +38,13 @@ async fn json_logs_are_one_object_per_line_from_start_to_shutdown() {
     })
     .await
     .unwrap_or_else(|e| panic!("{e}; log:\n{}", op.log_text()));
+    // The line follows the status write, which the test can see before the operator has its
+    // answer: wait for it rather than stop the operator between the two.
+    wait_for("the artifact ready line", WAIT, || async {
+        op.log_text().contains("artifact ready").then_some(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}; log:\n{}", op.log_text()));
     let exit = op.terminate(Duration::from_secs(30));
     assert!(
         exit.is_some_and(|s| s.success()),
