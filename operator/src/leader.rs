@@ -8,8 +8,9 @@
 //! Safety over availability: any error while talking to the apiserver about the lease makes
 //! this replica step down at once (controllers stop) and start over; if it still holds the lease
 //! it is leader again on the next attempt. Every request of the lease client is bounded (not its
-//! idle connections) so a hung request cannot keep a stale leader running. On shutdown the lease is released after the
-//! controllers have drained, so the next leader starts without waiting for it to expire.
+//! idle connections) so a hung request cannot keep a stale leader running. On shutdown the
+//! lease is released after the controllers have drained, so the next leader starts without
+//! waiting for it to expire.
 
 use std::future::Future;
 use std::sync::Arc;

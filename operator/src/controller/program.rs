@@ -56,9 +56,6 @@ const TRANSIENT_REQUEUE: Duration = Duration::from_secs(30);
 /// listed them): there is nothing true to report meanwhile, and they usually arrive in seconds.
 const TRANSFORMS_UNKNOWN_REQUEUE: Duration = Duration::from_secs(5);
 
-/// Delay before looking again at a Program the store has an older generation of.
-const STORE_BEHIND_REQUEUE: Duration = Duration::from_secs(1);
-
 /// What to compare the desired status with after a failed write, given the Program as the
 /// apiserver holds it now.
 #[derive(Debug, PartialEq)]
@@ -87,7 +84,7 @@ pub enum ProgramError {
     NoNamespace,
     #[error("cannot write program status: {0}")]
     Status(#[source] kube::Error),
-    #[error("cannot read the program after a failed status write: {0}")]
+    #[error("cannot read the program after a failed reconcile: {0}")]
     Reread(#[source] kube::Error),
     #[error("cannot encode the transforms of the artifact metadata: {0}")]
     Encode(#[source] serde_json::Error),
@@ -139,9 +136,6 @@ pub struct ProgramContext {
     pub keys: KeyRing,
     /// Failed reconciles per Program.
     pub backoff: Backoff,
-    /// Programs whose last status write failed: the apiserver may have applied it all the same
-    /// (its answer lost, as in an apiserver restart) while the watch has not shown it yet.
-    unsure: std::sync::Mutex<std::collections::HashSet<(String, String)>>,
 }
 
 impl ProgramContext {
@@ -159,29 +153,7 @@ impl ProgramContext {
             metrics: kit.metrics.clone(),
             keys,
             backoff: Backoff::default(),
-            unsure: std::sync::Mutex::default(),
         }
-    }
-
-    /// Marks (or clears) a Program whose status may differ from what the store holds.
-    fn set_unsure(&self, namespace: &str, name: &str, unsure: bool) {
-        let mut set = self
-            .unsure
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let key = (namespace.to_owned(), name.to_owned());
-        if unsure {
-            set.insert(key);
-        } else {
-            set.remove(&key);
-        }
-    }
-
-    fn is_unsure(&self, namespace: &str, name: &str) -> bool {
-        self.unsure
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .contains(&(namespace.to_owned(), name.to_owned()))
     }
 
     /// The capability URL of one artifact (see [`crate::capability`]).
@@ -332,9 +304,11 @@ async fn reconcile_inner(
     let none = ProgramStatus::default();
     let api = Api::<Program>::namespaced(ctx.client.clone(), &namespace);
     let reread;
-    let current = if ctx.is_unsure(&namespace, &name) {
-        // Compared with the store, a write that did land would be made again, with a new
-        // lastUpdateTime: compare with what the apiserver holds instead.
+    let current = if ctx.backoff.failing(&backoff::key(&program.metadata)) {
+        // The last reconcile failed, maybe in a status write that landed all the same (its
+        // answer lost, as in an apiserver restart) and that the watch has not shown yet.
+        // Compared with the store it would be made again, with a new lastUpdateTime: compare
+        // with what the apiserver holds instead.
         let fresh = match api.get_status(&name).await {
             Ok(fresh) => Some(fresh),
             Err(kube::Error::Api(status)) if status.code == 404 => None,
@@ -342,16 +316,12 @@ async fn reconcile_inner(
         };
         match reread_status(generation, fresh) {
             Reread::Compare(status) => {
-                ctx.set_unsure(&namespace, &name, false);
                 reread = status;
                 &reread
             }
-            Reread::Gone => {
-                ctx.set_unsure(&namespace, &name, false);
-                return Ok(None);
-            }
-            // The store lags behind a newer generation: its event brings the next reconcile.
-            Reread::StoreBehind => return Ok(Some(STORE_BEHIND_REQUEUE)),
+            // Deleted, or the store lags behind a newer generation whose event brings the next
+            // reconcile.
+            Reread::Gone | Reread::StoreBehind => return Ok(None),
         }
     } else {
         program.status.as_ref().unwrap_or(&none)
@@ -379,17 +349,13 @@ async fn reconcile_inner(
 
     // Server-side apply, by measurement: the same client's N bare status patches take about
     // 12% longer as JSON merge patches on this apiserver (docs/benchmarks.md).
-    if let Err(err) = api
-        .patch_status(
-            &name,
-            &PatchParams::apply(PROGRAM_STATUS_MANAGER).force(),
-            &Patch::Apply(&kit::StatusPatch::new::<Program>(&desired)),
-        )
-        .await
-    {
-        ctx.set_unsure(&namespace, &name, true);
-        return Err(ProgramError::Status(err));
-    }
+    api.patch_status(
+        &name,
+        &PatchParams::apply(PROGRAM_STATUS_MANAGER).force(),
+        &Patch::Apply(&kit::StatusPatch::new::<Program>(&desired)),
+    )
+    .await
+    .map_err(ProgramError::Status)?;
 
     let was_ready = conditions::get(&current.conditions, READY).map(|c| c.status == "True");
     for event in events(ctx, &namespace, &name, generation, &built, was_ready) {
