@@ -222,11 +222,6 @@ impl Backoff {
         }
     }
 
-    /// Whether the last reconcile of `key` failed (none has succeeded since).
-    pub fn failing(&self, key: &str) -> bool {
-        self.lock().entries.contains_key(key)
-    }
-
     /// A successful reconcile: the next failure of `key` is a first one again.
     pub fn success(&self, key: &str) {
         self.lock().entries.remove(key);
@@ -300,9 +295,7 @@ mod tests {
         assert_eq!(attempts("b", Some(1)), 1);
         assert_eq!(attempts("a", Some(1)), 3);
         assert_eq!(attempts("a", Some(2)), 1, "a new generation starts again");
-        assert!(b.failing("a") && !b.failing("c"));
         b.success("a");
-        assert!(!b.failing("a"));
         assert_eq!(attempts("a", Some(2)), 1, "a success starts again");
         assert_eq!(attempts("b", Some(1)), 2);
     }
