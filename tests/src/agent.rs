@@ -305,14 +305,43 @@ impl Drop for AgentProcess {
     }
 }
 
-/// A free TCP port on loopback.
+/// A loopback port nothing listens on, below the kernel's ephemeral range. A port from that
+/// range (what binding port 0 gives) can be taken as the source port of any outgoing
+/// connection between this probe and the server binding it, and tests that open hundreds of
+/// connections lose that race now and then (the server then exits: address in use). Ports
+/// come from a per-process sequence starting at a random offset, so two picks of one test
+/// process never repeat, and each is checked free by binding it.
 pub fn free_port() -> Result<u16, HarnessError> {
-    let listener =
-        TcpListener::bind("127.0.0.1:0").map_err(|e| HarnessError::io("finding a free port", e))?;
-    listener
-        .local_addr()
-        .map(|a| a.port())
-        .map_err(|e| HarnessError::io("finding a free port", e))
+    use std::sync::OnceLock;
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const LOW: u32 = 10_000;
+    static NEXT: OnceLock<AtomicU32> = OnceLock::new();
+    let high = ephemeral_low().clamp(LOW + 1_000, u32::from(u16::MAX));
+    let span = high - LOW;
+    let next = NEXT.get_or_init(|| AtomicU32::new(rand::random_range(0..span)));
+    let mut last = None;
+    for _ in 0..span {
+        let offset = next.fetch_add(1, Ordering::Relaxed) % span;
+        let Ok(port) = u16::try_from(LOW + offset) else {
+            continue;
+        };
+        match TcpListener::bind(("127.0.0.1", port)) {
+            Ok(_) => return Ok(port),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(HarnessError::io(
+        "finding a free loopback port below the ephemeral range",
+        last.unwrap_or_else(|| std::io::Error::other("no port left")),
+    ))
+}
+
+/// The first port of the kernel's ephemeral range (Linux's default when unreadable).
+fn ephemeral_low() -> u32 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|text| text.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32_768)
 }
 
 /// Serves fixed bodies over HTTP/1.1 on loopback (GET only; 404 otherwise). Stops on drop.

@@ -2,7 +2,6 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{LazyLock, Mutex, MutexGuard, Once, OnceLock, PoisonError};
@@ -752,18 +751,11 @@ fn is_port_clash(e: &HarnessError) -> bool {
     }
 }
 
-/// Free loopback ports, all held at once while probing so the three differ.
+/// Free loopback ports, all different (see [`crate::agent::free_port`]).
 fn free_ports<const N: usize>() -> Result<[u16; N], HarnessError> {
-    let mut listeners = Vec::with_capacity(N);
     let mut ports = [0u16; N];
     for port in &mut ports {
-        let listener = TcpListener::bind(("127.0.0.1", 0))
-            .map_err(|e| HarnessError::io("binding a free port on 127.0.0.1", e))?;
-        *port = listener
-            .local_addr()
-            .map_err(|e| HarnessError::io("reading a bound port", e))?
-            .port();
-        listeners.push(listener);
+        *port = crate::agent::free_port()?;
     }
     Ok(ports)
 }

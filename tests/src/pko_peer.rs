@@ -3,7 +3,6 @@
 //! plane, plus what the benchmark reads from their processes: CPU time, readiness, and a bare
 //! HTTP server answering fixed bytes (the machine's limit for the file-server load).
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
@@ -327,15 +326,7 @@ pub fn plane_pid(plane: &ControlPlane, name: &str) -> Option<u32> {
         .ok()
 }
 
-/// A free loopback port (bound, then released).
-pub fn free_port() -> Result<u16, HarnessError> {
-    let listener = TcpListener::bind("127.0.0.1:0")
-        .map_err(|e| HarnessError::io("binding a free loopback port", e))?;
-    listener
-        .local_addr()
-        .map(|a| a.port())
-        .map_err(|e| HarnessError::io("reading a bound port", e))
-}
+pub use crate::agent::free_port;
 
 /// A minimal HTTP/1.1 keep-alive server: every request (headers only, as GETs send) gets
 /// the same `200` with `body`. What the machine can serve at most, next to the file servers.

@@ -6,7 +6,6 @@
 //! each other's webhooks, and each test's webhook points at its own operator.
 
 use std::collections::BTreeMap;
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -284,12 +283,4 @@ pub async fn set_namespace_labels(
     Ok(())
 }
 
-/// A free loopback port for a webhook.
-pub fn free_port() -> Result<u16, HarnessError> {
-    let listener = TcpListener::bind("127.0.0.1:0")
-        .map_err(|e| HarnessError::io("finding a free port for the webhook", e))?;
-    listener
-        .local_addr()
-        .map(|a| a.port())
-        .map_err(|e| HarnessError::io("finding a free port for the webhook", e))
-}
+pub use crate::agent::free_port;
