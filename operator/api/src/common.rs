@@ -33,7 +33,8 @@ macro_rules! custom_resource {
         #[derive(Clone, Debug, PartialEq, ::serde::Deserialize)]
         #[serde(rename_all = "camelCase")]
         pub struct $root {
-            /// Standard object metadata.
+            /// Standard object metadata (read without `managedFields`: see [`crate::decode`]).
+            #[serde(deserialize_with = "crate::decode::object_meta")]
             pub metadata: ::k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
             $(#[$spec_meta])*
             pub $spec_field: $spec,

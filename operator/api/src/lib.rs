@@ -14,6 +14,7 @@
 pub mod common;
 mod crd;
 pub mod crdgen;
+pub mod decode;
 pub mod duration;
 pub mod program;
 pub mod schema;

@@ -464,7 +464,11 @@ pub struct StackStatus {
     pub observed_reconcile_request: Option<String>,
     /// Outputs contains the exported stack output variables resulting from a deployment
     /// (secret outputs are shown as `[secret]`).
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[serde(
+        default,
+        skip_serializing_if = "BTreeMap::is_empty",
+        deserialize_with = "crate::decode::tolerant_values"
+    )]
     pub outputs: BTreeMap<String, Value>,
     /// LastUpdate contains details of the status of the last update.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -581,7 +585,11 @@ pub mod v1alpha1 {
     #[serde(rename_all = "camelCase")]
     pub struct StackStatus {
         /// Outputs contains the exported stack output variables resulting from a deployment.
-        #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+        #[serde(
+            default,
+            skip_serializing_if = "BTreeMap::is_empty",
+            deserialize_with = "crate::decode::tolerant_values"
+        )]
         pub outputs: BTreeMap<String, Value>,
         /// LastUpdate contains details of the status of the last update.
         #[serde(default, skip_serializing_if = "Option::is_none")]
