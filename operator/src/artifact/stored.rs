@@ -27,7 +27,10 @@ pub enum StoredError {
 /// A Program, with its spec kept as JSON text (see the module docs).
 #[derive(Clone, Debug, Deserialize)]
 pub struct StoredProgram {
-    #[serde(default)]
+    /// Without `managedFields`: the apiserver mirrors the spec's nesting there, which would put
+    /// a deep Program past serde_json's depth limit and fail the whole list
+    /// (`pko_api::decode`).
+    #[serde(default, deserialize_with = "pko_api::decode::object_meta")]
     pub metadata: ObjectMeta,
     /// The value under `program:`, exactly as received (absent: the empty spec).
     #[serde(default)]
@@ -141,6 +144,37 @@ mod tests {
         let stored: StoredProgram = serde_json::from_str(&bad.to_string()).unwrap();
         let err = stored.spec().unwrap_err();
         assert!(err.to_string().contains("Program schema"), "{err}");
+    }
+
+    #[test]
+    fn a_list_with_a_program_nested_past_serde_jsons_limit_decodes() {
+        // What the apiserver sends for a Program 120 deep: managedFields mirror the spec one
+        // level deeper (`f:program` then `f:a` ...).
+        let depth = 120;
+        let spec = format!("{}1{}", r#"{"a":"#.repeat(depth), "}".repeat(depth));
+        let fields = format!(
+            "{}{{}}{}",
+            r#"{"f:a":"#.repeat(depth + 1),
+            "}".repeat(depth + 1)
+        );
+        let item = format!(
+            r#"{{"apiVersion":"pulumi.com/v1","kind":"Program","metadata":{{"name":"deep",
+            "namespace":"ns","uid":"u","resourceVersion":"7","generation":1,"managedFields":[
+            {{"manager":"kubectl","operation":"Apply","fieldsType":"FieldsV1","fieldsV1":{fields}}}]}},
+            "program":{{"variables":{spec}}}}}"#
+        );
+        let list = format!(
+            r#"{{"apiVersion":"v1","kind":"ProgramList","metadata":{{}},"items":[{item}]}}"#
+        );
+        assert!(
+            serde_json::from_str::<serde_json::Value>(&list).is_err(),
+            "not past the limit"
+        );
+        let list: kube::core::ObjectList<StoredProgram> = serde_json::from_str(&list).unwrap();
+        assert_eq!(list.items[0].metadata.name.as_deref(), Some("deep"));
+        let event = format!(r#"{{"type":"MODIFIED","object":{item}}}"#);
+        let event: WatchEvent<StoredProgram> = serde_json::from_str(&event).unwrap();
+        assert!(matches!(event, WatchEvent::Modified(_)));
     }
 
     #[test]
