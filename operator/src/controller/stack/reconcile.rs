@@ -12,6 +12,7 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
 use kube::{Client, Resource, ResourceExt};
+use pko_api::decode::MAX_DOCUMENT_DEPTH;
 use pko_api::stack::{CurrentStackUpdate, Stack, StackStatus, WorkspaceReclaimPolicy};
 use pko_api::update::{Update, UpdateStatus, UpdateType};
 use pko_api::workspace::Workspace;
@@ -569,7 +570,8 @@ async fn set_finalizer(ctx: &StackContext, stack: &Stack, present: bool) -> Resu
     Ok(())
 }
 
-/// Outputs of a succeeded Update: raw JSON values, secrets as `"[secret]"` (PKO's rule).
+/// Outputs of a succeeded Update: raw JSON values, secrets as `"[secret]"` (PKO's rule), a
+/// value nested deeper than [`MAX_DOCUMENT_DEPTH`] as its JSON text.
 async fn read_outputs(
     client: &Client,
     namespace: &str,
@@ -592,6 +594,10 @@ async fn read_outputs(
             .map(|(k, v)| {
                 let value = if secret_keys.contains(&k) {
                     Value::String("[secret]".into())
+                } else if pko_api::decode::json_depth(&v.0) > MAX_DOCUMENT_DEPTH {
+                    // Kept as its JSON text: written as a tree, the Stack would be past the
+                    // depth any client (this one included) can read back.
+                    Value::String(String::from_utf8_lossy(&v.0).into_owned())
                 } else {
                     serde_json::from_slice(&v.0).unwrap_or(Value::Null)
                 };
