@@ -18,6 +18,14 @@ pub enum WebhookError {
     /// A body with more JSON values than allowed (answered with HTTP 413).
     #[error("the body holds more than {max} JSON values")]
     TooManyValues { max: usize },
+    /// A review nested deeper than allowed: answered with a denial of its request, which is
+    /// read without building the tree (serde_json skips what it ignores without recursion).
+    #[error("it is nested {depth} levels deep; pko-rs allows at most {max} (see docs/policies.md)")]
+    TooDeep {
+        request: Box<crate::review::RequestHead>,
+        depth: usize,
+        max: usize,
+    },
 }
 
 impl WebhookError {
@@ -26,7 +34,9 @@ impl WebhookError {
             WebhookError::Engine(e) => e.kind(),
             WebhookError::Tenancy(_) => "tenancy",
             WebhookError::Output { .. } => "output",
-            WebhookError::InvalidReview(_) | WebhookError::TooManyValues { .. } => "invalid",
+            WebhookError::InvalidReview(_)
+            | WebhookError::TooManyValues { .. }
+            | WebhookError::TooDeep { .. } => "invalid",
         }
     }
 }

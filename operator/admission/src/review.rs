@@ -68,6 +68,10 @@ pub fn parse_review_bounded(body: &[u8], max_values: usize) -> Result<Review, We
     if json_values_upper_bound(body) > max_values {
         return Err(WebhookError::TooManyValues { max: max_values });
     }
+    let depth = pko_api::decode::json_depth(body);
+    if depth > MAX_REVIEW_DEPTH {
+        return Err(too_deep(body, depth));
+    }
     let mut input: Value = serde_json::from_slice(body)
         .map_err(|e| WebhookError::InvalidReview(format!("the body is not JSON: {e}")))?;
     let api_version = input.get("apiVersion").and_then(Value::as_str);
@@ -94,12 +98,61 @@ pub fn parse_review_bounded(body: &[u8], max_values: usize) -> Result<Review, We
             "the AdmissionReview request has no uid".into(),
         ));
     }
+    if let Some(depth) = deepest_document(&input)
+        && depth > pko_api::decode::MAX_DOCUMENT_DEPTH
+    {
+        return Err(WebhookError::TooDeep {
+            request: Box::new(request),
+            depth,
+            max: pko_api::decode::MAX_DOCUMENT_DEPTH,
+        });
+    }
     // The policies judge fetched URLs by what the fetcher will parse, never by their spelling.
     crate::urls::annotate(&mut input);
     Ok(Review {
         input: Arc::new(input),
         request,
     })
+}
+
+/// The deepest review the webhook reads: a tenant's document may nest
+/// [`pko_api::decode::MAX_DOCUMENT_DEPTH`] levels, under the review's own levels
+/// (`request.object.program`) and the apiserver's `managedFields` mirror of it (a few more).
+/// Far below serde_json's 128, so a deeper review is denied, never a parse failure.
+pub(crate) const MAX_REVIEW_DEPTH: usize = pko_api::decode::MAX_DOCUMENT_DEPTH + 16;
+
+/// The error for a review nested `depth` deep: its request head, read without building the
+/// tree, so the answer can name the request it denies.
+fn too_deep(body: &[u8], depth: usize) -> WebhookError {
+    #[derive(Deserialize)]
+    struct Envelope {
+        request: Option<RequestHead>,
+    }
+    match serde_json::from_slice::<Envelope>(body) {
+        Ok(Envelope {
+            request: Some(request),
+        }) if !request.uid.is_empty() => WebhookError::TooDeep {
+            request: Box::new(request),
+            depth,
+            max: MAX_REVIEW_DEPTH,
+        },
+        Ok(_) => WebhookError::InvalidReview("the AdmissionReview has no request uid".into()),
+        Err(e) => WebhookError::InvalidReview(format!("malformed AdmissionReview: {e}")),
+    }
+}
+
+/// The depth of the deepest free-form document a tenant wrote in the reviewed object: a
+/// Program's `program`, a Stack's `spec.config` (each value).
+fn deepest_document(review: &Value) -> Option<usize> {
+    let object = review.get("request")?.get("object")?;
+    let program = object.get("program").map(pko_api::decode::value_depth);
+    let config = object
+        .get("spec")
+        .and_then(|s| s.get("config"))
+        .map(pko_api::decode::value_depth)
+        // The values sit one level inside the `config` map.
+        .map(|d| d.saturating_sub(1));
+    program.max(config)
 }
 
 /// An upper bound on the JSON values (and keys) in `body`, from one pass over its bytes:
@@ -123,4 +176,58 @@ pub fn json_values_upper_bound(body: &[u8]) -> usize {
         }
     }
     count
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn review(object: &str) -> String {
+        format!(
+            r#"{{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview","request":{{
+            "uid":"u1","kind":{{"group":"pulumi.com","version":"v1","kind":"Program"}},
+            "name":"p","namespace":"team-a","operation":"CREATE","object":{object}}}}}"#
+        )
+    }
+
+    fn program(depth: usize) -> String {
+        let nested = format!("{}1{}", r#"{"a":"#.repeat(depth), "}".repeat(depth));
+        format!(r#"{{"metadata":{{"name":"p"}},"program":{{"variables":{nested}}}}}"#)
+    }
+
+    #[test]
+    fn a_review_past_serde_jsons_limit_is_a_denial_of_its_request() {
+        let Err(WebhookError::TooDeep {
+            request,
+            depth,
+            max,
+        }) = parse_review(review(&program(10_000)).as_bytes())
+        else {
+            panic!("not refused as too deep")
+        };
+        assert_eq!((request.uid.as_str(), request.name.as_str()), ("u1", "p"));
+        assert!(depth > 10_000 && max == MAX_REVIEW_DEPTH, "{depth} {max}");
+    }
+
+    #[test]
+    fn a_document_past_the_bound_is_refused_and_one_at_it_is_read() {
+        // `program` holds `variables` holds the nesting: 2 levels more than `depth`.
+        let at = pko_api::decode::MAX_DOCUMENT_DEPTH - 2;
+        assert!(parse_review(review(&program(at)).as_bytes()).is_ok());
+        let Err(err @ WebhookError::TooDeep { .. }) =
+            parse_review(review(&program(at + 1)).as_bytes())
+        else {
+            panic!("not refused as too deep")
+        };
+        assert!(err.to_string().contains("at most 64"), "{err}");
+        let stack = format!(
+            r#"{{"metadata":{{"name":"s"}},"spec":{{"config":{{"k":{}1{}}}}}}}"#,
+            "[".repeat(65),
+            "]".repeat(65)
+        );
+        assert!(matches!(
+            parse_review(review(&stack).as_bytes()),
+            Err(WebhookError::TooDeep { depth: 65, .. })
+        ));
+    }
 }

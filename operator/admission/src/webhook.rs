@@ -475,6 +475,9 @@ impl Admission {
             Err(WebhookError::TooManyValues { max }) => {
                 return self.refuse(webhook, Refusal::TooManyValues { max });
             }
+            Err(err @ WebhookError::TooDeep { .. }) => {
+                return axum::Json(self.too_deep(webhook, &err).into_review()).into_response();
+            }
             // The parse ran out of the slot's time (a loaded machine, a slow body): the
             // caller's review may be fine, so it is a refusal to retry, not a malformed body.
             Err(WebhookError::Engine(e)) => return self.refuse(webhook, Refusal::Engine(e)),
@@ -654,6 +657,21 @@ impl Admission {
         });
         response.allowed = false;
         response.result = status;
+        response
+    }
+
+    /// A denial of a review nested past [`crate::review::MAX_REVIEW_DEPTH`].
+    fn too_deep(&self, webhook: &str, err: &WebhookError) -> AdmissionResponse {
+        let WebhookError::TooDeep { request, .. } = err else {
+            return AdmissionResponse::invalid(err.to_string());
+        };
+        let object = object_name(request);
+        info!(webhook, object = %object, "denied: {err}");
+        self.metrics.decision(webhook, "denied");
+        let mut response = request.response();
+        response.allowed = false;
+        response.result =
+            Status::failure(&format!("pko-rs: {object}: {err}"), "Forbidden").with_code(403);
         response
     }
 
