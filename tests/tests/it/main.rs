@@ -24,6 +24,7 @@ mod crds;
 mod deploy;
 mod deploy_scope;
 mod deploy_webhook;
+mod depth;
 mod harness_smoke;
 mod helm;
 mod image;
