@@ -356,3 +356,51 @@ oci_name(reference) := name if {
 normalize_key(k) := replace(replace(replace(replace(k, "\r", ""), "\n", ""), " ", ""), "\t", "")
 
 normalize_digest(d) := lower(trim_prefix(d, "sha256:"))
+
+# A Stack's fluxSource reference becomes an apiserver request path in the operator: only
+# `group/version` (a DNS-subdomain group and a Kubernetes version), a Flux source kind that
+# carries status.artifact, and a DNS-1123 name. Anything else (a second `/`, `?`, `#`, `%`,
+# dot segments, Secrets, Programs) could read another namespace's objects.
+flux_source_kinds := {"GitRepository", "OCIRepository", "Bucket", "HelmChart", "HelmRepository", "ExternalArtifact"}
+
+_dns_subdomain := `^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$`
+
+_flux_ref := lib.object.spec.fluxSource.sourceRef if lib.is_stack
+
+_violations contains _v(
+	"invalid-flux-source-ref",
+	"spec.fluxSource.sourceRef.apiVersion",
+	"must be group/version (a DNS subdomain, then a version such as v1 or v1beta2)",
+) if {
+	not _flux_api_version_ok(object.get(_flux_ref, "apiVersion", null))
+}
+
+_violations contains _v(
+	"invalid-flux-source-ref",
+	"spec.fluxSource.sourceRef.kind",
+	concat("", ["must be one of ", concat(", ", sort(flux_source_kinds))]),
+) if {
+	not object.get(_flux_ref, "kind", null) in flux_source_kinds
+}
+
+_violations contains _v(
+	"invalid-flux-source-ref",
+	"spec.fluxSource.sourceRef.name",
+	"must be a DNS-1123 subdomain",
+) if {
+	not _dns_subdomain_ok(object.get(_flux_ref, "name", null))
+}
+
+_flux_api_version_ok(v) if {
+	is_string(v)
+	parts := split(v, "/")
+	count(parts) == 2
+	_dns_subdomain_ok(parts[0])
+	regex.match(`^v[1-9][0-9]*((alpha|beta)[1-9][0-9]*)?$`, parts[1])
+}
+
+_dns_subdomain_ok(s) if {
+	is_string(s)
+	count(s) <= 253
+	regex.match(_dns_subdomain, s)
+}

@@ -422,3 +422,40 @@ test_corpus_targets_are_what_the_rule_reads if {
 _target(e) := t if {
 	t := isolation.program_namespace(e.expect) with data.tenancy as file_server
 } else := null
+
+flux_stack(api_version, kind, name) := stack({"fluxSource": {"sourceRef": {"apiVersion": api_version, "kind": kind, "name": name}}})
+
+test_flux_source_refs_of_flux_kinds_pass if {
+	every k in isolation.flux_source_kinds {
+		count(found(flux_stack("source.toolkit.fluxcd.io/v1", k, "repo.v2"))) == 0
+	}
+	count(found(flux_stack("source.toolkit.fluxcd.io/v1beta2", "OCIRepository", "r"))) == 0
+}
+
+test_flux_source_refs_that_bend_the_request_path_denied if {
+	every av in [
+		"pulumi.com/v1/namespaces/team-b/programs/secret-prog?x=",
+		"source.toolkit.fluxcd.io/v1?watch=true",
+		"source.toolkit.fluxcd.io/v1#x",
+		"source.toolkit.fluxcd.io%2Fv1",
+		"source.toolkit.fluxcd.io/v1%3F",
+		"../v1",
+		"v1",
+		"source.toolkit.fluxcd.io/v01",
+	] {
+		found(flux_stack(av, "GitRepository", "r")) == {["invalid-flux-source-ref", "spec.fluxSource.sourceRef.apiVersion"]}
+	}
+	every n in ["../x", "x/y", "x?watch=true", "x%2Fy", "x#y", "", "Upper"] {
+		found(flux_stack("source.toolkit.fluxcd.io/v1", "GitRepository", n)) == {["invalid-flux-source-ref", "spec.fluxSource.sourceRef.name"]}
+	}
+}
+
+test_flux_source_refs_of_other_kinds_denied if {
+	every k in ["Secret", "Program", "ConfigMap", "Namespace", "gitrepository"] {
+		found(flux_stack("source.toolkit.fluxcd.io/v1", k, "r")) == {["invalid-flux-source-ref", "spec.fluxSource.sourceRef.kind"]}
+	}
+}
+
+test_stacks_without_flux_source_pass_the_flux_rule if {
+	not "invalid-flux-source-ref" in {c | some [c, _] in found(stack({"programRef": {"name": "p"}}))}
+}

@@ -327,13 +327,36 @@ pub struct FluxSource {
 #[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Default)]
 #[serde(rename_all = "camelCase")]
 pub struct FluxSourceReference {
-    /// API version of the source, e.g. `source.toolkit.fluxcd.io/v1`.
+    /// API version of the source, e.g. `source.toolkit.fluxcd.io/v1`: `group/version`, the
+    /// group a DNS subdomain. The operator builds a request path from it, so nothing else
+    /// (no second `/`, no `?`, `#` or `%`) is accepted.
+    #[schemars(
+        length(min = 3, max = 317),
+        regex(
+            pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/v[1-9][0-9]*((alpha|beta)[1-9][0-9]*)?$"
+        )
+    )]
     pub api_version: String,
-    /// Kind of the source, e.g. `GitRepository`.
+    /// Kind of the source: one of the Flux kinds that carry `status.artifact`.
+    #[schemars(extend("enum" = FLUX_SOURCE_KINDS))]
     pub kind: String,
-    /// Name of the source.
+    /// Name of the source (a DNS-1123 subdomain).
+    #[schemars(
+        length(min = 1, max = 253),
+        regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+    )]
     pub name: String,
 }
+
+/// The Flux kinds whose objects carry a `status.artifact` a Stack may deploy.
+pub const FLUX_SOURCE_KINDS: [&str; 6] = [
+    "GitRepository",
+    "OCIRepository",
+    "Bucket",
+    "HelmChart",
+    "HelmRepository",
+    "ExternalArtifact",
+];
 
 /// Reference to a Program in the Stack's namespace.
 #[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Default)]

@@ -15,7 +15,7 @@ use kube::Client;
 use kube::api::Api;
 use pko_api::common::{ResourceRef, ResourceSelectorType, SecretSelector};
 use pko_api::program::Program;
-use pko_api::stack::Stack;
+use pko_api::stack::{FLUX_SOURCE_KINDS, FluxSourceReference, Stack};
 use pko_api::workspace::{FluxSource, GitAuth, GitSource};
 
 use super::outcome::{Outcome, StackError, Stop};
@@ -81,14 +81,21 @@ async fn flux(client: &Client, stack: &Stack, namespace: &str) -> Result<Resolve
     let Some(source) = &stack.spec.flux_source else {
         return Err(problem("SpecInvalid", "no fluxSource".into(), None));
     };
-    let r = &source.source_ref;
-    let (group, version) = r
-        .api_version
-        .split_once('/')
-        .unwrap_or(("", r.api_version.as_str()));
+    // The reference becomes a request path: refuse anything but `group/version`, an allowed
+    // kind and a DNS-1123 name before any request (PKO's CRDs have no pattern).
+    let r = match FluxRef::parse(&source.source_ref) {
+        Ok(r) => r,
+        Err(reason) => {
+            return Err(problem(
+                "SpecInvalid",
+                format!("fluxSource.sourceRef: {reason}"),
+                None,
+            ));
+        }
+    };
     // kube's own pluralization (GitRepository → gitrepositories), as discovery would say.
     let resource = kube::api::ApiResource::from_gvk(&kube::api::GroupVersionKind::gvk(
-        group, version, &r.kind,
+        r.group, r.version, r.kind,
     ));
     let api: Api<kube::api::DynamicObject> =
         Api::namespaced_with(client.clone(), namespace, &resource);
@@ -99,7 +106,7 @@ async fn flux(client: &Client, stack: &Stack, namespace: &str) -> Result<Resolve
             Some(UNAVAILABLE_RETRY),
         ))
     };
-    let object = match api.get_opt(&r.name).await {
+    let object = match api.get_opt(r.name).await {
         Ok(Some(o)) => o,
         Ok(None) => return unavailable("could not resolve sourceRef".into()),
         Err(e) => return unavailable(format!("could not resolve sourceRef: {e}")),
@@ -123,6 +130,83 @@ async fn flux(client: &Client, stack: &Stack, namespace: &str) -> Result<Resolve
         commit: digest,
         poll: Some(Duration::from_secs(60)),
     })
+}
+
+/// A Flux source reference whose parts are safe to put in a request path.
+#[derive(Debug, PartialEq)]
+struct FluxRef<'a> {
+    group: &'a str,
+    version: &'a str,
+    kind: &'a str,
+    name: &'a str,
+}
+
+impl<'a> FluxRef<'a> {
+    fn parse(r: &'a FluxSourceReference) -> Result<Self, String> {
+        let Some((group, version)) = r.api_version.split_once('/') else {
+            return Err(format!(
+                "apiVersion {:?} is not group/version",
+                r.api_version
+            ));
+        };
+        if !is_dns_subdomain(group) || !is_api_version(version) {
+            return Err(format!(
+                "apiVersion {:?} is not group/version (a DNS subdomain, then a version such as v1 or v1beta2)",
+                r.api_version
+            ));
+        }
+        let Some(kind) = FLUX_SOURCE_KINDS.iter().find(|k| **k == r.kind) else {
+            return Err(format!(
+                "kind {:?} is not one of {}",
+                r.kind,
+                FLUX_SOURCE_KINDS.join(", ")
+            ));
+        };
+        if !is_dns_subdomain(&r.name) {
+            return Err(format!("name {:?} is not a DNS-1123 subdomain", r.name));
+        }
+        Ok(Self {
+            group,
+            version,
+            kind,
+            name: &r.name,
+        })
+    }
+}
+
+/// A DNS-1123 subdomain: what the apiserver accepts as an object name or API group.
+pub(crate) fn is_dns_subdomain(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 253
+        && s.split('.').all(|label| {
+            let b = label.as_bytes();
+            !b.is_empty()
+                && b.iter()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+                && b[0] != b'-'
+                && b[b.len() - 1] != b'-'
+        })
+}
+
+/// `v1`, `v2beta3`, `v1alpha1`: Kubernetes' version spelling.
+fn is_api_version(s: &str) -> bool {
+    let Some(rest) = s.strip_prefix('v') else {
+        return false;
+    };
+    let digits =
+        |t: &str| !t.is_empty() && !t.starts_with('0') && t.bytes().all(|c| c.is_ascii_digit());
+    let end = rest
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(rest.len());
+    let (major, tail) = rest.split_at(end);
+    if !digits(major) {
+        return false;
+    }
+    tail.is_empty()
+        || tail
+            .strip_prefix("alpha")
+            .or_else(|| tail.strip_prefix("beta"))
+            .is_some_and(digits)
 }
 
 async fn program(client: &Client, stack: &Stack, namespace: &str) -> Result<Resolved, Stop> {
@@ -408,6 +492,74 @@ mod tests {
     use serde_json::{Value, json};
 
     use super::*;
+
+    fn flux_ref(api_version: &str, kind: &str, name: &str) -> FluxSourceReference {
+        FluxSourceReference {
+            api_version: api_version.into(),
+            kind: kind.into(),
+            name: name.into(),
+        }
+    }
+
+    #[test]
+    fn flux_references_that_would_bend_the_request_path_are_refused() {
+        let good = "source.toolkit.fluxcd.io/v1";
+        for (api_version, kind, name) in [
+            (
+                "pulumi.com/v1/namespaces/team-b/programs/secret-prog?x=",
+                "Program",
+                "p",
+            ),
+            (
+                "pulumi.com/v1/namespaces/team-b/programs/secret-prog?x=",
+                "GitRepository",
+                "p",
+            ),
+            (
+                "source.toolkit.fluxcd.io/v1?watch=true",
+                "GitRepository",
+                "p",
+            ),
+            ("source.toolkit.fluxcd.io/v1#x", "GitRepository", "p"),
+            ("source.toolkit.fluxcd.io%2Fv1", "GitRepository", "p"),
+            ("source.toolkit.fluxcd.io/v1%3F", "GitRepository", "p"),
+            ("../v1", "GitRepository", "p"),
+            ("v1", "Secret", "p"),
+            ("source.toolkit.fluxcd.io/v01", "GitRepository", "p"),
+            ("source.toolkit.fluxcd.io/v1gamma1", "GitRepository", "p"),
+            (good, "Secret", "p"),
+            (good, "Program", "p"),
+            (good, "gitrepository", "p"),
+            (good, "GitRepository", "../x"),
+            (good, "GitRepository", "x/y"),
+            (good, "GitRepository", "x?watch=true"),
+            (good, "GitRepository", "x%2Fy"),
+            (good, "GitRepository", "x#y"),
+            (good, "GitRepository", ""),
+            (good, "GitRepository", "Upper"),
+            (good, "GitRepository", &"a".repeat(254)),
+        ] {
+            let r = flux_ref(api_version, kind, name);
+            assert!(FluxRef::parse(&r).is_err(), "{r:?} accepted");
+        }
+    }
+
+    #[test]
+    fn flux_references_of_every_flux_source_kind_are_accepted() {
+        for (api_version, kind) in [
+            ("source.toolkit.fluxcd.io/v1", "GitRepository"),
+            ("source.toolkit.fluxcd.io/v1beta2", "OCIRepository"),
+            ("source.toolkit.fluxcd.io/v1", "Bucket"),
+            ("source.toolkit.fluxcd.io/v1", "HelmChart"),
+            ("source.toolkit.fluxcd.io/v1", "HelmRepository"),
+            ("source.toolkit.fluxcd.io/v1alpha1", "ExternalArtifact"),
+        ] {
+            let r = flux_ref(api_version, kind, "my-repo.v2");
+            let parsed = FluxRef::parse(&r).expect("accepted");
+            assert_eq!(parsed.name, "my-repo.v2");
+            assert_eq!(Some(parsed.group), api_version.split('/').next());
+        }
+    }
 
     /// The Workspace's `git.auth`, as it goes on the wire.
     fn wire(auth: Option<GitAuth>) -> Option<Value> {
