@@ -143,11 +143,73 @@ _violations contains _v(
 }
 
 program_namespace(u) := u.segments[1] if {
+	on_file_server(u)
+	count(u.segments) >= 2
+	u.segments[0] == "programs"
+}
+
+on_file_server(u) if {
 	u.scheme in {"http", "https"}
 	file_server_host(u.host)
 	file_server_port(u.port)
-	count(u.segments) >= 2
+}
+
+# A file-server URL under /programs is an artifact path, /programs/{ns}/{name}/{gen}[.tar.gz]
+# (as the file server routes it), or nothing: a segment such as `..%2fteam-b` is harmless to
+# the file server but a proxy that unescapes %2F in front of it would read another path.
+_violations contains _v(
+	"program-url-path",
+	f.path,
+	"is not an artifact path of the file server: /programs/<namespace>/<name>/<generation>[.tar.gz], each a DNS name or a number",
+) if {
+	some f in flux_urls
+	u := parsed_url(f.url)
+	on_file_server(u)
+	count(u.segments) > 0
 	u.segments[0] == "programs"
+	not artifact_path(u.segments)
+}
+
+# The segments are percent-decoded: a decoded `/`, `.` run or `%` is no DNS name.
+artifact_path(s) if {
+	count(s) == 4
+	_dns_label(s[1])
+	_dns_subdomain(s[2])
+	_generation(s[3])
+}
+
+_label_chars := {
+	"a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "k", "l", "m",
+	"n", "o", "p", "q", "r", "s", "t", "u", "v", "w", "x", "y", "z",
+	"0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "-",
+}
+
+_digits := {"0", "1", "2", "3", "4", "5", "6", "7", "8", "9"}
+
+_dns_label(s) if {
+	count(s) > 0
+	count(s) <= 63
+	every i in numbers.range(0, count(s) - 1) {
+		substring(s, i, 1) in _label_chars
+	}
+	not startswith(s, "-")
+	not endswith(s, "-")
+}
+
+_dns_subdomain(s) if {
+	count(s) <= 253
+	every part in split(s, ".") {
+		_dns_label(part)
+	}
+}
+
+_generation(s) if {
+	g := trim_suffix(s, ".tar.gz")
+	count(g) > 0
+	count(g) <= 19
+	every i in numbers.range(0, count(g) - 1) {
+		substring(g, i, 1) in _digits
+	}
 }
 
 # data.tenancy.fileServer: the hosts and ports the file server answers on, normalised like

@@ -149,11 +149,39 @@ for_path(segments) := pairs if {
 
 test_paths_outside_programs_pass if {
 	count(for_path([])) == 0
-	count(for_path(["programs"])) == 0
 	count(for_path(["x", "programs", "team-b", "p", "1"])) == 0
 	count(for_path(["PROGRAMS", "team-b", "p", "1"])) == 0
-	for_path(["programs", "team-b"]) == {["cross-namespace-program", "spec.flux.url"]}
-	for_path(["programs", "Team-A", "p", "1"]) == {["cross-namespace-program", "spec.flux.url"]}
+	for_path(["programs", "team-b"]) == {["cross-namespace-program", "spec.flux.url"], ["program-url-path", "spec.flux.url"]}
+	for_path(["programs", "Team-A", "p", "1"]) == {["cross-namespace-program", "spec.flux.url"], ["program-url-path", "spec.flux.url"]}
+}
+
+# Under /programs only an artifact path passes (segments as the webhook decodes them).
+test_program_paths_must_be_artifact_paths if {
+	count(for_path(["programs", "team-a", "p", "1"])) == 0
+	count(for_path(["programs", "team-a", "p.q-r", "12"])) == 0
+	count(for_path(["programs", "team-a", "p", "1.tar.gz"])) == 0
+	bad := {["program-url-path", "spec.flux.url"]}
+
+	# /programs/team-a/..%2fteam-b/p/1
+	for_path(["programs", "team-a", "../team-b", "p", "1"]) == bad
+	for_path(["programs"]) == bad
+	for_path(["programs", "team-a"]) == bad
+	for_path(["programs", "team-a", "p"]) == bad
+	for_path(["programs", "team-a", "p", "1", "x"]) == bad
+	for_path(["programs", "team-a", "a/b", "1"]) == bad
+	for_path(["programs", "team-a", "p%2f", "1"]) == bad
+	for_path(["programs", "team-a", "p", "1?x"]) == bad
+	for_path(["programs", "team-a", "p", "x"]) == bad
+	for_path(["programs", "team-a", "p", ".tar.gz"]) == bad
+	for_path(["programs", "team-a", "p", "1.zip"]) == bad
+	for_path(["programs", "team-a", "-p", "1"]) == bad
+	for_path(["programs", "team-a", "p..q", "1"]) == bad
+}
+
+# Elsewhere than the file server, /programs paths are someone else's.
+test_program_paths_elsewhere_pass if {
+	u := parsed("https", "artifacts.example.com", 443, ["programs", "team-a", "../team-b", "p", "1"])
+	count(found(workspace_flux("https://artifacts.example.com/x", u))) == 0 with data.tenancy as file_server
 }
 
 for_host(host) := pairs if {
@@ -377,11 +405,16 @@ decided_as_expected(kind, e) if {
 	e.expect.valid == true
 	not e.target in {null, "team-a"}
 	vs := corpus_violations(kind, e)
-	{[v.code, v.path] | some v in vs} == {["cross-namespace-program", flux_url_path[kind]]}
-	every v in vs {
+	{[v.code, v.path] | some v in vs} == {["cross-namespace-program", flux_url_path[kind]]} | corpus_path_violation(kind, e)
+	every v in [v | some v in vs; v.code == "cross-namespace-program"] {
 		v.message == concat("", ["points at a Program of namespace ", e.target, "; only Programs of namespace team-a may be used"])
 	}
 }
+
+# A corpus path that is not an artifact path is refused for that too.
+corpus_path_violation(kind, e) := {["program-url-path", flux_url_path[kind]]} if {
+	not isolation.artifact_path(e.expect.segments)
+} else := set()
 
 # The own namespace's Program, or not the file server: allowed.
 decided_as_expected(kind, e) if {

@@ -25,7 +25,36 @@ pub struct RequestHead {
     pub object: Option<ObjectHead>,
 }
 
+/// Longest DNS-1123 label (a namespace name).
+const MAX_LABEL: usize = 63;
+
+/// Whether `s` is a DNS-1123 label, the only form a namespace name takes.
+pub fn is_dns1123_label(s: &str) -> bool {
+    let b = s.as_bytes();
+    !b.is_empty()
+        && b.len() <= MAX_LABEL
+        && b.iter()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+        && b[0] != b'-'
+        && b[b.len() - 1] != b'-'
+}
+
 impl RequestHead {
+    /// Why `request.namespace` cannot be used, if it cannot: it names a namespace in an
+    /// apiserver GET (`/api/v1/namespaces/{namespace}`), so anything but a DNS label (a
+    /// `/`, `?`, `..`) would bend that path. The apiserver never sends one; a direct POST may.
+    pub fn namespace_problem(&self) -> Option<String> {
+        match self.namespace.as_deref() {
+            None | Some("") => None,
+            Some(ns) if is_dns1123_label(ns) => None,
+            Some(ns) => Some(format!(
+                "request.namespace {:?} is not a DNS-1123 label (lower-case letters, digits \
+                 and '-', at most {MAX_LABEL} characters)",
+                ns.chars().take(2 * MAX_LABEL).collect::<String>()
+            )),
+        }
+    }
+
     /// An allowing answer to this request.
     pub(crate) fn response(&self) -> AdmissionResponse {
         // The struct is non-exhaustive: start from kube's blank answer (v1 types) and allow.
@@ -229,5 +258,37 @@ mod tests {
             parse_review(review(&stack).as_bytes()),
             Err(WebhookError::TooDeep { depth: 65, .. })
         ));
+    }
+
+    fn head(namespace: Option<&str>) -> RequestHead {
+        RequestHead {
+            uid: "u".into(),
+            kind: GroupVersionKind::gvk("", "v1", "Pod"),
+            name: String::new(),
+            namespace: namespace.map(str::to_owned),
+            object: None,
+        }
+    }
+
+    #[test]
+    fn only_dns_labels_are_namespaces() {
+        for ok in [None, Some(""), Some("team-a"), Some("a"), Some("0a-9")] {
+            assert_eq!(head(ok).namespace_problem(), None, "{ok:?}");
+        }
+        let long = "a".repeat(64);
+        for bad in [
+            "../b",
+            "a/b",
+            "a?watch=true",
+            "a#b",
+            "a%2fb",
+            "A",
+            "-a",
+            "a-",
+            "a.b",
+            long.as_str(),
+        ] {
+            assert!(head(Some(bad)).namespace_problem().is_some(), "{bad}");
+        }
     }
 }

@@ -408,6 +408,13 @@ impl Tenancy {
                 if let Some(ns) = watched.store.get(&ObjectRef::new(namespace)) {
                     return Ok(ns.labels().clone());
                 }
+                // The name goes into a request path: a label or no request.
+                if !crate::review::is_dns1123_label(namespace) {
+                    return Err(TenancyError::NamespaceLookup {
+                        namespace: namespace.chars().take(128).collect(),
+                        reason: "the name is not a DNS-1123 label".into(),
+                    });
+                }
                 if lock(&watched.absent).is_absent(namespace, Instant::now()) {
                     return Ok(BTreeMap::new());
                 }

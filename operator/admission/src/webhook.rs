@@ -483,6 +483,14 @@ impl Admission {
             Err(WebhookError::Engine(e)) => return self.refuse(webhook, Refusal::Engine(e)),
             Err(e) => return invalid(&self.metrics, webhook, e),
         };
+        // Checked before anything reads the namespace's labels from the apiserver.
+        if let Some(reason) = review.request.namespace_problem() {
+            self.metrics.decision(webhook, "denied");
+            warn!(webhook, "{reason}");
+            let mut response = AdmissionResponse::invalid(reason);
+            response.uid = review.request.uid.clone();
+            return axum::Json(response.into_review()).into_response();
+        }
         let response = if webhook == "validate" {
             self.validate(&slot, &review, early).await
         } else {

@@ -616,3 +616,64 @@ async fn a_tenancy_change_applies_to_the_next_evaluation() {
     ));
     assert_eq!(engine.pooled(), 1);
 }
+
+/// A review whose `request.namespace` is not a DNS label is denied with the reason, and the
+/// namespace never reaches the apiserver: the stand-in apiserver counts every connection.
+#[tokio::test]
+async fn a_namespace_that_is_not_a_dns_label_is_denied_without_an_apiserver_request() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let address = listener.local_addr().expect("address");
+    let connections = Arc::new(AtomicUsize::new(0));
+    let counted = connections.clone();
+    tokio::spawn(async move {
+        // Accepted and dropped: a lookup fails fast, and is counted.
+        while let Ok((_socket, _)) = listener.accept().await {
+            counted.fetch_add(1, Ordering::SeqCst);
+        }
+    });
+    let config = kube::Config::new(format!("http://{address}").parse().expect("url"));
+    let client = kube::Client::try_from(config).expect("client");
+    // The watch driver is not run: every label read is a direct lookup.
+    let (tenancy, _driver) = Tenancy::watch(client, TenancySettings::default());
+    let bundle = Bundle::load(&bundle_path()).expect("bundle loads");
+    let engine = PolicyEngine::new(&bundle, EngineLimits::default())
+        .await
+        .expect("engine");
+    let metrics = AdmissionMetrics::new();
+    let admission = Arc::new(Admission::with_limits(
+        engine,
+        tenancy,
+        metrics.clone(),
+        FailurePolicy::Ignore,
+        ReviewLimits::DEFAULT,
+    ));
+    let router = webhook::router(admission);
+    for namespace in [
+        "../kube-system",
+        "team-a?watch=true",
+        "a/b",
+        "team-a#x",
+        "team-a%2fb",
+        "Team-A",
+        "-a",
+        &"a".repeat(64),
+    ] {
+        for path in ["/validate", "/mutate"] {
+            let response = review_response(&router, path, &review(namespace, json!({}))).await;
+            assert_eq!(response["allowed"], false, "{path} {namespace}: {response}");
+            let message = response["status"]["message"].as_str().unwrap_or_default();
+            assert!(
+                message.contains("is not a DNS-1123 label"),
+                "{path} {namespace}: {response}"
+            );
+        }
+    }
+    assert_eq!(connections.load(Ordering::SeqCst), 0);
+    // A namespace that is a label is looked up (the stand-in fails it; Ignore admits).
+    let response = review_response(&router, "/validate", &review("team-a", json!({}))).await;
+    assert_eq!(response["allowed"], true, "{response}");
+    assert!(connections.load(Ordering::SeqCst) > 0);
+}

@@ -120,6 +120,7 @@ impl GuestLog {
             return;
         }
         self.budget -= message.len();
+        let message = escape_controls(message);
         let transform = &*self.transform;
         match level {
             Level::Trace => {
@@ -135,6 +136,30 @@ impl GuestLog {
             }
         }
     }
+}
+
+/// `message` with every control character (newlines, carriage returns, ANSI escapes, C1
+/// controls) and Unicode line or paragraph separator written as an escape: in the text log
+/// format a guest's line could otherwise end the operator's line and forge the next one.
+fn escape_controls(message: &str) -> std::borrow::Cow<'_, str> {
+    let unsafe_char = |c: char| c.is_control() || c == '\u{2028}' || c == '\u{2029}';
+    if !message.chars().any(unsafe_char) {
+        return std::borrow::Cow::Borrowed(message);
+    }
+    let mut out = String::with_capacity(message.len() + 8);
+    for c in message.chars() {
+        match c {
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            // Writing to a String cannot fail.
+            c if unsafe_char(c) => {
+                let _ = std::fmt::Write::write_fmt(&mut out, format_args!("\\u{{{:x}}}", u32::from(c)));
+            }
+            c => out.push(c),
+        }
+    }
+    std::borrow::Cow::Owned(out)
 }
 
 /// Caps the memory of one instance, every linear memory and table of it together (a
@@ -365,6 +390,61 @@ fn granted_list() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The log lines the text format writes while `f` runs.
+    fn text_log(f: impl FnOnce()) -> String {
+        #[derive(Clone, Default)]
+        struct Buffer(Arc<std::sync::Mutex<Vec<u8>>>);
+        impl std::io::Write for Buffer {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.0
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let buffer = Buffer::default();
+        let writer = buffer.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_ansi(false)
+            .with_max_level(tracing::Level::TRACE)
+            .with_writer(move || writer.clone())
+            .finish();
+        tracing::subscriber::with_default(subscriber, f);
+        let bytes = buffer
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        String::from_utf8(bytes).expect("UTF-8 log")
+    }
+
+    #[test]
+    fn a_guest_log_line_cannot_forge_operator_lines() {
+        let mut log = GuestLog {
+            transform: Arc::from("team-a/t"),
+            budget: 1 << 20,
+            truncated: false,
+        };
+        let forged = "ok\n2026-01-01T00:00:00Z  INFO pko_operator: fake\r\x1b[2K\u{2028}x\u{85}y";
+        let out = text_log(|| {
+            for level in [Level::Info, Level::Warn, Level::Error] {
+                log.write(level, forged);
+            }
+        });
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(lines.len(), 3, "{out}");
+        for line in lines {
+            assert!(line.contains("pko_plugin_host::guest"), "{line}");
+            assert!(line.contains("ok\\n2026-01-01T00:00:00Z  INFO pko_operator: fake\\r\\u{1b}[2K\\u{2028}x\\u{85}y"), "{line}");
+            assert!(!line.chars().any(|c| c.is_control()), "{line:?}");
+        }
+        assert_eq!(escape_controls("plain line"), "plain line");
+    }
 
     #[test]
     fn the_memory_cap_covers_every_memory_and_table_of_an_instance() {
