@@ -46,6 +46,57 @@ pub fn from_struct(s: &Struct) -> Map<String, Value> {
         .collect()
 }
 
+/// Bytes a decoded node is charged: a protobuf `Value` and the `serde_json::Value` made from it
+/// are 32 bytes each, and both are alive while an event is converted.
+pub const NODE_BYTES: u64 = 64;
+
+/// What the tree of `s` costs in memory once decoded and converted to JSON: [`NODE_BYTES`] per
+/// value plus the bytes of its strings and keys; `None` as soon as that passes `limit`.
+///
+/// The wire size says little: an empty list is 4 bytes on the wire and 64 in memory, so 16 MiB
+/// of them would come to 256 MiB and more. The walk allocates only its own stack (one entry per
+/// list or struct still to visit, so it is bounded by the nodes it has already charged).
+pub fn decoded_size(s: &Struct, limit: u64) -> Option<u64> {
+    let mut total: u64 = 0;
+    let charge = |n: u64, total: &mut u64| {
+        *total = total.saturating_add(n);
+        *total <= limit
+    };
+    let mut structs: Vec<&Struct> = vec![s];
+    let mut lists: Vec<&ListValue> = Vec::new();
+    loop {
+        let values: Box<dyn Iterator<Item = &PbValue>> = if let Some(s) = structs.pop() {
+            for k in s.fields.keys() {
+                if !charge(k.len() as u64, &mut total) {
+                    return None;
+                }
+            }
+            Box::new(s.fields.values())
+        } else if let Some(l) = lists.pop() {
+            Box::new(l.values.iter())
+        } else {
+            return Some(total);
+        };
+        for v in values {
+            let own = match &v.kind {
+                Some(Kind::StringValue(s)) => s.len() as u64,
+                Some(Kind::StructValue(s)) => {
+                    structs.push(s);
+                    0
+                }
+                Some(Kind::ListValue(l)) => {
+                    lists.push(l);
+                    0
+                }
+                _ => 0,
+            };
+            if !charge(NODE_BYTES.saturating_add(own), &mut total) {
+                return None;
+            }
+        }
+    }
+}
+
 fn number(n: f64) -> Value {
     // 2^53: every integer below it is exact in an f64.
     if n.fract() == 0.0 && n.abs() < 9_007_199_254_740_992.0 {
@@ -70,6 +121,42 @@ pub fn scalar_text(value: &Value) -> Option<String> {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn the_decoded_size_counts_nodes_not_wire_bytes() {
+        let v = json!({"ab": ["xyz", [], {"c": null}]});
+        let Value::Object(map) = &v else {
+            panic!("object")
+        };
+        let s = to_struct(map);
+        // Keys "ab" and "c" (3 bytes), string "xyz" (3), five values.
+        let want = 3 + 3 + 5 * NODE_BYTES;
+        assert_eq!(decoded_size(&s, want), Some(want));
+        assert_eq!(decoded_size(&s, want - 1), None);
+
+        // A million empty lists: 4 MiB on the wire, over 64 MiB decoded; refused as
+        // soon as the limit is passed.
+        let many = Struct {
+            fields: [(
+                "l".to_owned(),
+                PbValue {
+                    kind: Some(Kind::ListValue(ListValue {
+                        values: vec![
+                            PbValue {
+                                kind: Some(Kind::ListValue(ListValue::default())),
+                            };
+                            1 << 20
+                        ],
+                    })),
+                },
+            )]
+            .into_iter()
+            .collect(),
+        };
+        assert!(prost::Message::encoded_len(&many) < (4 << 20) + 64);
+        assert_eq!(decoded_size(&many, 64 << 20), None);
+        assert!(decoded_size(&many, 128 << 20).is_some());
+    }
 
     #[test]
     fn json_round_trips_through_protobuf() {

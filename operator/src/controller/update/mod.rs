@@ -62,6 +62,12 @@ pub const RESPONSE_TOO_LARGE: &str = pko_agent_api::errors::RESPONSE_TOO_LARGE;
 pub const DEFAULT_MAX_EVENT_BYTES_PER_OPERATION: u64 = 512 << 20;
 /// Reason of an Update failed because its operation streamed more event bytes than allowed.
 pub const EVENTS_TOO_LARGE: &str = "EventsTooLarge";
+/// Reason of an Update failed because one engine event was over [`MAX_EVENT_DECODED_BYTES`].
+pub const EVENT_TOO_LARGE: &str = "EventTooLarge";
+/// Decoded size one engine event may have: the agent cuts every string at 64 KiB, so a real
+/// event is far smaller; an event of millions of empty lists (4 bytes each on the wire, 64 in
+/// memory) is refused before it is converted.
+pub const MAX_EVENT_DECODED_BYTES: u64 = 32 << 20;
 /// A queued Update is looked at again after this long even when no slot frees (it is woken as
 /// soon as one does).
 const QUEUED_RECHECK: Duration = Duration::from_secs(30);

@@ -13,8 +13,8 @@ use serde_json::Value;
 
 use super::outcome::Outcome;
 use super::{
-    EVENTS_TOO_LARGE, MAX_RESOURCE_EVENTS, MESSAGE_LIMIT, RESPONSE_TOO_LARGE, UpdateContext,
-    stack_name,
+    EVENT_TOO_LARGE, EVENTS_TOO_LARGE, MAX_EVENT_DECODED_BYTES, MAX_RESOURCE_EVENTS, MESSAGE_LIMIT,
+    RESPONSE_TOO_LARGE, UpdateContext, stack_name,
 };
 use crate::agent_client::AgentError;
 use crate::controller::conditions;
@@ -42,8 +42,10 @@ struct EventDigest {
     ops: BTreeMap<String, u64>,
     errors: Vec<String>,
     published: usize,
-    /// Encoded bytes of the events received.
+    /// Decoded bytes of the events received ([`pko_agent_api::values::decoded_size`]).
     bytes: u64,
+    /// An event whose decoded size passed [`MAX_EVENT_DECODED_BYTES`] was refused.
+    event_too_large: bool,
     /// The bytes allowed (`--max-event-bytes-per-operation`).
     budget: u64,
 }
@@ -56,12 +58,30 @@ impl EventDigest {
         }
     }
 
-    /// Counts an event's bytes; whether the operation is still within its budget.
+    /// Charges an event's decoded size (before anything is made of it); whether the event is
+    /// within its own bound and the operation within its budget.
     fn admit(&mut self, event: &prost_types::Struct) -> bool {
-        self.bytes = self
-            .bytes
-            .saturating_add(prost::Message::encoded_len(event) as u64);
+        let Some(size) = pko_agent_api::values::decoded_size(event, MAX_EVENT_DECODED_BYTES) else {
+            self.event_too_large = true;
+            return false;
+        };
+        self.bytes = self.bytes.saturating_add(size);
         over_event_budget(self.bytes, self.budget).is_none()
+    }
+
+    /// The outcome of an operation stopped by its events' size, if it was.
+    fn refusal(&self) -> Option<Outcome> {
+        if self.event_too_large {
+            return Some(Outcome::failed(
+                EVENT_TOO_LARGE,
+                format!(
+                    "the workspace agent sent an engine event over {} MiB once decoded (each value is charged {} bytes, strings and keys their length); the operation was stopped",
+                    MAX_EVENT_DECODED_BYTES >> 20,
+                    pko_agent_api::values::NODE_BYTES
+                ),
+            ));
+        }
+        over_event_budget(self.bytes, self.budget)
     }
 
     async fn observe(&mut self, ctx: &UpdateContext, update: &Update, event: &prost_types::Struct) {
@@ -159,7 +179,8 @@ pub(super) async fn operate(
             outcome
         }
         Err(s) => {
-            let mut outcome = over_event_budget(digest.bytes, digest.budget)
+            let mut outcome = digest
+                .refusal()
                 .unwrap_or_else(|| status_outcome(ctx, update, &s));
             if !digest.errors.is_empty() {
                 outcome.message =
@@ -336,7 +357,7 @@ fn too_large(s: &tonic::Status) -> Option<Outcome> {
     })
 }
 
-/// An operation whose engine events came to `received` bytes, over the `budget` of one
+/// An operation whose engine events came to `received` bytes (decoded), over the `budget` of one
 /// operation: an agent streaming without end (each event under the message limit) would hold
 /// an operation slot and the operator's CPU for as long as it likes.
 fn over_event_budget(received: u64, budget: u64) -> Option<Outcome> {
@@ -390,8 +411,8 @@ mod tests {
             outcome.message
         );
 
-        // Each event encodes to 55 bytes.
-        let mut digest = EventDigest::new(120);
+        // Each event decodes to 40 + 7 + 64 = 111 bytes.
+        let mut digest = EventDigest::new(250);
         let event = prost_types::Struct {
             fields: [(
                 "message".to_owned(),
@@ -405,5 +426,41 @@ mod tests {
         assert!(digest.admit(&event));
         assert!(digest.admit(&event));
         assert!(!digest.admit(&event), "{} bytes", digest.bytes);
+        assert_eq!(digest.refusal().expect("over").reason, "EventsTooLarge");
     }
+
+    #[test]
+    fn an_event_of_many_empty_lists_is_refused_by_its_decoded_size() {
+        use prost_types::value::Kind;
+        use prost_types::{ListValue, Value as PbValue};
+        // 4 MiB on the wire (4 bytes a list), 64 MiB once decoded.
+        let empty = PbValue {
+            kind: Some(Kind::ListValue(ListValue::default())),
+        };
+        let event = prost_types::Struct {
+            fields: [(
+                "diagnosticEvent".to_owned(),
+                PbValue {
+                    kind: Some(Kind::ListValue(ListValue {
+                        values: vec![empty; 1 << 20],
+                    })),
+                },
+            )]
+            .into_iter()
+            .collect(),
+        };
+        assert!(prost::Message::encoded_len(&event) < (4 << 20) + 64);
+        let mut digest = EventDigest::new(DEFAULT_BUDGET);
+        assert!(!digest.admit(&event));
+        let outcome = digest.refusal().expect("refused");
+        assert!(!outcome.succeeded);
+        assert_eq!(outcome.reason, "EventTooLarge");
+        assert!(
+            outcome.message.contains("once decoded"),
+            "{}",
+            outcome.message
+        );
+    }
+
+    const DEFAULT_BUDGET: u64 = super::super::DEFAULT_MAX_EVENT_BYTES_PER_OPERATION;
 }
