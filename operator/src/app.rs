@@ -382,7 +382,7 @@ async fn serve(
         "fileserver",
         fs_listener,
         fs_app,
-        http::ServerLimits::default(),
+        listener_limits(args),
         shutdown.clone().cancelled_owned(),
     ));
 
@@ -446,28 +446,43 @@ async fn serve_probes(
     shutdown: &CancellationToken,
     tasks: &mut JoinSet<()>,
 ) -> Result<(), AppError> {
-    let probe_app = probes::router(readiness.clone(), metrics.clone());
+    // With a metrics address of its own, the probe listener serves the probes alone: the
+    // kubelet's slots are never taken by scrapers or by slow readers of /metrics.
+    let separate_metrics = args.metrics_bind_address != "0"
+        && args.metrics_bind_address != args.health_probe_bind_address;
+    let probe_app = probes::router(readiness.clone(), metrics.clone(), !separate_metrics);
     let probe_listener = http::bind(&args.health_probe_bind_address).await?;
     tasks.spawn(http::serve(
         "probes",
         probe_listener,
-        probe_app.clone(),
-        http::ServerLimits::default(),
+        probe_app,
+        listener_limits(args),
         shutdown.clone().cancelled_owned(),
     ));
-    if args.metrics_bind_address != "0"
-        && args.metrics_bind_address != args.health_probe_bind_address
-    {
+    if separate_metrics {
         let listener = http::bind(&args.metrics_bind_address).await?;
         tasks.spawn(http::serve(
             "metrics",
             listener,
-            probe_app,
-            http::ServerLimits::default(),
+            probes::router(readiness.clone(), metrics.clone(), true),
+            listener_limits(args),
             shutdown.clone().cancelled_owned(),
         ));
     }
     Ok(())
+}
+
+/// The limits of the file-server, probe and metrics listeners, from the `--listener-*` flags.
+fn listener_limits(args: &RunArgs) -> http::ServerLimits {
+    http::ServerLimits {
+        header_read_timeout: args.listener_header_read_timeout,
+        max_connections_per_client: args.listener_max_connections_per_client.max(1),
+        conn: pko_admission::conn::ConnLimits {
+            idle_timeout: args.listener_idle_timeout,
+            write_timeout: args.listener_write_timeout,
+        },
+        ..http::ServerLimits::default()
+    }
 }
 
 /// Shares the container's memory between the artifact cache, plugin calls and admission

@@ -1,5 +1,10 @@
 //! A hardened HTTP/1.1 listener for axum routers: header-read and request timeouts, a bounded
-//! header buffer, a cap on connection lifetime and on open connections, and a graceful drain.
+//! header buffer, a cap on connection lifetime, on open connections and on the connections
+//! of one client address, idle and write timers on every connection, and a graceful drain.
+//!
+//! These listeners speak HTTP/1.1 only (an HTTP/2 preface is refused), so HTTP/2's idle
+//! connections cannot be held here; the webhook, which speaks both, shares the same timers
+//! (`pko_admission::conn`).
 //!
 //! PKO's file server has no timeouts at all and shuts down with an already-cancelled context;
 //! this one drains in-flight requests for a bounded time.
@@ -7,6 +12,9 @@
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
+
+use pko_admission::conn::{self, ConnLimits};
+use pko_admission::server::PerClient;
 
 use axum::Router;
 use hyper::server::conn::http1;
@@ -35,6 +43,11 @@ pub struct ServerLimits {
     pub max_body_bytes: usize,
     /// Connections served at once; further connections wait in the accept backlog.
     pub max_connections: usize,
+    /// Connections one client address may hold at once; more from it are closed as soon as
+    /// accepted, so one pod cannot take the slots the kubelet's probes or other tenants need.
+    pub max_connections_per_client: usize,
+    /// Idle (no request in flight) and write (the peer does not read) timers.
+    pub conn: ConnLimits,
     /// Time in-flight requests get to finish after shutdown starts.
     pub drain_timeout: Duration,
 }
@@ -48,6 +61,11 @@ impl Default for ServerLimits {
             max_header_bytes: 16 * 1024,
             max_body_bytes: 64 * 1024,
             max_connections: 1024,
+            max_connections_per_client: 16,
+            conn: ConnLimits {
+                idle_timeout: Duration::from_secs(30),
+                write_timeout: Duration::from_secs(10),
+            },
             drain_timeout: Duration::from_secs(20),
         }
     }
@@ -95,6 +113,7 @@ pub async fn serve(
         .service(app);
     let graceful = GracefulShutdown::new();
     let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let per_client = Arc::new(PerClient::new(limits.max_connections_per_client));
     let mut shutdown = std::pin::pin!(shutdown);
     if let Ok(addr) = listener.local_addr() {
         info!(server = name, %addr, "listening");
@@ -117,8 +136,17 @@ pub async fn serve(
             },
             () = &mut shutdown => break,
         };
+        // Dropping the stream closes it before anything is read: a client over its share
+        // holds nothing, and a global slot is only taken by an admitted connection.
+        let Some(place) = PerClient::admit(&per_client, peer.ip()) else {
+            debug!(server = name, %peer, "connection cap of one client address reached; closed");
+            drop(stream);
+            drop(permit);
+            continue;
+        };
         let _ = stream.set_nodelay(true);
-        let service = TowerToHyperService::new(app.clone());
+        let (stream, service) = conn::guard(stream, app.clone(), limits.conn);
+        let service = TowerToHyperService::new(service);
         let mut builder = http1::Builder::new();
         builder
             .timer(TokioTimer::new())
@@ -129,6 +157,7 @@ pub async fn serve(
         let max_age = limits.max_connection_age;
         tokio::spawn(async move {
             let _permit = permit;
+            let _place = place;
             match tokio::time::timeout(max_age, connection).await {
                 Ok(Ok(())) => {}
                 Ok(Err(err)) => debug!(server = name, %peer, error = %err, "connection ended"),
@@ -166,6 +195,10 @@ mod tests {
             header_read_timeout: Duration::from_secs(60),
             request_timeout: Duration::from_secs(60),
             drain_timeout: Duration::from_secs(60),
+            conn: ConnLimits {
+                idle_timeout: Duration::from_secs(600),
+                write_timeout: Duration::from_secs(600),
+            },
             ..ServerLimits::default()
         }
     }
@@ -288,6 +321,135 @@ mod tests {
         assert!(
             TcpStream::connect(addr).await.is_err(),
             "still accepting after shutdown"
+        );
+    }
+
+    /// The probe listener's router, /metrics included (as on a single probe address).
+    fn probes() -> Router {
+        crate::probes::router(
+            crate::probes::Readiness::new(vec![]),
+            crate::metrics::Metrics::new(),
+            true,
+        )
+    }
+
+    /// A TCP connection from the loopback address `source` (Linux routes 127/8 to loopback):
+    /// another client address on one machine.
+    async fn connect_from(source: [u8; 4], addr: std::net::SocketAddr) -> TcpStream {
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        socket
+            .bind((std::net::Ipv4Addr::from(source), 0).into())
+            .expect("bind");
+        socket.connect(addr).await.expect("connect")
+    }
+
+    /// `GET path` with Connection: close from 127.0.0.1; the whole answer, or what arrived
+    /// within a bound no answering server comes near.
+    async fn get_answer(addr: std::net::SocketAddr, path: &str) -> String {
+        let exchange = async {
+            let mut stream = TcpStream::connect(addr).await.ok()?;
+            let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+            stream.write_all(request.as_bytes()).await.ok()?;
+            let mut buf = Vec::new();
+            stream.read_to_end(&mut buf).await.ok()?;
+            Some(String::from_utf8_lossy(&buf).into_owned())
+        };
+        match tokio::time::timeout(Duration::from_secs(20), exchange).await {
+            Ok(Some(answer)) => answer,
+            Ok(None) => "connection failed".to_owned(),
+            Err(_) => "no answer within 20 s".to_owned(),
+        }
+    }
+
+    /// One address holding connections open gets its share; the kubelet (another address)
+    /// is still answered.
+    #[tokio::test]
+    async fn one_client_address_cannot_take_every_slot() {
+        let limits = ServerLimits {
+            max_connections: 4,
+            max_connections_per_client: 2,
+            ..limits()
+        };
+        let (addr, _stop, _handle) = start(probes(), limits).await;
+        // Eight silent connections from one pod; without a per-client cap the first four take
+        // every slot for as long as the header timeout (a minute here).
+        let mut held = Vec::new();
+        for _ in 0..8 {
+            held.push(connect_from([127, 0, 0, 2], addr).await);
+        }
+        let answer = get_answer(addr, "/readyz").await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        // The pod's connections beyond its share were closed without a byte.
+        let mut closed = 0;
+        for stream in &mut held {
+            let mut byte = [0u8; 1];
+            if let Ok(Ok(0) | Err(_)) =
+                tokio::time::timeout(Duration::from_millis(50), stream.read(&mut byte)).await
+            {
+                closed += 1;
+            }
+        }
+        assert!(closed >= 6, "{closed} of 8 closed");
+    }
+
+    /// A reader that does not read (pipelined /metrics requests, answers never read) is cut
+    /// off by the write timeout, so its connection and place come back.
+    #[tokio::test]
+    async fn a_slow_reader_of_metrics_is_cut_off() {
+        let limits = ServerLimits {
+            conn: ConnLimits {
+                write_timeout: Duration::from_millis(300),
+                ..limits().conn
+            },
+            ..limits()
+        };
+        let (addr, _stop, _handle) = start(probes(), limits).await;
+        let mut stream = connect_from([127, 0, 0, 2], addr).await;
+        let writer = tokio::spawn(async move {
+            let requests = "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n".repeat(256);
+            // Ends once the server has closed the connection (the write fails); a server
+            // that waits on the reader forever leaves it blocked.
+            loop {
+                if let Err(err) = stream.write_all(requests.as_bytes()).await {
+                    return err;
+                }
+            }
+        });
+        // Meanwhile the probe is answered.
+        let answer = get_answer(addr, "/healthz").await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        let ended = tokio::time::timeout(Duration::from_secs(60), writer).await;
+        assert!(ended.is_ok(), "the slow reader still holds its connection");
+    }
+
+    /// A keep-alive connection without a request in flight is closed after the idle timeout.
+    #[tokio::test]
+    async fn an_idle_keep_alive_connection_is_closed() {
+        let limits = ServerLimits {
+            conn: ConnLimits {
+                idle_timeout: Duration::from_millis(300),
+                ..limits().conn
+            },
+            ..limits()
+        };
+        let (addr, _stop, _handle) = start(probes(), limits).await;
+        let mut stream = TcpStream::connect(addr).await.expect("connect");
+        stream
+            .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .expect("write");
+        let mut buf = Vec::new();
+        let mut chunk = [0u8; 1024];
+        while !String::from_utf8_lossy(&buf).ends_with("\r\n\r\nok\n") {
+            let n = stream.read(&mut chunk).await.expect("read");
+            assert!(n > 0, "closed before the answer");
+            buf.extend_from_slice(&chunk[..n]);
+        }
+        // Idle now: the server closes it (a minute before the header timeout would).
+        let read = tokio::time::timeout(Duration::from_secs(30), stream.read(&mut chunk)).await;
+        assert!(
+            matches!(read, Ok(Ok(0) | Err(_))),
+            "still open after 30 s: {read:?}"
         );
     }
 }

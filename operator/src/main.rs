@@ -67,6 +67,24 @@ struct RunArgs {
     /// Extra address serving /metrics ("0" disables it).
     #[arg(long, default_value = "0")]
     metrics_bind_address: String,
+    /// Connections one client address may hold on the file-server, probe and metrics
+    /// listeners (each); more from it are closed at once.
+    #[arg(
+        long,
+        env = "LISTENER_MAX_CONNECTIONS_PER_CLIENT",
+        default_value_t = 16
+    )]
+    listener_max_connections_per_client: usize,
+    /// Time a client of those listeners gets to send each request's head.
+    #[arg(long, env = "LISTENER_HEADER_READ_TIMEOUT", default_value = "10s", value_parser = parse_go_duration)]
+    listener_header_read_timeout: Duration,
+    /// A connection to those listeners without a request in flight for this long is closed.
+    #[arg(long, env = "LISTENER_IDLE_TIMEOUT", default_value = "30s", value_parser = parse_go_duration)]
+    listener_idle_timeout: Duration,
+    /// A connection to those listeners whose peer does not read an answer for this long is
+    /// closed.
+    #[arg(long, env = "LISTENER_WRITE_TIMEOUT", default_value = "10s", value_parser = parse_go_duration)]
+    listener_write_timeout: Duration,
     /// Namespace-scoped mode: watch and reconcile in these namespaces only (comma-separated).
     /// Nothing cluster-scoped is watched: ClusterProgramTransforms, TenancyPolicies, Namespace
     /// labels and the admission webhook are off. Default: every namespace.

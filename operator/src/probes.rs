@@ -51,13 +51,17 @@ struct ProbeState {
     metrics: Metrics,
 }
 
-/// `/healthz`, `/readyz` and `/metrics`.
-pub fn router(readiness: Readiness, metrics: Metrics) -> Router {
-    Router::new()
+/// `/healthz`, `/readyz`, and `/metrics` when `with_metrics`.
+pub fn router(readiness: Readiness, metrics: Metrics, with_metrics: bool) -> Router {
+    let router = Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics_text))
-        .with_state(ProbeState { readiness, metrics })
+        .route("/readyz", get(readyz));
+    let router = if with_metrics {
+        router.route("/metrics", get(metrics_text))
+    } else {
+        router
+    };
+    router.with_state(ProbeState { readiness, metrics })
 }
 
 async fn readyz(State(state): State<ProbeState>) -> Response {
@@ -119,5 +123,22 @@ mod tests {
         assert_eq!(status(state.clone()).await, StatusCode::OK);
         readiness.start_draining();
         assert_eq!(status(state).await, StatusCode::SERVICE_UNAVAILABLE);
+    }
+
+    #[tokio::test]
+    async fn metrics_leave_the_probe_listener_when_they_have_their_own() {
+        use tower::ServiceExt;
+        let get = |router: Router, path: &'static str| async move {
+            let request = http::Request::get(path)
+                .body(axum::body::Body::empty())
+                .expect("request");
+            router.oneshot(request).await.expect("answer").status()
+        };
+        let probes_only = router(Readiness::new(vec![]), Metrics::new(), false);
+        assert_eq!(get(probes_only.clone(), "/healthz").await, StatusCode::OK);
+        assert_eq!(get(probes_only.clone(), "/readyz").await, StatusCode::OK);
+        assert_eq!(get(probes_only, "/metrics").await, StatusCode::NOT_FOUND);
+        let with_metrics = router(Readiness::new(vec![]), Metrics::new(), true);
+        assert_eq!(get(with_metrics, "/metrics").await, StatusCode::OK);
     }
 }

@@ -74,6 +74,20 @@ pub struct WebhookArgs {
     /// would go over is answered 429. Each body is at most 6 MiB.
     #[arg(long, env = "WEBHOOK_BODY_BUDGET_MIB", default_value_t = 24)]
     pub webhook_body_budget_mib: usize,
+    /// Time a request body may take to arrive; a slower one is answered 408.
+    #[arg(long, env = "WEBHOOK_BODY_TIMEOUT", default_value = "10s", value_parser = parse_go_duration)]
+    pub webhook_body_timeout: Duration,
+    /// Slowest rate (KiB/s) a request body may arrive at after its first second; a slower one
+    /// is answered 408 ("0": no minimum).
+    #[arg(long, env = "WEBHOOK_BODY_MIN_RATE_KIB", default_value_t = 64)]
+    pub webhook_body_min_rate_kib: usize,
+    /// A connection without a request in flight for this long is closed (HTTP/1 keep-alive
+    /// and HTTP/2). Keep it above the apiserver's idle timeout (90 s), which then closes first.
+    #[arg(long, env = "WEBHOOK_IDLE_TIMEOUT", default_value = "120s", value_parser = parse_go_duration)]
+    pub webhook_idle_timeout: Duration,
+    /// A connection whose peer does not read an answer for this long is closed.
+    #[arg(long, env = "WEBHOOK_WRITE_TIMEOUT", default_value = "10s", value_parser = parse_go_duration)]
+    pub webhook_write_timeout: Duration,
     /// Hosts (`host[:port]`) of the operator's file server in artifact URLs; URLs on them are
     /// checked for cross-namespace Programs. Default: the host of --program-fs-adv-addr.
     #[arg(
@@ -183,6 +197,8 @@ impl WebhookArgs {
     pub fn review_limits(&self) -> ReviewLimits {
         ReviewLimits {
             body_budget_bytes: self.webhook_body_budget_mib.saturating_mul(1 << 20),
+            body_timeout: self.webhook_body_timeout,
+            min_body_bytes_per_sec: self.webhook_body_min_rate_kib.saturating_mul(1 << 10),
             ..ReviewLimits::DEFAULT
         }
     }
@@ -251,6 +267,10 @@ impl WebhookArgs {
             review: self.review_limits(),
             max_connections: self.webhook_max_connections.max(1),
             max_connections_per_client: self.webhook_max_connections_per_client,
+            conn: crate::conn::ConnLimits {
+                idle_timeout: self.webhook_idle_timeout,
+                write_timeout: self.webhook_write_timeout,
+            },
             failure_policy: self.policy_failure_policy,
             tenancy: TenancySettings {
                 default_action: self.policy_default_action,

@@ -9,11 +9,13 @@
 //! - [`webhook`]: `/validate` (deny / warn / dryrun) and `/mutate` (defaults).
 //! - [`tls`]: the operator-managed CA and serving certificate, and the caBundle injection.
 //! - [`server`]: the HTTPS listener.
+//! - [`conn`]: idle and write timers of one connection, shared with the operator's listeners.
 //! - [`metrics`]: decisions, violations, latency, errors, certificate expiry.
 //! - [`cli`]: the operator's `--webhook-*` and `--policy-*` flags.
 
 pub mod bundle;
 pub mod cli;
+pub mod conn;
 pub mod engine;
 mod errors;
 pub mod metrics;
@@ -75,6 +77,8 @@ pub struct WebhookConfig {
     pub max_connections: usize,
     /// Connections one client address keeps open at once (`None`: a quarter of the cap).
     pub max_connections_per_client: Option<usize>,
+    /// Idle and write timers of each connection.
+    pub conn: conn::ConnLimits,
     pub failure_policy: FailurePolicy,
     pub tenancy: TenancySettings,
     /// The file server's Service (name, namespace): its ClusterIP and ports are added to
@@ -232,6 +236,7 @@ pub async fn start(
                 if let Some(per_client) = config.max_connections_per_client {
                     bounds.max_connections_per_client = per_client.max(1);
                 }
+                bounds.conn = config.conn;
                 bounds
             },
             metrics.clone(),

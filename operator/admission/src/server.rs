@@ -19,6 +19,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tower_http::timeout::TimeoutLayer;
 use tracing::{debug, info, warn};
 
+use crate::conn::{self, ConnLimits, Guarded, Tracked};
 use crate::metrics::AdmissionMetrics;
 
 /// The apiserver waits at most 30 s for a webhook; nothing we do takes that long.
@@ -29,6 +30,16 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 const FIRST_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// The headers of each request.
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// A connection without a request in flight (HTTP/1 keep-alive and HTTP/2 alike) is closed.
+/// Above the apiserver's own idle timeout (client-go's 90 s), so in normal operation the
+/// apiserver closes its idle connections first and never races our close with a request;
+/// a client holding connections open without using them gives them back this soon.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(120);
+/// One write the peer does not read.
+pub const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+/// HTTP/2 PINGs: a peer that does not answer one in time is gone.
+const H2_KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(30);
+const H2_KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Errors of the listener.
 #[derive(Debug, thiserror::Error)]
@@ -89,6 +100,8 @@ pub struct Bounds {
     pub first_request_timeout: Duration,
     /// The headers of each request.
     pub header_read_timeout: Duration,
+    /// Idle and write timers of each connection.
+    pub conn: ConnLimits,
 }
 
 impl Bounds {
@@ -102,13 +115,18 @@ impl Bounds {
             handshake_timeout: HANDSHAKE_TIMEOUT,
             first_request_timeout: FIRST_REQUEST_TIMEOUT,
             header_read_timeout: HEADER_READ_TIMEOUT,
+            conn: ConnLimits {
+                idle_timeout: IDLE_TIMEOUT,
+                write_timeout: WRITE_TIMEOUT,
+            },
         }
     }
 }
 
 /// Serves `app` over TLS until `shutdown`, then drains in-flight requests for up to
 /// `bounds.drain`. Slow clients are bounded at every step: the TLS handshake, the first
-/// request, each request's headers, and the whole request (body included).
+/// request, each request's headers, the whole request (body included), the time between
+/// requests and each write of the answer.
 pub async fn serve(
     listener: TcpListener,
     app: Router,
@@ -136,6 +154,7 @@ pub async fn serve(
         permits: Arc::new(Semaphore::new(bounds.max_connections.max(1))),
         per_client: Arc::new(PerClient::new(bounds.max_connections_per_client)),
         metrics: metrics.clone(),
+        limits: bounds.conn,
     };
     let acceptor = Handshakes {
         inner: RustlsAcceptor::new(tls)
@@ -157,10 +176,18 @@ pub async fn serve(
         .http1()
         .timer(TokioTimer::new())
         .header_read_timeout(bounds.header_read_timeout);
+    server
+        .http_builder()
+        .http2()
+        .timer(TokioTimer::new())
+        .keep_alive_interval(Some(H2_KEEP_ALIVE_INTERVAL))
+        .keep_alive_timeout(H2_KEEP_ALIVE_TIMEOUT);
     info!(
         addr,
         max_connections = bounds.max_connections,
         max_connections_per_client = bounds.max_connections_per_client,
+        idle_timeout = ?bounds.conn.idle_timeout,
+        write_timeout = ?bounds.conn.write_timeout,
         "admission webhook listening (HTTPS)"
     );
     if let Err(e) = server.handle(handle).serve(app.into_make_service()).await {
@@ -210,18 +237,20 @@ where
 }
 
 /// Admits a connection only while fewer than the cap are open, and fewer than the
-/// per-client cap from its address; both places live as long as the connection's stream.
+/// per-client cap from its address; both places live as long as the connection's stream,
+/// which the idle and write timers end.
 #[derive(Clone)]
 struct ConnectionCap {
     permits: Arc<Semaphore>,
     per_client: Arc<PerClient>,
     metrics: AdmissionMetrics,
+    limits: ConnLimits,
 }
 
 impl<S> Accept<tokio::net::TcpStream, S> for ConnectionCap {
-    type Stream = Counted<tokio::net::TcpStream>;
-    type Service = S;
-    type Future = std::future::Ready<std::io::Result<(Self::Stream, S)>>;
+    type Stream = Guarded<Counted<tokio::net::TcpStream>>;
+    type Service = Tracked<S>;
+    type Future = std::future::Ready<std::io::Result<(Self::Stream, Self::Service)>>;
 
     fn accept(&self, stream: tokio::net::TcpStream, service: S) -> Self::Future {
         // The apiserver keeps HTTP/2 connections open and sends request after request: with
@@ -251,15 +280,13 @@ impl<S> Accept<tokio::net::TcpStream, S> for ConnectionCap {
         match self.permits.clone().try_acquire_owned() {
             Ok(permit) => {
                 self.metrics.connections.inc();
-                std::future::ready(Ok((
-                    Counted {
-                        inner: stream,
-                        _permit: permit,
-                        _client: client,
-                        gauge: self.metrics.connections.clone(),
-                    },
-                    service,
-                )))
+                let counted = Counted {
+                    inner: stream,
+                    _permit: permit,
+                    _client: client,
+                    gauge: self.metrics.connections.clone(),
+                };
+                std::future::ready(Ok(conn::guard(counted, service, self.limits)))
             }
             Err(_) => refuse(
                 "connections",
@@ -428,11 +455,12 @@ mod tests {
             permits: Arc::new(Semaphore::new(1)),
             per_client: Arc::new(PerClient::new(1)),
             metrics: AdmissionMetrics::new(),
+            limits: Bounds::new(Duration::from_secs(1), 1).conn,
         };
-        let (counted, ()) = Accept::<_, ()>::accept(&cap, stream, ())
+        let (counted, _) = Accept::<_, ()>::accept(&cap, stream, ())
             .await
             .expect("admitted");
-        assert!(counted.inner.nodelay().expect("nodelay"));
+        assert!(counted.get_ref().inner.nodelay().expect("nodelay"));
     }
 
     #[test]

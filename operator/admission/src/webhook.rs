@@ -12,7 +12,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::sync::Semaphore;
 
@@ -21,7 +21,7 @@ use axum::extract::{DefaultBodyLimit, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use http::StatusCode;
-use http_body_util::{BodyExt, LengthLimitError, Limited};
+use http_body_util::BodyExt;
 use kube::core::Status;
 use kube::core::admission::AdmissionResponse;
 use kube::core::response::{StatusCause, StatusDetails};
@@ -111,7 +111,15 @@ pub struct ReviewLimits {
     /// JSON values (objects, arrays, scalars, keys) a body may hold (413 above): bounds the
     /// parsed tree, whatever the body's shape.
     pub max_json_values: usize,
+    /// Time the whole body may take to arrive (408 above).
+    pub body_timeout: Duration,
+    /// Slowest rate a body may arrive at after [`BODY_RATE_GRACE`] (408 below): a client
+    /// trickling a body holds a connection and a handler for no more than its bytes buy.
+    pub min_body_bytes_per_sec: usize,
 }
+
+/// Time a body may take before its rate is checked (a slow start is not a slow body).
+pub const BODY_RATE_GRACE: Duration = Duration::from_secs(1);
 
 impl ReviewLimits {
     /// The apiserver accepts request bodies of up to 3 MiB and etcd stores objects of up to
@@ -121,6 +129,9 @@ impl ReviewLimits {
         max_body_bytes: 6 << 20,
         body_budget_bytes: 24 << 20,
         max_json_values: 250_000,
+        // The apiserver sends a review at once and waits 10 s by default for the answer.
+        body_timeout: Duration::from_secs(10),
+        min_body_bytes_per_sec: 64 << 10,
     };
 
     /// Memory one parsed body may take: the bytes, the value tree (at most ~100 bytes per
@@ -405,9 +416,10 @@ impl Admission {
     }
 
     /// One webhook call, from the raw HTTP request to the answer. The order bounds memory:
-    /// the declared size is checked, the body's bytes are reserved from a shared budget and
-    /// read with a cap, and only once an evaluation slot is taken is the body parsed (once,
-    /// on the blocking pool) and evaluated.
+    /// the declared size is checked, the body is read with a cap, a deadline and a minimum
+    /// rate, each chunk charged to a shared budget as it arrives (a declared length reserves
+    /// nothing: a slow client holds only what it sent), and only once an evaluation slot is
+    /// taken is the body parsed (once, on the blocking pool) and evaluated.
     async fn handle(&self, webhook: &'static str, request: axum::extract::Request) -> Response {
         let started = Instant::now();
         self.metrics
@@ -433,27 +445,17 @@ impl Admission {
                 },
             );
         }
-        // Without a length, the most a body may be is reserved.
-        let reserve = declared.map_or(max, |l| l as usize);
-        let Ok(_reservation) = self
-            .body_budget
-            .clone()
-            .try_acquire_many_owned(kib(reserve))
-            .map(|permit| Reserved::new(permit, &self.metrics, reserve))
-        else {
-            return self.refuse(
-                webhook,
-                Refusal::BodyBudget {
-                    budget: self.limits.body_budget_bytes,
-                },
-            );
-        };
-        let body = match Limited::new(request.into_body(), max).collect().await {
-            Ok(collected) => collected.to_bytes(),
-            Err(e) if e.is::<LengthLimitError>() => {
-                return self.refuse(webhook, Refusal::TooLarge { length: None, max });
-            }
-            Err(e) => {
+        let (body, _reservation) = match read_body(
+            &self.limits,
+            &self.body_budget,
+            &self.metrics,
+            request.into_body(),
+        )
+        .await
+        {
+            Ok(read) => read,
+            Err(BodyError::Refused(refusal)) => return self.refuse(webhook, refusal),
+            Err(BodyError::Read(e)) => {
                 return invalid(
                     &self.metrics,
                     webhook,
@@ -570,16 +572,7 @@ impl Admission {
 
     /// An answer over a limit: a status code and one line saying which limit.
     fn refuse(&self, webhook: &str, refusal: Refusal) -> Response {
-        let (status, reason) = match &refusal {
-            Refusal::TooLarge { .. } | Refusal::TooManyValues { .. } => {
-                (StatusCode::PAYLOAD_TOO_LARGE, refusal.reason())
-            }
-            Refusal::BodyBudget { .. } => (StatusCode::TOO_MANY_REQUESTS, refusal.reason()),
-            Refusal::Engine(EngineError::Busy { .. }) => {
-                (StatusCode::TOO_MANY_REQUESTS, refusal.reason())
-            }
-            Refusal::Engine(_) => (StatusCode::SERVICE_UNAVAILABLE, refusal.reason()),
-        };
+        let (status, reason) = (refusal.status(), refusal.reason());
         self.metrics.refused(reason);
         self.metrics.decision(webhook, "refused");
         warn!(webhook, status = status.as_u16(), "{refusal}");
@@ -776,17 +769,39 @@ enum Refusal {
     TooManyValues { max: usize },
     #[error("too many review bytes are being read at once (budget {budget} bytes); try again")]
     BodyBudget { budget: usize },
+    #[error(
+        "the body arrived too slowly ({received} bytes so far; it must arrive within {timeout:?} and at {min_rate} bytes/s or more)"
+    )]
+    SlowBody {
+        received: usize,
+        timeout: Duration,
+        min_rate: usize,
+    },
     #[error("{0}")]
     Engine(EngineError),
 }
 
 impl Refusal {
+    fn status(&self) -> StatusCode {
+        match self {
+            Refusal::TooLarge { .. } | Refusal::TooManyValues { .. } => {
+                StatusCode::PAYLOAD_TOO_LARGE
+            }
+            Refusal::BodyBudget { .. } | Refusal::Engine(EngineError::Busy { .. }) => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
+            Refusal::SlowBody { .. } => StatusCode::REQUEST_TIMEOUT,
+            Refusal::Engine(_) => StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+
     /// The `reason` label of the refused counter (a fixed set).
     fn reason(&self) -> &'static str {
         match self {
             Refusal::TooLarge { .. } => "body_too_large",
             Refusal::TooManyValues { .. } => "too_many_values",
             Refusal::BodyBudget { .. } => "body_budget",
+            Refusal::SlowBody { .. } => "slow_body",
             Refusal::Engine(e) => e.kind(),
         }
     }
@@ -822,25 +837,97 @@ fn invalid(metrics: &AdmissionMetrics, webhook: &str, e: WebhookError) -> Respon
     (StatusCode::BAD_REQUEST, format!("{e}\n")).into_response()
 }
 
-/// Body bytes reserved from the budget, shown on a gauge while held.
+/// Reads a body as it arrives: at most `max_body_bytes`, within `body_timeout`, never
+/// slower than `min_body_bytes_per_sec` after the grace, each chunk charged to the shared
+/// budget before it is kept.
+async fn read_body(
+    limits: &ReviewLimits,
+    budget: &Arc<Semaphore>,
+    metrics: &AdmissionMetrics,
+    mut body: axum::body::Body,
+) -> Result<(bytes::Bytes, Reserved), BodyError> {
+    let began = tokio::time::Instant::now();
+    let mut reserved = Reserved::new(metrics);
+    let mut kept = bytes::BytesMut::new();
+    loop {
+        let received = kept.len();
+        let rate_deadline =
+            began + BODY_RATE_GRACE + rate_time(received, limits.min_body_bytes_per_sec);
+        let deadline = rate_deadline.min(began + limits.body_timeout);
+        let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
+            Ok(None) => break,
+            Ok(Some(frame)) => frame.map_err(BodyError::Read)?,
+            Err(_) => {
+                return Err(BodyError::Refused(Refusal::SlowBody {
+                    received,
+                    timeout: limits.body_timeout,
+                    min_rate: limits.min_body_bytes_per_sec,
+                }));
+            }
+        };
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        let total = received.saturating_add(data.len());
+        if total > limits.max_body_bytes {
+            return Err(BodyError::Refused(Refusal::TooLarge {
+                length: None,
+                max: limits.max_body_bytes,
+            }));
+        }
+        let more = kib(total).saturating_sub(kib(received));
+        if more > 0 {
+            let Ok(permit) = budget.clone().try_acquire_many_owned(more) else {
+                return Err(BodyError::Refused(Refusal::BodyBudget {
+                    budget: limits.body_budget_bytes,
+                }));
+            };
+            reserved.add(permit, total - received);
+        }
+        kept.extend_from_slice(&data);
+    }
+    Ok((kept.freeze(), reserved))
+}
+
+/// Why a body was not read.
+enum BodyError {
+    Refused(Refusal),
+    Read(axum::Error),
+}
+
+/// Time `bytes` take at `rate` bytes per second, at most a day (a rate of 0 never runs out;
+/// the body's deadline is the bound then).
+fn rate_time(bytes: usize, rate: usize) -> Duration {
+    const DAY: Duration = Duration::from_secs(86_400);
+    if rate == 0 {
+        return DAY;
+    }
+    Duration::from_secs_f64(bytes as f64 / rate as f64).min(DAY)
+}
+
+/// Body bytes charged to the budget so far, shown on a gauge while held.
 struct Reserved {
-    _permit: tokio::sync::OwnedSemaphorePermit,
+    permit: Option<tokio::sync::OwnedSemaphorePermit>,
     gauge: prometheus_client::metrics::gauge::Gauge,
     bytes: i64,
 }
 
 impl Reserved {
-    fn new(
-        permit: tokio::sync::OwnedSemaphorePermit,
-        metrics: &AdmissionMetrics,
-        bytes: usize,
-    ) -> Self {
-        let bytes = i64::try_from(bytes).unwrap_or(i64::MAX);
-        metrics.body_bytes_reserved.inc_by(bytes);
+    fn new(metrics: &AdmissionMetrics) -> Self {
         Self {
-            _permit: permit,
+            permit: None,
             gauge: metrics.body_bytes_reserved.clone(),
-            bytes,
+            bytes: 0,
+        }
+    }
+
+    fn add(&mut self, permit: tokio::sync::OwnedSemaphorePermit, bytes: usize) {
+        let bytes = i64::try_from(bytes).unwrap_or(i64::MAX);
+        self.gauge.inc_by(bytes);
+        self.bytes = self.bytes.saturating_add(bytes);
+        match &mut self.permit {
+            Some(held) => held.merge(permit),
+            None => self.permit = Some(permit),
         }
     }
 }
@@ -854,4 +941,187 @@ impl Drop for Reserved {
 /// Bytes in KiB permits (rounded up), as the budget semaphore counts them.
 fn kib(bytes: usize) -> u32 {
     u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    //! Body reading on a real socket (no policy bundle needed: a refused body never reaches
+    //! an evaluation).
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+
+    use super::*;
+
+    struct Reader {
+        addr: std::net::SocketAddr,
+        metrics: AdmissionMetrics,
+    }
+
+    /// `POST /read` reads the body as `/validate` does and answers 200 with its length, or
+    /// the refusal's status and message.
+    async fn reader(limits: ReviewLimits) -> Reader {
+        let metrics = AdmissionMetrics::new();
+        let budget = Arc::new(Semaphore::new(kib(limits.body_budget_bytes) as usize));
+        let app = Router::new().route(
+            "/read",
+            post({
+                let metrics = metrics.clone();
+                move |request: axum::extract::Request| {
+                    let (metrics, budget) = (metrics.clone(), budget.clone());
+                    async move {
+                        match read_body(&limits, &budget, &metrics, request.into_body()).await {
+                            Ok((body, _held)) => (StatusCode::OK, body.len().to_string()),
+                            Err(BodyError::Refused(r)) => (r.status(), r.to_string()),
+                            Err(BodyError::Read(e)) => (StatusCode::BAD_REQUEST, e.to_string()),
+                        }
+                    }
+                }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        Reader { addr, metrics }
+    }
+
+    /// A client that declares `declared` bytes and sends `sent` of them, then waits.
+    async fn slow_client(addr: std::net::SocketAddr, declared: usize, sent: usize) -> TcpStream {
+        let mut stream = TcpStream::connect(addr).await.expect("connect");
+        let head = format!("POST /read HTTP/1.1\r\nHost: x\r\nContent-Length: {declared}\r\n\r\n");
+        stream.write_all(head.as_bytes()).await.expect("head");
+        stream.write_all(&vec![b' '; sent]).await.expect("body");
+        stream
+    }
+
+    /// The status line and body of the answer on `stream`.
+    async fn answer(stream: &mut TcpStream) -> String {
+        let mut buf = Vec::new();
+        // Connection: close is not sent by the slow clients: read what arrives until the
+        // server closes or a complete answer is in (a generous bound, never reached by a
+        // server that answers).
+        let _ = tokio::time::timeout(Duration::from_secs(30), async {
+            let mut chunk = [0u8; 4096];
+            loop {
+                match stream.read(&mut chunk).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                }
+                let text = String::from_utf8_lossy(&buf);
+                if let Some((head, body)) = text.split_once("\r\n\r\n")
+                    && let Some(length) = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length: "))
+                        .and_then(|l| l.trim().parse::<usize>().ok())
+                    && body.len() >= length
+                {
+                    break;
+                }
+            }
+        })
+        .await;
+        String::from_utf8_lossy(&buf).into_owned()
+    }
+
+    async fn post_body(addr: std::net::SocketAddr, bytes: usize) -> String {
+        let mut stream = slow_client(addr, bytes, bytes).await;
+        answer(&mut stream).await
+    }
+
+    async fn until(what: &str, mut condition: impl FnMut() -> bool) {
+        for _ in 0..100_000 {
+            if condition() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        panic!("never: {what}");
+    }
+
+    /// Limits where only the budget can refuse: no deadline or rate a slow machine reaches.
+    fn patient() -> ReviewLimits {
+        ReviewLimits {
+            body_timeout: Duration::from_secs(3600),
+            min_body_bytes_per_sec: 0,
+            ..ReviewLimits::DEFAULT
+        }
+    }
+
+    #[tokio::test]
+    async fn a_declared_length_holds_nothing_it_has_not_sent() {
+        let limits = patient();
+        let server = reader(limits).await;
+        // Four clients declare the largest body and send 1 KiB each: with the budget reserved
+        // from the declared length, they would hold all 24 MiB of it.
+        let mut slow = Vec::new();
+        for _ in 0..4 {
+            slow.push(slow_client(server.addr, limits.max_body_bytes, 1024).await);
+        }
+        until("the slow bodies' bytes are charged", || {
+            server.metrics.body_bytes_reserved.get() == 4 * 1024
+        })
+        .await;
+        let answer = post_body(server.addr, 64 << 10).await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        assert!(answer.ends_with(&(64 << 10).to_string()), "{answer}");
+        drop(slow);
+    }
+
+    #[tokio::test]
+    async fn bytes_that_arrived_are_charged_and_given_back() {
+        let limits = ReviewLimits {
+            body_budget_bytes: ReviewLimits::DEFAULT.max_body_bytes,
+            ..patient()
+        };
+        let server = reader(limits).await;
+        // One client sends all but the last KiB of the largest body: the budget is spent.
+        let sent = limits.max_body_bytes - 1024;
+        let mut slow = slow_client(server.addr, limits.max_body_bytes, sent).await;
+        until("the sent bytes are charged", || {
+            server.metrics.body_bytes_reserved.get() == sent as i64
+        })
+        .await;
+        let refused = post_body(server.addr, 64 << 10).await;
+        assert!(refused.starts_with("HTTP/1.1 429"), "{refused}");
+        assert!(refused.contains("review bytes"), "{refused}");
+        // It finishes: its bytes go back, and the next body is read.
+        slow.write_all(&[b' '; 1024]).await.expect("rest");
+        let done = answer(&mut slow).await;
+        assert!(done.starts_with("HTTP/1.1 200"), "{done}");
+        until("the budget is back", || {
+            server.metrics.body_bytes_reserved.get() == 0
+        })
+        .await;
+        let answer = post_body(server.addr, 64 << 10).await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    }
+
+    #[tokio::test]
+    async fn a_body_slower_than_the_minimum_rate_gets_408() {
+        let server = reader(ReviewLimits {
+            min_body_bytes_per_sec: 1 << 20,
+            ..patient()
+        })
+        .await;
+        let mut slow = slow_client(server.addr, 6 << 20, 10).await;
+        let answer = answer(&mut slow).await;
+        assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+        assert!(answer.contains("too slowly"), "{answer}");
+        assert_eq!(server.metrics.body_bytes_reserved.get(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_body_past_its_deadline_gets_408() {
+        let server = reader(ReviewLimits {
+            body_timeout: Duration::from_millis(300),
+            ..patient()
+        })
+        .await;
+        let mut slow = slow_client(server.addr, 1024, 10).await;
+        let answer = answer(&mut slow).await;
+        assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+        assert!(answer.contains("too slowly"), "{answer}");
+    }
 }

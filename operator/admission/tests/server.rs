@@ -1,4 +1,5 @@
-//! The webhook listener on a real TLS socket: the connection caps (all and per client address).
+//! The webhook listener on a real TLS socket: the connection caps (all and per client address)
+//! and the idle timer, over HTTP/1.1 and HTTP/2.
 #![allow(
     clippy::disallowed_methods,
     reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
@@ -11,6 +12,7 @@ use axum::Router;
 use axum::routing::get;
 use axum_server::tls_rustls::RustlsConfig;
 use pko_admission::CertSettings;
+use pko_admission::conn::ConnLimits;
 use pko_admission::metrics::AdmissionMetrics;
 use pko_admission::server::{self, Bounds};
 use pko_admission::tls::{self, Assessment};
@@ -207,6 +209,146 @@ async fn a_client_that_never_finishes_its_handshake_is_dropped() {
     let read = idle.read(&mut byte).await;
     assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
     until("the slot is free again", || metrics.connections.get() == 0).await;
+    stop.cancel();
+}
+
+/// An HTTP/2 connection over TLS from the loopback address `source`, or `None` when the
+/// server closed it first (refused, or idle before the handshake ended).
+async fn h2_connect(
+    source: [u8; 4],
+    addr: std::net::SocketAddr,
+    ca_pem: &str,
+) -> Option<(
+    h2::client::SendRequest<bytes::Bytes>,
+    tokio::task::JoinHandle<Result<(), h2::Error>>,
+)> {
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls_pemfile_certs(ca_pem) {
+        roots.add(cert).expect("root");
+    }
+    let mut config = rustls::ClientConfig::builder()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let tcp = connect_from(source, addr).await;
+    let name = rustls::pki_types::ServerName::try_from("127.0.0.1").expect("name");
+    let stream = connector.connect(name, tcp).await.ok()?;
+    let (send, connection) = h2::client::handshake(stream).await.ok()?;
+    Some((send, tokio::spawn(connection)))
+}
+
+/// `GET path` on an HTTP/2 connection: the status, once the whole answer is in.
+async fn h2_get(send: &mut h2::client::SendRequest<bytes::Bytes>, path: &str) -> Option<u16> {
+    let request = http::Request::get(format!("https://127.0.0.1{path}"))
+        .body(())
+        .expect("request");
+    let mut ready = send.clone().ready().await.ok()?;
+    let (response, _) = ready.send_request(request, true).ok()?;
+    let response = response.await.ok()?;
+    let status = response.status().as_u16();
+    let mut body = response.into_body();
+    while let Some(chunk) = body.data().await {
+        let chunk = chunk.ok()?;
+        let _ = body.flow_control().release_capacity(chunk.len());
+    }
+    Some(status)
+}
+
+/// One pod opening HTTP/2 connections and leaving them idle: beyond its share they are closed
+/// at once, and the ones it holds are closed once no request has been in flight for the idle
+/// timeout (the timer covers every request, not only the first); its places then come back.
+#[tokio::test]
+async fn idle_http2_connections_are_capped_and_closed() {
+    // `/hold` keeps its request in flight until the test opens the gate.
+    let entered = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let app = Router::new()
+        .route("/ping", get(|| async { "pong" }))
+        .route(
+            "/hold",
+            get({
+                let (entered, gate) = (entered.clone(), gate.clone());
+                move || {
+                    let (entered, gate) = (entered.clone(), gate.clone());
+                    async move {
+                        entered.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        let _ = gate.acquire().await.map(|p| p.forget());
+                        "released"
+                    }
+                }
+            }),
+        );
+    let Listening {
+        addr,
+        ca_pem,
+        metrics,
+        stop,
+    } = listen(
+        app,
+        Bounds {
+            max_connections_per_client: 2,
+            conn: ConnLimits {
+                idle_timeout: Duration::from_secs(1),
+                write_timeout: Duration::from_secs(3600),
+            },
+            ..Bounds::new(Duration::from_secs(1), 8)
+        },
+    );
+    let pod = [127, 0, 0, 2];
+    // Two connections, each with a request in flight. A connection the idle timer closes
+    // before its first request (a slow machine) is replaced: that is the timer working.
+    let mut held = Vec::new();
+    for _ in 0..1000 {
+        if held.len() == 2 {
+            break;
+        }
+        let before = entered.load(std::sync::atomic::Ordering::SeqCst);
+        let Some((mut send, task)) = h2_connect(pod, addr, &ca_pem).await else {
+            continue;
+        };
+        let request = tokio::spawn(async move {
+            let status = h2_get(&mut send, "/hold").await;
+            (status, send)
+        });
+        // Either the handler has the request, or the request failed.
+        while entered.load(std::sync::atomic::Ordering::SeqCst) == before && !request.is_finished()
+        {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        if entered.load(std::sync::atomic::Ordering::SeqCst) > before {
+            held.push((request, task));
+        }
+    }
+    assert_eq!(held.len(), 2, "two connections with a request in flight");
+    // A third from the pod is closed without a byte.
+    let mut third = connect_from(pod, addr).await;
+    let mut byte = [0u8; 1];
+    let read = third.read(&mut byte).await;
+    assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+    assert_eq!(refused_for(&metrics, "client_connections"), 1);
+    // The requests are answered; the connections are idle from then on, and the server
+    // closes them (their connection tasks end). The bound is far above the idle timeout;
+    // without the timer they stay open for good.
+    gate.add_permits(2);
+    for (request, task) in held {
+        let (status, _send) = request.await.expect("join");
+        assert_eq!(status, Some(200));
+        let ended = tokio::time::timeout(Duration::from_secs(60), task).await;
+        assert!(ended.is_ok(), "an idle HTTP/2 connection is still open");
+    }
+    until("every place is back", || metrics.connections.get() == 0).await;
+    // The pod is served again (retried only if the idle timer beats a slow handshake).
+    let mut served = false;
+    for _ in 0..100 {
+        if let Some((mut send, _task)) = h2_connect(pod, addr, &ca_pem).await
+            && h2_get(&mut send, "/ping").await == Some(200)
+        {
+            served = true;
+            break;
+        }
+    }
+    assert!(served, "the pod is served again");
     stop.cancel();
 }
 

@@ -423,18 +423,20 @@ fn the_value_bound_counts_every_value_and_ignores_strings() {
 }
 
 #[tokio::test]
-async fn a_spent_body_budget_gets_429_and_frees_up() {
+async fn the_body_budget_holds_bytes_that_arrived_never_a_declared_length() {
+    // Only the budget can refuse here: no body deadline or rate a slow machine could reach.
     let limits = ReviewLimits {
         body_budget_bytes: ReviewLimits::DEFAULT.max_body_bytes,
+        body_timeout: std::time::Duration::from_secs(3600),
+        min_body_bytes_per_sec: 0,
         ..ReviewLimits::DEFAULT
     };
     let app = app_with(vec![], EngineLimits::default(), FailurePolicy::Fail, limits).await;
-    // A client that declares the largest body and sends it slowly holds the whole budget.
-    let (sender, receiver) = tokio::sync::mpsc::channel::<Result<Vec<u8>, std::io::Error>>(1);
-    let slow = {
+    let slow_request = |sent: Vec<u8>| {
+        let (sender, receiver) = tokio::sync::mpsc::channel::<Result<Vec<u8>, std::io::Error>>(1);
         let router = app.router.clone();
         let body = Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(receiver));
-        tokio::spawn(async move {
+        let task = tokio::spawn(async move {
             router
                 .oneshot(
                     Request::post("/validate")
@@ -445,11 +447,27 @@ async fn a_spent_body_budget_gets_429_and_frees_up() {
                 .await
                 .expect("response")
                 .status()
-        })
+        });
+        async move {
+            sender.send(Ok(sent)).await.expect("send");
+            (sender, task)
+        }
     };
-    sender.send(Ok(b"{".to_vec())).await.expect("send");
-    // Once the slow request holds its reservation, a small one finds no room.
+    // A client that declares the largest body and sends one byte holds one KiB: a review
+    // from the apiserver is answered (with the budget reserved from the declared length, it
+    // found no room).
+    let (declared_only, declared_task) = slow_request(b"{".to_vec()).await;
     while app.metrics.body_bytes_reserved.get() == 0 {
+        tokio::task::yield_now().await;
+    }
+    let fine = review_response(&app.router, "/validate", &review("team-a", json!({}))).await;
+    assert_eq!(fine["allowed"], true);
+    drop(declared_only);
+    assert_eq!(declared_task.await.expect("task"), StatusCode::BAD_REQUEST);
+    // A client that has sent all but the last KiB holds the budget: a review finds no room.
+    let sent = limits.max_body_bytes - 1024;
+    let (held, held_task) = slow_request(vec![b' '; sent]).await;
+    while app.metrics.body_bytes_reserved.get() < sent as i64 {
         tokio::task::yield_now().await;
     }
     let small = review("team-a", json!({})).to_string();
@@ -457,9 +475,9 @@ async fn a_spent_body_budget_gets_429_and_frees_up() {
     let refused = String::from_utf8_lossy(&answer).into_owned();
     assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{refused}");
     assert!(refused.contains("review bytes"), "{refused}");
-    // The slow client goes away: its reservation is returned.
-    drop(sender);
-    assert_eq!(slow.await.expect("task"), StatusCode::BAD_REQUEST);
+    // The slow client goes away: its bytes are returned.
+    drop(held);
+    assert_eq!(held_task.await.expect("task"), StatusCode::BAD_REQUEST);
     let fine = review_response(&app.router, "/validate", &review("team-a", json!({}))).await;
     assert_eq!(fine["allowed"], true);
 }

@@ -9,6 +9,7 @@
 pub mod agent;
 pub mod fileserver;
 pub mod leader;
+pub mod listeners;
 pub mod reconcile;
 pub mod webhook;
 

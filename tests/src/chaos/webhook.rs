@@ -254,14 +254,14 @@ async fn storm_on(
     Ok(section)
 }
 
-fn certificate(pem: &[u8]) -> Result<reqwest::Certificate, HarnessError> {
+pub(super) fn certificate(pem: &[u8]) -> Result<reqwest::Certificate, HarnessError> {
     reqwest::Certificate::from_pem(pem)
         .map_err(|e| HarnessError::io("the webhook CA", std::io::Error::other(e)))
 }
 
 /// An AdmissionReview of a Stack creation, padded to about `bytes` with an array of
 /// [`BIG_BODY_VALUES`] strings (no padding when `bytes` is 0).
-fn big_review(ns: &str, bytes: usize) -> Vec<u8> {
+pub(super) fn big_review(ns: &str, bytes: usize) -> Vec<u8> {
     let head = format!(
         r#"{{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview","request":{{"uid":"chaos","kind":{{"group":"pulumi.com","version":"v1","kind":"Stack"}},"resource":{{"group":"pulumi.com","version":"v1","resource":"stacks"}},"namespace":"{ns}","name":"big","operation":"CREATE","userInfo":{{"username":"chaos"}},"object":{{"apiVersion":"pulumi.com/v1","kind":"Stack","metadata":{{"name":"big","namespace":"{ns}"}},"spec":{{"stack":"dev","programRef":{{"name":"p"}},"config":{{"pad":["#
     );
@@ -429,13 +429,13 @@ impl SlowClients {
     }
 }
 
-async fn connect_from(source: [u8; 4], port: u16) -> std::io::Result<TcpStream> {
+pub(super) async fn connect_from(source: [u8; 4], port: u16) -> std::io::Result<TcpStream> {
     let socket = tokio::net::TcpSocket::new_v4()?;
     socket.bind((std::net::Ipv4Addr::from(source), 0).into())?;
     socket.connect(([127, 0, 0, 1], port).into()).await
 }
 
-fn tls_connector(ca: &[u8]) -> Result<tokio_rustls::TlsConnector, HarnessError> {
+pub(super) fn tls_connector(ca: &[u8]) -> Result<tokio_rustls::TlsConnector, HarnessError> {
     use rustls::pki_types::CertificateDer;
     use rustls::pki_types::pem::PemObject;
     let bad_ca = |e: String| HarnessError::io("the webhook CA", std::io::Error::other(e));

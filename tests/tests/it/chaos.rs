@@ -45,6 +45,19 @@ async fn invented_methods_and_long_paths_add_no_metric_series() {
 }
 
 #[tokio::test]
+async fn slow_readers_and_idle_connections_hold_no_listener() {
+    // Alone in the binary: each scenario measures one operator's memory and latencies, and
+    // any other test would load the same two cores.
+    let _alone = pko_tests::serial::alone().await;
+    let plane = ControlPlane::shared().await;
+    holds(
+        chaos::listeners::section(plane, &Scale::SHORT)
+            .await
+            .expect("scenario runs"),
+    );
+}
+
+#[tokio::test]
 async fn programs_converge_with_one_status_write_across_operator_kills() {
     // Alone in the binary: each scenario measures one operator's memory and latencies, and
     // any other test would load the same two cores.
