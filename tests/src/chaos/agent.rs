@@ -34,6 +34,9 @@ use crate::kubelet::{annotate_dev_port, create_pod, revision_of, set_sts_status,
 use crate::{ControlPlane, HarnessError, wait_for};
 
 const MIB: usize = 1024 * 1024;
+/// An empty list inside a list on the wire: the item's tag and length, the value's tag and
+/// length.
+const EMPTY_LIST_WIRE_BYTES: usize = 4;
 const WORKSPACE: &str = "hostile";
 const STACK: &str = "dev";
 /// The version the stub claims: recent enough for everything the operator checks.
@@ -52,6 +55,9 @@ pub enum Hostility {
     /// then a successful result; the operator's budget of event bytes per operation is half
     /// of `total_bytes`.
     Flood { total_bytes: usize, each: usize },
+    /// One engine event of `lists` empty lists (4 bytes each on the wire, 64 once decoded),
+    /// under the message limit; then a successful result.
+    EmptyLists { lists: usize },
 }
 
 impl Hostility {
@@ -61,6 +67,7 @@ impl Hostility {
             Self::HugeEvent { .. } => "huge-event",
             Self::HugeLine { .. } => "huge-line",
             Self::Flood { .. } => "flood",
+            Self::EmptyLists { .. } => "empty-lists",
         }
     }
 
@@ -69,6 +76,7 @@ impl Hostility {
         match *self {
             Self::HugeEvent { bytes } | Self::HugeLine { bytes } => bytes,
             Self::Flood { total_bytes, .. } => total_bytes,
+            Self::EmptyLists { lists } => lists * EMPTY_LIST_WIRE_BYTES,
         }
     }
 }
@@ -79,6 +87,8 @@ pub struct AgentScale {
     pub event_bytes: usize,
     pub line_bytes: usize,
     pub flood_bytes: usize,
+    /// Empty lists in the event of the empty-lists case.
+    pub empty_lists: usize,
 }
 
 impl AgentScale {
@@ -87,16 +97,21 @@ impl AgentScale {
         event_bytes: 24 * MIB,
         line_bytes: 40 * MIB,
         flood_bytes: 64 * MIB,
+        // 4 MiB on the wire, 64 MiB decoded: twice the bound of one event.
+        empty_lists: 1 << 20,
     };
     /// The sizes of the chaos run.
     pub const FULL: Self = Self {
         event_bytes: 300 * MIB,
         line_bytes: 1024 * MIB,
         flood_bytes: 1024 * MIB,
+        // Just under the 16 MiB message limit; about 850 MiB once decoded before events were
+        // charged by their decoded size.
+        empty_lists: 4_000_000,
     };
 
     /// The cases, in the order they run.
-    pub fn cases(&self) -> [Hostility; 3] {
+    pub fn cases(&self) -> [Hostility; 4] {
         [
             Hostility::HugeEvent {
                 bytes: self.event_bytes,
@@ -107,6 +122,9 @@ impl AgentScale {
             Hostility::Flood {
                 total_bytes: self.flood_bytes,
                 each: MIB,
+            },
+            Hostility::EmptyLists {
+                lists: self.empty_lists,
             },
         ]
     }
@@ -247,6 +265,22 @@ fn diagnostic(sequence: usize, bytes: usize) -> prost_types::Struct {
     }
 }
 
+/// An engine event of `lists` empty lists.
+fn empty_lists(lists: usize) -> prost_types::Struct {
+    let value = |kind| prost_types::Value { kind: Some(kind) };
+    let empty = value(Kind::ListValue(prost_types::ListValue::default()));
+    prost_types::Struct {
+        fields: [(
+            "diagnosticEvent".to_owned(),
+            value(Kind::ListValue(prost_types::ListValue {
+                values: vec![empty; lists],
+            })),
+        )]
+        .into_iter()
+        .collect(),
+    }
+}
+
 /// The hostile answer of an operation, built lazily (a flood never holds more than one event)
 /// and counted as the transport takes it.
 fn hostile_stream<T: Send + 'static>(
@@ -255,10 +289,21 @@ fn hostile_stream<T: Send + 'static>(
     result: fn(String) -> T,
 ) -> RpcStream<T> {
     shared.sent.store(0, Ordering::SeqCst);
+    if let Hostility::EmptyLists { lists } = shared.hostility() {
+        let first = stream::once(async move {
+            shared
+                .sent
+                .fetch_add((lists * EMPTY_LIST_WIRE_BYTES) as u64, Ordering::SeqCst);
+            Ok(event(empty_lists(lists)))
+        });
+        let last = stream::once(async move { Ok(result(String::new())) });
+        return Box::pin(first.chain(last));
+    }
     let (events, each, stdout) = match shared.hostility() {
         Hostility::HugeEvent { bytes } => (1, bytes, 0),
         Hostility::HugeLine { bytes } => (0, 0, bytes),
         Hostility::Flood { total_bytes, each } => (total_bytes / each.max(1), each, 0),
+        Hostility::EmptyLists { .. } => (0, 0, 0),
     };
     let counted = shared.clone();
     let events = stream::iter(0..events).map(move |i| {
@@ -755,16 +800,21 @@ pub async fn section(
     use super::{MEMORY_LIMIT_MIB, Row, mib};
     let rows = hostile_agent(plane, &scale.agent).await?;
     let mut section = super::Section {
-        title: "A hostile agent: a huge event, a huge line, a flood of events".into(),
+        title: "A hostile agent: a huge event, a huge line, a flood of events, an event of empty lists"
+            .into(),
         setup: format!(
             "A stub agent (TLS with the operator-minted credentials, token checked) answers \
              the set-up calls honestly, then each Update's operation streams: one engine event \
              of {} MiB; a result whose stdout is one line of {} MiB; events of 1 MiB until {} \
-             MiB (the operator's `--max-event-bytes-per-operation` is half that). The \
-             operator's message limit is 16 MiB.",
+             MiB (the operator's `--max-event-bytes-per-operation` is half that); one event \
+             of {} empty lists ({} MiB on the wire, {} MiB at 64 bytes a value once decoded). \
+             The operator's message limit is 16 MiB.",
             scale.agent.event_bytes / MIB,
             scale.agent.line_bytes / MIB,
             scale.agent.flood_bytes / MIB,
+            scale.agent.empty_lists,
+            scale.agent.empty_lists * EMPTY_LIST_WIRE_BYTES / MIB,
+            scale.agent.empty_lists * 64 / MIB,
         ),
         ..super::Section::default()
     };
@@ -795,6 +845,7 @@ pub async fn section(
         ));
         let (reason, says) = match row.case {
             "flood" => ("EventsTooLarge", "--max-event-bytes-per-operation"),
+            "empty-lists" => ("EventTooLarge", "once decoded"),
             _ => ("ResponseTooLarge", "16 MiB message limit"),
         };
         section.check(
@@ -819,8 +870,8 @@ pub async fn section(
             || format!("{}: peak RSS over the limit: {row}", row.case),
         );
     }
-    section.check(rows.len() == 3, || {
-        format!("{} cases ran, not 3", rows.len())
+    section.check(rows.len() == 4, || {
+        format!("{} cases ran, not 4", rows.len())
     });
     Ok(section)
 }
