@@ -29,7 +29,7 @@ pub struct RequestHead {
 const MAX_LABEL: usize = 63;
 
 /// Whether `s` is a DNS-1123 label, the only form a namespace name takes.
-pub fn is_dns1123_label(s: &str) -> bool {
+pub(crate) fn is_dns1123_label(s: &str) -> bool {
     let b = s.as_bytes();
     !b.is_empty()
         && b.len() <= MAX_LABEL

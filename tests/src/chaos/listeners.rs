@@ -314,7 +314,7 @@ async fn open(port: &Port, alpn: &[u8]) -> Option<Box<dyn AsyncReadWrite + Send 
     match &port.tls {
         None => Some(Box::new(tcp)),
         Some(tls) => {
-            let mut config = (*tls.config()).clone();
+            let mut config = (**tls.config()).clone();
             config.alpn_protocols = vec![alpn.to_vec()];
             let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
             let name = rustls::pki_types::ServerName::try_from("127.0.0.1").ok()?;
@@ -386,7 +386,7 @@ async fn idle_h2(port: Port, stop: Arc<AtomicBool>) -> Fate {
     let Some(stream) = open(&port, b"h2").await else {
         return Fate::Refused;
     };
-    let Ok((send, connection)) = h2::client::handshake::<_, &'static [u8]>(stream).await else {
+    let Ok((send, connection)) = h2::client::handshake(stream).await else {
         return Fate::Refused;
     };
     let mut connection = tokio::spawn(connection);
