@@ -158,7 +158,7 @@ mod tests {
         assert_eq!(json_depth("1"), 0);
         assert_eq!(json_depth("{}"), 1);
         assert_eq!(json_depth(r#"{"a":[1,{"b":"}}{{[\"["}]}"#), 3);
-        assert_eq!(json_depth(&nested(10_000)), 10_000);
+        assert_eq!(json_depth(nested(10_000)), 10_000);
         let v: Value = serde_json::from_str(&nested(100)).unwrap();
         assert_eq!(value_depth(&v), 100);
         assert_eq!(value_depth(&Value::Null), 0);

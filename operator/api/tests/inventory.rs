@@ -39,13 +39,28 @@ const REACHES_A_PATH: &[(&str, &str)] = &[
     ("Workspace", "spec.serviceAccountName"),
     ("ProgramTransform", "spec.source.configMap.name"),
     ("ProgramTransform", "spec.source.oci.pullSecretRef.name"),
-    ("ProgramTransform", "spec.verify.cosign.publicKeySecretRef.name"),
+    (
+        "ProgramTransform",
+        "spec.verify.cosign.publicKeySecretRef.name",
+    ),
     ("ClusterProgramTransform", "spec.source.configMap.name"),
     ("ClusterProgramTransform", "spec.source.configMap.namespace"),
-    ("ClusterProgramTransform", "spec.source.oci.pullSecretRef.name"),
-    ("ClusterProgramTransform", "spec.source.oci.pullSecretRef.namespace"),
-    ("ClusterProgramTransform", "spec.verify.cosign.publicKeySecretRef.name"),
-    ("ClusterProgramTransform", "spec.verify.cosign.publicKeySecretRef.namespace"),
+    (
+        "ClusterProgramTransform",
+        "spec.source.oci.pullSecretRef.name",
+    ),
+    (
+        "ClusterProgramTransform",
+        "spec.source.oci.pullSecretRef.namespace",
+    ),
+    (
+        "ClusterProgramTransform",
+        "spec.verify.cosign.publicKeySecretRef.name",
+    ),
+    (
+        "ClusterProgramTransform",
+        "spec.verify.cosign.publicKeySecretRef.namespace",
+    ),
     // outbound URLs
     ("Stack", "spec.projectRepo"),
     ("Stack", "spec.branch"),
@@ -86,10 +101,7 @@ fn schemas() -> Vec<(String, Value)> {
             .expect("kind")
             .to_owned();
         for version in crd["spec"]["versions"].as_array().expect("versions") {
-            out.push((
-                kind.clone(),
-                version["schema"]["openAPIV3Schema"].clone(),
-            ));
+            out.push((kind.clone(), version["schema"]["openAPIV3Schema"].clone()));
         }
     }
     assert!(out.len() >= 7, "expected every CRD, got {}", out.len());
@@ -143,7 +155,10 @@ fn inventory() -> Vec<(String, String)> {
             }
         }
     }
-    assert!(rows.len() > 50, "the inventory table was not found or is short");
+    assert!(
+        rows.len() > 50,
+        "the inventory table was not found or is short"
+    );
     rows
 }
 
@@ -181,12 +196,19 @@ fn the_inventory_names_every_spec_field_and_only_fields_that_exist() {
     }
     for (k, _) in &rows {
         assert!(
-            schemas().iter().any(|(kind, _)| kind == k) || ["Secret", "ConfigMap", "answer"].contains(&k.as_str()),
+            schemas().iter().any(|(kind, _)| kind == k)
+                || ["Secret", "ConfigMap", "answer"].contains(&k.as_str()),
             "the inventory names an unknown kind {k}"
         );
     }
-    assert!(missing.is_empty(), "fields the inventory does not name: {missing:#?}");
-    assert!(unknown.is_empty(), "fields the inventory names that do not exist: {unknown:#?}");
+    assert!(
+        missing.is_empty(),
+        "fields the inventory does not name: {missing:#?}"
+    );
+    assert!(
+        unknown.is_empty(),
+        "fields the inventory names that do not exist: {unknown:#?}"
+    );
 }
 
 #[test]

@@ -800,8 +800,9 @@ pub async fn section(
     use super::{MEMORY_LIMIT_MIB, Row, mib};
     let rows = hostile_agent(plane, &scale.agent).await?;
     let mut section = super::Section {
-        title: "A hostile agent: a huge event, a huge line, a flood of events, an event of empty lists"
-            .into(),
+        title:
+            "A hostile agent: a huge event, a huge line, a flood of events, an event of empty lists"
+                .into(),
         setup: format!(
             "A stub agent (TLS with the operator-minted credentials, token checked) answers \
              the set-up calls honestly, then each Update's operation streams: one engine event \

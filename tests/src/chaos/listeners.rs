@@ -374,9 +374,9 @@ async fn idle(port: Port, stop: Arc<AtomicBool>) -> Fate {
             return Fate::Open;
         }
         // The rest of the answer, then nothing until the server closes.
-        match tokio::time::timeout(Duration::from_millis(250), stream.read(&mut buf)).await {
-            Ok(Ok(0) | Err(_)) => return Fate::Closed(began.elapsed()),
-            Ok(Ok(_)) | Err(_) => {}
+        let read = tokio::time::timeout(Duration::from_millis(250), stream.read(&mut buf)).await;
+        if let Ok(Ok(0) | Err(_)) = read {
+            return Fate::Closed(began.elapsed());
         }
     }
 }

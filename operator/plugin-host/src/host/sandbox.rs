@@ -154,7 +154,8 @@ fn escape_controls(message: &str) -> std::borrow::Cow<'_, str> {
             '\t' => out.push_str("\\t"),
             // Writing to a String cannot fail.
             c if unsafe_char(c) => {
-                let _ = std::fmt::Write::write_fmt(&mut out, format_args!("\\u{{{:x}}}", u32::from(c)));
+                let _ =
+                    std::fmt::Write::write_fmt(&mut out, format_args!("\\u{{{:x}}}", u32::from(c)));
             }
             c => out.push(c),
         }
