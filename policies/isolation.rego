@@ -425,8 +425,6 @@ normalize_digest(d) := lower(trim_prefix(d, "sha256:"))
 # dot segments, Secrets, Programs) could read another namespace's objects.
 flux_source_kinds := {"GitRepository", "OCIRepository", "Bucket", "HelmChart", "HelmRepository", "ExternalArtifact"}
 
-_dns_subdomain := `^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$`
-
 _flux_ref := lib.object.spec.fluxSource.sourceRef if lib.is_stack
 
 _violations contains _v(
@@ -463,6 +461,5 @@ _flux_api_version_ok(v) if {
 
 _dns_subdomain_ok(s) if {
 	is_string(s)
-	count(s) <= 253
-	regex.match(_dns_subdomain, s)
+	_dns_subdomain(s)
 }
