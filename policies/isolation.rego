@@ -178,22 +178,9 @@ artifact_path(s) if {
 	_generation(s[3])
 }
 
-_label_chars := {
-	"a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "k", "l", "m",
-	"n", "o", "p", "q", "r", "s", "t", "u", "v", "w", "x", "y", "z",
-	"0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "-",
-}
-
-_digits := {"0", "1", "2", "3", "4", "5", "6", "7", "8", "9"}
-
 _dns_label(s) if {
-	count(s) > 0
 	count(s) <= 63
-	every i in numbers.range(0, count(s) - 1) {
-		substring(s, i, 1) in _label_chars
-	}
-	not startswith(s, "-")
-	not endswith(s, "-")
+	regex.match(`^[a-z0-9]([-a-z0-9]*[a-z0-9])?$`, s)
 }
 
 _dns_subdomain(s) if {
@@ -205,11 +192,8 @@ _dns_subdomain(s) if {
 
 _generation(s) if {
 	g := trim_suffix(s, ".tar.gz")
-	count(g) > 0
 	count(g) <= 19
-	every i in numbers.range(0, count(g) - 1) {
-		substring(g, i, 1) in _digits
-	}
+	regex.match(`^[0-9]+$`, g)
 }
 
 # data.tenancy.fileServer: the hosts and ports the file server answers on, normalised like
