@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use kube::core::admission::AdmissionResponse;
 use kube::core::{GroupVersionKind, Status};
+use pko_api::names::{LABEL_MAX as MAX_LABEL, is_dns1123_label};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -23,20 +24,6 @@ pub struct RequestHead {
     pub namespace: Option<String>,
     #[serde(default)]
     pub object: Option<ObjectHead>,
-}
-
-/// Longest DNS-1123 label (a namespace name).
-const MAX_LABEL: usize = 63;
-
-/// Whether `s` is a DNS-1123 label, the only form a namespace name takes.
-pub(crate) fn is_dns1123_label(s: &str) -> bool {
-    let b = s.as_bytes();
-    !b.is_empty()
-        && b.len() <= MAX_LABEL
-        && b.iter()
-            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
-        && b[0] != b'-'
-        && b[b.len() - 1] != b'-'
 }
 
 impl RequestHead {
@@ -240,8 +227,8 @@ mod tests {
 
     #[test]
     fn a_document_past_the_bound_is_refused_and_one_at_it_is_read() {
-        // `program` holds `variables` holds the nesting: 2 levels more than `depth`.
-        let at = pko_api::decode::MAX_DOCUMENT_DEPTH - 2;
+        // `program` is one object around `variables`, which nests `depth` levels.
+        let at = pko_api::decode::MAX_DOCUMENT_DEPTH - 1;
         assert!(parse_review(review(&program(at)).as_bytes()).is_ok());
         let Err(err @ WebhookError::TooDeep { .. }) =
             parse_review(review(&program(at + 1)).as_bytes())
