@@ -56,6 +56,16 @@ impl Operator {
         if !opts.args.iter().any(|a| a.starts_with("--egress-")) {
             cmd.arg("--egress-allow-loopback");
         }
+        // Every client of a test connects from 127.0.0.1, where a cluster has one address per
+        // workspace pod: the per-client cap would count a whole fleet as one client. A test
+        // that sets the cap (the listener chaos run) gets its own.
+        if !opts
+            .args
+            .iter()
+            .any(|a| a.starts_with("--listener-max-connections-per-client"))
+        {
+            cmd.arg("--listener-max-connections-per-client=100000");
+        }
         if let Some(adv) = &opts.advertised {
             cmd.arg(format!("--program-fs-adv-addr={adv}"));
         }

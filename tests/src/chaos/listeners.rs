@@ -115,6 +115,8 @@ async fn run(
     args.extend([
         format!("--watch-namespace={ns}"),
         format!("--metrics-bind-address=127.0.0.1:{metrics_port}"),
+        // The default, stated: the harness lifts the cap for tests that are not about it.
+        "--listener-max-connections-per-client=16".to_owned(),
         format!("--listener-idle-timeout={IDLE_TIMEOUT}"),
         format!("--listener-write-timeout={WRITE_TIMEOUT}"),
         format!("--webhook-idle-timeout={IDLE_TIMEOUT}"),
