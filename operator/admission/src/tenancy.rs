@@ -409,7 +409,7 @@ impl Tenancy {
                     return Ok(ns.labels().clone());
                 }
                 // The name goes into a request path: a label or no request.
-                if !crate::review::is_dns1123_label(namespace) {
+                if !pko_api::names::is_dns1123_label(namespace) {
                     return Err(TenancyError::NamespaceLookup {
                         namespace: namespace.chars().take(128).collect(),
                         reason: "the name is not a DNS-1123 label".into(),

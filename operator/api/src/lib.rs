@@ -16,6 +16,7 @@ mod crd;
 pub mod crdgen;
 pub mod decode;
 pub mod duration;
+pub mod names;
 pub mod program;
 pub mod schema;
 pub mod stack;

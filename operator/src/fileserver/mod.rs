@@ -15,6 +15,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::any;
 use http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
+use pko_api::names::{is_dns1123_label, is_dns1123_subdomain};
 
 use crate::artifact::Artifact;
 use crate::artifact::index::{Lookup, ProgramIndex};
@@ -317,28 +318,6 @@ pub fn parse_generation(raw: &str) -> Option<i64> {
         return None;
     }
     digits.parse().ok()
-}
-
-fn is_dns1123_label(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 63
-        && s.bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        && !s.starts_with('-')
-        && !s.ends_with('-')
-}
-
-fn is_dns1123_subdomain(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 253
-        && s.split('.').all(|part| {
-            !part.is_empty()
-                && part
-                    .bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-                && !part.starts_with('-')
-                && !part.ends_with('-')
-        })
 }
 
 /// RFC 9110 `If-None-Match` with weak comparison: `*` or any listed tag equal to ours.

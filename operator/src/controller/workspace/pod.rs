@@ -13,6 +13,7 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use pko_api::names::is_dns1123_label;
 use pko_api::workspace::{SecurityProfile, Workspace, WorkspaceSpec};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
@@ -47,16 +48,6 @@ pub fn server_name(workspace: &str, namespace: &str) -> String {
 
 /// Longest volume name (a DNS-1123 label).
 const VOLUME_NAME_MAX: usize = 63;
-
-fn is_dns1123_label(s: &str) -> bool {
-    let b = s.as_bytes();
-    !b.is_empty()
-        && b.len() <= VOLUME_NAME_MAX
-        && b.iter()
-            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
-        && b[0] != b'-'
-        && b[b.len() - 1] != b'-'
-}
 
 /// The name of a volume made for object `name` (a Secret, a ConfigMap): `<prefix>-<name>` as
 /// PKO names it when that is a valid volume name (a DNS-1123 label). Otherwise (a dot, too long)
