@@ -143,6 +143,14 @@ macro_rules! custom_resource {
 }
 pub(crate) use custom_resource;
 
+/// A URL or remote reference: no whitespace or control characters (it is parsed and checked
+/// against the egress rules where it is used).
+pub const NO_SPACE: &str = r"^[^\s\x00-\x1f\x7f]+$";
+/// A git ref: what `git check-ref-format` refuses anywhere in a name is refused here.
+pub const GIT_REF: &str = r"^[^\s\x00-\x1f\x7f~^:?*\[\\]+$";
+/// A directory inside a checkout or artifact: no control characters or backslashes.
+pub const PLAIN_PATH: &str = r"^[^\x00-\x1f\x7f\\]*$";
+
 /// ResourceRef identifies a resource from which information can be loaded.
 /// Environment variables, files on the filesystem, Kubernetes Secrets and literal
 /// strings are currently supported; `type` selects which of the other fields is used.
@@ -235,8 +243,10 @@ pub struct SecretSelector {
     /// Namespace where the Secret is stored. Deprecated; non-empty values will be considered invalid
     /// unless namespace isolation is disabled in the controller.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 63), regex(pattern = crate::names::DNS1123_LABEL))]
     pub namespace: Option<String>,
     /// Name of the Secret
+    #[schemars(length(min = 1, max = 253), regex(pattern = crate::names::DNS1123_SUBDOMAIN))]
     pub name: String,
     /// Key within the Secret to use.
     pub key: String,

@@ -74,14 +74,17 @@ pub struct StackSpec {
     /// for Pulumi access.
     /// Deprecated: use EnvRefs with a "secret" entry with the key PULUMI_ACCESS_TOKEN instead.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253), regex(pattern = crate::names::DNS1123_SUBDOMAIN))]
     pub access_token_secret: Option<String>,
     /// (optional) Envs is an optional array of config maps containing environment variables
     /// to set. Deprecated: use EnvRefs instead.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(inner(length(min = 1, max = 253), regex(pattern = crate::names::DNS1123_SUBDOMAIN)))]
     pub envs: Vec<String>,
     /// (optional) SecretEnvs is an optional array of Secret names containing environment
     /// variables to set. Deprecated: use EnvRefs instead.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(inner(length(min = 1, max = 253), regex(pattern = crate::names::DNS1123_SUBDOMAIN)))]
     pub env_secrets: Vec<String>,
     /// (optional) EnvRefs is an optional map containing environment variables as keys and
     /// stores descriptors to where the variables' values should be loaded from (one of
@@ -115,11 +118,13 @@ pub struct StackSpec {
     /// ProjectRepo is the git source control repository from which we fetch the project code
     /// and configuration.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 2048), regex(pattern = crate::common::NO_SPACE))]
     pub project_repo: Option<String>,
     /// (optional) GitAuthSecret is the the name of a Secret containing an authentication
     /// option for the git repository (keys `sshPrivateKey`/`password`, `accessToken`, or
     /// `username`/`password`). Deprecated. Use GitAuth instead.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253), regex(pattern = crate::names::DNS1123_SUBDOMAIN))]
     pub git_auth_secret: Option<String>,
     /// (optional) GitAuth allows configuring git authentication options.
     /// There are 4 different authentication options: SSH private key (and its optional
@@ -133,6 +138,7 @@ pub struct StackSpec {
     /// where Pulumi.yaml is located. It is used in case Pulumi.yaml is not in the project
     /// source root.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 4096), regex(pattern = crate::common::PLAIN_PATH))]
     pub repo_dir: Option<String>,
     /// (optional) Commit is the hash of the commit to deploy. If used, HEAD will be in
     /// detached mode. This is mutually exclusive with the Branch setting.
@@ -143,6 +149,7 @@ pub struct StackSpec {
     /// When specified, the operator will periodically poll to check if the branch has any
     /// new commits, every ResyncFrequencySeconds (default 60 seconds).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 1024), regex(pattern = crate::common::GIT_REF))]
     pub branch: Option<String>,
     /// Shallow controls whether the workspace uses a shallow checkout or whether all history
     /// is cloned.
@@ -215,6 +222,7 @@ pub struct StackSpec {
     /// ServiceAccountName is the Kubernetes service account identity of the stack's
     /// workspace.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253), regex(pattern = crate::names::DNS1123_SUBDOMAIN))]
     pub service_account_name: Option<String>,
     /// WorkspaceTemplate customizes the Workspace generated for this Stack. It is applied as
     /// a strategic merge patch on top of the underlying Workspace. Use this to customize the
@@ -247,6 +255,7 @@ impl StackSpec {
 #[serde(rename_all = "camelCase")]
 pub struct ConfigMapRef {
     /// Name of the ConfigMap
+    #[schemars(length(min = 1, max = 253), regex(pattern = crate::names::DNS1123_SUBDOMAIN))]
     pub name: String,
     /// Key within the ConfigMap to use
     pub key: String,
@@ -320,6 +329,7 @@ pub struct FluxSource {
     /// Dir gives the subdirectory containing the Pulumi project (i.e., containing
     /// Pulumi.yaml) of interest, within the fetched source.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 4096), regex(pattern = crate::common::PLAIN_PATH))]
     pub dir: Option<String>,
 }
 
@@ -341,10 +351,7 @@ pub struct FluxSourceReference {
     #[schemars(extend("enum" = FLUX_SOURCE_KINDS))]
     pub kind: String,
     /// Name of the source (a DNS-1123 subdomain).
-    #[schemars(
-        length(min = 1, max = 253),
-        regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-    )]
+    #[schemars(length(min = 1, max = 253), regex(pattern = crate::names::DNS1123_SUBDOMAIN))]
     pub name: String,
 }
 
@@ -363,6 +370,7 @@ pub const FLUX_SOURCE_KINDS: [&str; 6] = [
 #[serde(rename_all = "camelCase")]
 pub struct ProgramReference {
     /// Name of the Program.
+    #[schemars(length(min = 1, max = 253), regex(pattern = crate::names::DNS1123_SUBDOMAIN))]
     pub name: String,
 }
 
@@ -372,6 +380,7 @@ pub struct ProgramReference {
 #[serde(rename_all = "camelCase")]
 pub struct PrerequisiteRef {
     /// Name is the name of the Stack resource that is a prerequisite.
+    #[schemars(length(min = 1, max = 253), regex(pattern = crate::names::DNS1123_SUBDOMAIN))]
     pub name: String,
     /// Requirement gives specific requirements for the prerequisite; the base requirement is
     /// that the referenced stack is in a successful state.

@@ -182,7 +182,7 @@ pub struct ModuleSource {
     /// An `https://` URL, or a `file:///` path under the operator's plugin folder.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = Rule::new(URL_RULE).message(URL_MESSAGE))]
-    #[schemars(length(max = 2048))]
+    #[schemars(length(max = 2048), regex(pattern = crate::common::NO_SPACE))]
     pub url: Option<String>,
     /// An OCI Wasm artifact in a registry, pinned by its manifest digest.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -200,7 +200,7 @@ pub struct ClusterModuleSource {
     /// An `https://` URL, or a `file:///` path under the operator's plugin folder.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = Rule::new(URL_RULE).message(URL_MESSAGE))]
-    #[schemars(length(max = 2048))]
+    #[schemars(length(max = 2048), regex(pattern = crate::common::NO_SPACE))]
     pub url: Option<String>,
     /// An OCI Wasm artifact in a registry, pinned by its manifest digest.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -215,7 +215,7 @@ pub struct OciSource {
     /// `host[:port]/repository`, optionally with a tag that is informational only (the
     /// digest decides what is pulled).
     #[x_kube(validation = Rule::new(OCI_REFERENCE_RULE).message(OCI_REFERENCE_MESSAGE))]
-    #[schemars(length(min = 3, max = 512))]
+    #[schemars(length(min = 3, max = 512), regex(pattern = crate::common::NO_SPACE))]
     pub reference: String,
     /// `sha256:<hex>` of the artifact's manifest.
     #[x_kube(validation = Rule::new(OCI_DIGEST_RULE).message(OCI_DIGEST_MESSAGE))]
@@ -232,11 +232,11 @@ pub struct OciSource {
 #[serde(rename_all = "camelCase")]
 pub struct PullSecretRef {
     /// Name of the Secret.
-    #[schemars(length(min = 1, max = 253))]
+    #[schemars(length(min = 1, max = 253), regex(pattern = crate::names::DNS1123_SUBDOMAIN))]
     pub name: String,
     /// Namespace of the Secret (ClusterProgramTransforms only, where it is required).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(min = 1, max = 63))]
+    #[schemars(length(min = 1, max = 63), regex(pattern = crate::names::DNS1123_LABEL))]
     pub namespace: Option<String>,
 }
 
@@ -291,7 +291,7 @@ pub struct ClusterCosignVerify {
 #[serde(rename_all = "camelCase")]
 pub struct SecretKeyRef {
     /// Name of the Secret.
-    #[schemars(length(min = 1, max = 253))]
+    #[schemars(length(min = 1, max = 253), regex(pattern = crate::names::DNS1123_SUBDOMAIN))]
     pub name: String,
     /// Key under `data`.
     #[schemars(length(min = 1, max = 253))]
@@ -303,10 +303,10 @@ pub struct SecretKeyRef {
 #[serde(rename_all = "camelCase")]
 pub struct NamespacedSecretKeyRef {
     /// Namespace of the Secret.
-    #[schemars(length(min = 1, max = 63))]
+    #[schemars(length(min = 1, max = 63), regex(pattern = crate::names::DNS1123_LABEL))]
     pub namespace: String,
     /// Name of the Secret.
-    #[schemars(length(min = 1, max = 253))]
+    #[schemars(length(min = 1, max = 253), regex(pattern = crate::names::DNS1123_SUBDOMAIN))]
     pub name: String,
     /// Key under `data`.
     #[schemars(length(min = 1, max = 253))]
@@ -318,7 +318,7 @@ pub struct NamespacedSecretKeyRef {
 #[serde(rename_all = "camelCase")]
 pub struct ConfigMapKey {
     /// Name of the ConfigMap.
-    #[schemars(length(min = 1, max = 253))]
+    #[schemars(length(min = 1, max = 253), regex(pattern = crate::names::DNS1123_SUBDOMAIN))]
     pub name: String,
     /// Key under `binaryData` holding the module.
     #[schemars(length(min = 1, max = 253))]
@@ -330,10 +330,10 @@ pub struct ConfigMapKey {
 #[serde(rename_all = "camelCase")]
 pub struct NamespacedConfigMapKey {
     /// Namespace of the ConfigMap.
-    #[schemars(length(min = 1, max = 63))]
+    #[schemars(length(min = 1, max = 63), regex(pattern = crate::names::DNS1123_LABEL))]
     pub namespace: String,
     /// Name of the ConfigMap.
-    #[schemars(length(min = 1, max = 253))]
+    #[schemars(length(min = 1, max = 253), regex(pattern = crate::names::DNS1123_SUBDOMAIN))]
     pub name: String,
     /// Key under `binaryData` holding the module.
     #[schemars(length(min = 1, max = 253))]

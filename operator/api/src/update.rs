@@ -30,6 +30,7 @@ custom_resource! {
 pub struct UpdateSpec {
     /// WorkspaceName is the workspace to update.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253), regex(pattern = crate::names::DNS1123_SUBDOMAIN))]
     pub workspace_name: Option<String>,
     /// Specify the Pulumi stack to select for the update.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -73,6 +73,7 @@ pub struct WorkspaceSpec {
     /// ServiceAccountName is the Kubernetes service account identity of the workspace.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(extend("default" = DEFAULT_SERVICE_ACCOUNT_NAME))]
+    #[schemars(length(min = 1, max = 253), regex(pattern = crate::names::DNS1123_SUBDOMAIN))]
     pub service_account_name: Option<String>,
     /// SecurityProfile applies a security profile to the workspace. The restricted profile
     /// (default) runs the pod as a non-root user and with a security context that conforms
@@ -157,13 +158,16 @@ pub struct GitSource {
     /// URL is the git source control repository from which we fetch the project code and
     /// configuration.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 2048), regex(pattern = crate::common::NO_SPACE))]
     pub url: Option<String>,
     /// Ref is the git ref (tag, branch, or commit SHA) to fetch.
     #[serde(default, rename = "ref", skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 1024), regex(pattern = crate::common::GIT_REF))]
     pub ref_: Option<String>,
     /// Dir is the directory to work from in the project's source repository where
     /// Pulumi.yaml is located.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 4096), regex(pattern = crate::common::PLAIN_PATH))]
     pub dir: Option<String>,
     /// Auth contains optional authentication information to use when cloning the
     /// repository.
@@ -223,6 +227,7 @@ pub struct GitHubAppAuth {
 pub struct FluxSource {
     /// URL is the URL of the artifact to fetch.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 4096), regex(pattern = crate::common::NO_SPACE))]
     pub url: Option<String>,
     /// Digest is the digest of the artifact to fetch.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -230,6 +235,7 @@ pub struct FluxSource {
     /// Dir gives the subdirectory containing the Pulumi project (i.e., containing
     /// Pulumi.yaml) of interest, within the fetched artifact.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 4096), regex(pattern = crate::common::PLAIN_PATH))]
     pub dir: Option<String>,
 }
 
@@ -240,6 +246,7 @@ pub struct LocalSource {
     /// Dir gives the subdirectory containing the Pulumi project (i.e., containing
     /// Pulumi.yaml) of interest, within the workspace image.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 4096), regex(pattern = crate::common::PLAIN_PATH))]
     pub dir: Option<String>,
 }
 

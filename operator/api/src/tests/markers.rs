@@ -41,12 +41,51 @@ fn allowed(file: &str, path: &str, key: &str, pko: Option<&Value>) -> bool {
             ) || path.ends_with("{}.type")
                 || path.ends_with("auth.accessToken.type")
                 || path.contains(".gitAuth.")
+                // The Flux kinds a reference may name (it becomes a request path).
+                || path.ends_with(".fluxSource.sourceRef.kind")
         }
+        // Bounds PKO has none of, on strings a tenant writes that reach a request path, a URL
+        // or a file path (docs/policies.md, tenant input inventory); any valid name, URL or
+        // ref of a PKO object still passes.
+        "pattern" | "minLength" | "maxLength" if pko.is_none() => bounded_tenant_string(path),
         // Our extra rules (PKO's CEL rules are checked separately to be kept).
         "x-kubernetes-validations" => true,
         "anyOf" => path == ".program.configuration{}" && pko.is_none(),
         _ => false,
     }
+}
+
+/// The fields [`allowed`] lets us bound where PKO does not: names (they become request
+/// paths), URLs, git refs and directories.
+fn bounded_tenant_string(path: &str) -> bool {
+    const SUFFIXES: [&str; 17] = [
+        ".fluxSource.sourceRef.apiVersion",
+        ".fluxSource.sourceRef.name",
+        ".fluxSource.dir",
+        ".programRef.name",
+        ".prerequisites[].name",
+        ".configRef{}.name",
+        ".secret.name",
+        ".secret.namespace",
+        ".spec.gitAuthSecret",
+        ".spec.accessTokenSecret",
+        ".spec.envSecrets[]",
+        ".spec.envs[]",
+        ".spec.serviceAccountName",
+        ".spec.workspaceName",
+        ".spec.projectRepo",
+        ".spec.branch",
+        ".spec.repoDir",
+    ];
+    const WORKSPACE: [&str; 6] = [
+        ".spec.git.url",
+        ".spec.git.ref",
+        ".spec.git.dir",
+        ".spec.flux.url",
+        ".spec.flux.dir",
+        ".spec.local.dir",
+    ];
+    SUFFIXES.iter().chain(&WORKSPACE).any(|s| path.ends_with(s))
 }
 
 fn normalized(key: &str, value: Option<&Value>) -> Option<Value> {
