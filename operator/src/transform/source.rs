@@ -13,6 +13,7 @@ use crate::oci::registry::{Credentials, Session, docker_config_credentials};
 use crate::oci::{OciError, Reference, cosign};
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use kube::{Api, Client};
+use pko_api::names::{checked_name, is_dns1123_label};
 use pko_api::transform::{OciSource, ResolvedKeys, ResolvedSource};
 use pko_plugin_host::PluginError;
 
@@ -20,6 +21,18 @@ use pko_plugin_host::PluginError;
 const FETCH_TIMEOUT: Duration = Duration::from_secs(30);
 /// Timeout of a whole OCI pull (manifest, signatures, layer).
 const OCI_PULL_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A Secret's or ConfigMap's namespace and name, checked before they go into a GET's path
+/// (they come from a transform's spec; an older CRD without the patterns would pass them).
+fn checked(namespace: &str, name: &str) -> Result<(), PluginError> {
+    if !is_dns1123_label(namespace) {
+        return Err(PluginError::Source(format!(
+            "namespace {namespace:?} is not a DNS-1123 label"
+        )));
+    }
+    checked_name("name", name).map_err(|e| PluginError::Source(e.to_string()))?;
+    Ok(())
+}
 
 /// Fetches module bytes.
 #[derive(Clone)]
@@ -210,6 +223,7 @@ impl ModuleFetcher {
             .client
             .as_ref()
             .ok_or_else(|| PluginError::Source("Secrets are not read offline".into()))?;
+        checked(namespace, name)?;
         let api: Api<Secret> = Api::namespaced(client.clone(), namespace);
         api.get_opt(name)
             .await
@@ -286,6 +300,7 @@ impl ModuleFetcher {
         name: &str,
         key: &str,
     ) -> Result<Vec<u8>, PluginError> {
+        checked(namespace, name)?;
         let cm = match &self.client {
             Some(client) => {
                 let api: Api<ConfigMap> = Api::namespaced(client.clone(), namespace);

@@ -310,8 +310,11 @@ impl<'a> Run<'a> {
     async fn prerequisites(&self) -> Result<(), Stop> {
         let stacks: Api<Stack> = Api::namespaced(self.ctx.client.clone(), &self.namespace);
         for prerequisite in &self.stack.spec.prerequisites {
+            let name =
+                pko_api::names::checked_name("spec.prerequisites[].name", &prerequisite.name)
+                    .map_err(|e| Stop::from(Outcome::stalled("SpecInvalid", e.to_string())))?;
             let other = stacks
-                .get_opt(&prerequisite.name)
+                .get_opt(name)
                 .await
                 .map_err(StackError::kube("reading a prerequisite Stack"))?;
             let message = match sync::prerequisite(prerequisite, other.as_ref()) {
@@ -577,6 +580,8 @@ async fn read_outputs(
     namespace: &str,
     secret_name: &str,
 ) -> Option<BTreeMap<String, Value>> {
+    // The name is the Update's status, which whoever may write Updates' status can set.
+    let secret_name = pko_api::names::checked_name("status.outputs", secret_name).ok()?;
     let secret = Api::<Secret>::namespaced(client.clone(), namespace)
         .get_opt(secret_name)
         .await

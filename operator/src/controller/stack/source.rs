@@ -14,6 +14,7 @@ use k8s_openapi::api::core::v1::{Secret, SecretKeySelector};
 use kube::Client;
 use kube::api::Api;
 use pko_api::common::{ResourceRef, ResourceSelectorType, SecretSelector};
+use pko_api::names::{checked_name, is_dns1123_subdomain};
 use pko_api::program::Program;
 use pko_api::stack::{FLUX_SOURCE_KINDS, FluxSourceReference, Stack};
 use pko_api::workspace::{FluxSource, GitAuth, GitSource};
@@ -149,7 +150,7 @@ impl<'a> FluxRef<'a> {
                 r.api_version
             ));
         };
-        if !is_dns_subdomain(group) || !is_api_version(version) {
+        if !is_dns1123_subdomain(group) || !is_api_version(version) {
             return Err(format!(
                 "apiVersion {:?} is not group/version (a DNS subdomain, then a version such as v1 or v1beta2)",
                 r.api_version
@@ -162,7 +163,7 @@ impl<'a> FluxRef<'a> {
                 FLUX_SOURCE_KINDS.join(", ")
             ));
         };
-        if !is_dns_subdomain(&r.name) {
+        if !is_dns1123_subdomain(&r.name) {
             return Err(format!("name {:?} is not a DNS-1123 subdomain", r.name));
         }
         Ok(Self {
@@ -172,20 +173,6 @@ impl<'a> FluxRef<'a> {
             name: &r.name,
         })
     }
-}
-
-/// A DNS-1123 subdomain: what the apiserver accepts as an object name or API group.
-pub(crate) fn is_dns_subdomain(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 253
-        && s.split('.').all(|label| {
-            let b = label.as_bytes();
-            !b.is_empty()
-                && b.iter()
-                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
-                && b[0] != b'-'
-                && b[b.len() - 1] != b'-'
-        })
 }
 
 /// `v1`, `v2beta3`, `v1alpha1`: Kubernetes' version spelling.
@@ -217,8 +204,10 @@ async fn program(client: &Client, stack: &Stack, namespace: &str) -> Result<Reso
             None,
         ));
     };
+    let name = checked_name("spec.programRef.name", &program_ref.name)
+        .map_err(|e| problem("SpecInvalid", e.to_string(), None))?;
     let program = Api::<Program>::namespaced(client.clone(), namespace)
-        .get_opt(&program_ref.name)
+        .get_opt(name)
         .await
         .map_err(StackError::kube("reading the Program"))?;
     let artifact = program
@@ -445,6 +434,8 @@ pub(super) fn own_secret<'a>(
     {
         return Err(format!("{what}: cross-namespace refs are not allowed"));
     }
+    // The name goes into a Secret GET (git credentials) or the Workspace's pod spec.
+    checked_name(&format!("{what}: secret.name"), &s.name).map_err(|e| e.to_string())?;
     Ok(s)
 }
 

@@ -427,6 +427,9 @@ async fn ready_workspace(
     current: &Current,
 ) -> Result<Result<(Workspace, String), UpdateStatus>, UpdateError> {
     let ws_name = update.spec.workspace_name.clone().unwrap_or_default();
+    if let Err(e) = pko_api::names::checked_name("spec.workspaceName", &ws_name) {
+        return Ok(Err(current.waiting("SpecInvalid", &e.to_string())));
+    }
     let workspaces: Api<Workspace> = Api::namespaced(ctx.client.clone(), &current.namespace);
     let Some(ws) = workspaces
         .get_opt(&ws_name)

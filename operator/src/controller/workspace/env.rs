@@ -11,6 +11,7 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{ConfigMap, EnvVar, Secret};
 use kube::{Api, Client};
+use pko_api::names::checked_name;
 use sha2::{Digest, Sha256};
 
 /// Whether the operator resolves `var` (and pushes it) rather than the kubelet.
@@ -41,6 +42,8 @@ pub async fn resolve(
             (Some(v), _) => Some(v.clone()),
             (None, Some(from)) => {
                 if let Some(r) = &from.secret_key_ref {
+                    let field = format!("env {}: valueFrom.secretKeyRef.name", var.name);
+                    checked_name(&field, &r.name).map_err(|e| e.to_string())?;
                     let secret = secrets.get_opt(&r.name).await.map_err(|e| {
                         format!("env {}: cannot read Secret {}: {e}", var.name, r.name)
                     })?;
@@ -52,6 +55,8 @@ pub async fn resolve(
                     });
                     required(&var.name, "Secret", &r.name, &r.key, r.optional, found)?
                 } else if let Some(r) = &from.config_map_key_ref {
+                    let field = format!("env {}: valueFrom.configMapKeyRef.name", var.name);
+                    checked_name(&field, &r.name).map_err(|e| e.to_string())?;
                     let map = config_maps.get_opt(&r.name).await.map_err(|e| {
                         format!("env {}: cannot read ConfigMap {}: {e}", var.name, r.name)
                     })?;
