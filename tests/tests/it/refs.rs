@@ -1,11 +1,12 @@
-//! A Stack's `fluxSource.sourceRef` cannot be bent into another request, on the real
-//! apiserver. With pko-rs's CRDs the apiserver refuses an injection corpus (path, query,
-//! fragment, percent-encoded, dot segments, other kinds) at create. With PKO v2.9's Stack
-//! CRD, which has no pattern there (a cluster switching over keeps it until the CRDs are
-//! applied), the same Stacks are stored; the operator, with every right there is, stalls each
-//! with `SpecInvalid`, and the apiserver's audit log shows that it sent no request for any of
-//! them: nothing outside the Stack's namespace, no watch, no Secret. A well-formed reference
-//! in the same run is looked up, which shows that the log would record such a request.
+//! A Stack's references cannot be bent into another request, on the real apiserver. With
+//! pko-rs's CRDs the apiserver refuses an injection corpus (path, query, fragment,
+//! percent-encoded, dot segments, other kinds) in `fluxSource.sourceRef`, `programRef` and
+//! `prerequisites` at create. With PKO v2.9's Stack CRD, which has no pattern there (a cluster
+//! switching over keeps it until the CRDs are applied), the same Stacks are stored; the
+//! operator, with every right there is, stalls each with `SpecInvalid`, and the apiserver's
+//! audit log shows that it sent no request for any of them: nothing outside the Stack's
+//! namespace, no watch, no Secret. A well-formed reference in the same run is looked up, which
+//! shows that the log would record such a request.
 
 use std::path::Path;
 use std::time::Duration;
@@ -76,6 +77,22 @@ fn corpus(victim: &str, keys: &str) -> Vec<(String, String, String)> {
     ]
 }
 
+/// Names that would bend a request path, for `programRef` and `prerequisites`.
+fn bent_names(victim: &str) -> Vec<String> {
+    [
+        "../../../namespaces/{victim}/programs/secret-prog",
+        "secret-prog/../../../{victim}/programs/secret-prog",
+        "x?watch=true",
+        "x#y",
+        "x%2f..%2f..%2f{victim}",
+        "..",
+        "Secret-Prog",
+    ]
+    .iter()
+    .map(|n| n.replace("{victim}", victim))
+    .collect()
+}
+
 fn flux_stack(
     name: &str,
     backend: &Path,
@@ -117,6 +134,18 @@ async fn flux_source_references_that_bend_a_path_are_refused_by_the_crd() {
         .create(&dry_run, &flux_stack("good", backend, &good))
         .await
         .expect("a well-formed reference is accepted");
+    for name in bent_names("victim") {
+        for spec in [
+            json!({"programRef": {"name": name}}),
+            json!({"programRef": {"name": "p"}, "prerequisites": [{"name": name}]}),
+        ] {
+            let stack = fixtures::file_backend_stack("s", backend, spec.clone());
+            match stacks.create(&dry_run, &stack).await {
+                Err(kube::Error::Api(s)) => assert_eq!(s.code, 422, "{spec}: {}", s.message),
+                other => panic!("{spec} was not refused: {other:?}"),
+            }
+        }
+    }
 }
 
 /// The plane's admin kubeconfig, impersonating `user` in `system:masters`.
@@ -218,6 +247,29 @@ async fn the_operator_sends_no_request_for_a_bent_flux_source_reference() {
             .await
             .unwrap_or_else(|e| panic!("PKO's CRD stores {reference:?}: {e}"));
     }
+    // The tenant's own Program, so a Stack with a bent prerequisite gets past its source.
+    Api::<pko_api::program::Program>::namespaced(plane.client(), &tenant)
+        .create(&PostParams::default(), &fixtures::config_map_program("own"))
+        .await
+        .expect("the tenant's Program");
+    let names = bent_names(&victim);
+    for (i, name) in names.iter().enumerate() {
+        for (kind, spec) in [
+            ("program", json!({"programRef": {"name": name}})),
+            (
+                "prereq",
+                json!({"programRef": {"name": "own"}, "prerequisites": [{"name": name}]}),
+            ),
+        ] {
+            stacks
+                .create(
+                    &PostParams::default(),
+                    &fixtures::file_backend_stack(&format!("{kind}-{i}"), &backend, spec),
+                )
+                .await
+                .unwrap_or_else(|e| panic!("PKO's CRD stores {kind} {name:?}: {e}"));
+        }
+    }
     let control = (
         FLUX_V1.to_owned(),
         "GitRepository".to_owned(),
@@ -231,27 +283,51 @@ async fn the_operator_sends_no_request_for_a_bent_flux_source_reference() {
         .await
         .expect("the control Stack");
 
-    let stalled = |name: String| {
+    // Waits for `Stalled` with `reason` (a Stack may first stall on a Program that has no
+    // artifact yet); the last status is in the error.
+    let stalled = |name: String, reason: &'static str| {
         let stacks = stacks.clone();
         async move {
-            wait_for(&format!("stack {name} to stall"), WAIT, || async {
-                let status = stacks.get(&name).await.ok()?.status?;
-                status
-                    .conditions
-                    .iter()
-                    .find(|c| c.type_ == "Stalled" && c.status == "True")
-                    .map(|c| (c.reason.clone(), c.message.clone()))
-            })
-            .await
+            let found = wait_for(
+                &format!("stack {name} to stall with {reason}"),
+                WAIT,
+                || async {
+                    let status = stacks.get(&name).await.ok()?.status?;
+                    status
+                        .conditions
+                        .iter()
+                        .find(|c| c.type_ == "Stalled" && c.status == "True" && c.reason == reason)
+                        .map(|c| c.message.clone())
+                },
+            )
+            .await;
+            match found {
+                Ok(message) => Ok(message),
+                Err(e) => {
+                    let last = stacks.get(&name).await.ok().and_then(|s| s.status);
+                    Err(format!("{e}; last status: {last:?}"))
+                }
+            }
         }
     };
     for (i, reference) in corpus.iter().enumerate() {
-        let (reason, message) = match stalled(format!("bent-{i}")).await {
-            Ok(r) => r,
+        let message = match stalled(format!("bent-{i}"), "SpecInvalid").await {
+            Ok(m) => m,
             Err(e) => panic!("{reference:?}: {e}\n{}", operator.log_text()),
         };
-        assert_eq!(reason, "SpecInvalid", "{reference:?}: {message}");
         assert!(message.contains("fluxSource.sourceRef"), "{message}");
+    }
+    for (i, name) in names.iter().enumerate() {
+        for (kind, field) in [
+            ("program", "spec.programRef.name"),
+            ("prereq", "spec.prerequisites[].name"),
+        ] {
+            let message = match stalled(format!("{kind}-{i}"), "SpecInvalid").await {
+                Ok(m) => m,
+                Err(e) => panic!("{kind} {name:?}: {e}\n{}", operator.log_text()),
+            };
+            assert!(message.contains(field), "{message}");
+        }
     }
     // The control is looked up in its own namespace (there is no Flux here, so it is
     // unavailable, never invalid).
@@ -271,8 +347,9 @@ async fn the_operator_sends_no_request_for_a_bent_flux_source_reference() {
             operator.log_text()
         );
     }
-    let (reason, _) = stalled("control".into()).await.expect("control stalls");
-    assert_eq!(reason, "SourceUnavailable");
+    stalled("control".into(), "SourceUnavailable")
+        .await
+        .expect("the control stalls as unavailable");
 
     // The operator's own: its key Secret, read and created by exact path at start.
     let key_get = format!("/api/v1/namespaces/{keys}/secrets/{KEY_SECRET}");
