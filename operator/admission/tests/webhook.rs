@@ -464,8 +464,9 @@ async fn the_body_budget_holds_bytes_that_arrived_never_a_declared_length() {
     assert_eq!(fine["allowed"], true);
     drop(declared_only);
     assert_eq!(declared_task.await.expect("task"), StatusCode::BAD_REQUEST);
-    // A client that has sent all but the last KiB holds the budget: a review finds no room.
-    let sent = limits.max_body_bytes - 1024;
+    // A client that has sent all but the last half KiB holds every KiB of the budget (it is
+    // charged by the started KiB): a review finds no room.
+    let sent = limits.max_body_bytes - 512;
     let (held, held_task) = slow_request(vec![b' '; sent]).await;
     while app.metrics.body_bytes_reserved.get() < sent as i64 {
         tokio::task::yield_now().await;
@@ -654,8 +655,17 @@ async fn a_namespace_that_is_not_a_dns_label_is_denied_without_an_apiserver_requ
     });
     let config = kube::Config::new(format!("http://{address}").parse().expect("url"));
     let client = kube::Client::try_from(config).expect("client");
-    // The watch driver is not run: every label read is a direct lookup.
+    // The watch driver is not run: every label read is a direct lookup. A policy that
+    // selects namespaces by label makes every review need its namespace's labels.
     let (tenancy, _driver) = Tenancy::watch(client, TenancySettings::default());
+    tenancy.set_policies(vec![TenancyPolicy::new(
+        "everyone",
+        TenancyPolicySpec {
+            namespace_selector: Some(Default::default()),
+            allowed_image_prefixes: Some(vec!["registry.example/".into()]),
+            ..TenancyPolicySpec::default()
+        },
+    )]);
     let bundle = Bundle::load(&bundle_path()).expect("bundle loads");
     let engine = PolicyEngine::new(&bundle, EngineLimits::default())
         .await
