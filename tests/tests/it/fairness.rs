@@ -10,6 +10,7 @@ use std::time::Duration;
 use kube::Api;
 use kube::api::PostParams;
 use pko_api::program::Program;
+use pko_api::stack::Stack;
 use pko_api::update::Update;
 use pko_api::workspace::Workspace;
 use pko_tests::execution::Execution;
@@ -321,5 +322,61 @@ async fn an_operation_past_its_timeout_fails_clearly_and_is_canceled_at_the_agen
         "{:?}\n{}",
         after.status,
         tenant.kubelet.logs("reader")
+    );
+}
+
+/// A Stack sets its Updates' timeout through `spec.updateTemplate.spec.operationTimeout`: its
+/// sleeping `up` fails with `OperationTimedOut`, and the Stack's `lastUpdate` says failed with
+/// the timeout in its message.
+#[tokio::test]
+async fn a_stacks_operation_timeout_fails_its_update_and_the_stack_says_why() {
+    let _machine = pko_tests::serial::shared().await;
+    let e = Execution::start("stack-timeout", &[]).await;
+    let client = e.plane.client();
+    let programs: Api<Program> = Api::namespaced(client.clone(), &e.ns);
+    programs
+        .create(
+            &PostParams::default(),
+            &fixtures::program(
+                "reader",
+                serde_json::from_str::<Value>(PROGRAM).expect("json"),
+            ),
+        )
+        .await
+        .expect("create program");
+    let pipe = pipe(e.tmp.path());
+    let stacks: Api<Stack> = Api::namespaced(client.clone(), &e.ns);
+    stacks
+        .create(
+            &PostParams::default(),
+            &fixtures::file_backend_stack(
+                "sleepy",
+                &e.tmp.path().join("backend"),
+                json!({
+                    "programRef": {"name": "reader"},
+                    "config": {"file": pipe.display().to_string()},
+                    "updateTemplate": {"spec": {"operationTimeout": "3s"}},
+                }),
+            ),
+        )
+        .await
+        .expect("create stack");
+    let last = wait_for("the stack to record a failed update", WAIT, || async {
+        let last = stacks.get("sleepy").await.ok()?.status?.last_update?;
+        (last.state.as_deref() == Some("failed")).then_some(last)
+    })
+    .await
+    .unwrap_or_else(|err| panic!("{err}\n{}", e.kubelet.logs("sleepy")));
+    let message = last.message.clone().unwrap_or_default();
+    assert!(message.contains("timeout of 3s"), "{last:?}");
+    let update = Api::<Update>::namespaced(client, &e.ns)
+        .get(last.name.as_deref().unwrap_or_default())
+        .await
+        .expect("the failed update");
+    assert_eq!(
+        condition(&update, "Failed").map(|c| (c.0, c.1)),
+        Some(("True".into(), "OperationTimedOut".into())),
+        "{:?}",
+        update.status
     );
 }
