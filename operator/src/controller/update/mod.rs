@@ -403,7 +403,7 @@ async fn reconcile_inner(
 fn queued_message(refused: Admission, slots: SlotLimits, namespace: &str) -> String {
     match refused {
         Admission::ShareTaken => format!(
-            "queued: namespace {namespace} has {} operations in flight, its share of the {} slots (--max-operations-in-flight-per-namespace); it starts when one of them ends",
+            "queued: namespace {namespace} runs {} operations, its share of the {} operation slots (--max-operations-in-flight-per-namespace); it starts when one of them ends",
             slots.per_namespace, slots.total
         ),
         Admission::AllTaken | Admission::Granted => format!(

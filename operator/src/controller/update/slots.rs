@@ -54,12 +54,16 @@ pub(super) enum Admission {
 
 /// The slot decision: `in_flight` operations run, `in_namespace` of them in the Update's own
 /// namespace. The namespace share is checked first, so an Update that would wait for its
-/// share anyway says so rather than blaming the other tenants.
+/// share anyway says so rather than blaming the other tenants; a share of every slot is no
+/// share, and waiting then is for the total.
 pub(super) fn admit(in_flight: usize, in_namespace: usize, limits: SlotLimits) -> Admission {
-    if in_namespace >= limits.per_namespace {
+    let share_full = in_namespace >= limits.per_namespace;
+    if share_full && limits.per_namespace < limits.total {
         Admission::ShareTaken
     } else if in_flight >= limits.total {
         Admission::AllTaken
+    } else if share_full {
+        Admission::ShareTaken
     } else {
         Admission::Granted
     }
@@ -220,10 +224,12 @@ mod tests {
     }
 
     #[test]
-    fn one_slot_in_all_is_one_per_namespace() {
-        let limits = SlotLimits::new(1, None);
-        assert_eq!(admit(0, 0, limits), Admission::Granted);
-        assert_eq!(admit(1, 1, limits), Admission::ShareTaken);
-        assert_eq!(admit(1, 0, limits), Admission::AllTaken);
+    fn a_share_of_every_slot_waits_for_the_total() {
+        for limits in [SlotLimits::new(1, None), SlotLimits::new(8, Some(8))] {
+            assert_eq!(admit(0, 0, limits), Admission::Granted);
+            let all = limits.total;
+            assert_eq!(admit(all, all, limits), Admission::AllTaken);
+            assert_eq!(admit(all, 0, limits), Admission::AllTaken);
+        }
     }
 }
