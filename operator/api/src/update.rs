@@ -76,6 +76,13 @@ pub struct UpdateSpec {
     /// Applicable to destroy and refresh operations.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub run_program: Option<bool>,
+    /// pko-rs only (PKO has no such field): the longest the operation may run, a Go duration
+    /// such as `30m`. Past it the operation is canceled at the workspace agent and the Update
+    /// fails with the reason `OperationTimedOut`. The operator's `--operation-timeout` bounds
+    /// it: the shorter of the two applies. Unset or `0`: only the operator's bound.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 64))]
+    pub operation_timeout: Option<String>,
 }
 
 /// The operation an Update performs.

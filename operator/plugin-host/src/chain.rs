@@ -229,7 +229,7 @@ async fn run_step(
             &input,
             &step.config,
             step.limits,
-            &CallSite::new(&step.id),
+            &CallSite::new(&step.id).in_namespace(namespace),
         )
         .await?;
     let next = validate_spec(output.spec)?;

@@ -55,6 +55,16 @@ pub enum PluginError {
     /// Every plugin slot stayed busy for the whole call budget.
     #[error("no plugin slot became free within {}ms", .0.as_millis())]
     Busy(Duration),
+    /// The calling namespace ran its whole share of the slots for the whole call budget.
+    #[error(
+        "namespace {namespace} runs its share of {share} plugin calls at once (--plugin-max-concurrent-calls-per-namespace) and none ended within {}ms",
+        .waited.as_millis()
+    )]
+    ShareBusy {
+        namespace: String,
+        share: u32,
+        waited: Duration,
+    },
     /// A failure of the host itself (engine, task, linker).
     #[error("plugin host error: {0}")]
     Host(String),
@@ -185,7 +195,7 @@ impl PluginError {
             Self::Trap(_) => ErrorKind::Trap,
             Self::InvalidOutput(_) => ErrorKind::InvalidOutput,
             Self::OutputTooLarge { .. } => ErrorKind::OutputTooLarge,
-            Self::Busy(_) => ErrorKind::Busy,
+            Self::Busy(_) | Self::ShareBusy { .. } => ErrorKind::Busy,
             Self::Host(_) => ErrorKind::Host,
         }
     }

@@ -405,6 +405,75 @@ async fn calls_wait_for_a_slot_and_give_up_within_their_budget() {
         .expect("slot free again");
 }
 
+/// Two slots, a namespace's share one: team-a's two endless calls hold one slot (the second
+/// waits for a's share, holding none), so team-b's call runs beside them at once; a short call
+/// of team-a's is told its share is busy.
+#[tokio::test]
+async fn one_namespaces_calls_hold_only_its_share_of_the_slots() {
+    let host = host_with(HostConfig {
+        max_concurrent_calls: 2,
+        max_concurrent_calls_per_namespace: 1,
+        cache_dir: Some(shared_cache()),
+        ..HostConfig::default()
+    });
+    let looping = load(&host, "hostile_infinite_loop").await;
+    let template = load(&host, "template").await;
+    let in_ns = |ns: &str| CallSite::new("t").in_namespace(ns);
+    let call = |module: Arc<Module>, ns: &'static str, limits: Limits| {
+        let host = host.clone();
+        async move {
+            host.transform(
+                &module,
+                &input(bucket_program()),
+                &Value::Null,
+                limits,
+                &in_ns(ns),
+            )
+            .await
+        }
+    };
+    // Far longer than anything below takes, however slow the machine; aborted at the end.
+    let endless = Limits {
+        fuel: u64::MAX / 2,
+        timeout: Duration::from_secs(60),
+        ..Limits::DEFAULT
+    };
+    let loops: Vec<_> = (0..2)
+        .map(|_| tokio::spawn(call(looping.clone(), "team-a", endless)))
+        .collect();
+    let short = Limits {
+        timeout: Duration::from_millis(100),
+        ..Limits::DEFAULT
+    };
+    // Until a loop has taken a's share, a short call of a's may still run: try again.
+    let err = loop {
+        match call(template.clone(), "team-a", short).await {
+            Err(err @ PluginError::ShareBusy { .. }) => break err,
+            other => assert!(
+                loops.iter().any(|l| !l.is_finished()),
+                "the loops ended before a's share was found busy: {other:?}"
+            ),
+        }
+    };
+    assert_eq!(err.kind(), ErrorKind::Busy);
+    let text = err.to_string();
+    assert!(
+        text.contains("team-a") && text.contains("--plugin-max-concurrent-calls-per-namespace"),
+        "{text}"
+    );
+    let output = call(template.clone(), "team-b", Limits::DEFAULT)
+        .await
+        .expect("team-b's call runs while team-a's loops hold their share");
+    assert!(output.spec.contains_key("resources"));
+    assert!(
+        loops.iter().all(|l| !l.is_finished()),
+        "team-b ran beside team-a's loops"
+    );
+    for l in loops {
+        l.abort();
+    }
+}
+
 #[tokio::test]
 async fn outputs_are_deterministic_across_hosts() {
     let config =

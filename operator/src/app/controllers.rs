@@ -59,6 +59,8 @@ impl Controllers {
         use pko_operator::controller::{execution, tenancy, transform_status};
         let ctx = self.ctx.clone();
         let concurrency = self.concurrency;
+        // One set of operation slots for every watched namespace.
+        let slots = self.execution_args.operation_slots();
         let execution = futures::future::join_all(self.scope.each().into_iter().map(|namespace| {
             execution::run(
                 self.kit.clone(),
@@ -68,6 +70,7 @@ impl Controllers {
                 execution::TenantBounds {
                     egress: self.egress.clone(),
                     file_server: self.file_server.clone(),
+                    slots: slots.clone(),
                 },
                 stop.clone(),
             )

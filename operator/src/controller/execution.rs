@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 use crate::agent_client::Agents;
 use crate::controller::kit::Kit;
 use crate::controller::stack::{self, StackContext};
-use crate::controller::update::{self, UpdateContext};
+use crate::controller::update::{self, OperationSlots, SlotLimits, UpdateContext, UpdateSettings};
 use crate::controller::workspace::{self, PodSettings, WorkspaceContext};
 use crate::egress::EgressPolicy;
 
@@ -41,6 +41,25 @@ pub struct ExecutionArgs {
         value_parser = clap::value_parser!(u32).range(1..),
     )]
     pub max_operations_in_flight: u32,
+    /// Of those, the most one namespace's Updates may hold, so one tenant's sleeping Updates
+    /// never queue another's; more wait, with the reason `Queued`. Default: a quarter of
+    /// `--max-operations-in-flight` (at least 1).
+    #[arg(
+        long,
+        env = "MAX_OPERATIONS_IN_FLIGHT_PER_NAMESPACE",
+        value_parser = clap::value_parser!(u32).range(1..),
+    )]
+    pub max_operations_in_flight_per_namespace: Option<u32>,
+    /// Longest an Update's operation may run (a Go duration); past it the operation is
+    /// canceled at the agent and the Update fails with the reason `OperationTimedOut`. An
+    /// Update's `spec.operationTimeout` may shorten it. `0`: no bound (PKO's behaviour).
+    #[arg(
+        long,
+        env = "OPERATION_TIMEOUT",
+        default_value = "0",
+        value_parser = pko_api::duration::parse_go_duration,
+    )]
+    pub operation_timeout: std::time::Duration,
     /// Engine-event bytes one operation may stream; past them the operation is stopped and its
     /// Update fails with the reason `EventsTooLarge` (each event is also under the 16 MiB
     /// message limit).
@@ -64,6 +83,21 @@ pub struct TenantBounds {
     pub egress: Arc<EgressPolicy>,
     /// The file server's names: a Workspace's flux URL on it must stay in its namespace.
     pub file_server: pko_admission::tenancy::FileServerNames,
+    /// The operation slots, one set for every namespace the operator watches (see
+    /// [`ExecutionArgs::operation_slots`]).
+    pub slots: Arc<OperationSlots>,
+}
+
+impl ExecutionArgs {
+    /// The operation slots these flags describe; made once and shared by the controllers of
+    /// every watched namespace, so `--max-operations-in-flight` bounds them all together.
+    pub fn operation_slots(&self) -> Arc<OperationSlots> {
+        let as_usize = |n: u32| usize::try_from(n).unwrap_or(usize::MAX);
+        Arc::new(OperationSlots::new(SlotLimits::new(
+            as_usize(self.max_operations_in_flight),
+            self.max_operations_in_flight_per_namespace.map(as_usize),
+        )))
+    }
 }
 
 /// Runs the execution controllers until `stop` is canceled.
@@ -78,6 +112,7 @@ pub async fn run(
     let TenantBounds {
         egress,
         file_server,
+        slots,
     } = bounds;
     let client = kit.client.clone();
     let agents = Arc::new(Agents::new(
@@ -107,8 +142,11 @@ pub async fn run(
     let update_ctx = Arc::new(UpdateContext::new(
         &kit,
         agents.clone(),
-        usize::try_from(args.max_operations_in_flight).unwrap_or(usize::MAX),
-        args.max_event_bytes_per_operation,
+        UpdateSettings {
+            slots,
+            max_event_bytes: args.max_event_bytes_per_operation,
+            operation_timeout: Some(args.operation_timeout).filter(|t| !t.is_zero()),
+        },
     ));
     let stack_ctx = Arc::new(StackContext::new(&kit, egress));
     tokio::join!(

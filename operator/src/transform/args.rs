@@ -32,6 +32,16 @@ pub struct PluginArgs {
     /// Plugin calls running at once.
     #[arg(long, env = "PLUGIN_MAX_CONCURRENT_CALLS", default_value_t = 4)]
     pub plugin_max_concurrent_calls: u32,
+    /// Of those, the most one namespace's calls (its Programs' transforms, its
+    /// ProgramTransforms' checks) may hold, so one tenant's slow plugins never hold them all; a
+    /// call waits for its namespace's share within its own time budget. Default: half of
+    /// --plugin-max-concurrent-calls (at least 1).
+    #[arg(
+        long,
+        env = "PLUGIN_MAX_CONCURRENT_CALLS_PER_NAMESPACE",
+        value_parser = clap::value_parser!(u32).range(1..),
+    )]
+    pub plugin_max_concurrent_calls_per_namespace: Option<u32>,
     /// Fuel per call of a plugin that sets no limit.
     #[arg(long, env = "PLUGIN_DEFAULT_FUEL", default_value_t = Limits::DEFAULT.fuel)]
     pub plugin_default_fuel: u64,
@@ -72,6 +82,11 @@ impl PluginArgs {
         HostConfig {
             memory_budget_bytes,
             max_concurrent_calls: self.plugin_max_concurrent_calls.max(1),
+            max_concurrent_calls_per_namespace: self
+                .plugin_max_concurrent_calls_per_namespace
+                .unwrap_or_else(|| {
+                    pko_plugin_host::host::default_share(self.plugin_max_concurrent_calls.max(1))
+                }),
             default_limits: Limits {
                 fuel: self.plugin_default_fuel,
                 timeout: Duration::from_millis(self.plugin_default_timeout_millis),

@@ -295,7 +295,11 @@ impl TransformRegistry {
         key: &TransformKey,
         load: &LoadSpec,
     ) -> Result<Arc<Module>, PluginError> {
-        let site = CallSite::new(key.to_string());
+        // A ProgramTransform's checks count against its namespace's share of the plugin slots.
+        let site = match &key.namespace {
+            Some(ns) => CallSite::new(key.to_string()).in_namespace(ns.as_str()),
+            None => CallSite::new(key.to_string()),
+        };
         // Always read the source, even when a module with this digest is already loaded: a
         // transform is ready only if its own source holds the pinned bytes (a digest alone does
         // not grant another namespace's module). Loading known bytes costs only their sha256.

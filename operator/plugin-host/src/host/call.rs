@@ -1,6 +1,6 @@
-//! Running one call: a slot and a share of the memory budget, a fresh store with its fuel and
-//! epoch deadline run on the calling task under an outer timeout, then the failure named and
-//! the output checked.
+//! Running one call: its namespace's share of the slots, a slot and a share of the memory
+//! budget, a fresh store with its fuel and epoch deadline run on the calling task under an
+//! outer timeout, then the failure named and the output checked.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -151,6 +151,21 @@ impl PluginHost {
     ) -> Result<(Response, CallStats), PluginError> {
         // Waiting for a slot counts against the call's budget.
         let deadline = tokio::time::Instant::now() + limits.timeout;
+        // First the namespace's share, so a call waiting for it holds none of the slots other
+        // namespaces need.
+        let _share = match &site.namespace {
+            Some(namespace) => Some(
+                tokio::time::timeout_at(deadline, self.inner.shares.of(namespace).acquire_owned())
+                    .await
+                    .map_err(|_| PluginError::ShareBusy {
+                        namespace: namespace.clone(),
+                        share: self.inner.shares.per_namespace(),
+                        waited: limits.timeout,
+                    })?
+                    .map_err(|_| PluginError::Host("the plugin host is shutting down".into()))?,
+            ),
+            None => None,
+        };
         let _permit = tokio::time::timeout_at(deadline, self.inner.slots.acquire())
             .await
             .map_err(|_| PluginError::Busy(limits.timeout))?

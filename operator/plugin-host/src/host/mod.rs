@@ -10,6 +10,9 @@
 mod call;
 mod engine;
 mod sandbox;
+mod shares;
+
+pub use shares::default_share;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -45,6 +48,8 @@ pub const WIT_PACKAGE: &str = "pko:transform@0.1.0";
 pub struct HostConfig {
     /// Plugin calls running at once (also sizes the instance pool).
     pub max_concurrent_calls: u32,
+    /// Of those, the most one namespace's calls may hold (see [`CallSite::in_namespace`]).
+    pub max_concurrent_calls_per_namespace: u32,
     /// Limits of a plugin that sets none.
     pub default_limits: Limits,
     /// Highest limits a plugin may ask for.
@@ -65,6 +70,7 @@ impl Default for HostConfig {
     fn default() -> Self {
         Self {
             max_concurrent_calls: 4,
+            max_concurrent_calls_per_namespace: default_share(4),
             default_limits: Limits::DEFAULT,
             ceiling: Limits::CEILING,
             cache_dir: None,
@@ -173,13 +179,24 @@ pub struct TransformOutput {
 pub struct CallSite {
     /// The transform object (`ProgramTransform/<ns>/<name>`), or any label outside the operator.
     pub transform: String,
+    /// The tenant the call is for (the Program's namespace, or a ProgramTransform's): its
+    /// calls share [`HostConfig::max_concurrent_calls_per_namespace`]. `None`: the cluster's
+    /// own calls, bounded by the slots alone.
+    pub namespace: Option<String>,
 }
 
 impl CallSite {
     pub fn new(transform: impl Into<String>) -> Self {
         Self {
             transform: transform.into(),
+            namespace: None,
         }
+    }
+
+    /// The call is made for `namespace` and counts against its share.
+    pub fn in_namespace(mut self, namespace: impl Into<String>) -> Self {
+        self.namespace = Some(namespace.into());
+        self
     }
 }
 
@@ -194,6 +211,8 @@ struct Inner {
     allocation: engine::Allocation,
     linker: Linker<CallState>,
     slots: Arc<Semaphore>,
+    /// Each namespace's share of `slots`.
+    shares: shares::Shares,
     /// The memory budget, one permit per MiB.
     memory: Arc<Semaphore>,
     config: HostConfig,
@@ -224,6 +243,10 @@ impl PluginHost {
             .map(|dir| engine::cache_folder(&engine, dir));
         let ticker = engine::start_ticker(&engine)?;
         let slots = Arc::new(Semaphore::new(config.max_concurrent_calls.max(1) as usize));
+        let shares = shares::Shares::new(shares::share(
+            config.max_concurrent_calls,
+            config.max_concurrent_calls_per_namespace,
+        ));
         let memory = Arc::new(Semaphore::new(call::budget_permits(
             config.memory_budget_bytes,
         )));
@@ -233,6 +256,7 @@ impl PluginHost {
                 allocation,
                 linker,
                 slots,
+                shares,
                 memory,
                 config,
                 metrics,

@@ -151,7 +151,8 @@ mod tests {
     #[test]
     fn the_template_is_merged_onto_the_spec() {
         let s = stack(json!({"stack": "dev", "targets": ["urn:a"],
-            "updateTemplate": {"spec": {"parallel": 2, "target": ["urn:b"], "ttlAfterCompleted": "1h"}}}));
+            "updateTemplate": {"spec": {"parallel": 2, "target": ["urn:b"], "ttlAfterCompleted": "1h",
+                "operationTimeout": "30m"}}}));
         let ws = workspace();
         let update = object(&Request {
             stack: &s,
@@ -164,6 +165,8 @@ mod tests {
         assert_eq!(update.spec.parallel, Some(2));
         assert_eq!(update.spec.target, vec!["urn:b".to_owned()]);
         assert_eq!(update.spec.ttl_after_completed.as_deref(), Some("1h"));
+        // The Stack's operation timeout travels through its template.
+        assert_eq!(update.spec.operation_timeout.as_deref(), Some("30m"));
         assert_eq!(update.spec.type_, Some(UpdateType::Preview));
         assert_eq!(update.metadata.owner_references.map(|o| o.len()), Some(2));
     }

@@ -8,7 +8,6 @@
 //! first run when the connection went away) instead of being marked `Aborted`; a lost agent
 //! connection fails the Update with a reason that says so.
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -25,7 +24,6 @@ use pko_agent_api::client::AgentClient;
 use pko_api::duration::DurationError;
 use pko_api::update::{Update, UpdateStatus};
 use pko_api::workspace::Workspace;
-use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 use crate::agent_client::Agents;
@@ -38,12 +36,14 @@ mod expire;
 mod operate;
 mod outcome;
 mod slots;
+mod timeout;
 
 use expire::expire;
 use operate::{connect, operate};
 pub use outcome::sanitize_key;
 use outcome::{Outcome, apply_outcome, finish, store_result, write_status};
-use slots::Slot;
+use slots::{Admission, Slot};
+pub use slots::{OperationSlots, SlotLimits};
 
 const CONTROLLER: &str = "update";
 const PROGRESSING: &str = "Progressing";
@@ -53,8 +53,10 @@ const COMPLETE: &str = "Complete";
 const STALLED: &str = "Stalled";
 /// Default of `--max-operations-in-flight`.
 pub const DEFAULT_MAX_OPERATIONS_IN_FLIGHT: u32 = 64;
-/// Reason of an Update waiting for an operation slot.
+/// Reason of an Update waiting for an operation slot (all taken, or its namespace's share).
 pub const QUEUED: &str = "Queued";
+/// Reason of an Update failed because its operation ran past its timeout.
+pub const OPERATION_TIMED_OUT: &str = "OperationTimedOut";
 /// Reason of an Update failed because an answer of the agent was over the message limit.
 pub const RESPONSE_TOO_LARGE: &str = pko_agent_api::errors::RESPONSE_TOO_LARGE;
 /// Default of `--max-event-bytes-per-operation`: far more than the events of a large stack (the
@@ -132,23 +134,31 @@ pub struct UpdateContext {
     pub metrics: Metrics,
     /// Failed reconciles per Update.
     pub backoff: Backoff,
-    /// Updates whose operation runs in this process: uid → cancel token.
-    running: Mutex<HashMap<String, CancellationToken>>,
-    /// Operations that may run at once (`--max-operations-in-flight`).
-    max_in_flight: usize,
+    /// The operator's operation slots (shared with the other namespaces' controllers).
+    slots: Arc<OperationSlots>,
     /// Engine-event bytes one operation may stream (`--max-event-bytes-per-operation`).
     max_event_bytes: u64,
-    /// Updates waiting for an operation slot: uid → reference, woken when a slot frees.
-    queued: Mutex<HashMap<String, ObjectRef<Update>>>,
+    /// Longest an operation may run (`--operation-timeout`; `None`: no bound).
+    operation_timeout: Option<Duration>,
+    /// Where the slots send this controller's Updates when a slot frees.
     wake: UnboundedSender<ObjectRef<Update>>,
     /// Taken by [`run`], which reconciles what is sent on `wake`.
     woken: Mutex<Option<UnboundedReceiver<ObjectRef<Update>>>>,
 }
 
+/// The operator's bounds on Update operations.
+#[derive(Clone)]
+pub struct UpdateSettings {
+    /// Operations that may run at once, in all and per namespace.
+    pub slots: Arc<OperationSlots>,
+    /// Engine-event bytes one operation may stream.
+    pub max_event_bytes: u64,
+    /// Longest an operation may run; `None`: as long as it takes (PKO's behaviour).
+    pub operation_timeout: Option<Duration>,
+}
+
 impl UpdateContext {
-    /// `max_in_flight`: operations that may run at once (at least one is always allowed);
-    /// `max_event_bytes`: engine-event bytes one operation may stream.
-    pub fn new(kit: &Kit, agents: Arc<Agents>, max_in_flight: usize, max_event_bytes: u64) -> Self {
+    pub fn new(kit: &Kit, agents: Arc<Agents>, settings: UpdateSettings) -> Self {
         let (wake, woken) = unbounded();
         Self {
             client: kit.client.clone(),
@@ -156,17 +166,12 @@ impl UpdateContext {
             agents,
             metrics: kit.metrics.clone(),
             backoff: Backoff::default(),
-            running: Mutex::new(HashMap::new()),
-            max_in_flight: max_in_flight.max(1),
-            max_event_bytes,
-            queued: Mutex::new(HashMap::new()),
+            slots: settings.slots,
+            max_event_bytes: settings.max_event_bytes,
+            operation_timeout: settings.operation_timeout,
             wake,
             woken: Mutex::new(Some(woken)),
         }
-    }
-
-    fn running(&self) -> std::sync::MutexGuard<'_, HashMap<String, CancellationToken>> {
-        self.running.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     async fn event(&self, update: &Update, type_: EventType, reason: &str, note: String) {
@@ -335,6 +340,26 @@ async fn reconcile_inner(
     if let Some(action) = settled(&update, &ctx, &current).await? {
         return Ok(action);
     }
+    let timeout = match timeout::effective(
+        ctx.operation_timeout,
+        update.spec.operation_timeout.as_deref(),
+    ) {
+        Ok(timeout) => timeout,
+        Err(e) => {
+            let mut status = current.before.clone();
+            status.observed_generation = current.generation;
+            let message = format!("spec.operationTimeout: {e}");
+            finish(
+                &mut status,
+                current.generation,
+                false,
+                "InvalidSpec",
+                &message,
+            );
+            current.write(&ctx, &status).await?;
+            return Ok(Action::await_change());
+        }
+    };
     let (ws, address) = match ready_workspace(&update, &ctx, &current).await? {
         Ok(ready) => ready,
         Err(waiting) => {
@@ -347,16 +372,17 @@ async fn reconcile_inner(
             return Ok(Action::await_change());
         }
     };
-    let Some(slot) = ctx.acquire(&current.uid, &update) else {
-        let s = current.waiting(
-            QUEUED,
-            &format!(
-                "queued: {} operations are in flight, the most allowed (--max-operations-in-flight); it starts when one ends",
-                ctx.max_in_flight
-            ),
-        );
-        current.write(&ctx, &s).await?;
-        return Ok(Action::requeue(QUEUED_RECHECK));
+    let slot = match ctx
+        .slots
+        .acquire(&current.uid, &current.namespace, &update, &ctx.wake)
+    {
+        Ok(slot) => slot,
+        Err(refused) => {
+            let message = queued_message(refused, ctx.slots.limits(), &current.namespace);
+            let s = current.waiting(QUEUED, &message);
+            current.write(&ctx, &s).await?;
+            return Ok(Action::requeue(QUEUED_RECHECK));
+        }
     };
     let ws_name = ws.name_any();
     let client = match connect(&ctx, &ws, &ws_name, &current.namespace, &address).await {
@@ -369,8 +395,22 @@ async fn reconcile_inner(
         }
     };
     let status = start(&update, &ctx, &current).await?;
-    launch(ctx, update, current, status, slot, client);
+    launch(ctx, update, current, status, slot, client, timeout);
     Ok(Action::await_change())
+}
+
+/// What a queued Update's `Progressing` condition says it waits for.
+fn queued_message(refused: Admission, slots: SlotLimits, namespace: &str) -> String {
+    match refused {
+        Admission::ShareTaken => format!(
+            "queued: namespace {namespace} runs {} operations, its share of the {} operation slots (--max-operations-in-flight-per-namespace); it starts when one of them ends",
+            slots.per_namespace, slots.total
+        ),
+        Admission::AllTaken | Admission::Granted => format!(
+            "queued: {} operations are in flight, the most allowed (--max-operations-in-flight); it starts when one ends",
+            slots.total
+        ),
+    }
 }
 
 /// What to do with an Update that will not start an operation here: expire a completed one,
@@ -385,8 +425,8 @@ async fn settled(
         return expire(update, ctx, &api, &current.before).await.map(Some);
     }
     if update.meta().deletion_timestamp.is_some() {
-        if let Some(token) = ctx.running().get(&current.uid) {
-            token.cancel();
+        if let Some(running) = ctx.slots.running().get(&current.uid) {
+            running.token.cancel();
             return Ok(Some(Action::await_change()));
         }
         let mut status = current.before.clone();
@@ -400,7 +440,7 @@ async fn settled(
         current.write(ctx, &status).await?;
         return Ok(Some(Action::await_change()));
     }
-    if ctx.running().contains_key(&current.uid) {
+    if ctx.slots.running().contains_key(&current.uid) {
         return Ok(Some(Action::await_change()));
     }
     if update.spec.workspace_name.is_none() {
@@ -508,7 +548,8 @@ async fn start(
     Ok(status)
 }
 
-/// Runs the operation in its own task, holding `slot` until its result is stored.
+/// Runs the operation in its own task, holding `slot` until its result is stored. Past
+/// `timeout` the operation is dropped, which cancels its call: the agent interrupts pulumi.
 fn launch(
     ctx: Arc<UpdateContext>,
     update: Arc<Update>,
@@ -516,13 +557,21 @@ fn launch(
     mut status: UpdateStatus,
     slot: Slot,
     client: AgentClient,
+    timeout: Option<Duration>,
 ) {
     let token = slot.token.clone();
     tokio::spawn(async move {
         let started = std::time::Instant::now();
+        let expired = async {
+            match timeout {
+                Some(t) => tokio::time::sleep(t).await,
+                None => std::future::pending().await,
+            }
+        };
         let outcome = tokio::select! {
             outcome = operate(&ctx, &update, client) => outcome,
             () = token.cancelled() => Outcome::failed("Canceled", "the update was canceled".into()),
+            () = expired => Outcome::failed(OPERATION_TIMED_OUT, timeout::message(timeout.unwrap_or_default())),
         };
         apply_outcome(&ctx, &update, &mut status, outcome).await;
         let Current {
