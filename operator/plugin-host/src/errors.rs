@@ -65,6 +65,10 @@ pub enum PluginError {
         share: u32,
         waited: Duration,
     },
+    /// A module load (fetch, digest check, compile) outlasted its budget; a compile still
+    /// running keeps its load slot until it ends.
+    #[error("loading the module took longer than {}s (--plugin-load-timeout-seconds)", .0.as_secs())]
+    LoadTimedOut(Duration),
     /// A failure of the host itself (engine, task, linker).
     #[error("plugin host error: {0}")]
     Host(String),
@@ -179,7 +183,7 @@ impl ErrorKind {
 impl PluginError {
     pub fn kind(&self) -> ErrorKind {
         match self {
-            Self::Source(_) => ErrorKind::Source,
+            Self::Source(_) | Self::LoadTimedOut(_) => ErrorKind::Source,
             Self::Signature(_) => ErrorKind::Signature,
             Self::DigestMismatch { .. } => ErrorKind::DigestMismatch,
             Self::ModuleTooLarge { .. } => ErrorKind::ModuleTooLarge,

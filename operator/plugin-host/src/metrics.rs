@@ -3,6 +3,7 @@
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
@@ -53,6 +54,10 @@ pub struct PluginMetrics {
     pub fuel_total: Family<PluginLabels, Counter>,
     pub loads: Family<LoadLabels, Counter>,
     pub load_duration: Family<LoadLabels, Histogram>,
+    /// Module loads (fetch and compile) holding one of the load slots.
+    pub loads_in_flight: Gauge,
+    /// Module loads waiting for a load slot.
+    pub loads_waiting: Gauge,
 }
 
 impl Default for PluginMetrics {
@@ -82,6 +87,8 @@ impl PluginMetrics {
             load_duration: Family::new_with_constructor(|| {
                 Histogram::new(exponential_buckets(0.000_1, 2.0, 16))
             }),
+            loads_in_flight: Gauge::default(),
+            loads_waiting: Gauge::default(),
         }
     }
 
@@ -202,6 +209,16 @@ impl PluginMetrics {
             "pko_plugin_module_load_duration_seconds",
             "Time to compile or deserialize a plugin module, by source",
             self.load_duration.clone(),
+        );
+        registry.register(
+            "pko_plugin_module_loads_in_flight",
+            "Module loads (fetch and compile) holding one of the --plugin-max-concurrent-loads slots",
+            self.loads_in_flight.clone(),
+        );
+        registry.register(
+            "pko_plugin_module_loads_waiting",
+            "Module loads waiting for a load slot",
+            self.loads_waiting.clone(),
         );
     }
 }

@@ -232,6 +232,11 @@ impl Drop for Inner {
 
 impl PluginHost {
     /// Creates the engine, the instance pool, the linker and the epoch ticker.
+    /// The host's metrics (the operator records its module loads there too).
+    pub fn metrics(&self) -> &PluginMetrics {
+        &self.inner.metrics
+    }
+
     pub fn new(config: HostConfig, metrics: PluginMetrics) -> Result<Self, PluginError> {
         let (engine, allocation) =
             engine::engine(&config).map_err(|e| PluginError::Host(format!("{e:#}")))?;
