@@ -57,6 +57,20 @@ pub struct PluginArgs {
     /// Largest module accepted, in bytes.
     #[arg(long, env = "PLUGIN_MAX_MODULE_BYTES", default_value_t = 32 << 20)]
     pub plugin_max_module_bytes: u64,
+    /// Module loads (fetch, digest check and compile) at once, for every transform together:
+    /// the module bytes held at once are at most this many times --plugin-max-module-bytes,
+    /// and as many compilers run. Further loads wait for a slot.
+    #[arg(
+        long,
+        env = "PLUGIN_MAX_CONCURRENT_LOADS",
+        default_value_t = 2,
+        value_parser = clap::value_parser!(u32).range(1..),
+    )]
+    pub plugin_max_concurrent_loads: u32,
+    /// Time one module load may take once it has a slot; it then fails (and is retried). A
+    /// compile still running keeps its slot until it ends, so the bound on memory holds.
+    #[arg(long, env = "PLUGIN_LOAD_TIMEOUT_SECONDS", default_value_t = 60)]
+    pub plugin_load_timeout_seconds: u64,
     /// Memory, in MiB, every plugin call running at once may use together; each call reserves
     /// its memory cap from it. Unset: half of what the container's memory limit leaves (see
     /// docs/operations.md), or every slot at the ceiling when no limit is known.

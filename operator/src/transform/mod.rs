@@ -234,12 +234,44 @@ pub struct TransformRegistry {
     status_triggers: broadcast::Sender<TransformKey>,
     synced: watch::Sender<bool>,
     synced_flag: Arc<AtomicBool>,
+    /// Module loads at once (fetch and compile), for every transform together.
+    loads: Arc<tokio::sync::Semaphore>,
+    /// Budget of one load once it holds a slot.
+    load_timeout: Duration,
+}
+
+/// How many module loads run at once, and for how long each may.
+#[derive(Debug, Clone, Copy)]
+pub struct LoadLimits {
+    pub concurrent: u32,
+    pub timeout: Duration,
+}
+
+impl LoadLimits {
+    /// The flags' defaults.
+    pub const DEFAULT: Self = Self {
+        concurrent: 2,
+        timeout: Duration::from_secs(60),
+    };
 }
 
 impl TransformRegistry {
     /// A registry running plugins on `host`, fetching modules with `fetcher`.
     pub fn new(host: PluginHost, fetcher: ModuleFetcher) -> Arc<Self> {
+        Self::with_load_limits(host, fetcher, LoadLimits::DEFAULT)
+    }
+
+    /// [`Self::new`] with `limits` on module loads.
+    pub fn with_load_limits(
+        host: PluginHost,
+        fetcher: ModuleFetcher,
+        limits: LoadLimits,
+    ) -> Arc<Self> {
         Arc::new(Self {
+            loads: Arc::new(tokio::sync::Semaphore::new(
+                limits.concurrent.max(1) as usize
+            )),
+            load_timeout: limits.timeout,
             host,
             fetcher,
             state: Mutex::new(State::default()),
@@ -268,7 +300,11 @@ impl TransformRegistry {
             args.plugin_max_module_bytes,
             egress,
         )?;
-        Ok(Self::new(host, fetcher))
+        let limits = LoadLimits {
+            concurrent: args.plugin_max_concurrent_loads,
+            timeout: Duration::from_secs(args.plugin_load_timeout_seconds),
+        };
+        Ok(Self::with_load_limits(host, fetcher, limits))
     }
 
     pub fn host(&self) -> &PluginHost {

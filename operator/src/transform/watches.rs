@@ -306,12 +306,44 @@ impl TransformRegistry {
         let source = load.source.as_ref().ok_or_else(|| {
             PluginError::Source("set exactly one of configMap, url and oci".into())
         })?;
-        let bytes = self.fetcher.fetch(source, &load.sha256).await?;
-        let module = self.host.load(bytes, &load.sha256, &site).await?;
+        let module = self.load_in_slot(source, &load.sha256, &site).await?;
         self.host
             .validate_config(&module, &load.config, load.limits, &site)
             .await?;
         Ok(module)
+    }
+
+    /// Fetches and compiles a module while holding one of the load slots, within the load
+    /// budget. The slot bounds the bytes held (a source answers at most the module limit) and
+    /// the compilers running: one moves with the work, so a load that outlasts its budget
+    /// still holds it until the compile ends, and returns the error at once.
+    async fn load_in_slot(
+        &self,
+        source: &ResolvedSource,
+        sha256: &str,
+        site: &CallSite,
+    ) -> Result<Arc<Module>, PluginError> {
+        let metrics = self.host.metrics();
+        let permit = {
+            let _waiting = GaugeGuard::new(&metrics.loads_waiting);
+            self.loads.clone().acquire_owned().await
+        }
+        .map_err(|_| PluginError::Host("the module load slots are closed".into()))?;
+        let in_flight = GaugeGuard::new(&metrics.loads_in_flight);
+        let (fetcher, host) = (self.fetcher.clone(), self.host.clone());
+        let (source, sha256, site) = (source.clone(), sha256.to_owned(), site.clone());
+        let work = tokio::spawn(async move {
+            let _slot = (permit, in_flight);
+            let bytes = fetcher.fetch(&source, &sha256).await?;
+            host.load(bytes, &sha256, &site).await
+        });
+        match tokio::time::timeout(self.load_timeout, work).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(e)) => Err(PluginError::Host(format!(
+                "the module load task failed: {e}"
+            ))),
+            Err(_) => Err(PluginError::LoadTimedOut(self.load_timeout)),
+        }
     }
 
     /// Recomputes the chains of the Programs in `namespace` (all when `None`) and sends those
@@ -339,5 +371,21 @@ impl TransformRegistry {
             debug!(program = %program, "transform chain changed");
             let _ = self.program_triggers.send(program);
         }
+    }
+}
+
+/// Counts one unit on a gauge for as long as it lives (a load waiting, a load running).
+struct GaugeGuard(prometheus_client::metrics::gauge::Gauge);
+
+impl GaugeGuard {
+    fn new(gauge: &prometheus_client::metrics::gauge::Gauge) -> Self {
+        gauge.inc();
+        Self(gauge.clone())
+    }
+}
+
+impl Drop for GaugeGuard {
+    fn drop(&mut self) {
+        self.0.dec();
     }
 }
