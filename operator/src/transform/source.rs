@@ -16,6 +16,7 @@ use kube::{Api, Client};
 use pko_api::names::{checked_name, is_dns1123_label};
 use pko_api::transform::{OciSource, ResolvedKeys, ResolvedSource};
 use pko_plugin_host::PluginError;
+use sha2::{Digest, Sha256};
 
 /// Timeout of one https fetch.
 const FETCH_TIMEOUT: Duration = Duration::from_secs(30);
@@ -160,7 +161,7 @@ impl ModuleFetcher {
             } => self.config_map(namespace, name, key).await,
             ResolvedSource::Url(url) => match url.strip_prefix("file://") {
                 Some(path) => self.file(path).await,
-                None => self.https(url).await,
+                None => self.https(url, sha256).await,
             },
             ResolvedSource::Oci {
                 artifact,
@@ -366,7 +367,9 @@ impl ModuleFetcher {
             .map_err(|e| PluginError::Source(format!("{}: {e}", path.display())))
     }
 
-    async fn https(&self, url: &str) -> Result<Vec<u8>, PluginError> {
+    /// The module at an https `url`, hashed as it arrives: bytes that are not the pinned
+    /// module are refused before anything else reads them.
+    async fn https(&self, url: &str, sha256: &str) -> Result<Vec<u8>, PluginError> {
         let http = self.http.as_ref().ok_or_else(|| {
             PluginError::Source("https module URLs are not fetched offline".into())
         })?;
@@ -392,12 +395,14 @@ impl ModuleFetcher {
         // Streamed with a running total: a missing or lying Content-Length cannot make us
         // buffer more than the limit.
         let mut body = Vec::new();
+        let mut hash = Sha256::new();
         let mut response = response;
         while let Some(chunk) = response
             .chunk()
             .await
             .map_err(|e| PluginError::Source(format!("{url}: {e}")))?
         {
+            hash.update(&chunk);
             body.extend_from_slice(&chunk);
             if body.len() as u64 > self.max_bytes {
                 return Err(PluginError::ModuleTooLarge {
@@ -405,6 +410,11 @@ impl ModuleFetcher {
                     limit: self.max_bytes,
                 });
             }
+        }
+        let actual = format!("sha256:{}", hex::encode(hash.finalize()));
+        let expected = pko_plugin_host::host::normalize_digest(sha256);
+        if actual != expected {
+            return Err(PluginError::DigestMismatch { expected, actual });
         }
         Ok(body)
     }
