@@ -1083,6 +1083,47 @@ async fn transform_status_explains_a_wrong_digest_an_invalid_config_and_a_missin
 /// A one-file HTTPS server on loopback, with its own CA: every path but `/missing` answers
 /// `body`. Returns the port and the CA certificate (PEM).
 fn https_server(body: Vec<u8>) -> (u16, String) {
+    https_server_with(body, None)
+}
+
+/// Holds every answer of a gated server until it opens, counting the requests held.
+#[derive(Default)]
+struct Gate {
+    open: std::sync::Mutex<bool>,
+    opened: std::sync::Condvar,
+    held: std::sync::atomic::AtomicUsize,
+    most_held: std::sync::atomic::AtomicUsize,
+}
+
+impl Gate {
+    fn hold(&self) {
+        use std::sync::atomic::Ordering::SeqCst;
+        let now = self.held.fetch_add(1, SeqCst) + 1;
+        self.most_held.fetch_max(now, SeqCst);
+        let mut open = self
+            .open
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        while !*open {
+            open = self
+                .opened
+                .wait(open)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+        drop(open);
+        self.held.fetch_sub(1, SeqCst);
+    }
+
+    fn open(&self) {
+        *self
+            .open
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = true;
+        self.opened.notify_all();
+    }
+}
+
+fn https_server_with(body: Vec<u8>, gate: Option<std::sync::Arc<Gate>>) -> (u16, String) {
     use std::io::Write;
     use std::sync::Arc;
 
@@ -1116,6 +1157,7 @@ fn https_server(body: Vec<u8>) -> (u16, String) {
             // One thread per connection, bounded reads: a stalled client cannot block the rest.
             let _ = tcp.set_read_timeout(Some(std::time::Duration::from_secs(10)));
             let body = body.clone();
+            let gate = gate.clone();
             std::thread::spawn(move || {
                 let mut tls = rustls::StreamOwned::new(conn, tcp);
                 let mut request = Vec::new();
@@ -1127,6 +1169,9 @@ fn https_server(body: Vec<u8>) -> (u16, String) {
                     }
                 }
                 let head = String::from_utf8_lossy(&request);
+                if let Some(gate) = &gate {
+                    gate.hold();
+                }
                 let response = if head.starts_with("GET /missing ") {
                     b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
                         .to_vec()
@@ -1249,6 +1294,102 @@ async fn a_module_is_fetched_from_an_https_url_trusting_the_configured_ca() {
     let (_, reason, message) = ready_condition(&status).expect("ready");
     assert_eq!(reason, "Source");
     assert!(message.contains("404"), "{message}");
+}
+
+/// Module loads hold one of `--plugin-max-concurrent-loads` slots from the fetch to the end of
+/// the compile, for every transform together: six transforms whose server holds its answers
+/// make two requests, the other four loads wait (and say so in the metrics), and all six load
+/// once the server answers. Twenty transforms of 32 MiB modules fetched at once held 640 MiB.
+#[tokio::test]
+async fn module_loads_hold_at_most_their_slots_together() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let _machine = pko_tests::serial::shared().await;
+    let plane = ControlPlane::shared().await;
+    let ns = plane.namespace("tf-loads").await.expect("namespace");
+    let tags = module("default_tags").expect("module");
+    let gate = std::sync::Arc::new(Gate::default());
+    let (port, ca) = https_server_with(tags.bytes.clone(), Some(gate.clone()));
+    let ca_file = plane.dir().join(format!("plugin-ca-{ns}.pem"));
+    std::fs::write(&ca_file, ca).expect("write CA");
+    let op = Operator::start(
+        plane,
+        OperatorOptions {
+            advertised: Some(ADVERTISED.into()),
+            args: vec![
+                format!("--watch-namespace={ns}"),
+                format!("--plugin-ca-file={}", ca_file.display()),
+                "--plugin-max-concurrent-loads=2".into(),
+                "--plugin-load-timeout-seconds=600".into(),
+            ],
+        },
+    )
+    .await
+    .expect("operator starts");
+    let transforms: Api<ProgramTransform> = Api::namespaced(plane.client(), &ns);
+    const LOADS: usize = 6;
+    for i in 0..LOADS {
+        let spec = https_module(
+            &format!("127.0.0.1:{port}"),
+            &format!("/m{i}"),
+            &tags.sha256,
+        );
+        transforms
+            .create(&PostParams::default(), &transform(&format!("t{i}"), spec))
+            .await
+            .expect("transform");
+    }
+    let queued = wait_for(
+        "two loads held by the server, four waiting",
+        WAIT,
+        || async {
+            let waiting = op.metric("pko_plugin_module_loads_waiting").await?;
+            (gate.held.load(SeqCst) == 2 && waiting == (LOADS - 2) as f64).then_some(())
+        },
+    )
+    .await;
+    if let Err(e) = queued {
+        gate.open();
+        panic!(
+            "{e}: held {} (at most {}), waiting {:?}\n{}",
+            gate.held.load(SeqCst),
+            gate.most_held.load(SeqCst),
+            op.metric("pko_plugin_module_loads_waiting").await,
+            op.log_text()
+        );
+    }
+    assert_eq!(
+        gate.most_held.load(SeqCst),
+        2,
+        "more loads than slots fetched at once"
+    );
+    assert_eq!(
+        op.metric("pko_plugin_module_loads_in_flight").await,
+        Some(2.0)
+    );
+    gate.open();
+    for i in 0..LOADS {
+        let name = format!("t{i}");
+        let status = transform_status(
+            || async { transforms.get(&name).await.ok()?.status },
+            "a gated module loads",
+            |s| ready_condition(s).is_some_and(|(st, _, _)| st == "True"),
+        )
+        .await;
+        let (_, reason, _) = ready_condition(&status).expect("ready");
+        assert_ne!(reason, "Source", "{name}: {status:?}");
+    }
+    assert_eq!(
+        gate.most_held.load(SeqCst),
+        2,
+        "more loads than slots fetched at once"
+    );
+    let idle = wait_for("no load waiting or running", WAIT, || async {
+        let waiting = op.metric("pko_plugin_module_loads_waiting").await?;
+        let running = op.metric("pko_plugin_module_loads_in_flight").await?;
+        (waiting == 0.0 && running == 0.0).then_some(())
+    })
+    .await;
+    assert!(idle.is_ok(), "{idle:?}");
 }
 
 /// Issue: https module sources are URLs a tenant chooses, fetched by the operator itself. Under
