@@ -267,6 +267,29 @@ impl Tenancy {
         (tenancy, driver)
     }
 
+    /// The given policies, with namespace labels read from the apiserver on demand (a direct
+    /// read per namespace, no watch): for tests of the lookup itself.
+    pub fn looking_up(
+        client: Client,
+        policies: Vec<TenancyPolicy>,
+        settings: TenancySettings,
+    ) -> Self {
+        Self {
+            policies: PolicySource::Fixed(Arc::new(std::sync::Mutex::new(
+                policies.into_iter().map(Arc::new).collect(),
+            ))),
+            labels: Labels::Watched(Arc::new(WatchedLabels {
+                store: reflector::store::<PartialObjectMeta<Namespace>>().0,
+                api: Api::all(client),
+                absent: std::sync::Mutex::new(AbsentNamespaces::default()),
+                lookups: tokio::sync::Semaphore::new(MAX_LOOKUPS),
+            })),
+            settings: Arc::new(settings),
+            synced: Arc::new(AtomicBool::new(true)),
+            changes: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
     /// A fixed view: the given policies and namespace labels (for tests and offline runs).
     pub fn fixed(
         policies: Vec<TenancyPolicy>,

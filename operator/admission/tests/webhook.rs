@@ -655,17 +655,17 @@ async fn a_namespace_that_is_not_a_dns_label_is_denied_without_an_apiserver_requ
     });
     let config = kube::Config::new(format!("http://{address}").parse().expect("url"));
     let client = kube::Client::try_from(config).expect("client");
-    // The watch driver is not run: every label read is a direct lookup. A policy that
-    // selects namespaces by label makes every review need its namespace's labels.
-    let (tenancy, _driver) = Tenancy::watch(client, TenancySettings::default());
-    tenancy.set_policies(vec![TenancyPolicy::new(
+    // No watch: every label read is a direct lookup. A policy that selects namespaces by
+    // label makes every review need its namespace's labels.
+    let policy = TenancyPolicy::new(
         "everyone",
         TenancyPolicySpec {
             namespace_selector: Some(Default::default()),
             allowed_image_prefixes: Some(vec!["registry.example/".into()]),
             ..TenancyPolicySpec::default()
         },
-    )]);
+    );
+    let tenancy = Tenancy::looking_up(client, vec![policy], TenancySettings::default());
     let bundle = Bundle::load(&bundle_path()).expect("bundle loads");
     let engine = PolicyEngine::new(&bundle, EngineLimits::default())
         .await
