@@ -122,3 +122,25 @@ pub fn status_of(p: &Program) -> Value {
 pub fn sha256(bytes: &[u8]) -> String {
     format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
 }
+
+/// Creates the Program `name` with `spec` through `api`, then waits up to `wait` for its
+/// artifact: `(url, digest)`.
+pub async fn published_program(
+    api: &kube::Api<Program>,
+    name: &str,
+    spec: Value,
+    wait: std::time::Duration,
+) -> Result<(String, String), crate::HarnessError> {
+    api.create(&kube::api::PostParams::default(), &program(name, spec))
+        .await
+        .map_err(|e| crate::HarnessError::kube(format!("creating Program {name}"), e))?;
+    crate::wait_for(&format!("the artifact of Program {name}"), wait, || async {
+        let status = serde_json::to_value(api.get(name).await.ok()?.status?).ok()?;
+        let artifact = status.get("artifact")?;
+        Some((
+            artifact["url"].as_str()?.to_owned(),
+            artifact["digest"].as_str()?.to_owned(),
+        ))
+    })
+    .await
+}

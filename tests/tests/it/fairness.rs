@@ -59,23 +59,12 @@ impl Tenant {
     /// name → file).
     async fn workspace(&self, files: &[(&str, &Path)]) {
         let programs: Api<Program> = Api::namespaced(self.client.clone(), &self.ns);
-        let program = fixtures::program(
+        let (url, digest) = fixtures::published_program(
+            &programs,
             "reader",
-            serde_json::from_str::<Value>(PROGRAM).expect("json"),
-        );
-        programs
-            .create(&PostParams::default(), &program)
-            .await
-            .expect("create program");
-        let (url, digest) = wait_for("the program artifact", WAIT, || async {
-            let p = programs.get("reader").await.ok()?;
-            let s = serde_json::to_value(p.status?).ok()?;
-            let a = s.get("artifact")?;
-            Some((
-                a["url"].as_str()?.to_owned(),
-                a["digest"].as_str()?.to_owned(),
-            ))
-        })
+            serde_json::from_str(PROGRAM).expect("json"),
+            WAIT,
+        )
         .await
         .expect("artifact");
         let stacks: Vec<Value> = files

@@ -57,22 +57,12 @@ impl Env {
 
     async fn program(&self) -> (String, String) {
         let api: Api<Program> = Api::namespaced(self.client(), &self.ns);
-        let program = fixtures::program(
+        fixtures::published_program(
+            &api,
             "reader",
-            serde_json::from_str::<Value>(PROGRAM).expect("json"),
-        );
-        api.create(&PostParams::default(), &program)
-            .await
-            .expect("create program");
-        wait_for("the program artifact", WAIT, || async {
-            let p = api.get("reader").await.ok()?;
-            let s = serde_json::to_value(p.status?).ok()?;
-            let a = s.get("artifact")?;
-            Some((
-                a["url"].as_str()?.to_owned(),
-                a["digest"].as_str()?.to_owned(),
-            ))
-        })
+            serde_json::from_str(PROGRAM).expect("json"),
+            WAIT,
+        )
         .await
         .expect("artifact")
     }

@@ -39,20 +39,9 @@ async fn env(prefix: &str) -> Env {
 /// A Program's artifact (url, digest) once the operator has built it.
 async fn program_artifact(ns: &str, name: &str, spec: Value) -> (String, String) {
     let api: Api<Program> = Api::namespaced(ControlPlane::shared().await.client(), ns);
-    api.create(&PostParams::default(), &fixtures::program(name, spec))
+    fixtures::published_program(&api, name, spec, WAIT)
         .await
-        .expect("create program");
-    wait_for("the program artifact", WAIT, || async {
-        let p = api.get(name).await.ok()?;
-        let s = serde_json::to_value(p.status?).ok()?;
-        let a = s.get("artifact")?;
-        Some((
-            a["url"].as_str()?.to_owned(),
-            a["digest"].as_str()?.to_owned(),
-        ))
-    })
-    .await
-    .expect("artifact")
+        .expect("artifact")
 }
 
 fn workspace(name: &str, backend: &str, url: &str, digest: &str, greeting: &str) -> Workspace {
