@@ -26,7 +26,28 @@ pub struct Operator {
 
 impl Operator {
     /// Start the operator against `plane` and wait until `/readyz` answers 200.
+    ///
+    /// Its ports are picked free, then bound by the operator: in between, another process
+    /// (a parallel test's operator, agent or client socket) may take one. Such a start is
+    /// tried again on new ports; any other exit fails at once.
     pub async fn start(plane: &ControlPlane, opts: OperatorOptions) -> Result<Self, HarnessError> {
+        let mut attempt = 1;
+        loop {
+            match Self::start_once(plane, &opts).await {
+                Err(HarnessError::Exited { log, .. })
+                    if attempt < PORT_ATTEMPTS && lost_a_port(&log.path) =>
+                {
+                    attempt += 1;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn start_once(
+        plane: &ControlPlane,
+        opts: &OperatorOptions,
+    ) -> Result<Self, HarnessError> {
         let fs_port = free_port()?;
         let probe_port = free_port()?;
         let mut cmd = Command::new(operator_binary()?);
@@ -40,6 +61,9 @@ impl Operator {
                 "--health-probe-bind-address=127.0.0.1:{probe_port}"
             ))
             .arg("--log-level=info,pko_operator=debug")
+            // The error an operator exits with is the first thing its log should show, not
+            // a backtrace of where it was built (panics still print theirs).
+            .env("RUST_LIB_BACKTRACE", "0")
             .args(&opts.args);
         // Every operator of a control plane shares one key Secret, so any replica verifies the
         // artifact URLs any other one signed (as replicas of one install do).
@@ -69,9 +93,11 @@ impl Operator {
         if let Some(adv) = &opts.advertised {
             cmd.arg(format!("--program-fs-adv-addr={adv}"));
         }
-        let log = plane
-            .dir()
-            .join(format!("operator-{fs_port}-{}.log", std::process::id()));
+        let log = plane.dir().join(format!(
+            "operator-{fs_port}-{}-{}.log",
+            std::process::id(),
+            STARTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ));
         let mut guard = spawn_guarded(cmd, "pko-operator", &log)?;
         let url = format!("http://127.0.0.1:{probe_port}/readyz");
         let deadline = std::time::Instant::now() + Duration::from_secs(60);
@@ -221,6 +247,19 @@ pub fn operator_binary() -> Result<PathBuf, HarnessError> {
                 candidates
             ),
         })
+}
+
+/// Numbers each start, so two starts (of two tests that drew one port) never share a log.
+static STARTS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// Starts tried before a port clash fails the test; each clash needs a race lost again.
+const PORT_ATTEMPTS: u32 = 5;
+
+/// Whether the operator logged at `log` exited because one of its addresses was taken.
+fn lost_a_port(log: &std::path::Path) -> bool {
+    std::fs::read_to_string(log)
+        .map(|text| text.contains("Address already in use"))
+        .unwrap_or(false)
 }
 
 fn free_port() -> Result<u16, HarnessError> {
