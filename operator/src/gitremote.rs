@@ -5,6 +5,10 @@
 //! operator image. Smart servers answer with pkt-lines; plain file servers ("dumb" HTTP, a bare
 //! repository after `git update-server-info`) with `<sha>\t<ref>` lines; both are read. Answers
 //! are cached briefly so many Stacks tracking one branch cost one request per interval.
+//!
+//! The URL is a tenant's and the error reaches its Stack's status: a failure is told by its
+//! class ([`Failure`]), never a status code, a port or an answer, with the detail in the
+//! operator's log only.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -12,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
 
-use crate::egress::{self, EgressPolicy, Refused};
+use crate::egress::{self, EgressPolicy, Failure};
 
 /// Largest refs advertisement read (repositories with many tags stay far below).
 const MAX_BYTES: usize = 16 * 1024 * 1024;
@@ -24,20 +28,28 @@ pub enum GitRemoteError {
         "cannot track a branch of {0:?}: only http(s) repositories can be polled; pin `commit` instead"
     )]
     UnsupportedUrl(String),
-    #[error("cannot list the refs of {url}: {detail}")]
-    Request { url: String, detail: String },
-    #[error("will not list the refs of {url}: its address is {refused}")]
-    Refused { url: String, refused: Refused },
-    #[error("{url} answered {status} when listing its refs{hint}")]
-    Status {
-        url: String,
-        status: u16,
-        hint: &'static str,
-    },
+    #[error("cannot list the refs of {url}: {failure}{}", hint(*failure))]
+    Failed { url: String, failure: Failure },
+    #[error("cannot list the refs of {url}: more than {MAX_BYTES} bytes of refs")]
+    TooLarge { url: String },
+    #[error(
+        "cannot list the refs of {url}: the operator has no HTTP client for branch lookups \
+         ({detail}); see the operator's log"
+    )]
+    NoClient { url: String, detail: String },
     #[error("cannot read the refs of {url}: {detail}")]
     Parse { url: String, detail: String },
     #[error("no branch or tag {reference:?} in {url}")]
     NotFound { url: String, reference: String },
+}
+
+/// What the tenant can do about a failure of its class.
+fn hint(failure: Failure) -> &'static str {
+    match failure {
+        Failure::Unauthorized => "; check the git credentials",
+        Failure::NotFound => "; check the repository URL",
+        _ => "",
+    }
 }
 
 /// HTTP credentials (a token is sent as the password of user `git`, as git hosts expect).
@@ -67,15 +79,21 @@ type RefsCache = HashMap<(String, String), (Instant, Refs)>;
 
 /// Refs of a repository, shared by every Stack of the operator.
 pub struct Resolver {
-    http: reqwest::Client,
+    /// The client, or why it could not be built: never a client without the egress rules.
+    http: Result<reqwest::Client, String>,
     egress: Arc<EgressPolicy>,
     ttl: Duration,
     cache: Mutex<RefsCache>,
 }
 
 impl Resolver {
-    /// `http` must follow `egress` for names and redirects ([`EgressPolicy::client_builder`]).
-    pub fn new(http: reqwest::Client, egress: Arc<EgressPolicy>, ttl: Duration) -> Self {
+    /// `http` must follow `egress` for names and redirects ([`EgressPolicy::client_builder`]);
+    /// when it failed to build, every lookup fails saying so.
+    pub fn new(
+        http: Result<reqwest::Client, String>,
+        egress: Arc<EgressPolicy>,
+        ttl: Duration,
+    ) -> Self {
         Self {
             http,
             egress,
@@ -132,36 +150,32 @@ impl Resolver {
             .ok()
             .filter(|u| matches!(u.scheme(), "http" | "https"))
             .ok_or_else(|| GitRemoteError::UnsupportedUrl(url.to_owned()))?;
+        let failed = |failure: Failure| GitRemoteError::Failed {
+            url: url.to_owned(),
+            failure,
+        };
         self.egress
             .check_url(&endpoint)
-            .map_err(|refused| GitRemoteError::Refused {
-                url: url.to_owned(),
-                refused,
-            })?;
-        let request_err = |detail: String| GitRemoteError::Request {
+            .map_err(|refused| failed(Failure::Refused(refused)))?;
+        let http = self.http.as_ref().map_err(|detail| GitRemoteError::NoClient {
             url: url.to_owned(),
-            detail,
+            detail: detail.clone(),
+        })?;
+        // The detail is the operator's to read; the tenant gets the class.
+        let request_err = |e: reqwest::Error| {
+            let failure = egress::classify(&e);
+            tracing::info!(url, %failure, detail = egress::describe(&e), "branch lookup failed");
+            failed(failure)
         };
-        let mut request = self.http.get(endpoint).timeout(TIMEOUT);
+        let mut request = http.get(endpoint).timeout(TIMEOUT);
         if let Some(a) = auth {
             request = request.basic_auth(&a.username, Some(&a.password));
         }
-        let mut response = request
-            .send()
-            .await
-            .map_err(|e| request_err(egress::describe(&e)))?;
+        let mut response = request.send().await.map_err(request_err)?;
         let status = response.status();
-        if !status.is_success() {
-            let hint = match status.as_u16() {
-                401 | 403 => ": check the git credentials",
-                404 => ": check the repository URL",
-                _ => "",
-            };
-            return Err(GitRemoteError::Status {
-                url: url.to_owned(),
-                status: status.as_u16(),
-                hint,
-            });
+        if let Some(failure) = Failure::of_status(status.as_u16()) {
+            tracing::info!(url, %failure, status = status.as_u16(), "branch lookup failed");
+            return Err(failed(failure));
         }
         let smart = response
             .headers()
@@ -169,13 +183,11 @@ impl Resolver {
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.starts_with("application/x-git-upload-pack-advertisement"));
         let mut body = Vec::new();
-        while let Some(chunk) = response
-            .chunk()
-            .await
-            .map_err(|e| request_err(egress::describe(&e)))?
-        {
+        while let Some(chunk) = response.chunk().await.map_err(request_err)? {
             if body.len() + chunk.len() > MAX_BYTES {
-                return Err(request_err(format!("more than {MAX_BYTES} bytes of refs")));
+                return Err(GitRemoteError::TooLarge {
+                    url: url.to_owned(),
+                });
             }
             body.extend_from_slice(&chunk);
         }

@@ -3,7 +3,7 @@
 //! artifact (its cosign signature checked first when the transform asks for it). Offline (the
 //! `render` command), ConfigMaps come from manifests and modules from a folder, by digest.
 
-use crate::egress::EgressPolicy;
+use crate::egress::{EgressPolicy, Failure};
 use std::collections::HashMap;
 use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
@@ -375,15 +375,23 @@ impl ModuleFetcher {
         })?;
         let parsed = reqwest::Url::parse(url)
             .map_err(|e| PluginError::Source(format!("{url}: not a URL: {e}")))?;
+        // The URL is a tenant's and the message reaches its transform's status: the class of
+        // a failure only, the detail in the operator's log.
+        let failed = |failure: Failure| PluginError::Source(format!("{url}: {failure}"));
         if let Err(refused) = self.egress.check_url(&parsed) {
-            return Err(PluginError::Source(format!("{url}: refused: {refused}")));
+            return Err(failed(Failure::Refused(refused)));
         }
+        let request_err = |e: reqwest::Error| {
+            let failure = crate::egress::classify(&e);
+            tracing::info!(url, %failure, detail = crate::egress::describe(&e), "module fetch failed");
+            failed(failure)
+        };
         let response = http
             .get(parsed)
             .send()
             .await
             .and_then(reqwest::Response::error_for_status)
-            .map_err(|e| PluginError::Source(format!("{url}: {}", crate::egress::describe(&e))))?;
+            .map_err(request_err)?;
         if let Some(len) = response.content_length()
             && len > self.max_bytes
         {
@@ -397,11 +405,7 @@ impl ModuleFetcher {
         let mut body = Vec::new();
         let mut hash = Sha256::new();
         let mut response = response;
-        while let Some(chunk) = response
-            .chunk()
-            .await
-            .map_err(|e| PluginError::Source(format!("{url}: {e}")))?
-        {
+        while let Some(chunk) = response.chunk().await.map_err(request_err)? {
             hash.update(&chunk);
             body.extend_from_slice(&chunk);
             if body.len() as u64 > self.max_bytes {

@@ -80,13 +80,19 @@ const GIT_REFS_TTL: Duration = Duration::from_secs(20);
 
 /// The HTTP client for refs listings: the system's trusted roots, no cookies, a bounded number
 /// of redirects (hosts redirect `/repo` to `/repo.git`), and only addresses the egress rules
-/// allow (the URL is the tenant's).
-fn git_http_client(egress: &Arc<EgressPolicy>) -> reqwest::Client {
+/// allow (the URL is the tenant's). A client that fails to build is never replaced by one
+/// without those rules: branch lookups then fail with the reason (SourceUnavailable), and the
+/// operator logs it once here.
+fn git_http_client(egress: &Arc<EgressPolicy>) -> Result<reqwest::Client, String> {
     egress
         .client_builder(5)
         .user_agent(concat!("pko-rs/", env!("CARGO_PKG_VERSION"), " git/2"))
         .build()
-        .unwrap_or_default()
+        .map_err(|e| {
+            let detail = crate::egress::describe(&e);
+            tracing::error!(error = %detail, "cannot build the HTTP client for branch lookups");
+            detail
+        })
 }
 
 /// Runs the controller until `shutdown` resolves.

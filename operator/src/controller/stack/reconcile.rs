@@ -644,7 +644,7 @@ mod tests {
             client,
             metrics: Metrics::default(),
             git: gitremote::Resolver::new(
-                reqwest::Client::new(),
+                crate::controller::stack::git_http_client(&Arc::new(EgressPolicy::default())),
                 Arc::new(EgressPolicy::default()),
                 Duration::from_secs(1),
             ),
