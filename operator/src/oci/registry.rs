@@ -11,7 +11,7 @@ use super::{
     CONFIG_TYPES, LEGACY_LAYER_TYPE, MANIFEST_TYPE, OciError, Reference, WASM_CONFIG_TYPE,
     WASM_LAYER_TYPE, sha256_digest,
 };
-use crate::egress::EgressPolicy;
+use crate::egress::{EgressPolicy, Failure};
 
 /// Largest manifest read (the distribution spec's suggested limit is 4 MiB; ours are tiny).
 const MAX_MANIFEST_BYTES: u64 = 256 << 10;
@@ -403,17 +403,13 @@ impl<'a> Session<'a> {
                 url: url.to_owned(),
                 reason: e.to_string(),
             })?;
-            egress
-                .check_url(&parsed)
-                .map_err(|refused| OciError::Unreachable {
-                    url: url.to_owned(),
-                    reason: format!("refused: {refused}"),
-                })?;
+            egress.check_url(&parsed).map_err(|refused| OciError::Request {
+                url: url.to_owned(),
+                failure: Failure::Refused(refused),
+                detail: format!("refused: {refused}"),
+            })?;
         }
-        request.send().await.map_err(|e| OciError::Unreachable {
-            url: url.to_owned(),
-            reason: crate::egress::describe(&e),
-        })
+        request.send().await.map_err(|e| request_error(url, &e))
     }
 
     /// An anonymous pull token from a `Bearer realm=…,service=…,scope=…` challenge.
@@ -560,6 +556,15 @@ fn bearer_params(challenge: &str) -> Option<Vec<(String, String)>> {
     Some(params)
 }
 
+/// A failed request: its class, and the client's words (for the CLI and the operator's log).
+fn request_error(url: &str, err: &reqwest::Error) -> OciError {
+    OciError::Request {
+        url: url.to_owned(),
+        failure: crate::egress::classify(err),
+        detail: crate::egress::describe(err),
+    }
+}
+
 fn ok(response: reqwest::Response, url: &str) -> Result<reqwest::Response, OciError> {
     if response.status().is_success() {
         Ok(response)
@@ -587,10 +592,11 @@ async fn read_bounded(
         return Err(too_large());
     }
     let mut body = Vec::new();
-    while let Some(chunk) = response.chunk().await.map_err(|e| OciError::Unreachable {
-        url: url.to_owned(),
-        reason: crate::egress::describe(&e),
-    })? {
+    while let Some(chunk) = response
+        .chunk()
+        .await
+        .map_err(|e| request_error(url, &e))?
+    {
         body.extend_from_slice(&chunk);
         if body.len() as u64 > limit {
             return Err(too_large());
