@@ -71,7 +71,8 @@ fn parse_ip(text: &str) -> Result<IpAddr, String> {
         .map_err(|e| format!("invalid IP address {text:?}: {e}"))
 }
 
-fn parse_cidr(text: &str) -> Result<IpNet, String> {
+/// A range, or one address as its own range (as `--egress-deny-cidr` takes it).
+pub fn parse_cidr(text: &str) -> Result<IpNet, String> {
     text.trim()
         .parse::<IpNet>()
         .or_else(|_| text.trim().parse::<IpAddr>().map(IpNet::from))

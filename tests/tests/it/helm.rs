@@ -340,6 +340,14 @@ fn the_operator_accepts_the_charts_arguments() {
             "extraArgs={--max-concurrent-reconciles=50}",
         ][..],
         &["leaderElection.enabled=false", "webhook.enabled=false"][..],
+        &[
+            "egress.denyPrivateRanges=false",
+            "egress.serviceCIDRs={10.96.0.0/12,fd00:10:96::/112}",
+            "egress.podCIDRs={10.244.0.0/16}",
+            "egress.extraDenyCIDRs={192.0.2.7}",
+            "egress.extraMetadataAddresses={203.0.113.9,fd00:ec2::254}",
+            "egress.useEnvProxy=true",
+        ][..],
     ] {
         let objects = parse(&template(RELEASE_NAMESPACE, sets));
         let deployment = objects
@@ -361,6 +369,105 @@ fn the_operator_accepts_the_charts_arguments() {
             parsed.status.success(),
             "{sets:?} → {args:?}: {}",
             String::from_utf8_lossy(&parsed.stderr)
+        );
+    }
+}
+
+/// The operator's arguments in the chart's Deployment rendered with `sets`.
+fn deployment_args(sets: &[&str]) -> Vec<String> {
+    let objects = parse(&template(RELEASE_NAMESPACE, sets));
+    let deployment = objects
+        .iter()
+        .find(|o| o["kind"] == "Deployment")
+        .expect("deployment");
+    deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+        .as_array()
+        .expect("args")
+        .iter()
+        .filter_map(|a| a.as_str().map(str::to_owned))
+        .collect()
+}
+
+/// The egress rules the operator builds from `args`' `--egress-deny-cidr`.
+fn egress_of(args: &[String]) -> pko_operator::egress::EgressPolicy {
+    let cidrs: Vec<&str> = args
+        .iter()
+        .filter_map(|a| a.strip_prefix("--egress-deny-cidr="))
+        .flat_map(|list| list.split(','))
+        .collect();
+    assert!(!cidrs.is_empty(), "no --egress-deny-cidr in {args:?}");
+    pko_operator::egress::EgressPolicy::from_args(&pko_operator::egress::EgressArgs {
+        deny_cidrs: cidrs
+            .iter()
+            .map(|c| pko_operator::egress::parse_cidr(c).expect("a CIDR the operator takes"))
+            .collect(),
+        ..Default::default()
+    })
+}
+
+/// Issue 23: deploy/ and the chart set no `--egress-deny-cidr`, so tenants' URLs reached the
+/// cluster's Services and Pods. A fresh install denies the Service and Pod ranges of the common
+/// distributions; with the private ranges opened, the cluster's own must be given.
+#[test]
+fn a_fresh_install_denies_the_cluster_ranges_and_opening_them_needs_the_clusters_own() {
+    use pko_operator::egress::Refused;
+    let defaults = egress_of(&deployment_args(&[]));
+    for addr in [
+        "10.96.0.1",     // kubeadm, kind: Services
+        "10.244.3.7",    // flannel, kind: Pods
+        "10.42.0.9",     // k3s Pods
+        "10.43.0.1",     // k3s Services
+        "10.100.0.1",    // EKS Services
+        "172.20.0.10",   // EKS Services (the other default)
+        "10.0.0.10",     // AKS Services
+        "192.168.12.4",  // Calico's default pool
+        "100.64.0.10",   // shared range (GKE's non-RFC 1918 option, carrier NAT)
+        "fd00:10:96::1", // kind, IPv6 Services
+    ] {
+        let ip: std::net::IpAddr = addr.parse().expect("ip");
+        assert_eq!(defaults.check(ip), Err(Refused::Cluster), "{addr}");
+    }
+    assert_eq!(defaults.check("140.82.112.3".parse().expect("ip")), Ok(()));
+
+    // Private ranges open: exactly the cluster's own ranges and the extra ones are denied.
+    let args = deployment_args(&[
+        "egress.denyPrivateRanges=false",
+        "egress.serviceCIDRs={10.96.0.0/12}",
+        "egress.podCIDRs={10.244.0.0/16}",
+        "egress.extraDenyCIDRs={192.168.7.0/24}",
+    ]);
+    let own = egress_of(&args);
+    for (addr, denied) in [
+        ("10.96.0.1", true),
+        ("10.244.1.1", true),
+        ("192.168.7.9", true),
+        ("10.1.2.3", false),
+        ("192.168.8.1", false),
+    ] {
+        let ip: std::net::IpAddr = addr.parse().expect("ip");
+        assert_eq!(own.check(ip).is_err(), denied, "{addr}: {args:?}");
+    }
+    assert!(!args.iter().any(|a| a == "--egress-use-env-proxy"), "{args:?}");
+
+    // Opened without the cluster's ranges: helm refuses, saying what to set.
+    for sets in [
+        &["egress.denyPrivateRanges=false"][..],
+        &[
+            "egress.denyPrivateRanges=false",
+            "egress.serviceCIDRs={10.96.0.0/12}",
+        ][..],
+    ] {
+        let mut cmd = helm();
+        cmd.args(["template", "pko-rs"]).arg(chart());
+        for set in sets {
+            cmd.args(["--set", set]);
+        }
+        let out = cmd.output().expect("run helm");
+        assert!(!out.status.success(), "{sets:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("egress.serviceCIDRs and egress.podCIDRs must both be set"),
+            "{sets:?}: {err}"
         );
     }
 }

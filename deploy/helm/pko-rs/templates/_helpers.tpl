@@ -19,3 +19,17 @@ app.kubernetes.io/part-of: pko-rs
 {{- define "pko-rs.webhook" -}}
 {{- if and .Values.webhook.enabled (not (include "pko-rs.namespaced" .)) -}}true{{- end -}}
 {{- end -}}
+
+{{/* The ranges tenants' URLs never reach, comma-separated (--egress-deny-cidr); fails when
+neither the private ranges nor the cluster's own are denied. */}}
+{{- define "pko-rs.egressDenyCIDRs" -}}
+{{- $e := .Values.egress -}}
+{{- $cidrs := list -}}
+{{- if $e.denyPrivateRanges -}}
+{{- $cidrs = concat $cidrs (list "10.0.0.0/8" "172.16.0.0/12" "192.168.0.0/16" "100.64.0.0/10" "fc00::/7") -}}
+{{- else if not (and $e.serviceCIDRs $e.podCIDRs) -}}
+{{- fail "egress.serviceCIDRs and egress.podCIDRs must both be set when egress.denyPrivateRanges is false: tenants' URLs would reach the cluster's Services and Pods (docs/operations.md, Egress, says how to find them)" -}}
+{{- end -}}
+{{- $cidrs = concat $cidrs (default list $e.serviceCIDRs) (default list $e.podCIDRs) (default list $e.extraDenyCIDRs) -}}
+{{- join "," (uniq $cidrs) -}}
+{{- end -}}
