@@ -31,9 +31,19 @@ impl Operator {
     /// (a parallel test's operator, agent or client socket) may take one. Such a start is
     /// tried again on new ports; any other exit fails at once.
     pub async fn start(plane: &ControlPlane, opts: OperatorOptions) -> Result<Self, HarnessError> {
+        Self::start_with_env(plane, opts, &[]).await
+    }
+
+    /// [`Self::start`] with `env` (name, value) added to the process's environment (e.g. a
+    /// proxy the operator must ignore).
+    pub async fn start_with_env(
+        plane: &ControlPlane,
+        opts: OperatorOptions,
+        env: &[(&str, &str)],
+    ) -> Result<Self, HarnessError> {
         let mut attempt = 1;
         loop {
-            match Self::start_once(plane, &opts).await {
+            match Self::start_once(plane, &opts, env).await {
                 Err(HarnessError::Exited { log, .. })
                     if attempt < PORT_ATTEMPTS && lost_a_port(&log.path) =>
                 {
@@ -47,10 +57,12 @@ impl Operator {
     async fn start_once(
         plane: &ControlPlane,
         opts: &OperatorOptions,
+        env: &[(&str, &str)],
     ) -> Result<Self, HarnessError> {
         let fs_port = free_port()?;
         let probe_port = free_port()?;
         let mut cmd = Command::new(operator_binary()?);
+        cmd.envs(env.iter().copied());
         // A test may run the operator with a kubeconfig of its own (e.g. impersonating a
         // service account); otherwise the plane's admin one.
         if !opts.args.iter().any(|a| a.starts_with("--kubeconfig")) {

@@ -25,6 +25,7 @@ mod deploy;
 mod deploy_scope;
 mod deploy_webhook;
 mod depth;
+mod egress;
 mod fairness;
 mod harness_smoke;
 mod helm;
