@@ -157,10 +157,13 @@ impl Resolver {
         self.egress
             .check_url(&endpoint)
             .map_err(|refused| failed(Failure::Refused(refused)))?;
-        let http = self.http.as_ref().map_err(|detail| GitRemoteError::NoClient {
-            url: url.to_owned(),
-            detail: detail.clone(),
-        })?;
+        let http = self
+            .http
+            .as_ref()
+            .map_err(|detail| GitRemoteError::NoClient {
+                url: url.to_owned(),
+                detail: detail.clone(),
+            })?;
         // The detail is the operator's to read; the tenant gets the class.
         let request_err = |e: reqwest::Error| {
             let failure = egress::classify(&e);

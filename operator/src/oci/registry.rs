@@ -403,11 +403,13 @@ impl<'a> Session<'a> {
                 url: url.to_owned(),
                 reason: e.to_string(),
             })?;
-            egress.check_url(&parsed).map_err(|refused| OciError::Request {
-                url: url.to_owned(),
-                failure: Failure::Refused(refused),
-                detail: format!("refused: {refused}"),
-            })?;
+            egress
+                .check_url(&parsed)
+                .map_err(|refused| OciError::Request {
+                    url: url.to_owned(),
+                    failure: Failure::Refused(refused),
+                    detail: format!("refused: {refused}"),
+                })?;
         }
         request.send().await.map_err(|e| request_error(url, &e))
     }
@@ -592,11 +594,7 @@ async fn read_bounded(
         return Err(too_large());
     }
     let mut body = Vec::new();
-    while let Some(chunk) = response
-        .chunk()
-        .await
-        .map_err(|e| request_error(url, &e))?
-    {
+    while let Some(chunk) = response.chunk().await.map_err(|e| request_error(url, &e))? {
         body.extend_from_slice(&chunk);
         if body.len() as u64 > limit {
             return Err(too_large());

@@ -136,11 +136,15 @@ async fn a_proxy_in_the_environment_is_not_used_for_a_branch_lookup() {
         .expect("create stack");
     // The branch was resolved (the Workspace is pinned to its commit): the lookup went direct.
     let workspaces: Api<Workspace> = Api::namespaced(plane.client(), &ns);
-    let pinned = wait_for("the Workspace pinned to the branch's commit", WAIT, || async {
-        let ws = workspaces.get_opt("direct").await.ok()??;
-        let git = ws.spec.git?;
-        (git.ref_.as_deref() == Some(COMMIT)).then_some(())
-    })
+    let pinned = wait_for(
+        "the Workspace pinned to the branch's commit",
+        WAIT,
+        || async {
+            let ws = workspaces.get_opt("direct").await.ok()??;
+            let git = ws.spec.git?;
+            (git.ref_.as_deref() == Some(COMMIT)).then_some(())
+        },
+    )
     .await;
     if let Err(e) = pinned {
         panic!(
@@ -150,7 +154,11 @@ async fn a_proxy_in_the_environment_is_not_used_for_a_branch_lookup() {
             op.log_text()
         );
     }
-    assert!(proxy.seen().is_empty(), "the proxy was used: {:?}", proxy.seen());
+    assert!(
+        proxy.seen().is_empty(),
+        "the proxy was used: {:?}",
+        proxy.seen()
+    );
 }
 
 /// Issue 23: `http://` branch lookups reported exact status codes (and connection errors), a

@@ -447,7 +447,10 @@ fn a_fresh_install_denies_the_cluster_ranges_and_opening_them_needs_the_clusters
         let ip: std::net::IpAddr = addr.parse().expect("ip");
         assert_eq!(own.check(ip).is_err(), denied, "{addr}: {args:?}");
     }
-    assert!(!args.iter().any(|a| a == "--egress-use-env-proxy"), "{args:?}");
+    assert!(
+        !args.iter().any(|a| a == "--egress-use-env-proxy"),
+        "{args:?}"
+    );
 
     // Opened without the cluster's ranges: helm refuses, saying what to set.
     for sets in [

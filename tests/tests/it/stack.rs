@@ -606,7 +606,10 @@ async fn a_git_branch_is_deployed_with_credentials_and_a_new_commit_redeploys() 
     // A branch that does not exist, or credentials the server refuses: Stalled, saying which.
     for (name, expected) in [
         ("no-branch", "no branch or tag \"does-not-exist\""),
-        ("bad-creds", "authentication required or refused; check the git credentials"),
+        (
+            "bad-creds",
+            "authentication required or refused; check the git credentials",
+        ),
     ] {
         let message = source_unavailable(&stacks, name).await;
         assert!(message.contains(expected), "{name}: {message}");
