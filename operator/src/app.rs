@@ -129,7 +129,9 @@ impl App {
 
         let client = kube_client(&args, None).await?;
         let admission_metrics = pko_admission::AdmissionMetrics::new();
-        let metrics = Metrics::with_extra(|registry| admission_metrics.register(registry));
+        let metrics = Metrics::with_extra(args.metrics_object_labels, |registry| {
+            admission_metrics.register(registry);
+        });
         let shutdown = CancellationToken::new();
         let advertised = AdvertisedAddress::resolve(
             &args.program_fs_addr,

@@ -8,6 +8,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use pko_api::duration::parse_go_duration;
+use pko_operator::metrics::ObjectLabels;
 use pko_operator::telemetry::{self, LogFormat};
 
 use app::{App, PodEnv};
@@ -67,6 +68,18 @@ struct RunArgs {
     /// Extra address serving /metrics ("0" disables it).
     #[arg(long, default_value = "0")]
     metrics_bind_address: String,
+    /// What per-object metric series are labelled with. `names`: each Stack's namespace and
+    /// name, each transform object and plugin name (PKO's series). `none`: no namespace, name
+    /// or plugin name in any label; the Stack gauges count Stacks and the plugin series are by
+    /// transform kind. The installs set `none`, since /metrics readers would otherwise see
+    /// every tenant's names.
+    #[arg(
+        long,
+        env = "METRICS_OBJECT_LABELS",
+        value_enum,
+        default_value = "names"
+    )]
+    metrics_object_labels: ObjectLabels,
     /// Connections one client address may hold on the file-server, probe and metrics
     /// listeners (each); more from it are closed at once.
     #[arg(

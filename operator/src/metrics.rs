@@ -108,6 +108,32 @@ pub struct OutcomeLabels {
     pub outcome: &'static str,
 }
 
+/// Whether per-object series name their object (`--metrics-object-labels`). Whoever reads
+/// `/metrics` reads every label, so in a cluster shared by tenants the names stay out.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum ObjectLabels {
+    /// PKO's series: `stacks_failing{namespace,name}` per Stack, and `pko_plugin_*` by
+    /// transform object and plugin name. One series per object, removed with it.
+    #[default]
+    Names,
+    /// No namespace, name or plugin name in any label: the per-Stack gauges become counts
+    /// of Stacks, and the plugin series are by transform kind. A fixed set of series.
+    None,
+}
+
+/// PKO's per-Stack gauges, or their counts when object labels are off.
+#[derive(Clone)]
+pub enum StackSeries {
+    /// `stacks_failing{namespace,name}` and `stacks_reconciling{namespace,name}`: 0 or 1 per
+    /// Stack.
+    PerStack {
+        failing: Family<StackLabels, Gauge>,
+        reconciling: Family<StackLabels, Gauge>,
+    },
+    /// `stacks_failing` and `stacks_reconciling` without labels: how many Stacks are.
+    Counted { failing: Gauge, reconciling: Gauge },
+}
+
 /// Labels of per-Stack series (PKO's `stacks_failing` / `stacks_reconciling`).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StackLabels {
@@ -134,10 +160,9 @@ pub struct Metrics {
     pub programs_active: Gauge,
     /// PKO's `stacks_active`: Stacks currently known to this replica.
     pub stacks_active: Gauge,
-    /// PKO's `stacks_failing{namespace,name}`: 1 while the Stack's last update failed.
-    pub stacks_failing: Family<StackLabels, Gauge>,
-    /// PKO's `stacks_reconciling{namespace,name}`: 1 while the Stack is `Reconciling=True`.
-    pub stacks_reconciling: Family<StackLabels, Gauge>,
+    /// PKO's `stacks_failing` (the Stack's last update failed) and `stacks_reconciling` (the
+    /// Stack is `Reconciling=True`), per Stack or counted.
+    pub stacks: StackSeries,
     /// 1 while this replica holds the leader lease (or runs without leader election).
     pub leader: Gauge,
     pub reconciles: Family<ControllerLabels, Counter>,
@@ -166,19 +191,23 @@ impl Default for Metrics {
 
 impl Metrics {
     pub fn new() -> Self {
-        Self::with_extra(|_| {})
+        Self::with_extra(ObjectLabels::Names, |_| {})
     }
 
-    /// Like [`Self::new`], with more metrics registered by `extra` (components living in
-    /// other crates, e.g. the admission webhook), served on the same `/metrics`.
+    /// Like [`Self::new`], with per-object series as `object_labels` says, and more metrics
+    /// registered by `extra` (components living in other crates, e.g. the admission webhook),
+    /// served on the same `/metrics`.
     #[allow(
         clippy::too_many_lines,
         reason = "one registration per metric, in the order /metrics lists them"
     )]
-    pub fn with_extra(extra: impl FnOnce(&mut Registry)) -> Self {
+    pub fn with_extra(object_labels: ObjectLabels, extra: impl FnOnce(&mut Registry)) -> Self {
         let mut registry = Registry::default();
         extra(&mut registry);
-        let plugins = pko_plugin_host::PluginMetrics::new();
+        let plugins = match object_labels {
+            ObjectLabels::Names => pko_plugin_host::PluginMetrics::new(),
+            ObjectLabels::None => pko_plugin_host::PluginMetrics::without_object_labels(),
+        };
         plugins.register(&mut registry);
         let programs_active = Gauge::default();
         registry.register(
@@ -192,18 +221,44 @@ impl Metrics {
             "Number of stacks currently tracked by the operator",
             stacks_active.clone(),
         );
-        let stacks_failing = Family::<StackLabels, Gauge>::default();
-        registry.register(
-            "stacks_failing",
-            "1 for each stack whose last update failed, 0 otherwise",
-            stacks_failing.clone(),
-        );
-        let stacks_reconciling = Family::<StackLabels, Gauge>::default();
-        registry.register(
-            "stacks_reconciling",
-            "1 for each stack with Reconciling=True, 0 otherwise",
-            stacks_reconciling.clone(),
-        );
+        let stacks = match object_labels {
+            ObjectLabels::Names => {
+                let failing = Family::<StackLabels, Gauge>::default();
+                registry.register(
+                    "stacks_failing",
+                    "1 for each stack whose last update failed, 0 otherwise",
+                    failing.clone(),
+                );
+                let reconciling = Family::<StackLabels, Gauge>::default();
+                registry.register(
+                    "stacks_reconciling",
+                    "1 for each stack with Reconciling=True, 0 otherwise",
+                    reconciling.clone(),
+                );
+                StackSeries::PerStack {
+                    failing,
+                    reconciling,
+                }
+            }
+            ObjectLabels::None => {
+                let failing = Gauge::default();
+                registry.register(
+                    "stacks_failing",
+                    "Number of stacks whose last update failed",
+                    failing.clone(),
+                );
+                let reconciling = Gauge::default();
+                registry.register(
+                    "stacks_reconciling",
+                    "Number of stacks with Reconciling=True",
+                    reconciling.clone(),
+                );
+                StackSeries::Counted {
+                    failing,
+                    reconciling,
+                }
+            }
+        };
         let leader = Gauge::default();
         registry.register(
             "pko_leader",
@@ -294,8 +349,7 @@ impl Metrics {
             registry: Arc::new(registry),
             programs_active,
             stacks_active,
-            stacks_failing,
-            stacks_reconciling,
+            stacks,
             leader,
             reconciles,
             reconcile_errors,

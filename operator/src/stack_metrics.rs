@@ -5,9 +5,11 @@
 //! `programs_active`, so any replica's `/metrics` answers and a scrape of the Service never sees
 //! zeros from a follower. Only the two flags per Stack are kept, not the objects, so the cost is a
 //! watch connection and one small map entry per Stack. Unlike PKO, a deleted Stack's series are
-//! removed (PKO sets them to 0 forever), and `stacks_reconciling` is actually registered.
+//! removed (PKO sets them to 0 forever), and `stacks_reconciling` is actually registered. With
+//! object labels off ([`crate::metrics::ObjectLabels::None`]) the two gauges count Stacks, so no
+//! tenant's Stack name reaches `/metrics`; the flags kept per Stack make the counts exact.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -18,7 +20,7 @@ use kube::runtime::watcher;
 use serde_json::Value;
 use tracing::warn;
 
-use crate::metrics::{Metrics, StackLabels};
+use crate::metrics::{Metrics, StackLabels, StackSeries};
 
 /// What the gauges say about one Stack.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -55,38 +57,73 @@ impl StackFlags {
     }
 }
 
-/// The gauges plus the set of Stacks they describe.
+/// The gauges plus the Stacks they describe, with the flags last exported for each.
 struct StackGauges {
     metrics: Metrics,
-    known: HashSet<StackLabels>,
+    known: HashMap<StackLabels, StackFlags>,
     /// Stacks seen during a relist, swapped into `known` when the relist ends.
     relisting: HashSet<StackLabels>,
 }
 
 impl StackGauges {
+    fn new(metrics: Metrics) -> Self {
+        Self {
+            metrics,
+            known: HashMap::new(),
+            relisting: HashSet::new(),
+        }
+    }
+
     fn set(&mut self, object: &DynamicObject, relist: bool) {
         let Some(labels) = labels_of(object) else {
             return;
         };
         let flags = StackFlags::of(object.data.get("status"));
-        self.metrics
-            .stacks_failing
-            .get_or_create(&labels)
-            .set(i64::from(flags.failing));
-        self.metrics
-            .stacks_reconciling
-            .get_or_create(&labels)
-            .set(i64::from(flags.reconciling));
+        match &self.metrics.stacks {
+            StackSeries::PerStack {
+                failing,
+                reconciling,
+            } => {
+                failing.get_or_create(&labels).set(i64::from(flags.failing));
+                reconciling
+                    .get_or_create(&labels)
+                    .set(i64::from(flags.reconciling));
+            }
+            StackSeries::Counted {
+                failing,
+                reconciling,
+            } => {
+                let before = self.known.get(&labels).copied().unwrap_or_default();
+                failing.inc_by(i64::from(flags.failing) - i64::from(before.failing));
+                reconciling.inc_by(i64::from(flags.reconciling) - i64::from(before.reconciling));
+            }
+        }
         if relist {
             self.relisting.insert(labels.clone());
         }
-        self.known.insert(labels);
+        self.known.insert(labels, flags);
     }
 
     fn remove(&mut self, labels: &StackLabels) {
-        self.metrics.stacks_failing.remove(labels);
-        self.metrics.stacks_reconciling.remove(labels);
-        self.known.remove(labels);
+        let Some(before) = self.known.remove(labels) else {
+            return;
+        };
+        match &self.metrics.stacks {
+            StackSeries::PerStack {
+                failing,
+                reconciling,
+            } => {
+                failing.remove(labels);
+                reconciling.remove(labels);
+            }
+            StackSeries::Counted {
+                failing,
+                reconciling,
+            } => {
+                failing.dec_by(i64::from(before.failing));
+                reconciling.dec_by(i64::from(before.reconciling));
+            }
+        }
     }
 
     fn observe(&mut self, event: &watcher::Event<DynamicObject>) {
@@ -95,8 +132,12 @@ impl StackGauges {
             watcher::Event::InitApply(object) => self.set(object, true),
             watcher::Event::InitDone => {
                 // Stacks deleted while the watch was down are absent from the relist.
-                let gone: Vec<StackLabels> =
-                    self.known.difference(&self.relisting).cloned().collect();
+                let gone: Vec<StackLabels> = self
+                    .known
+                    .keys()
+                    .filter(|labels| !self.relisting.contains(*labels))
+                    .cloned()
+                    .collect();
                 for labels in &gone {
                     self.remove(labels);
                 }
@@ -132,11 +173,7 @@ pub fn watch(
     let driver = {
         let synced = synced.clone();
         async move {
-            let mut gauges = StackGauges {
-                metrics,
-                known: HashSet::new(),
-                relisting: HashSet::new(),
-            };
+            let mut gauges = StackGauges::new(metrics);
             let events = crate::scope::merged_watch(
                 apis,
                 watcher::Config::default().any_semantic(),
@@ -163,6 +200,7 @@ pub fn watch(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::metrics::ObjectLabels;
     use kube::api::ObjectMeta;
     use serde_json::json;
 
@@ -178,20 +216,32 @@ mod tests {
         }
     }
 
-    fn gauge(
-        family: &prometheus_client::metrics::family::Family<
-            StackLabels,
-            prometheus_client::metrics::gauge::Gauge,
-        >,
-        ns: &str,
-        name: &str,
-    ) -> Option<i64> {
-        family
-            .get(&StackLabels {
-                namespace: ns.into(),
-                name: name.into(),
-            })
-            .map(|g| g.get())
+    /// A Stack's `(failing, reconciling)` series, `None` when it has none.
+    fn series(metrics: &Metrics, ns: &str, name: &str) -> Option<(i64, i64)> {
+        let StackSeries::PerStack {
+            failing,
+            reconciling,
+        } = &metrics.stacks
+        else {
+            panic!("per-Stack series expected");
+        };
+        let labels = StackLabels {
+            namespace: ns.into(),
+            name: name.into(),
+        };
+        Some((failing.get(&labels)?.get(), reconciling.get(&labels)?.get()))
+    }
+
+    /// The counts exported with object labels off: `(failing, reconciling)`.
+    fn counts(metrics: &Metrics) -> (i64, i64) {
+        let StackSeries::Counted {
+            failing,
+            reconciling,
+        } = &metrics.stacks
+        else {
+            panic!("counted series expected");
+        };
+        (failing.get(), reconciling.get())
     }
 
     #[test]
@@ -213,11 +263,7 @@ mod tests {
     #[test]
     fn series_follow_events_and_relists() {
         let metrics = Metrics::new();
-        let mut gauges = StackGauges {
-            metrics: metrics.clone(),
-            known: HashSet::new(),
-            relisting: HashSet::new(),
-        };
+        let mut gauges = StackGauges::new(metrics.clone());
         let failing = stack("ns", "a", json!({"lastUpdate": {"state": "failed"}}));
         let busy = stack(
             "ns",
@@ -229,23 +275,61 @@ mod tests {
         gauges.observe(&watcher::Event::InitApply(busy.clone()));
         gauges.observe(&watcher::Event::InitDone);
         assert_eq!(metrics.stacks_active.get(), 2);
-        assert_eq!(gauge(&metrics.stacks_failing, "ns", "a"), Some(1));
-        assert_eq!(gauge(&metrics.stacks_reconciling, "ns", "a"), Some(0));
-        assert_eq!(gauge(&metrics.stacks_reconciling, "ns", "b"), Some(1));
+        assert_eq!(series(&metrics, "ns", "a"), Some((1, 0)));
+        assert_eq!(series(&metrics, "ns", "b"), Some((0, 1)));
 
         // A status change flips the gauge; a delete removes the series.
         gauges.observe(&watcher::Event::Apply(stack("ns", "a", json!({}))));
-        assert_eq!(gauge(&metrics.stacks_failing, "ns", "a"), Some(0));
+        assert_eq!(series(&metrics, "ns", "a"), Some((0, 0)));
         gauges.observe(&watcher::Event::Delete(busy));
         assert_eq!(metrics.stacks_active.get(), 1);
-        assert_eq!(gauge(&metrics.stacks_reconciling, "ns", "b"), None);
+        assert_eq!(series(&metrics, "ns", "b"), None);
 
         // A relist that no longer contains "a" (deleted while the watch was down) drops it.
         gauges.observe(&watcher::Event::Init);
         gauges.observe(&watcher::Event::InitApply(stack("ns", "c", json!({}))));
         gauges.observe(&watcher::Event::InitDone);
         assert_eq!(metrics.stacks_active.get(), 1);
-        assert_eq!(gauge(&metrics.stacks_failing, "ns", "a"), None);
-        assert_eq!(gauge(&metrics.stacks_failing, "ns", "c"), Some(0));
+        assert_eq!(series(&metrics, "ns", "a"), None);
+        assert_eq!(series(&metrics, "ns", "c"), Some((0, 0)));
+    }
+
+    #[test]
+    fn counts_follow_events_and_relists_without_names() {
+        let metrics = Metrics::with_extra(ObjectLabels::None, |_| {});
+        let mut gauges = StackGauges::new(metrics.clone());
+        let failed = json!({"lastUpdate": {"state": "failed"}});
+        let busy = json!({"conditions": [{"type": "Reconciling", "status": "True"}]});
+        gauges.observe(&watcher::Event::Init);
+        gauges.observe(&watcher::Event::InitApply(stack("ns", "a", failed.clone())));
+        gauges.observe(&watcher::Event::InitApply(stack("ns", "b", busy.clone())));
+        gauges.observe(&watcher::Event::InitApply(stack("other", "a", failed.clone())));
+        gauges.observe(&watcher::Event::InitDone);
+        assert_eq!(metrics.stacks_active.get(), 3);
+        assert_eq!(counts(&metrics), (2, 1));
+
+        // The same status again counts once; a change moves the Stack between counts.
+        gauges.observe(&watcher::Event::Apply(stack("ns", "a", failed.clone())));
+        assert_eq!(counts(&metrics), (2, 1));
+        gauges.observe(&watcher::Event::Apply(stack("ns", "a", busy.clone())));
+        assert_eq!(counts(&metrics), (1, 2));
+        gauges.observe(&watcher::Event::Delete(stack("ns", "b", json!({}))));
+        assert_eq!(counts(&metrics), (1, 1));
+        // A delete of a Stack never seen changes nothing.
+        gauges.observe(&watcher::Event::Delete(stack("ns", "zz", failed.clone())));
+        assert_eq!(counts(&metrics), (1, 1));
+
+        // A relist without "other/a" takes it out of the counts.
+        gauges.observe(&watcher::Event::Init);
+        gauges.observe(&watcher::Event::InitApply(stack("ns", "a", busy)));
+        gauges.observe(&watcher::Event::InitDone);
+        assert_eq!(metrics.stacks_active.get(), 1);
+        assert_eq!(counts(&metrics), (0, 1));
+
+        // No namespace or name in the exposition.
+        let text = metrics.encode().expect("encode");
+        assert!(text.contains("stacks_failing 0"), "{text}");
+        assert!(text.contains("stacks_reconciling 1"), "{text}");
+        assert!(!text.contains("namespace=") && !text.contains("\"ns\""), "{text}");
     }
 }

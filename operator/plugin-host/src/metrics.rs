@@ -1,4 +1,5 @@
-//! Per-plugin Prometheus metrics.
+//! Per-plugin Prometheus metrics: by transform object and plugin name, or (without object
+//! labels) by transform kind only, so no tenant's names reach `/metrics`.
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -47,6 +48,9 @@ type Seen = std::collections::HashMap<String, std::collections::HashSet<(String,
 pub struct PluginMetrics {
     /// What each transform recorded, so its series go when it does.
     seen: std::sync::Arc<std::sync::Mutex<Seen>>,
+    /// Whether series name the transform object and the plugin (see [`Self::new`] and
+    /// [`Self::without_object_labels`]).
+    object_labels: bool,
     pub calls: Family<CallLabels, Counter>,
     pub errors: Family<ErrorLabels, Counter>,
     pub duration: Family<PluginLabels, Histogram>,
@@ -67,10 +71,24 @@ impl Default for PluginMetrics {
 }
 
 impl PluginMetrics {
-    /// Unregistered metrics (see [`Self::register`]).
+    /// Unregistered metrics (see [`Self::register`]) whose series name the transform object
+    /// and the plugin, and go when the transform does ([`Self::forget`]).
     pub fn new() -> Self {
+        Self::build(true)
+    }
+
+    /// Like [`Self::new`], but the `transform` label is only the object's kind
+    /// (`ProgramTransform`, `ClusterProgramTransform`, or `other`) and the `plugin` label is
+    /// empty: a fixed set of series that name no namespace, object or guest-chosen plugin
+    /// name, kept for the life of the process.
+    pub fn without_object_labels() -> Self {
+        Self::build(false)
+    }
+
+    fn build(object_labels: bool) -> Self {
         Self {
             seen: std::sync::Arc::default(),
+            object_labels,
             calls: Family::default(),
             errors: Family::default(),
             // 10 µs … ~40 s: a warm call is tens of microseconds, the timeout ceiling 30 s.
@@ -101,7 +119,12 @@ impl PluginMetrics {
         elapsed: std::time::Duration,
         result: Result<u64, &str>,
     ) {
-        let plugin = label_value(plugin);
+        let (transform, plugin) = if self.object_labels {
+            (transform.to_owned(), label_value(plugin))
+        } else {
+            (kind_of(transform).to_owned(), String::new())
+        };
+        let transform = transform.as_str();
         let labels = PluginLabels {
             transform: transform.to_owned(),
             plugin: plugin.clone(),
@@ -134,6 +157,10 @@ impl PluginMetrics {
                 outcome: outcome.to_owned(),
             })
             .inc();
+        // Series by kind are shared by every transform of the kind: none of them owns them.
+        if !self.object_labels {
+            return;
+        }
         self.seen
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -223,6 +250,15 @@ impl PluginMetrics {
     }
 }
 
+/// The kind of a transform label `<Kind>/...`: one of a fixed set, whatever the caller passes.
+fn kind_of(transform: &str) -> &'static str {
+    match transform.split_once('/') {
+        Some(("ProgramTransform", _)) => "ProgramTransform",
+        Some(("ClusterProgramTransform", _)) => "ClusterProgramTransform",
+        _ => "other",
+    }
+}
+
 /// A plugin's own name as a label value: the guest chooses it, so it is cut to 63 characters
 /// of `[A-Za-z0-9._-]` (others become `_`), and an empty one is `unknown`.
 fn label_value(name: &str) -> String {
@@ -294,5 +330,30 @@ mod tests {
         assert!(text.contains("ProgramTransform/b/u"), "{text}");
         assert_eq!(label_value(""), "unknown");
         assert_eq!(label_value("naming-policy_1.0"), "naming-policy_1.0");
+    }
+
+    #[test]
+    fn without_object_labels_series_are_by_kind_and_outlive_transforms() {
+        let metrics = PluginMetrics::without_object_labels();
+        let elapsed = std::time::Duration::from_millis(1);
+        metrics.record_call("ProgramTransform/team-a/t", "acme-tags", "transform", elapsed, Ok(10));
+        metrics.record_call("ProgramTransform/team-b/u", "beta-tags", "transform", elapsed, Ok(5));
+        metrics.record_call("ClusterProgramTransform/naming", "naming", "transform", elapsed, Err("trap"));
+        metrics.record_call("plugin-test", "x", "info", elapsed, Ok(1));
+        let text = encode(&metrics);
+        for name in ["team-a", "team-b", "acme", "beta", "naming", "plugin-test"] {
+            assert!(!text.contains(name), "{name} in:\n{text}");
+        }
+        let calls = "pko_plugin_calls_total{transform=\"ProgramTransform\",plugin=\"\",function=\"transform\",outcome=\"ok\"} 2";
+        assert!(text.contains(calls), "{text}");
+        assert!(text.contains("pko_plugin_fuel_total{transform=\"ProgramTransform\",plugin=\"\"} 15"), "{text}");
+        assert!(
+            text.contains("pko_plugin_errors_total{transform=\"ClusterProgramTransform\",plugin=\"\",kind=\"trap\"} 1"),
+            "{text}"
+        );
+        assert!(text.contains("transform=\"other\""), "{text}");
+        // One transform going leaves the counts of its kind alone.
+        metrics.forget("ProgramTransform/team-a/t");
+        assert!(encode(&metrics).contains(calls));
     }
 }

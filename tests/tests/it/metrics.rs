@@ -1,16 +1,21 @@
-//! `/metrics` of the real operator: every documented name is exposed, and the values follow
-//! Programs and Stacks as they are created, changed and deleted.
+//! `/metrics` of the real operator: every documented name is exposed, the values follow
+//! Programs and Stacks as they are created, changed and deleted, and with
+//! `--metrics-object-labels=none` no tenant's namespace or object name is exported.
 
 use std::time::Duration;
 
+use k8s_openapi::ByteString;
 use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use kube::Api;
-use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use kube::api::{DeleteParams, ObjectMeta, Patch, PatchParams, PostParams};
 use pko_api::program::Program;
 use pko_api::stack::Stack;
+use pko_api::transform::ProgramTransform;
 use pko_tests::fixtures::{self, config_map_program as program};
 use pko_tests::operator::{Operator, OperatorOptions, metric_value};
+use pko_tests::plugins::{module, shared_cache_dir};
 use pko_tests::{ControlPlane, wait_for};
 use serde_json::{Value, json};
 
@@ -304,4 +309,156 @@ async fn stack_gauges_follow_stacks_on_a_follower() {
         None,
         "a follower reconciled"
     );
+}
+
+/// A tenant's ProgramTransform running the `default_tags` module from a ConfigMap.
+async fn tenant_transform(plane: &ControlPlane, ns: &str, name: &str) {
+    let tags = module("default_tags").expect("module");
+    let cm = ConfigMap {
+        metadata: ObjectMeta {
+            name: Some("plugins".into()),
+            ..ObjectMeta::default()
+        },
+        binary_data: Some(
+            [("tags.wasm".to_owned(), ByteString(tags.bytes.clone()))]
+                .into_iter()
+                .collect(),
+        ),
+        ..ConfigMap::default()
+    };
+    Api::<ConfigMap>::namespaced(plane.client(), ns)
+        .create(&PostParams::default(), &cm)
+        .await
+        .expect("module ConfigMap");
+    let transform: ProgramTransform = serde_json::from_value(json!({
+        "apiVersion": "pko-rs.dev/v1alpha1",
+        "kind": "ProgramTransform",
+        "metadata": {"name": name},
+        "spec": {
+            "source": {"configMap": {"name": "plugins", "key": "tags.wasm"}},
+            "sha256": tags.sha256,
+            "config": {"tags": {"managed-by": "pko-rs"}, "targets": [{"typePrefix": "aws:"}]},
+        },
+    }))
+    .expect("ProgramTransform");
+    Api::<ProgramTransform>::namespaced(plane.client(), ns)
+        .create(&PostParams::default(), &transform)
+        .await
+        .expect("create transform");
+}
+
+/// Waits until `/metrics` of `op` satisfies `pred`; returns that text.
+async fn until_text(op: &Operator, what: &str, pred: impl Fn(&str) -> bool) -> String {
+    let result = wait_for(what, WAIT, || async {
+        let text = op.metrics_text().await?;
+        pred(&text).then_some(text)
+    })
+    .await;
+    match result {
+        Ok(text) => text,
+        Err(e) => panic!(
+            "{e}; /metrics:\n{}",
+            op.metrics_text().await.unwrap_or_default()
+        ),
+    }
+}
+
+#[tokio::test]
+async fn without_object_labels_no_tenant_name_is_exported_and_the_counts_remain() {
+    let _machine = pko_tests::serial::shared().await;
+    let plane = ControlPlane::shared().await;
+    let ns = plane.namespace("metrics-tenant").await.expect("namespace");
+    // Both replicas stay followers: the Stack statuses below are the test's, not a controller's.
+    foreign_lease(plane, &ns).await;
+    let start = |labels: &'static str| {
+        let ns = ns.clone();
+        async move {
+            Operator::start(
+                plane,
+                OperatorOptions {
+                    advertised: None,
+                    args: vec![
+                        format!("--watch-namespace={ns}"),
+                        "--leader-elect".into(),
+                        format!("--leader-election-namespace={ns}"),
+                        format!("--plugin-cache-dir={}", shared_cache_dir().display()),
+                        format!("--metrics-object-labels={labels}"),
+                    ],
+                },
+            )
+            .await
+            .expect("operator starts")
+        }
+    };
+    let hidden = start("none").await;
+    let named = start("names").await;
+
+    let stacks: Api<Stack> = Api::namespaced(plane.client(), &ns);
+    for name in ["acme-payroll", "acme-billing"] {
+        stacks
+            .create(&PostParams::default(), &stack(name))
+            .await
+            .expect("create stack");
+    }
+    set_stack_status(
+        &stacks,
+        "acme-payroll",
+        json!({"lastUpdate": {"state": "failed", "generation": 1}}),
+    )
+    .await;
+    set_stack_status(
+        &stacks,
+        "acme-billing",
+        json!({"conditions": [condition("Ready", "False"), condition("Reconciling", "True")]}),
+    )
+    .await;
+    tenant_transform(plane, &ns, "acme-secret-tags").await;
+
+    // The counts say what the names would: two Stacks, one failing, one reconciling, and the
+    // tenant's transform loaded and its configuration checked.
+    let config_checked = "pko_plugin_calls_total{transform=\"ProgramTransform\",plugin=\"\",function=\"validate-config\",outcome=\"ok\"}";
+    let text = until_text(&hidden, "counts without names", |text| {
+        metric_value(text, "stacks_active") == Some(2.0)
+            && metric_value(text, "stacks_failing") == Some(1.0)
+            && metric_value(text, "stacks_reconciling") == Some(1.0)
+            && metric_value(text, config_checked).is_some_and(|n| n >= 1.0)
+    })
+    .await;
+    for name in [
+        ns.as_str(),
+        "acme-payroll",
+        "acme-billing",
+        "acme-secret-tags",
+        "default-tags",
+    ] {
+        assert!(!text.contains(name), "{name} exported:\n{text}");
+    }
+
+    // The same objects with names: PKO's per-Stack series and the transform's own.
+    let transform = format!("transform=\"ProgramTransform/{ns}/acme-secret-tags\"");
+    let text = until_text(&named, "series with names", |text| {
+        metric_value(
+            text,
+            &format!("stacks_failing{{namespace=\"{ns}\",name=\"acme-payroll\"}}"),
+        ) == Some(1.0)
+            && metric_value(
+                text,
+                &format!("stacks_reconciling{{namespace=\"{ns}\",name=\"acme-billing\"}}"),
+            ) == Some(1.0)
+            && text.contains(&transform)
+    })
+    .await;
+    assert!(text.contains("plugin=\"default-tags\""), "{text}");
+
+    // A Stack deleted leaves the counts, as its series leave with names.
+    stacks
+        .delete("acme-payroll", &DeleteParams::default())
+        .await
+        .expect("delete stack");
+    until_text(&hidden, "one Stack counted", |text| {
+        metric_value(text, "stacks_active") == Some(1.0)
+            && metric_value(text, "stacks_failing") == Some(0.0)
+            && metric_value(text, "stacks_reconciling") == Some(1.0)
+    })
+    .await;
 }
