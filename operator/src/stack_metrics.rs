@@ -303,7 +303,11 @@ mod tests {
         gauges.observe(&watcher::Event::Init);
         gauges.observe(&watcher::Event::InitApply(stack("ns", "a", failed.clone())));
         gauges.observe(&watcher::Event::InitApply(stack("ns", "b", busy.clone())));
-        gauges.observe(&watcher::Event::InitApply(stack("other", "a", failed.clone())));
+        gauges.observe(&watcher::Event::InitApply(stack(
+            "other",
+            "a",
+            failed.clone(),
+        )));
         gauges.observe(&watcher::Event::InitDone);
         assert_eq!(metrics.stacks_active.get(), 3);
         assert_eq!(counts(&metrics), (2, 1));
@@ -330,6 +334,9 @@ mod tests {
         let text = metrics.encode().expect("encode");
         assert!(text.contains("stacks_failing 0"), "{text}");
         assert!(text.contains("stacks_reconciling 1"), "{text}");
-        assert!(!text.contains("namespace=") && !text.contains("\"ns\""), "{text}");
+        assert!(
+            !text.contains("namespace=") && !text.contains("\"ns\""),
+            "{text}"
+        );
     }
 }

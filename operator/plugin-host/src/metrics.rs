@@ -336,9 +336,27 @@ mod tests {
     fn without_object_labels_series_are_by_kind_and_outlive_transforms() {
         let metrics = PluginMetrics::without_object_labels();
         let elapsed = std::time::Duration::from_millis(1);
-        metrics.record_call("ProgramTransform/team-a/t", "acme-tags", "transform", elapsed, Ok(10));
-        metrics.record_call("ProgramTransform/team-b/u", "beta-tags", "transform", elapsed, Ok(5));
-        metrics.record_call("ClusterProgramTransform/naming", "naming", "transform", elapsed, Err("trap"));
+        metrics.record_call(
+            "ProgramTransform/team-a/t",
+            "acme-tags",
+            "transform",
+            elapsed,
+            Ok(10),
+        );
+        metrics.record_call(
+            "ProgramTransform/team-b/u",
+            "beta-tags",
+            "transform",
+            elapsed,
+            Ok(5),
+        );
+        metrics.record_call(
+            "ClusterProgramTransform/naming",
+            "naming",
+            "transform",
+            elapsed,
+            Err("trap"),
+        );
         metrics.record_call("plugin-test", "x", "info", elapsed, Ok(1));
         let text = encode(&metrics);
         for name in ["team-a", "team-b", "acme", "beta", "naming", "plugin-test"] {
@@ -346,7 +364,10 @@ mod tests {
         }
         let calls = "pko_plugin_calls_total{transform=\"ProgramTransform\",plugin=\"\",function=\"transform\",outcome=\"ok\"} 2";
         assert!(text.contains(calls), "{text}");
-        assert!(text.contains("pko_plugin_fuel_total{transform=\"ProgramTransform\",plugin=\"\"} 15"), "{text}");
+        assert!(
+            text.contains("pko_plugin_fuel_total{transform=\"ProgramTransform\",plugin=\"\"} 15"),
+            "{text}"
+        );
         assert!(
             text.contains("pko_plugin_errors_total{transform=\"ClusterProgramTransform\",plugin=\"\",kind=\"trap\"} 1"),
             "{text}"
