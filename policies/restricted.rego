@@ -266,7 +266,7 @@ _violations contains _v(
 	not type in allowed_apparmor
 }
 
-# SELinux: only the container types, and no user or role.
+# SELinux: only the container types (an unset type is the runtime's), and no user or role.
 allowed_selinux_types := {"", "container_t", "container_init_t", "container_kvm_t", "container_engine_t"}
 
 _selinux_contexts contains {"path": concat(".", [pod.path, "securityContext.seLinuxOptions"]), "options": pod.spec.securityContext.seLinuxOptions} if {
@@ -283,7 +283,8 @@ _violations contains _v(
 	"must be container_t, container_init_t, container_kvm_t or container_engine_t",
 ) if {
 	some ctx in _selinux_contexts
-	not ctx.options.type in allowed_selinux_types
+	type := ctx.options.type
+	not type in allowed_selinux_types
 }
 
 _violations contains _v(

@@ -257,6 +257,8 @@ test_selinux_limited_to_container_types if {
 	}
 	ok := json.patch(good_container, [{"op": "add", "path": "/securityContext/seLinuxOptions", "value": {"type": "container_t", "level": "s0:c1"}}])
 	count(found(workspace(with_pod(good_spec, ["containers"], [ok])))) == 0
+	level_only := json.patch(good_container, [{"op": "add", "path": "/securityContext/seLinuxOptions", "value": {"level": "s0:c1"}}])
+	count(found(workspace(with_pod(good_spec, ["containers"], [level_only])))) == 0
 }
 
 test_proc_mount_and_host_process_denied if {
