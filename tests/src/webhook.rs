@@ -23,6 +23,27 @@ pub const WEBHOOK_LABEL: &str = "pko-tests.webhook";
 /// Environment variable naming the policy bundle (set by the Makefile).
 pub const BUNDLE_ENV: &str = "PKO_POLICY_BUNDLE";
 
+/// An AdmissionReview of `object` (a Workspace) being created in `namespace` by a tenant, as
+/// the apiserver sends it.
+pub fn workspace_review(namespace: &str, object: serde_json::Value) -> serde_json::Value {
+    json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "6a0c6b4e-5d1c-4b8e-9d3e-000000000001",
+            "kind": {"group": "auto.pulumi.com", "version": "v1alpha1", "kind": "Workspace"},
+            "resource": {"group": "auto.pulumi.com", "version": "v1alpha1", "resource": "workspaces"},
+            "name": object["metadata"]["name"].clone(),
+            "namespace": namespace,
+            "operation": "CREATE",
+            "userInfo": {"username": "alice", "groups": ["system:authenticated"]},
+            "object": object,
+            "oldObject": null,
+            "dryRun": false,
+        },
+    })
+}
+
 /// The policy bundle built by `make policies`.
 pub fn policy_bundle() -> Result<PathBuf, HarnessError> {
     let missing = |detail: String| HarnessError::Missing {

@@ -586,22 +586,7 @@ async fn in_process(
 fn review(namespace: &str) -> Value {
     let mut object = workspace("w");
     object["metadata"]["namespace"] = json!(namespace);
-    json!({
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "request": {
-            "uid": "6a0c6b4e-5d1c-4b8e-9d3e-000000000001",
-            "kind": {"group": "auto.pulumi.com", "version": "v1alpha1", "kind": "Workspace"},
-            "resource": {"group": "auto.pulumi.com", "version": "v1alpha1", "resource": "workspaces"},
-            "name": "w",
-            "namespace": namespace,
-            "operation": "CREATE",
-            "userInfo": {"username": "alice", "groups": ["system:authenticated"]},
-            "object": object,
-            "oldObject": null,
-            "dryRun": false,
-        },
-    })
+    pko_tests::webhook::workspace_review(namespace, object)
 }
 
 #[tokio::main]

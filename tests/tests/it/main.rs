@@ -36,6 +36,7 @@ mod metrics;
 mod plugin_cli;
 mod program;
 mod refs;
+mod restricted_crosscheck;
 mod stack;
 mod stall;
 mod transforms;

@@ -17,6 +17,7 @@ pub mod merge;
 mod phases;
 pub mod pod;
 mod reconcile;
+pub mod restricted;
 mod rules;
 mod status;
 #[cfg(test)]

@@ -15,10 +15,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, 
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use pko_api::names::is_dns1123_label;
 use pko_api::workspace::{SecurityProfile, Workspace, WorkspaceSpec};
-use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
-use super::merge;
+use super::{merge, restricted};
 use crate::controller::keys::{
     REVISION_HASH_ANNOTATION, WORKSPACE_COMPONENT_LABEL, WORKSPACE_NAME_LABEL,
 };
@@ -353,8 +352,18 @@ pub fn desired_statefulset(
     let base = base_template(ws, name, settings, profile);
     let mut template = overlay_template(&base, spec, name)?;
     if restricted {
-        let merged = serde_json::to_value(&template)?;
-        check_restricted(&merged).map_err(PodError::Restricted)?;
+        // The final pod gets the defaults the webhook would have stored and meets every rule
+        // it enforces, webhook or not: a pod template cannot make a restricted workspace root.
+        let mut merged = serde_json::to_value(&template)?;
+        if let Some(pod) = merged.get_mut("spec") {
+            restricted::apply_defaults(pod);
+            let broken = restricted::violations(pod, "spec");
+            if !broken.is_empty() {
+                let list: Vec<String> = broken.iter().map(ToString::to_string).collect();
+                return Err(PodError::Restricted(list.join("; ")));
+            }
+        }
+        template = serde_json::from_value(merged)?;
     }
     // A SHA-256 of the typed template as serde_json writes it: fields in the structs' order,
     // maps sorted by key, so the same Workspace hashes alike in any process, and the hash moves
@@ -644,64 +653,10 @@ fn overlay_template(
     Ok(template)
 }
 
-/// What the restricted profile (Pod Security Standards "restricted") rules out, checked on the
-/// final, merged pod: a pod template cannot turn a restricted workspace into a root pod.
-fn check_restricted(template: &Value) -> Result<(), String> {
-    let spec = &template["spec"];
-    for field in ["hostNetwork", "hostPID", "hostIPC"] {
-        if spec[field] == json!(true) {
-            return Err(format!("spec.{field} is true"));
-        }
-    }
-    let pod_sc = &spec["securityContext"];
-    if pod_sc["runAsNonRoot"] == json!(false) {
-        return Err("spec.securityContext.runAsNonRoot is false".into());
-    }
-    if pod_sc["runAsUser"] == json!(0) {
-        return Err("spec.securityContext.runAsUser is 0 (root)".into());
-    }
-    if let Some(volumes) = spec["volumes"].as_array()
-        && let Some(v) = volumes.iter().find(|v| v.get("hostPath").is_some())
-    {
-        return Err(format!(
-            "volume {} is a hostPath",
-            v["name"].as_str().unwrap_or("?")
-        ));
-    }
-    for list in ["initContainers", "containers", "ephemeralContainers"] {
-        for c in spec[list].as_array().into_iter().flatten() {
-            let name = c["name"].as_str().unwrap_or("?");
-            let sc = &c["securityContext"];
-            if sc["privileged"] == json!(true) {
-                return Err(format!("container {name} is privileged"));
-            }
-            if sc["allowPrivilegeEscalation"] == json!(true) {
-                return Err(format!("container {name} allows privilege escalation"));
-            }
-            if sc["runAsUser"] == json!(0) {
-                return Err(format!("container {name} runs as root (runAsUser 0)"));
-            }
-            if sc["runAsNonRoot"] == json!(false) {
-                return Err(format!("container {name} sets runAsNonRoot false"));
-            }
-            let added: Vec<&str> = sc["capabilities"]["add"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(Value::as_str)
-                .filter(|c| *c != "NET_BIND_SERVICE")
-                .collect();
-            if !added.is_empty() {
-                return Err(format!("container {name} adds capabilities {added:?}"));
-            }
-        }
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::{Value, json};
 
     fn ws(spec: Value) -> Workspace {
         serde_json::from_value(json!({
