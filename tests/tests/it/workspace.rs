@@ -317,7 +317,12 @@ async fn a_root_pod_template_never_reaches_a_pod() {
     .await
     .expect("stalled");
     assert_eq!(ws.reason, "SpecInvalid");
-    assert!(ws.message.contains("runAsUser is 0"), "{}", ws.message);
+    assert!(
+        ws.message
+            .contains("spec.securityContext.runAsUser: must not be 0 (root)"),
+        "{}",
+        ws.message
+    );
     let sts: Api<StatefulSet> = Api::namespaced(plane.client(), &env.ns);
     assert!(
         sts.get_opt("root-workspace").await.expect("get").is_none(),
