@@ -144,3 +144,21 @@ pub async fn published_program(
     })
     .await
 }
+
+/// Waits up to `wait` for Stack `name` to be `Stalled=True`; its (reason, message).
+pub async fn stalled_stack(
+    stacks: &kube::Api<Stack>,
+    name: &str,
+    wait: std::time::Duration,
+) -> (String, String) {
+    crate::wait_for(&format!("stack {name} to stall"), wait, || async {
+        let status = stacks.get(name).await.ok()?.status?;
+        status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Stalled" && c.status == "True")
+            .map(|c| (c.reason.clone(), c.message.clone()))
+    })
+    .await
+    .expect("stalled")
+}

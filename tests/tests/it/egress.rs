@@ -206,16 +206,7 @@ async fn a_failed_branch_lookup_names_its_class_never_the_status_or_the_answer()
             .expect("create stack");
     }
     for (name, url, class, code) in &cases {
-        let message = wait_for(&format!("stack {name} to stall"), WAIT, || async {
-            let status = stacks.get(name).await.ok()?.status?;
-            status
-                .conditions
-                .iter()
-                .find(|c| c.type_ == "Stalled" && c.status == "True")
-                .map(|c| (c.reason.clone(), c.message.clone()))
-        })
-        .await
-        .expect("stalled");
+        let message = pko_tests::fixtures::stalled_stack(&stacks, name, WAIT).await;
         assert_eq!(message.0, "SourceUnavailable", "{name}: {message:?}");
         let message = message.1;
         assert_eq!(

@@ -280,18 +280,7 @@ async fn invalid_sources_and_references_stall_with_a_clear_reason_and_reclaim_de
 
     let stalled = |name: &'static str| {
         let stacks = stacks.clone();
-        async move {
-            wait_for(&format!("stack {name} to stall"), WAIT, || async {
-                let status = stacks.get(name).await.ok()?.status?;
-                status
-                    .conditions
-                    .iter()
-                    .find(|c| c.type_ == "Stalled" && c.status == "True")
-                    .map(|c| (c.reason.clone(), c.message.clone()))
-            })
-            .await
-            .expect("stalled")
-        }
+        async move { pko_tests::fixtures::stalled_stack(&stacks, name, WAIT).await }
     };
     let (reason, message) = stalled("cross-ns").await;
     assert_eq!(reason, "SpecInvalid");

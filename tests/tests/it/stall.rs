@@ -306,16 +306,7 @@ async fn a_dotted_secret_gets_a_volume_and_a_dotted_stack_name_stalls() {
     assert!(mounted, "the volume is mounted where the config reads it");
 
     // `a.b` is a valid Stack name but not a valid Workspace name: stalled, no Workspace.
-    let (reason, message) = wait_for("stack a.b to stall", WAIT, || async {
-        let status = stacks.get("a.b").await.ok()?.status?;
-        status
-            .conditions
-            .iter()
-            .find(|c| c.type_ == "Stalled" && c.status == "True")
-            .map(|c| (c.reason.clone(), c.message.clone()))
-    })
-    .await
-    .expect("stalled");
+    let (reason, message) = pko_tests::fixtures::stalled_stack(&stacks, "a.b", WAIT).await;
     assert_eq!(reason, "SpecInvalid");
     assert!(
         message.contains("Workspace would be named a.b")
