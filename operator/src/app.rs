@@ -282,7 +282,10 @@ impl Watches {
                 client.clone(),
                 metrics.plugins.clone(),
                 egress.clone(),
-                memory.plugin_budget_bytes,
+                pko_operator::transform::PluginPlan {
+                    memory_budget_bytes: memory.plugin_budget_bytes,
+                    compile_memory_bytes: memory.compile_memory_bytes,
+                },
             )?)
         } else {
             None
@@ -506,6 +509,12 @@ fn memory_plan(args: &RunArgs) -> Result<memory::Plan, AppError> {
             fixed_bytes: args.webhook.review_limits().body_budget_bytes as u64,
             slots: args.webhook.policy_concurrency,
         }),
+        compile_slots: if args.plugins.plugins_enabled {
+            u64::from(args.plugins.plugin_max_concurrent_loads)
+        } else {
+            0
+        },
+        compile_memory_bytes: args.plugins.plugin_compile_memory_mib.map(|m| m << 20),
     };
     Ok(memory::plan(limit, &demands)?)
 }

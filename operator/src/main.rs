@@ -3,9 +3,10 @@
 mod app;
 
 use std::path::PathBuf;
+use std::process::ExitCode;
 use std::time::Duration;
 
-use anyhow::Context;
+use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
 use pko_api::duration::parse_go_duration;
 use pko_operator::metrics::ObjectLabels;
@@ -52,6 +53,14 @@ enum PluginCommand {
     Test(pko_operator::offline::PluginTestArgs),
     /// Publish a component to a registry as an OCI Wasm artifact; prints its digests.
     Push(pko_operator::oci::push::PushArgs),
+    /// The operator's module compiler: a component on stdin, its machine code for this
+    /// binary's engine on stdout. The operator runs it as a bounded child process.
+    #[command(hide = true)]
+    Compile {
+        /// Each linear memory's reservation in the operator's engine.
+        #[arg(long)]
+        memory_reservation_bytes: u64,
+    },
 }
 
 #[derive(clap::Args, Debug)]
@@ -211,9 +220,29 @@ struct RunArgs {
     egress: pko_operator::egress::EgressArgs,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<ExitCode> {
     let cli = Cli::parse();
+    // The compiler child starts no runtime: its threads' stacks would count against its
+    // memory bound.
+    if let Some(Command::Plugin {
+        command: PluginCommand::Compile {
+            memory_reservation_bytes,
+        },
+    }) = cli.command
+    {
+        return Ok(pko_plugin_host::compiler::child_main(
+            memory_reservation_bytes,
+        ));
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(run_command(cli))?;
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn run_command(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Some(Command::Crdgen { out }) => {
             pko_api::crdgen::write_all(&out)
@@ -258,6 +287,9 @@ async fn main() -> anyhow::Result<()> {
             print!("{}", pko_operator::oci::push::summary(&reference, &pushed));
             Ok(())
         }
+        Some(Command::Plugin {
+            command: PluginCommand::Compile { .. },
+        }) => bail!("plugin compile runs before the runtime starts"),
         None => run(cli.run).await,
     }
 }

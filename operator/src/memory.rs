@@ -1,8 +1,9 @@
 //! How the container's memory is shared, decided once at start-up.
 //!
-//! Four things grow with load: the operator's own state (watch caches, buffers), the artifact
-//! cache, transform plugin calls (each reserves its memory cap from a shared budget) and
-//! admission evaluations (each slot holds a parsed review and a policy instance). With a known
+//! Five things grow with load: the operator's own state (watch caches, buffers), the artifact
+//! cache, transform plugin calls (each reserves its memory cap from a shared budget),
+//! admission evaluations (each slot holds a parsed review and a policy instance) and module
+//! compilers (child processes, each under its own data limit). With a known
 //! limit (the cgroup's, or `--memory-limit`), unset shares are derived so the sum fits, and a
 //! configuration that cannot fit is refused before anything starts, with every term named.
 //! Without a limit the configured values are used as they are.
@@ -18,6 +19,10 @@ pub const DEFAULT_ARTIFACT_CACHE_BYTES: u64 = 256 << 20;
 pub const MAX_DERIVED_ADMISSION_SLOTS: usize = 16;
 /// Admission evaluations at once when no limit is known and none is set.
 pub const DEFAULT_ADMISSION_SLOTS: usize = 4;
+/// A module compiler's data limit when none is set: an eighth of the container within these
+/// bounds (a Rust plugin of a few hundred KiB compiles in about 24 MiB), the upper one when
+/// no limit is known.
+pub const COMPILE_MEMORY_BOUNDS: (u64, u64) = (32 << 20, 256 << 20);
 const MIB: u64 = 1 << 20;
 
 /// Errors of the memory plan.
@@ -26,7 +31,7 @@ pub enum MemoryError {
     #[error("invalid memory quantity {0:?} (bytes, or a number with Ki, Mi, Gi, K, M or G)")]
     Quantity(String),
     #[error(
-        "the configuration needs {needed} MiB but the container has {limit} MiB: {terms}. Raise the memory limit, or lower the terms named (flags: --artifact-cache-bytes, --plugin-memory-budget-mib, --policy-concurrency, --policy-memory-mib, --webhook-body-budget-mib)"
+        "the configuration needs {needed} MiB but the container has {limit} MiB: {terms}. Raise the memory limit, or lower the terms named (flags: --artifact-cache-bytes, --plugin-memory-budget-mib, --plugin-compile-memory-mib, --plugin-max-concurrent-loads, --policy-concurrency, --policy-memory-mib, --webhook-body-budget-mib)"
     )]
     DoesNotFit {
         needed: u64,
@@ -52,6 +57,11 @@ pub struct Demands {
     pub plugin_unlimited_bytes: u64,
     /// The webhook's needs, when it runs.
     pub admission: Option<AdmissionDemand>,
+    /// Module compilers at once (children of the operator, in the same container); 0 when
+    /// plugins are off.
+    pub compile_slots: u64,
+    /// `--plugin-compile-memory-mib`, in bytes: each compiler's data limit.
+    pub compile_memory_bytes: Option<u64>,
 }
 
 /// What the admission webhook needs.
@@ -72,25 +82,33 @@ pub struct Plan {
     pub artifact_cache_bytes: u64,
     pub plugin_budget_bytes: u64,
     pub admission_slots: usize,
+    /// Each module compiler's data limit.
+    pub compile_memory_bytes: u64,
 }
 
 impl Plan {
     /// One log line's worth.
     pub fn describe(&self) -> String {
         format!(
-            "memory limit {}, baseline {} MiB, artifact cache {} MiB, plugin budget {} MiB, admission slots {}",
+            "memory limit {}, baseline {} MiB, artifact cache {} MiB, plugin budget {} MiB, admission slots {}, module compiler {} MiB each",
             self.limit_bytes
                 .map_or("none".to_owned(), |l| format!("{} MiB", l / MIB)),
             BASELINE_BYTES / MIB,
             self.artifact_cache_bytes / MIB,
             self.plugin_budget_bytes / MIB,
-            self.admission_slots
+            self.admission_slots,
+            self.compile_memory_bytes / MIB
         )
     }
 }
 
 /// The shares for `demands` within `limit` (pure: the caller reads the limit).
 pub fn plan(limit: Option<u64>, demands: &Demands) -> Result<Plan, MemoryError> {
+    let (low, high) = COMPILE_MEMORY_BOUNDS;
+    let compile_memory = demands
+        .compile_memory_bytes
+        .unwrap_or_else(|| limit.map_or(high, |l| (l / 8).clamp(low, high)));
+    let compile_bytes = demands.compile_slots * compile_memory;
     let Some(limit) = limit else {
         return Ok(Plan {
             limit_bytes: None,
@@ -103,13 +121,14 @@ pub fn plan(limit: Option<u64>, demands: &Demands) -> Result<Plan, MemoryError> 
             admission_slots: demands
                 .admission
                 .map_or(0, |a| a.slots.unwrap_or(DEFAULT_ADMISSION_SLOTS).max(1)),
+            compile_memory_bytes: compile_memory,
         });
     };
     // A quarter of the container at most, unless set.
     let cache = demands
         .artifact_cache_bytes
         .unwrap_or_else(|| DEFAULT_ARTIFACT_CACHE_BYTES.min(limit / 4));
-    let fixed = demands.admission.map_or(0, |a| a.fixed_bytes);
+    let fixed = demands.admission.map_or(0, |a| a.fixed_bytes) + compile_bytes;
     let available = limit.saturating_sub(BASELINE_BYTES + cache + fixed);
     let (slots, plugins) = match demands.admission {
         None => (0, demands.plugin_budget_bytes.unwrap_or(available)),
@@ -136,13 +155,20 @@ pub fn plan(limit: Option<u64>, demands: &Demands) -> Result<Plan, MemoryError> 
     let admission_bytes = demands
         .admission
         .map_or(0, |a| a.per_slot_bytes * slots as u64 + a.fixed_bytes);
-    let needed = BASELINE_BYTES + cache + plugins + admission_bytes;
+    let needed = BASELINE_BYTES + cache + plugins + admission_bytes + compile_bytes;
     if needed > limit {
         let mut terms = vec![
             format!("baseline {} MiB", BASELINE_BYTES / MIB),
             format!("artifact cache {} MiB", cache / MIB),
             format!("plugin budget {} MiB", plugins / MIB),
         ];
+        if compile_bytes > 0 {
+            terms.push(format!(
+                "module compilers {} × {} MiB",
+                demands.compile_slots,
+                compile_memory / MIB
+            ));
+        }
         if let Some(a) = demands.admission {
             terms.push(format!(
                 "admission {slots} slot(s) × {} MiB + {} MiB of bodies",
@@ -167,6 +193,7 @@ pub fn plan(limit: Option<u64>, demands: &Demands) -> Result<Plan, MemoryError> 
         artifact_cache_bytes: cache,
         plugin_budget_bytes: plugins,
         admission_slots: slots,
+        compile_memory_bytes: compile_memory,
     })
 }
 
@@ -247,6 +274,8 @@ mod tests {
             plugin_default_bytes: 64 * MIB,
             plugin_unlimited_bytes: 2048 * MIB,
             admission: admission(None),
+            compile_slots: 2,
+            compile_memory_bytes: None,
         }
     }
 
@@ -260,16 +289,18 @@ mod tests {
 
     #[test]
     fn derived_shares_fit_the_default_deployment() {
-        // deploy/operator/deployment.yaml: 512Mi.
-        let plan = plan(Some(512 * MIB), &demands()).expect("plan");
-        assert_eq!(plan.artifact_cache_bytes, 128 * MIB);
+        // deploy/operator/deployment.yaml: 768Mi.
+        let plan = plan(Some(768 * MIB), &demands()).expect("plan");
+        assert_eq!(plan.artifact_cache_bytes, 192 * MIB);
         assert_eq!(plan.admission_slots, 1);
+        assert_eq!(plan.compile_memory_bytes, 96 * MIB);
         let total = BASELINE_BYTES
             + plan.artifact_cache_bytes
             + plan.plugin_budget_bytes
             + 165 * MIB
-            + 24 * MIB;
-        assert!(total <= 512 * MIB, "{}", plan.describe());
+            + 24 * MIB
+            + 2 * plan.compile_memory_bytes;
+        assert!(total <= 768 * MIB, "{}", plan.describe());
         assert!(plan.plugin_budget_bytes >= 64 * MIB, "{}", plan.describe());
         // More memory, more slots, up to the cap.
         let big = super::plan(Some(8 << 30), &demands()).expect("plan");
@@ -298,12 +329,43 @@ mod tests {
     fn plugins_need_room_for_one_default_call() {
         let mut d = demands();
         d.admission = admission(Some(1));
-        d.artifact_cache_bytes = Some(200 * MIB);
-        let err = plan(Some(512 * MIB), &d).expect_err("starved");
+        d.artifact_cache_bytes = Some(250 * MIB);
+        // 96 + 250 + 24 + 165 + 2 × 96 (compilers) leaves 41 MiB.
+        let err = plan(Some(768 * MIB), &d).expect_err("starved");
         assert!(matches!(err, MemoryError::PluginsStarved { .. }), "{err}");
-        // Plugins off: no plugin budget needed.
+        // Plugins off: no plugin budget and no compilers needed.
         d.plugin_budget_bytes = Some(0);
-        assert!(plan(Some(512 * MIB), &d).is_ok());
+        d.compile_slots = 0;
+        assert!(plan(Some(768 * MIB), &d).is_ok());
+    }
+
+    #[test]
+    fn module_compilers_are_counted_once_per_load_slot() {
+        let d = demands();
+        // An eighth of the limit each, within 32–256 MiB; 256 MiB without a limit.
+        assert_eq!(
+            plan(None, &d).expect("plan").compile_memory_bytes,
+            256 * MIB
+        );
+        let small = Demands {
+            admission: None,
+            plugin_budget_bytes: Some(0),
+            ..d.clone()
+        };
+        let small = plan(Some(256 * MIB), &small);
+        assert_eq!(small.expect("plan").compile_memory_bytes, 32 * MIB);
+        let big = plan(Some(8 << 30), &d).expect("plan");
+        assert_eq!(big.compile_memory_bytes, 256 * MIB);
+        // Set: used as it is, and refused with the term named when it cannot fit.
+        let set = Demands {
+            compile_memory_bytes: Some(300 * MIB),
+            ..d
+        };
+        let text = plan(Some(768 * MIB), &set)
+            .expect_err("too big")
+            .to_string();
+        assert!(text.contains("module compilers 2 × 300 MiB"), "{text}");
+        assert!(text.contains("--plugin-compile-memory-mib"), "{text}");
     }
 
     #[test]

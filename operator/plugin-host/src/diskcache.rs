@@ -137,23 +137,32 @@ pub(crate) fn read_precompiled(engine: &Engine, path: &Path) -> Result<Option<Co
     if Sha256::digest(body).as_slice() != sum {
         return Err("checksum mismatch".into());
     }
-    // SAFETY: the bytes were produced by `Component::serialize` of this host (the folder is
-    // keyed by the engine's compatibility hash, and wasmtime checks its version and settings
-    // again) and are unchanged since (checksum above). The folder belongs to the operator;
+    // The folder is keyed by the engine's compatibility hash, and the bytes are unchanged
+    // since this host wrote them (checksum above). The folder belongs to the operator;
     // whoever can write it can already change the operator's own code.
-    unsafe { Component::deserialize(engine, body) }
-        .map(Some)
-        .map_err(|e| format!("{e:#}"))
+    deserialize_own(engine, body).map(Some)
 }
 
-/// Writes `component` to `path` in the format [`read_precompiled`] reads.
-pub(crate) fn write_precompiled(component: &Component, path: &Path) -> Result<(), String> {
-    let body = component.serialize().map_err(|e| format!("{e:#}"))?;
+/// Machine code that this host's own binary produced (here, from the cache, or from a
+/// compiler child fed the module), loaded into `engine`.
+#[allow(
+    unsafe_code,
+    reason = "deserializes precompiled code this host's binary wrote; see SAFETY"
+)]
+pub(crate) fn deserialize_own(engine: &Engine, body: &[u8]) -> Result<Component, String> {
+    // SAFETY: `body` was produced by `Engine::precompile_component` or `Component::serialize`
+    // of this binary (the callers' guarantee), never by a tenant, and wasmtime checks its
+    // version and compile settings again before using it.
+    unsafe { Component::deserialize(engine, body) }.map_err(|e| format!("{e:#}"))
+}
+
+/// Writes serialized machine code to `path` in the format [`read_precompiled`] reads.
+pub(crate) fn write_serialized(body: &[u8], path: &Path) -> Result<(), String> {
     let dir = path.parent().ok_or("no parent folder")?;
     std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
     let mut data = Vec::with_capacity(body.len() + 32);
-    data.extend_from_slice(&Sha256::digest(&body));
-    data.extend_from_slice(&body);
+    data.extend_from_slice(&Sha256::digest(body));
+    data.extend_from_slice(body);
     // Write then rename, so a reader never sees half a file.
     let tmp = dir.join(format!(
         ".{}.{}.tmp",

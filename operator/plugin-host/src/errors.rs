@@ -18,6 +18,18 @@ pub enum PluginError {
     ModuleTooLarge { size: u64, limit: u64 },
     #[error("cannot compile the module: {0}")]
     Compile(String),
+    /// The compiler reached its memory bound (the module asks for more than it may).
+    #[error(
+        "compiling the module needs more than {} MiB (--plugin-compile-memory-mib)",
+        .0 >> 20
+    )]
+    CompileMemory(u64),
+    /// The compiler outlasted its deadline and was killed.
+    #[error(
+        "compiling the module took longer than {}s (--plugin-compile-timeout-seconds)",
+        .0.as_secs_f64()
+    )]
+    CompileTimeout(Duration),
     /// The component imports something the host does not grant.
     #[error("module imports {import}, which plugins are not granted (granted: {granted})")]
     ForbiddenImport { import: String, granted: String },
@@ -187,7 +199,9 @@ impl PluginError {
             Self::Signature(_) => ErrorKind::Signature,
             Self::DigestMismatch { .. } => ErrorKind::DigestMismatch,
             Self::ModuleTooLarge { .. } => ErrorKind::ModuleTooLarge,
-            Self::Compile(_) => ErrorKind::Compile,
+            Self::Compile(_) | Self::CompileMemory(_) => ErrorKind::Compile,
+            // Time depends on the machine's load: retried, like a call's timeout.
+            Self::CompileTimeout(_) => ErrorKind::Timeout,
             Self::ForbiddenImport { .. } => ErrorKind::ForbiddenImport,
             Self::NotAPlugin(_) => ErrorKind::NotAPlugin,
             Self::InvalidConfig(_) => ErrorKind::InvalidConfig,

@@ -9,6 +9,7 @@
 //! `plugin test` command).
 
 pub mod chain;
+pub mod compiler;
 pub mod conformance;
 pub mod diskcache;
 pub mod errors;

@@ -3,7 +3,17 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use pko_plugin_host::compiler::{CompileBounds, Compiler, CompilerCommand};
 use pko_plugin_host::{HostConfig, LimitOverrides, Limits};
+
+/// What the start-up memory plan gives plugins.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PluginPlan {
+    /// Memory every plugin call at once may use together.
+    pub memory_budget_bytes: u64,
+    /// Each module compiler's data limit.
+    pub compile_memory_bytes: u64,
+}
 
 /// Plugin settings of the operator.
 #[derive(clap::Args, Debug, Clone)]
@@ -67,10 +77,39 @@ pub struct PluginArgs {
         value_parser = clap::value_parser!(u32).range(1..),
     )]
     pub plugin_max_concurrent_loads: u32,
-    /// Time one module load may take once it has a slot; it then fails (and is retried). A
-    /// compile still running keeps its slot until it ends, so the bound on memory holds.
+    /// Of those, the most one namespace's loads (its ProgramTransforms') may hold, so one
+    /// tenant's slow module server or slow compiles never hold them all. Default: half of
+    /// --plugin-max-concurrent-loads (at least 1).
+    #[arg(
+        long,
+        env = "PLUGIN_MAX_CONCURRENT_LOADS_PER_NAMESPACE",
+        value_parser = clap::value_parser!(u32).range(1..),
+    )]
+    pub plugin_max_concurrent_loads_per_namespace: Option<u32>,
+    /// Time one module load (fetch and compile) may take once it has a slot; it then fails
+    /// and is retried. A compile still running keeps its slot until its own bound ends it.
     #[arg(long, env = "PLUGIN_LOAD_TIMEOUT_SECONDS", default_value_t = 60)]
     pub plugin_load_timeout_seconds: u64,
+    /// Memory, in MiB, one module compile may use. Each compile runs in a child process with
+    /// this as its data limit, so a module that makes the compiler grow fails alone
+    /// ("compiling the module needs more than …"); the memory plan counts it once per load
+    /// slot. Unset: an eighth of the container's memory limit, between 32 and 256 MiB (256
+    /// when no limit is known).
+    #[arg(
+        long,
+        env = "PLUGIN_COMPILE_MEMORY_MIB",
+        value_parser = clap::value_parser!(u64).range(16..=65536),
+    )]
+    pub plugin_compile_memory_mib: Option<u64>,
+    /// Time one module compile may take; the compiler is then killed and the load retried
+    /// later with backoff.
+    #[arg(
+        long,
+        env = "PLUGIN_COMPILE_TIMEOUT_SECONDS",
+        default_value_t = CompileBounds::DEFAULT.timeout.as_secs(),
+        value_parser = clap::value_parser!(u64).range(1..),
+    )]
+    pub plugin_compile_timeout_seconds: u64,
     /// Memory, in MiB, every plugin call running at once may use together; each call reserves
     /// its memory cap from it. Unset: half of what the container's memory limit leaves (see
     /// docs/operations.md), or every slot at the ceiling when no limit is known.
@@ -90,8 +129,10 @@ impl PluginArgs {
     }
 
     /// The host settings these flags describe (defaults are capped by the host's ceilings),
-    /// with the memory budget the start-up plan decided.
-    pub fn host_config(&self, memory_budget_bytes: u64) -> HostConfig {
+    /// with the memory budget and compiler memory the start-up plan decided. `operator`: this
+    /// binary, which compiles modules as a child (`plugin compile`).
+    pub fn host_config(&self, plan: &PluginPlan, operator: PathBuf) -> HostConfig {
+        let memory_budget_bytes = plan.memory_budget_bytes;
         let ceiling = Limits::CEILING;
         HostConfig {
             memory_budget_bytes,
@@ -112,6 +153,16 @@ impl PluginArgs {
             cache_dir: self.plugin_cache_dir.clone(),
             cache_max_bytes: self.plugin_cache_max_bytes,
             max_module_bytes: self.plugin_max_module_bytes,
+            compiler: Compiler::Child {
+                command: CompilerCommand {
+                    program: operator,
+                    args: vec!["plugin".into(), "compile".into()],
+                },
+                bounds: CompileBounds {
+                    memory_bytes: plan.compile_memory_bytes,
+                    timeout: Duration::from_secs(self.plugin_compile_timeout_seconds),
+                },
+            },
         }
     }
 }

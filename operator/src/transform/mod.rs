@@ -31,6 +31,7 @@ use pko_api::transform::{
     TransformStatus, TransformView,
 };
 use pko_plugin_host::chain::{Chain, FailurePolicy, Step};
+use pko_plugin_host::host::{Shares, default_share, share};
 use pko_plugin_host::{
     CallSite, LimitOverrides, Limits, Module, PluginError, PluginHost, PluginMetrics,
 };
@@ -39,7 +40,7 @@ use tokio::sync::{broadcast, watch};
 use tokio::task::AbortHandle;
 use tracing::{debug, info, warn};
 
-pub use args::PluginArgs;
+pub use args::{PluginArgs, PluginPlan};
 use selection::{matching, overrides, resolve, selectors};
 pub use source::ModuleFetcher;
 
@@ -236,6 +237,8 @@ pub struct TransformRegistry {
     synced_flag: Arc<AtomicBool>,
     /// Module loads at once (fetch and compile), for every transform together.
     loads: Arc<tokio::sync::Semaphore>,
+    /// Each namespace's share of `loads`.
+    load_shares: Arc<Shares>,
     /// Budget of one load once it holds a slot.
     load_timeout: Duration,
 }
@@ -244,6 +247,8 @@ pub struct TransformRegistry {
 #[derive(Debug, Clone, Copy)]
 pub struct LoadLimits {
     pub concurrent: u32,
+    /// Of `concurrent`, the most one namespace's loads hold.
+    pub per_namespace: u32,
     pub timeout: Duration,
 }
 
@@ -251,6 +256,7 @@ impl LoadLimits {
     /// The flags' defaults.
     pub const DEFAULT: Self = Self {
         concurrent: 2,
+        per_namespace: 1,
         timeout: Duration::from_secs(60),
     };
 }
@@ -271,6 +277,10 @@ impl TransformRegistry {
             loads: Arc::new(tokio::sync::Semaphore::new(
                 limits.concurrent.max(1) as usize
             )),
+            load_shares: Arc::new(Shares::new(share(
+                limits.concurrent.max(1),
+                limits.per_namespace,
+            ))),
             load_timeout: limits.timeout,
             host,
             fetcher,
@@ -289,9 +299,15 @@ impl TransformRegistry {
         client: Client,
         metrics: PluginMetrics,
         egress: Arc<EgressPolicy>,
-        memory_budget_bytes: u64,
+        plan: PluginPlan,
     ) -> Result<Arc<Self>, TransformError> {
-        let host = PluginHost::new(args.host_config(memory_budget_bytes), metrics)
+        // The compiler child is this binary: the same engine settings, whatever the install.
+        let operator = std::env::current_exe().map_err(|e| {
+            TransformError::Host(PluginError::Host(format!(
+                "cannot find the operator binary to run the compiler: {e}"
+            )))
+        })?;
+        let host = PluginHost::new(args.host_config(&plan, operator), metrics)
             .map_err(TransformError::Host)?;
         let fetcher = ModuleFetcher::new(
             Some(client),
@@ -302,6 +318,9 @@ impl TransformRegistry {
         )?;
         let limits = LoadLimits {
             concurrent: args.plugin_max_concurrent_loads,
+            per_namespace: args
+                .plugin_max_concurrent_loads_per_namespace
+                .unwrap_or_else(|| default_share(args.plugin_max_concurrent_loads)),
             timeout: Duration::from_secs(args.plugin_load_timeout_seconds),
         };
         Ok(Self::with_load_limits(host, fetcher, limits))

@@ -324,16 +324,31 @@ impl TransformRegistry {
         site: &CallSite,
     ) -> Result<Arc<Module>, PluginError> {
         let metrics = self.host.metrics();
-        let permit = {
+        let closed = |_| PluginError::Host("the module load slots are closed".into());
+        let (share, permit) = {
             let _waiting = GaugeGuard::new(&metrics.loads_waiting);
-            self.loads.clone().acquire_owned().await
-        }
-        .map_err(|_| PluginError::Host("the module load slots are closed".into()))?;
+            // The namespace's share first: a tenant past it waits without holding a slot
+            // another tenant's load could use.
+            let share = match &site.namespace {
+                Some(ns) => Some(
+                    self.load_shares
+                        .of(ns)
+                        .acquire_owned()
+                        .await
+                        .map_err(closed)?,
+                ),
+                None => None,
+            };
+            (
+                share,
+                self.loads.clone().acquire_owned().await.map_err(closed)?,
+            )
+        };
         let in_flight = GaugeGuard::new(&metrics.loads_in_flight);
         let (fetcher, host) = (self.fetcher.clone(), self.host.clone());
         let (source, sha256, site) = (source.clone(), sha256.to_owned(), site.clone());
         let work = tokio::spawn(async move {
-            let _slot = (permit, in_flight);
+            let _slot = (share, permit, in_flight);
             let bytes = fetcher.fetch(&source, &sha256).await?;
             host.load(bytes, &sha256, &site).await
         });

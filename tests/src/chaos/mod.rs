@@ -29,7 +29,7 @@ use crate::{ControlPlane, HarnessError};
 
 /// The memory limit every chaos operator runs with (`--memory-limit`): its memory plan sizes
 /// caches, admission slots and plugin slots inside it, and the run checks the peak against it.
-pub const MEMORY_LIMIT_MIB: u64 = 512;
+pub const MEMORY_LIMIT_MIB: u64 = 768;
 
 /// How hard each scenario pushes.
 #[derive(Clone, Debug)]

@@ -1321,6 +1321,8 @@ async fn module_loads_hold_at_most_their_slots_together() {
                 format!("--watch-namespace={ns}"),
                 format!("--plugin-ca-file={}", ca_file.display()),
                 "--plugin-max-concurrent-loads=2".into(),
+                // One namespace's loads may hold both here: the slots themselves are tested.
+                "--plugin-max-concurrent-loads-per-namespace=2".into(),
                 "--plugin-load-timeout-seconds=600".into(),
             ],
         },
@@ -1508,3 +1510,6 @@ async fn a_plugin_asking_more_memory_than_the_budget_fails_alone_and_nothing_res
 
 #[path = "transforms_oci.rs"]
 mod oci;
+
+#[path = "transforms_compile.rs"]
+mod compile;

@@ -14,6 +14,7 @@ use wasmtime::{Config, Enabled, Engine, InstanceAllocationStrategy, PoolingAlloc
 
 use super::sandbox::{MAX_CORE_INSTANCES, MAX_MEMORIES, MAX_TABLE_ELEMENTS, MAX_TABLES};
 use super::{HostConfig, Inner, LoadSource, WIT_PACKAGE, bounded};
+use crate::compiler::{self, Compiler};
 use crate::diskcache;
 use crate::errors::PluginError;
 
@@ -143,8 +144,9 @@ fn parse_address_space_limit(limits: &str) -> Option<u64> {
 }
 
 /// The engine, with its instance pool when the pool can be reserved; otherwise (a limited
-/// address space, or the reservation failing) on-demand allocation, with a warning.
-pub(super) fn engine(config: &HostConfig) -> wasmtime::Result<(Engine, Allocation)> {
+/// address space, or the reservation failing) on-demand allocation, with a warning. Also
+/// returns each memory's reservation, which a compiler child must use too.
+pub(super) fn engine(config: &HostConfig) -> wasmtime::Result<(Engine, Allocation, u64)> {
     let plan = PoolPlan::new(config);
     let reservation = plan.reservation_bytes();
     let limit = address_space_limit();
@@ -154,7 +156,7 @@ pub(super) fn engine(config: &HostConfig) -> wasmtime::Result<(Engine, Allocatio
                 InstanceAllocationStrategy::Pooling(plan.pooling_config()),
                 MEMORY_RESERVATION,
             )) {
-                Ok(engine) => return Ok((engine, Allocation::Pooling)),
+                Ok(engine) => return Ok((engine, Allocation::Pooling, MEMORY_RESERVATION)),
                 Err(e) => warn!(
                     error = %format!("{e:#}"),
                     reservation,
@@ -170,11 +172,18 @@ pub(super) fn engine(config: &HostConfig) -> wasmtime::Result<(Engine, Allocatio
     }
     // Each memory reserves only what the memory ceiling allows, not 4 GiB: the address space
     // is what is short here (the compiled code then checks bounds explicitly).
-    let engine = Engine::new(&wasm_config(
+    let engine = child_engine(plan.max_memory_bytes)?;
+    Ok((engine, Allocation::OnDemand, plan.max_memory_bytes))
+}
+
+/// An engine with the host's compile settings and no instance pool: what a compiler child
+/// uses (it runs nothing), and the host itself when the pool does not fit. How instances are
+/// allocated is not part of the compiled code, so both engines' code is interchangeable.
+pub(crate) fn child_engine(memory_reservation: u64) -> wasmtime::Result<Engine> {
+    Engine::new(&wasm_config(
         InstanceAllocationStrategy::OnDemand,
-        plan.max_memory_bytes,
-    ))?;
-    Ok((engine, Allocation::OnDemand))
+        memory_reservation,
+    ))
 }
 
 /// The engine's settings; every memory reserves `memory_reservation` bytes of address space.
@@ -226,28 +235,34 @@ pub(super) fn start_ticker(engine: &Engine) -> Result<Arc<AtomicBool>, PluginErr
     Ok(ticker)
 }
 
-/// Compiles `bytes`, or reads the machine code from the precompiled cache when it is there and
-/// intact. Returns the component, where it came from and how long that took.
-pub(super) fn compile(
-    inner: &Inner,
-    bytes: &[u8],
+/// Compiles `bytes` (in a child process when the host has one) or reads the machine code
+/// from the precompiled cache when it is there and intact. Returns the component, where it
+/// came from and how long that took.
+pub(super) async fn compile(
+    inner: &Arc<Inner>,
+    bytes: Vec<u8>,
     digest: &str,
 ) -> Result<(Component, LoadSource, Duration), PluginError> {
     let cache_file = inner
         .cache_dir
         .as_ref()
         .map(|dir| dir.join(format!("{}.cwasm", digest.trim_start_matches("sha256:"))));
-    if let Some(path) = &cache_file {
+    if let Some(path) = cache_file.clone() {
         let started = Instant::now();
-        match diskcache::read_precompiled(&inner.engine, path) {
-            Ok(Some(component)) => {
-                diskcache::touch(path);
+        let engine = inner.engine.clone();
+        match blocking(move || diskcache::read_precompiled(&engine, &path).map(|c| (c, path)))
+            .await?
+        {
+            Ok((Some(component), path)) => {
+                diskcache::touch(&path);
                 return Ok((component, LoadSource::Cache, started.elapsed()));
             }
-            Ok(None) => {}
+            Ok((None, _)) => {}
             Err(reason) => {
-                warn!(path = %path.display(), %reason, "precompiled module unusable; compiling again");
-                let _ = std::fs::remove_file(path);
+                if let Some(path) = &cache_file {
+                    warn!(path = %path.display(), %reason, "precompiled module unusable; compiling again");
+                    let _ = std::fs::remove_file(path);
+                }
             }
         }
     }
@@ -257,22 +272,63 @@ pub(super) fn compile(
         ));
     }
     let started = Instant::now();
-    let component = Component::from_binary(&inner.engine, bytes)
-        .map_err(|e| PluginError::Compile(bounded(format!("{e:#}"), 2048)))?;
-    let load_time = started.elapsed();
-    if let Some(path) = &cache_file {
-        match diskcache::write_precompiled(&component, path) {
-            Ok(()) => {
-                if let Some(dir) = path.parent() {
-                    diskcache::prune(dir, inner.config.cache_max_bytes, path);
-                }
-            }
-            Err(e) => {
-                warn!(path = %path.display(), error = %e, "cannot write the precompiled module")
-            }
+    let (component, serialized) = match &inner.config.compiler {
+        Compiler::InProcess => {
+            let engine = inner.engine.clone();
+            // Compiling takes tens of milliseconds of CPU: off the async workers.
+            blocking(move || {
+                let component = Component::from_binary(&engine, &bytes)
+                    .map_err(|e| PluginError::Compile(bounded(format!("{e:#}"), 2048)))?;
+                let serialized = component.serialize().ok();
+                Ok::<_, PluginError>((component, serialized))
+            })
+            .await??
         }
+        Compiler::Child { command, bounds } => {
+            let code =
+                compiler::compile_in_child(command, *bounds, inner.memory_reservation, bytes)
+                    .await
+                    .map_err(|e| match e {
+                        PluginError::Compile(reason) => PluginError::Compile(bounded(reason, 2048)),
+                        other => other,
+                    })?;
+            let engine = inner.engine.clone();
+            blocking(move || {
+                let component = diskcache::deserialize_own(&engine, &code)
+                    .map_err(|e| PluginError::Host(format!("the compiler's code: {e}")))?;
+                Ok::<_, PluginError>((component, Some(code)))
+            })
+            .await??
+        }
+    };
+    let load_time = started.elapsed();
+    if let (Some(path), Some(serialized)) = (cache_file, serialized) {
+        let max_bytes = inner.config.cache_max_bytes;
+        // Best effort: a module that cannot be cached is compiled again at the next start.
+        let _ = blocking(
+            move || match diskcache::write_serialized(&serialized, &path) {
+                Ok(()) => {
+                    if let Some(dir) = path.parent() {
+                        diskcache::prune(dir, max_bytes, &path);
+                    }
+                }
+                Err(e) => {
+                    warn!(path = %path.display(), error = %e, "cannot write the precompiled module")
+                }
+            },
+        )
+        .await;
     }
     Ok((component, LoadSource::Compiled, load_time))
+}
+
+/// Runs `work` on the blocking pool.
+async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, PluginError> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| PluginError::Host(format!("compile task failed: {e}")))
 }
 
 pub(super) fn check_exports(component: &Component, engine: &Engine) -> Result<(), PluginError> {

@@ -12,7 +12,9 @@ mod engine;
 mod sandbox;
 mod shares;
 
-pub use shares::default_share;
+pub use shares::{Shares, default_share, share};
+
+pub(crate) use engine::child_engine;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -26,6 +28,7 @@ use tracing::debug;
 use wasmtime::Engine;
 use wasmtime::component::Linker;
 
+use crate::compiler::Compiler;
 use crate::errors::PluginError;
 use crate::limits::Limits;
 use crate::metrics::{LoadLabels, PluginMetrics};
@@ -64,6 +67,8 @@ pub struct HostConfig {
     /// from it before it starts, so calls with big caps run fewer at a time, and a cap larger
     /// than the whole budget is refused.
     pub memory_budget_bytes: u64,
+    /// Where modules are compiled (the operator: a bounded child process).
+    pub compiler: Compiler,
 }
 
 impl Default for HostConfig {
@@ -77,6 +82,7 @@ impl Default for HostConfig {
             cache_max_bytes: 128 << 20,
             max_module_bytes: 32 << 20,
             memory_budget_bytes: 4 * Limits::CEILING.memory_bytes,
+            compiler: Compiler::InProcess,
         }
     }
 }
@@ -209,6 +215,8 @@ pub struct PluginHost {
 struct Inner {
     engine: Engine,
     allocation: engine::Allocation,
+    /// Each linear memory's reservation: a compiler child's engine must use the same.
+    memory_reservation: u64,
     linker: Linker<CallState>,
     slots: Arc<Semaphore>,
     /// Each namespace's share of `slots`.
@@ -238,7 +246,7 @@ impl PluginHost {
     }
 
     pub fn new(config: HostConfig, metrics: PluginMetrics) -> Result<Self, PluginError> {
-        let (engine, allocation) =
+        let (engine, allocation, memory_reservation) =
             engine::engine(&config).map_err(|e| PluginError::Host(format!("{e:#}")))?;
         debug!(allocation = allocation.as_str(), "plugin engine created");
         let linker = sandbox::linker(&engine).map_err(|e| PluginError::Host(format!("{e:#}")))?;
@@ -259,6 +267,7 @@ impl PluginHost {
             inner: Arc::new(Inner {
                 engine,
                 allocation,
+                memory_reservation,
                 linker,
                 slots,
                 shares,
@@ -326,13 +335,7 @@ impl PluginHost {
         if let Some(module) = self.cached(&actual) {
             return Ok(module);
         }
-        let inner = self.inner.clone();
-        let digest = actual.clone();
-        // Compiling takes tens of milliseconds of CPU: keep it off the async workers.
-        let (component, source, load_time) =
-            tokio::task::spawn_blocking(move || engine::compile(&inner, &bytes, &digest))
-                .await
-                .map_err(|e| PluginError::Host(format!("compile task failed: {e}")))??;
+        let (component, source, load_time) = engine::compile(&self.inner, bytes, &actual).await?;
         let labels = LoadLabels {
             source: source.as_str().to_owned(),
         };

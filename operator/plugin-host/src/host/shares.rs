@@ -1,7 +1,7 @@
-//! Each namespace's share of the plugin call slots: a namespace's calls (its Programs'
-//! transforms, its ProgramTransforms' checks) run at most `max_concurrent_calls_per_namespace`
-//! at once, so one tenant's slow plugins or many Programs never hold every slot and starve
-//! another tenant's transforms.
+//! Each namespace's share of a pool of slots: a namespace's calls (its Programs' transforms,
+//! its ProgramTransforms' checks) run at most `max_concurrent_calls_per_namespace` at once, and
+//! its module loads at most their own share of the load slots, so one tenant's slow plugins,
+//! slow module servers or many Programs never hold every slot and starve another tenant.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
@@ -14,31 +14,31 @@ pub fn default_share(total: u32) -> u32 {
 }
 
 /// The share applied: at least one call, never more than all the slots.
-pub(super) fn share(total: u32, configured: u32) -> u32 {
+pub fn share(total: u32, configured: u32) -> u32 {
     configured.clamp(1, total.max(1))
 }
 
 /// One semaphore per namespace with calls running or waiting; a namespace's is dropped with
 /// its last call, so the map holds only the namespaces that call right now.
-pub(super) struct Shares {
+pub struct Shares {
     per_namespace: u32,
     namespaces: Mutex<HashMap<String, Weak<Semaphore>>>,
 }
 
 impl Shares {
-    pub(super) fn new(per_namespace: u32) -> Self {
+    pub fn new(per_namespace: u32) -> Self {
         Self {
             per_namespace: per_namespace.max(1),
             namespaces: Mutex::new(HashMap::new()),
         }
     }
 
-    pub(super) fn per_namespace(&self) -> u32 {
+    pub fn per_namespace(&self) -> u32 {
         self.per_namespace
     }
 
-    /// The semaphore of `namespace`'s share (its permits are held by the calls running).
-    pub(super) fn of(&self, namespace: &str) -> Arc<Semaphore> {
+    /// The semaphore of `namespace`'s share (its permits are held by what runs).
+    pub fn of(&self, namespace: &str) -> Arc<Semaphore> {
         let mut namespaces = self
             .namespaces
             .lock()
