@@ -123,7 +123,7 @@ bench-check: tools pko bench-build ## short bench; fails when a pko-rs/PKO ratio
 	$(BENCH_BIN)/pko-bench --check docs/bench-baseline.json --counts 1000 --starts 3 --quiet-seconds 3
 
 .PHONY: chaos
-chaos: tools policies build ## chaos and hostile-load run (webhook storm, invented methods, hostile agent, kill -9, apiserver restart, leader kill): figures to docs/reliability.md
+chaos: tools policies build ## chaos and hostile-load run (webhook storm, invented methods, hostile module server, hostile agent, kill -9, apiserver restart, leader kill): figures to docs/reliability.md
 	$(CARGO_TARGET_DIR)/debug/pko-chaos --out docs/reliability.md
 
 # The container images ship exactly what the `dist*` targets leave in $(DIST_DIR); the

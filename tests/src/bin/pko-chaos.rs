@@ -2,7 +2,7 @@
 //! plane, written to docs/reliability.md. Exits non-zero when an invariant did not hold (the
 //! report is written either way).
 //!
-//! Flags: `--out <file>`, `--scale full|short`, `--only webhook,fileserver,listeners,agent,kill,apiserver,leader`,
+//! Flags: `--out <file>`, `--scale full|short`, `--only webhook,fileserver,listeners,modules,agent,kill,apiserver,leader`,
 //! `--seed <n>` (random by default; printed in the report).
 #![allow(
     clippy::disallowed_methods,
@@ -16,10 +16,11 @@ use anyhow::{Context, bail};
 use pko_tests::chaos::{self, Scale, Section};
 use pko_tests::{ControlPlane, StartOptions};
 
-const SCENARIOS: [&str; 7] = [
+const SCENARIOS: [&str; 8] = [
     "webhook",
     "fileserver",
     "listeners",
+    "modules",
     "agent",
     "kill",
     "apiserver",
@@ -80,6 +81,7 @@ async fn main() -> anyhow::Result<()> {
             "webhook" => chaos::webhook::storm(&plane, scale).await,
             "fileserver" => chaos::fileserver::invented_methods(&plane, scale, args.seed).await,
             "listeners" => chaos::listeners::section(&plane, scale).await,
+            "modules" => chaos::modules::section(&plane, scale).await,
             "agent" => chaos::agent::section(&plane, scale).await,
             "kill" => chaos::reconcile::kills(&plane, scale, args.seed).await,
             "apiserver" => chaos::reconcile::apiserver_restart(scale).await,

@@ -10,6 +10,7 @@ pub mod agent;
 pub mod fileserver;
 pub mod leader;
 pub mod listeners;
+pub mod modules;
 pub mod reconcile;
 pub mod webhook;
 

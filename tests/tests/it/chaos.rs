@@ -58,6 +58,19 @@ async fn slow_readers_and_idle_connections_hold_no_listener() {
 }
 
 #[tokio::test]
+async fn a_hostile_module_server_fails_only_its_own_transforms() {
+    // Alone in the binary: each scenario measures one operator's memory and latencies, and
+    // any other test would load the same two cores.
+    let _alone = pko_tests::serial::alone().await;
+    let plane = ControlPlane::shared().await;
+    holds(
+        chaos::modules::section(plane, &Scale::SHORT)
+            .await
+            .expect("scenario runs"),
+    );
+}
+
+#[tokio::test]
 async fn programs_converge_with_one_status_write_across_operator_kills() {
     // Alone in the binary: each scenario measures one operator's memory and latencies, and
     // any other test would load the same two cores.
