@@ -20,6 +20,9 @@ use pko_tests::{ControlPlane, fifo, fixtures, wait_for};
 use serde_json::{Value, json};
 
 const WAIT: Duration = Duration::from_secs(120);
+/// The operator's default operation slots, and a namespace's default share of them.
+const SLOTS: usize = pko_operator::controller::update::DEFAULT_MAX_OPERATIONS_IN_FLIGHT as usize;
+const SHARE: usize = SLOTS / 4;
 
 /// Reads the file named by config `file` (a named pipe blocks the program until written to).
 const PROGRAM: &str = r#"{
@@ -158,10 +161,12 @@ fn pipe(dir: &Path) -> PathBuf {
     path
 }
 
-/// An operator with 4 operation slots, a namespace's share 2, watching tenants a and b. Tenant
-/// a starts 4 Updates (as many as there are slots) that sleep: 2 run, 2 wait with reason
-/// `Queued` and a message naming the namespace share. Tenant b's Update then runs to the end at
-/// once, while a's are still held. Fed, a's four all succeed: the queued ones lost nothing.
+/// An operator with the default operation slots (64, a namespace's share a quarter: 16),
+/// watching tenants a and b. Tenant a starts 64 Updates (as many as there are slots) that sleep:
+/// 16 hold slots (one runs at the agent, which runs one operation per workspace at a time; the
+/// others wait for it), 48 wait with reason `Queued` and a message naming the namespace share.
+/// Tenant b's Update then runs to the end at once, while a's are still held. Fed, a's 64 all
+/// succeed: the queued ones lost nothing.
 #[tokio::test]
 async fn one_tenants_sleeping_updates_leave_another_tenants_update_running() {
     let _machine = pko_tests::serial::shared().await;
@@ -175,8 +180,6 @@ async fn one_tenants_sleeping_updates_leave_another_tenants_update_running() {
             args: vec![
                 format!("--watch-namespaces={},{}", a.ns, b.ns),
                 "--workspace-localhost=127.0.0.1".into(),
-                "--max-operations-in-flight=4".into(),
-                "--max-operations-in-flight-per-namespace=2".into(),
             ],
         },
     )
@@ -188,8 +191,8 @@ async fn one_tenants_sleeping_updates_leave_another_tenants_update_running() {
     a.workspace(&[("dev", &a_pipe)]).await;
     b.workspace(&[("dev", &b_file)]).await;
 
-    let names = ["sleep-1", "sleep-2", "sleep-3", "sleep-4"];
-    for name in names {
+    let names: Vec<String> = (1..=SLOTS).map(|i| format!("sleep-{i:02}")).collect();
+    for name in &names {
         a.update(name, "dev", json!({})).await;
     }
     // Every one of a's Updates is either running or queued, and stays so (nothing feeds the
@@ -197,7 +200,7 @@ async fn one_tenants_sleeping_updates_leave_another_tenants_update_running() {
     let held = || async {
         let mut running = Vec::new();
         let mut waiting = Vec::new();
-        for name in names {
+        for name in &names {
             let u = a.updates().get(name).await.ok()?;
             if let Some(message) = queued(&u) {
                 waiting.push((name, message));
@@ -214,8 +217,8 @@ async fn one_tenants_sleeping_updates_leave_another_tenants_update_running() {
         .expect("held");
     assert_eq!(
         (running.len(), waiting.len()),
-        (2, 2),
-        "tenant a holds its share of 2 slots, the rest wait: running {running:?}, waiting {waiting:?}"
+        (SHARE, SLOTS - SHARE),
+        "tenant a holds its share of {SHARE} slots, the rest wait: running {running:?}, waiting {waiting:?}"
     );
     for (name, message) in &waiting {
         assert!(
@@ -254,8 +257,8 @@ async fn one_tenants_sleeping_updates_leave_another_tenants_update_running() {
         waiting.iter().map(|w| w.0).collect::<Vec<_>>()
     );
 
-    let feeder = fifo::Feeder::start(a_pipe, "fed\n", WAIT * 2);
-    for name in names {
+    let feeder = fifo::Feeder::start(a_pipe, "fed\n", WAIT * 4);
+    for name in &names {
         let u = a.completed(name).await;
         assert_eq!(
             condition(&u, "Failed").map(|c| (c.0, c.1)),
