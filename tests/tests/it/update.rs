@@ -749,3 +749,69 @@ async fn an_outputs_secret_is_replaced_only_when_it_is_the_updates_own() {
         json!("fed\n")
     );
 }
+
+/// Updates as PKO leaves them at a switch-over, made before pko-rs starts: each carries PKO's
+/// Stack finalizer, which only PKO's Stack controller removes. A completed one with a TTL is
+/// released and then expires (404); one deleted under PKO (Terminating) is released and goes;
+/// one still running under it keeps the finalizer until it completes. Before, the first two
+/// stayed for ever and blocked their namespace's deletion.
+#[tokio::test]
+async fn updates_pko_left_with_its_finalizer_expire_and_go() {
+    use kube::api::{DeleteParams, Patch, PatchParams};
+    let _machine = pko_tests::serial::shared().await;
+    let plane = ControlPlane::shared().await;
+    let ns = plane.namespace("upd-pko-fin").await.expect("namespace");
+    let api: Api<Update> = Api::namespaced(plane.client(), &ns);
+    for (name, ttl) in [("done", Some("1s")), ("deleted", None), ("running", None)] {
+        let mut spec = json!({"workspaceName": "gone", "stackName": "dev", "type": "up"});
+        if let Some(ttl) = ttl {
+            spec["ttlAfterCompleted"] = json!(ttl);
+        }
+        let update: Update = serde_json::from_value(json!({
+            "apiVersion": "auto.pulumi.com/v1alpha1", "kind": "Update",
+            "metadata": {"name": name, "finalizers": ["finalizer.stack.pulumi.com"]},
+            "spec": spec,
+        }))
+        .expect("update");
+        api.create(&PostParams::default(), &update)
+            .await
+            .expect("create");
+    }
+    // PKO's result on "done", as its Update controller writes it.
+    let status = json!({"status": {"observedGeneration": 1, "conditions": [
+        {"type": "Progressing", "status": "False", "reason": "Complete", "message": "", "lastTransitionTime": "2026-01-01T00:00:00Z"},
+        {"type": "Complete", "status": "True", "reason": "Updated", "message": "", "lastTransitionTime": "2026-01-01T00:00:00Z"},
+        {"type": "Failed", "status": "False", "reason": "UpdateSucceeded", "message": "", "lastTransitionTime": "2026-01-01T00:00:00Z"},
+    ]}});
+    api.patch_status("done", &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .expect("status");
+    api.delete("deleted", &DeleteParams::default())
+        .await
+        .expect("delete");
+    let terminating = api.get("deleted").await.expect("still there");
+    assert!(terminating.metadata.deletion_timestamp.is_some());
+
+    let _operator = Operator::start(
+        plane,
+        OperatorOptions {
+            advertised: None,
+            args: vec![format!("--watch-namespace={ns}")],
+        },
+    )
+    .await
+    .expect("operator");
+    for name in ["done", "deleted"] {
+        wait_for(&format!("{name} to be gone"), WAIT, || async {
+            api.get_opt(name).await.ok()?.is_none().then_some(())
+        })
+        .await
+        .expect("released and expired");
+    }
+    let running = api.get("running").await.expect("running");
+    assert_eq!(
+        running.metadata.finalizers,
+        Some(vec!["finalizer.stack.pulumi.com".to_owned()]),
+        "an Update still running under PKO's finalizer keeps it"
+    );
+}

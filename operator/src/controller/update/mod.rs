@@ -33,6 +33,7 @@ use crate::controller::kit::{self, FromKube, Kit};
 use crate::metrics::Metrics;
 
 mod expire;
+mod handover;
 mod operate;
 mod outcome;
 mod slots;
@@ -337,6 +338,11 @@ async fn reconcile_inner(
         generation: update.metadata.generation,
         before: update.status.clone().unwrap_or_default(),
     };
+    // Its removal is an event of its own: the next reconcile goes on from there.
+    if let Some(keep) = handover::released(&update) {
+        handover::release(&ctx, &update, keep).await?;
+        return Ok(Action::await_change());
+    }
     if let Some(action) = settled(&update, &ctx, &current).await? {
         return Ok(action);
     }
