@@ -41,4 +41,5 @@ mod stack;
 mod stall;
 mod transforms;
 mod update;
+mod wire;
 mod workspace;
