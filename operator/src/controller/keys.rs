@@ -34,3 +34,7 @@ pub const SECRETS_ANNOTATION: &str = "pulumi.com/secrets";
 pub const REVISION_HASH_ANNOTATION: &str = "auto.pulumi.com/revision-hash";
 /// Development only: the local port of an agent run outside the cluster (set by `pko-dev`).
 pub const DEV_PORT_ANNOTATION: &str = "pko-rs.dev/dev-agent-port";
+/// On a workspace pod: what its agent was initialized with (agent instance, Workspace
+/// generation, environment digest), so a restarted operator does not install and initialize
+/// every workspace again (PKO keeps `auto.pulumi.com/initialized: "true"` for the same reason).
+pub const INITIALIZED_ANNOTATION: &str = "pko-rs.dev/initialized";

@@ -329,3 +329,73 @@ async fn a_root_pod_template_never_reaches_a_pod() {
         "no pod template was written"
     );
 }
+
+/// Workspaces an operator restart finds initialized.
+const RESTARTED: usize = 20;
+
+/// 20 Workspaces become Ready under one operator, each initialized once (`pulumi install`,
+/// stack select and config). The operator is stopped and another started: it reconciles every
+/// Workspace, finds on each pod what its agent was told (`pko-rs.dev/initialized`), and
+/// initializes none again; every Workspace stays Ready. Before, the told state lived in the
+/// operator's memory only, and every restart or failover installed every workspace again.
+#[tokio::test]
+async fn an_operator_restart_initializes_no_workspace_again() {
+    let _machine = pko_tests::serial::shared().await;
+    let plane = ControlPlane::shared().await;
+    let mut e = Execution::start("ws-restart", &[]).await;
+    let (url, digest) =
+        program_artifact(&e.ns, "hello", serde_json::from_str(PROGRAM).expect("json")).await;
+    let api: Api<Workspace> = Api::namespaced(plane.client(), &e.ns);
+    let backend = e.tmp.path().join("backend");
+    let names: Vec<String> = (0..RESTARTED).map(|i| format!("w{i:02}")).collect();
+    for name in &names {
+        let ws = workspace(name, &backend.display().to_string(), &url, &digest, name);
+        api.create(&PostParams::default(), &ws)
+            .await
+            .expect("create workspace");
+    }
+    for name in &names {
+        wait_ready(&api, name, 1, &e.kubelet).await;
+    }
+    let first = e
+        .operator
+        .log_text()
+        .matches("workspace initialized")
+        .count();
+    assert!(first >= RESTARTED, "each was initialized: {first}");
+
+    e.operator.stop();
+    let operator = Operator::start(
+        plane,
+        pko_tests::operator::OperatorOptions {
+            advertised: None,
+            args: vec![
+                format!("--watch-namespace={}", e.ns),
+                "--workspace-localhost=127.0.0.1".into(),
+            ],
+        },
+    )
+    .await
+    .expect("operator");
+    let series = "pko_reconcile_duration_seconds_count{controller=\"workspace\"}";
+    wait_for(
+        "every Workspace reconciled by the new operator",
+        WAIT,
+        || async {
+            let done = operator.metric(series).await?;
+            (done >= RESTARTED as f64).then_some(())
+        },
+    )
+    .await
+    .unwrap_or_else(|err| panic!("{err}\n{}", operator.log_text()));
+    for name in &names {
+        wait_ready(&api, name, 1, &e.kubelet).await;
+    }
+    let again = operator.log_text().matches("workspace initialized").count();
+    assert_eq!(
+        again,
+        0,
+        "initialized again after the restart:\n{}",
+        operator.log_text()
+    );
+}

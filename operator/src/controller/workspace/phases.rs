@@ -15,14 +15,14 @@ use kube::{Client, ResourceExt};
 use pko_agent_api::client::AgentClient;
 use pko_agent_api::proto as pb;
 use pko_api::workspace::{Workspace, WorkspaceStatus};
-use tracing::info;
+use tracing::{info, warn};
 
 use super::rules::{self, Initialization, Initialized};
 use super::status::{self, STALLED};
 use super::{WorkspaceContext, WorkspaceError, env, pod, to_pb_item};
 use crate::agent_client::{AgentError, Credentials};
 use crate::controller::conditions;
-use crate::controller::keys::APPLY_MANAGER;
+use crate::controller::keys::{APPLY_MANAGER, INITIALIZED_ANNOTATION};
 use crate::controller::kit::FromKube;
 
 /// No pod watch: look again this soon for an init container failure or for readiness.
@@ -236,6 +236,30 @@ async fn init_failure(client: &Client, namespace: &str, workspace: &str) -> Opti
     rules::init_failure(&pod)
 }
 
+/// What the workspace pod's annotation says its agent was told (none when unreadable).
+async fn told_on_pod(client: &Client, namespace: &str, workspace: &str) -> Option<Initialized> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    let pod = pods
+        .get_opt(&format!("{}-0", pod::workload_name(workspace)))
+        .await
+        .ok()??;
+    Initialized::from_annotation(pod.annotations().get(INITIALIZED_ANNOTATION)?)
+}
+
+/// Annotates the workspace pod with what its agent was told. Best effort: without it, the
+/// next operator initializes this workspace once more, which is safe.
+async fn record_on_pod(client: &Client, namespace: &str, workspace: &str, told: &Initialized) {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    let name = format!("{}-0", pod::workload_name(workspace));
+    let patch = serde_json::json!({"metadata": {"annotations": {INITIALIZED_ANNOTATION: told.annotation()}}});
+    if let Err(e) = pods
+        .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+    {
+        warn!(pod = %name, %namespace, error = %e, "cannot record the initialization on the workspace pod");
+    }
+}
+
 /// A connected agent and what it said of itself.
 pub(super) struct Agent {
     pub(super) client: AgentClient,
@@ -351,7 +375,11 @@ pub(super) async fn initialise(
         generation: run.generation.unwrap_or(0),
         env_digest: env::digest(&env),
     };
-    let done = run.ctx.initialized_for(&run.uid);
+    // After an operator restart, memory is empty: the pod says what its agent was told.
+    let done = match run.ctx.initialized_for(&run.uid) {
+        Some(done) => Some(done),
+        None => told_on_pod(&run.ctx.client, &run.namespace, &run.name).await,
+    };
     let fresh = match rules::initialization(done.as_ref(), &wanted) {
         Initialization::UpToDate => return Ok(Phase::Continue(None)),
         Initialization::Fresh => true,
@@ -397,6 +425,7 @@ pub(super) async fn stacks(
         return Phase::Done(end);
     }
     let generation = wanted.generation;
+    record_on_pod(&run.ctx.client, &run.namespace, &run.name, &wanted).await;
     run.ctx.set_initialized(&run.uid, Some(wanted));
     info!(instance = %agent.instance, generation, "workspace initialized");
     let note = rules::initialized_note(fresh, &run.name, generation);

@@ -102,6 +102,29 @@ pub(super) struct Initialized {
     pub(super) env_digest: String,
 }
 
+impl Initialized {
+    /// The pod annotation's value: the agent instance, the generation and the environment
+    /// digest.
+    pub(super) fn annotation(&self) -> String {
+        format!("{} {} {}", self.instance, self.generation, self.env_digest)
+    }
+
+    /// Reads [`Self::annotation`]; `None` for anything else (PKO's `"true"` included: an agent
+    /// PKO initialized is not ours).
+    pub(super) fn from_annotation(text: &str) -> Option<Self> {
+        let mut parts = text.split(' ');
+        let (instance, generation, env_digest) = (parts.next()?, parts.next()?, parts.next()?);
+        if parts.next().is_some() || instance.is_empty() || env_digest.is_empty() {
+            return None;
+        }
+        Some(Self {
+            instance: instance.to_owned(),
+            generation: generation.parse().ok()?,
+            env_digest: env_digest.to_owned(),
+        })
+    }
+}
+
 /// What the agent still has to be told.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Initialization {
@@ -144,6 +167,30 @@ mod tests {
     fn sts(status: Value) -> StatefulSet {
         serde_json::from_value(json!({"metadata": {"generation": 2}, "status": status}))
             .expect("statefulset")
+    }
+
+    #[test]
+    fn what_an_agent_was_told_round_trips_through_the_pod_annotation() {
+        let told = Initialized {
+            instance: "3f2a".into(),
+            generation: 7,
+            env_digest: "sha256:ab".into(),
+        };
+        assert_eq!(
+            Initialized::from_annotation(&told.annotation()),
+            Some(told.clone())
+        );
+        for other in ["true", "", "a 1", "a x b", "a 1 b c", " 1 b"] {
+            assert_eq!(Initialized::from_annotation(other), None, "{other:?}");
+        }
+        // The same agent told the same: nothing to do after a restart of the operator.
+        assert_eq!(
+            initialization(
+                Initialized::from_annotation(&told.annotation()).as_ref(),
+                &told
+            ),
+            Initialization::UpToDate
+        );
     }
 
     #[test]
