@@ -33,7 +33,7 @@ macro_rules! custom_resource {
         #[derive(Clone, Debug, PartialEq, ::serde::Deserialize)]
         #[serde(rename_all = "camelCase")]
         pub struct $root {
-            /// Standard object metadata (read without `managedFields`: see [`crate::decode`]).
+            /// Standard object metadata (`managedFields` without their field sets: see [`crate::decode`]).
             #[serde(deserialize_with = "crate::decode::object_meta")]
             pub metadata: ::k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
             $(#[$spec_meta])*

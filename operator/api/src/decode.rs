@@ -5,15 +5,18 @@
 //! starts. Two places let a tenant nest without bound:
 //!
 //! * `metadata.managedFields`: the apiserver mirrors every field of the object there, one level
-//!   deeper than the field itself. Nothing in the operator reads it, so [`object_meta`] skips
-//!   it (serde_json skips an ignored value iteratively, with no depth limit).
+//!   deeper than the field itself. [`object_meta`] keeps who wrote what (manager, operation,
+//!   subresource) and skips the field sets (serde_json skips an ignored value iteratively, with
+//!   no depth limit); the one reader of field sets fetches them on its own.
 //! * free-form values (Stack outputs): [`tolerant_values`] captures each value as raw text and
 //!   decodes it on its own, with a fresh depth budget; a value still too deep is kept as its JSON
 //!   text (a string), so the object decodes and the value is not lost.
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{
+    ManagedFieldsEntry, ObjectMeta, OwnerReference, Time,
+};
 use serde::{Deserialize, Deserializer};
 use serde_json::Value;
 use serde_json::value::RawValue;
@@ -23,7 +26,8 @@ use serde_json::value::RawValue;
 /// inside a watch event inside `managedFields`) stays decodable.
 pub const MAX_DOCUMENT_DEPTH: usize = 64;
 
-/// `ObjectMeta` as the apiserver sends it, without `managedFields` (see the module docs).
+/// `ObjectMeta` as the apiserver sends it, `managedFields` without their field sets (see the
+/// module docs).
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct WireMeta {
@@ -44,6 +48,8 @@ struct WireMeta {
     #[serde(default)]
     labels: Option<BTreeMap<String, String>>,
     #[serde(default)]
+    managed_fields: Option<Vec<WireManager>>,
+    #[serde(default)]
     name: Option<String>,
     #[serde(default)]
     namespace: Option<String>,
@@ -57,8 +63,24 @@ struct WireMeta {
     uid: Option<String>,
 }
 
-/// Decodes `metadata` leaving `managedFields` out (the apiserver mirrors a tenant's nesting
-/// there; nothing here reads it). Use with `#[serde(deserialize_with = ...)]`.
+/// A `managedFields` entry without `fieldsV1`.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct WireManager {
+    #[serde(default)]
+    api_version: Option<String>,
+    #[serde(default)]
+    manager: Option<String>,
+    #[serde(default)]
+    operation: Option<String>,
+    #[serde(default)]
+    subresource: Option<String>,
+    #[serde(default)]
+    time: Option<Time>,
+}
+
+/// Decodes `metadata` with `managedFields` stripped of their field sets (the apiserver mirrors
+/// a tenant's nesting there). Use with `#[serde(deserialize_with = ...)]`.
 pub fn object_meta<'de, D: Deserializer<'de>>(de: D) -> Result<ObjectMeta, D::Error> {
     let m = WireMeta::deserialize(de)?;
     Ok(ObjectMeta {
@@ -70,7 +92,20 @@ pub fn object_meta<'de, D: Deserializer<'de>>(de: D) -> Result<ObjectMeta, D::Er
         generate_name: m.generate_name,
         generation: m.generation,
         labels: m.labels,
-        managed_fields: None,
+        managed_fields: m.managed_fields.map(|entries| {
+            entries
+                .into_iter()
+                .map(|e| ManagedFieldsEntry {
+                    api_version: e.api_version,
+                    fields_type: None,
+                    fields_v1: None,
+                    manager: e.manager,
+                    operation: e.operation,
+                    subresource: e.subresource,
+                    time: e.time,
+                })
+                .collect()
+        }),
         name: m.name,
         namespace: m.namespace,
         owner_references: m.owner_references,
@@ -78,6 +113,18 @@ pub fn object_meta<'de, D: Deserializer<'de>>(de: D) -> Result<ObjectMeta, D::Er
         self_link: m.self_link,
         uid: m.uid,
     })
+}
+
+/// PKO's field manager, and the prefix of its status writers' (`…/stack-status`).
+pub const PKO_MANAGER: &str = "pulumi-kubernetes-operator";
+
+/// Whether `manager` is one of PKO's (`pulumi-kubernetes-operator` or `…/<writer>`): after a
+/// switch-over their entries are the only ones a controller reads (to take them over).
+pub fn is_pko_manager(manager: &str) -> bool {
+    manager == PKO_MANAGER
+        || manager
+            .strip_prefix(PKO_MANAGER)
+            .is_some_and(|rest| rest.starts_with('/'))
 }
 
 /// Decodes a map of free-form values one value at a time (see the module docs): a value too
@@ -190,7 +237,13 @@ mod tests {
         let obj = &list.items[0];
         assert_eq!(obj.metadata.name.as_deref(), Some("p"));
         assert_eq!(obj.metadata.generation, Some(3));
-        assert_eq!(obj.metadata.managed_fields, None);
+        let managers = obj
+            .metadata
+            .managed_fields
+            .as_ref()
+            .expect("who wrote what");
+        assert_eq!(managers[0].manager.as_deref(), Some("kubectl"));
+        assert_eq!(managers[0].fields_v1, None, "the field sets are skipped");
         assert_eq!(obj.outputs["ok"], serde_json::json!({"x": [1]}));
         assert_eq!(obj.outputs["deep"], Value::String(deep));
     }

@@ -22,6 +22,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, ResourceExt};
+use pko_api::decode::is_pko_manager;
 use pko_api::program::ProgramSpec;
 use pko_plugin_host::chain::{self, Chain, StepFailure};
 use tokio::sync::{OnceCell, Semaphore, broadcast, watch as notify};
@@ -546,9 +547,14 @@ pub fn watch(
                 watcher::Config::default().any_semantic(),
                 crate::scope::Known::Store(index.store.clone()),
             )
-            // managedFields are often the largest part of a small object and nothing here
-            // reads them: drop them before they reach the store.
-            .modify(|program| program.managed_fields_mut().clear())
+            // managedFields are often the largest part of a small object: drop them before
+            // they reach the store, but for PKO's, which the Program controller takes over
+            // after a switch-over (controller/takeover.rs).
+            .modify(|program| {
+                program
+                    .managed_fields_mut()
+                    .retain(|e| e.manager.as_deref().is_some_and(is_pko_manager));
+            })
             .inspect_ok({
                 let (index, needs) = (index.clone(), needs.clone());
                 move |event| needs.store(index.needs_reconcile(event), Ordering::Relaxed)

@@ -11,6 +11,9 @@ pub const WORKSPACE_STATUS_MANAGER: &str = "pko-rs/workspace-status";
 pub const UPDATE_STATUS_MANAGER: &str = "pko-rs/update-status";
 pub const TENANCY_STATUS_MANAGER: &str = "pko-rs/tenancy-status";
 pub const TRANSFORM_STATUS_MANAGER: &str = "pko-rs/transform-status";
+/// PKO's field manager, and the prefix of its status writers' (`…/stack-status`): what it
+/// owns is taken over at a switch-over (`controller/takeover.rs`).
+pub use pko_api::decode::PKO_MANAGER;
 
 /// PKO's Stack finalizer: kept so a Stack handed over from PKO is cleaned up the same way.
 pub const STACK_FINALIZER: &str = "finalizer.stack.pulumi.com";

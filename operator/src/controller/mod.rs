@@ -8,6 +8,7 @@ pub mod kit;
 pub mod program;
 pub mod queue;
 pub mod stack;
+pub mod takeover;
 pub mod tenancy;
 pub mod transform_status;
 pub mod update;

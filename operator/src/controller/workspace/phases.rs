@@ -24,6 +24,7 @@ use crate::agent_client::{AgentError, Credentials};
 use crate::controller::conditions;
 use crate::controller::keys::{APPLY_MANAGER, INITIALIZED_ANNOTATION};
 use crate::controller::kit::FromKube;
+use crate::controller::takeover;
 
 /// No pod watch: look again this soon for an init container failure or for readiness.
 pub(super) const POD_NOT_READY_REQUEUE: Duration = Duration::from_secs(10);
@@ -189,16 +190,13 @@ async fn apply_workload(
     service: &Service,
     statefulset: &StatefulSet,
 ) -> Result<StatefulSet, WorkspaceError> {
-    let apply = PatchParams::apply(APPLY_MANAGER).force();
     let name = pod::workload_name(workspace);
     let services: Api<Service> = Api::namespaced(client.clone(), namespace);
-    services
-        .patch(&name, &apply, &Patch::Apply(service))
+    takeover::apply(&services, &name, APPLY_MANAGER, service)
         .await
         .map_err(WorkspaceError::kube("applying the workspace Service"))?;
     let statefulsets: Api<StatefulSet> = Api::namespaced(client.clone(), namespace);
-    statefulsets
-        .patch(&name, &apply, &Patch::Apply(statefulset))
+    takeover::apply(&statefulsets, &name, APPLY_MANAGER, statefulset)
         .await
         .map_err(WorkspaceError::kube("applying the workspace StatefulSet"))
 }

@@ -3,15 +3,19 @@
 
 use std::sync::Arc;
 
+use kube::api::Api;
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
 use kube::{Resource, ResourceExt};
-use pko_api::workspace::Workspace;
+use pko_api::workspace::{Workspace, WorkspaceStatus};
 use tracing::{instrument, warn};
 
 use super::phases::{self, End, Run, proceed};
 use super::status::{self, write_status};
 use super::{CONTROLLER, WorkspaceContext, WorkspaceError};
+use crate::controller::keys::{APPLY_MANAGER, WORKSPACE_STATUS_MANAGER};
+use crate::controller::kit::FromKube;
+use crate::controller::takeover::{self, Part};
 use crate::controller::{backoff, kit};
 
 #[instrument(skip_all, fields(workspace = %format!("{}/{}", ws.namespace().unwrap_or_default(), ws.name_any())))]
@@ -35,16 +39,27 @@ pub(super) async fn reconcile_inner(
     ctx: &WorkspaceContext,
 ) -> Result<Action, WorkspaceError> {
     let mut run = Run::new(ws, ctx)?;
+    // Status fields only PKO's writer owns go with our next write, made even if unchanged.
+    let pkos = takeover::pko_owns(ws.meta(), Part::Status);
+    if pkos {
+        let api: Api<Workspace> = Api::namespaced(ctx.client.clone(), &run.namespace);
+        takeover::take_over(&api, &run.name, WORKSPACE_STATUS_MANAGER, Part::Status)
+            .await
+            .map_err(WorkspaceError::kube("taking over PKO's Workspace status"))?;
+    }
+    // The spec PKO's Stack controller applied is ours to apply from now on (the Stack
+    // controller applies as APPLY_MANAGER), so what only PKO set goes with its next apply.
+    if takeover::pko_owns(ws.meta(), Part::Main) {
+        let api: Api<Workspace> = Api::namespaced(ctx.client.clone(), &run.namespace);
+        takeover::take_over(&api, &run.name, APPLY_MANAGER, Part::Main)
+            .await
+            .map_err(WorkspaceError::kube("taking over PKO's Workspace fields"))?;
+    }
     match run_phases(&mut run).await? {
         End::Report(action) => {
-            write_status(
-                &ctx.client,
-                &run.namespace,
-                &run.name,
-                &run.before,
-                &run.status,
-            )
-            .await?;
+            let unwritten = WorkspaceStatus::default();
+            let before = if pkos { &unwritten } else { &run.before };
+            write_status(&ctx.client, &run.namespace, &run.name, before, &run.status).await?;
             Ok(action)
         }
         End::Quiet(action) => Ok(action),
