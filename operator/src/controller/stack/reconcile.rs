@@ -31,6 +31,7 @@ use crate::controller::keys::{
 };
 use crate::controller::kit;
 use crate::controller::kit::FromKube;
+use crate::controller::takeover::{self, Part};
 
 /// While an Update runs, the stack is looked at again this often (its changes also trigger it).
 const UPDATE_POLL: Duration = Duration::from_secs(300);
@@ -95,6 +96,9 @@ struct StatusWriter {
     api: Api<Stack>,
     name: String,
     before: StackStatus,
+    /// PKO's status writer still owns some of the status: the next write takes that over and
+    /// is made even if nothing else changed.
+    pkos: bool,
 }
 
 impl StatusWriter {
@@ -103,6 +107,7 @@ impl StatusWriter {
             api: Api::namespaced(client.clone(), namespace),
             name: stack.name_any(),
             before: stack.status.clone().unwrap_or_default(),
+            pkos: takeover::pko_owns(stack.meta(), Part::Status),
         }
     }
 
@@ -115,8 +120,13 @@ impl StatusWriter {
             && before.current_update == after.current_update
             && before.project_info == after.project_info
             && conditions::same(&before.conditions, &after.conditions);
-        if same {
+        if same && !self.pkos {
             return Ok(());
+        }
+        if self.pkos {
+            takeover::take_over(&self.api, &self.name, STACK_STATUS_MANAGER, Part::Status)
+                .await
+                .map_err(StackError::kube("taking over PKO's Stack status"))?;
         }
         let patch = kit::StatusPatch::new::<Stack>(after);
         self.api
@@ -173,8 +183,10 @@ impl<'a> Run<'a> {
         let Resolved {
             workspace_source,
             commit,
+            revision,
             poll,
         } = self.source().await?;
+        self.hand_over(&commit, revision.as_deref()).await;
         let synced = sync::is_synced(
             self.stack,
             &self.status,
@@ -198,9 +210,37 @@ impl<'a> Run<'a> {
         self.ctx.event(self.stack, type_, reason, note).await;
     }
 
+    /// After a switch-over: the revision PKO deployed is our commit for the same content, so
+    /// it is recorded as such and not run again.
+    async fn hand_over(&mut self, commit: &str, revision: Option<&str>) {
+        let adopted = self
+            .status
+            .last_update
+            .as_ref()
+            .and_then(|last| sync::handed_over(last, commit, revision));
+        if let Some(adopted) = adopted {
+            let note = format!(
+                "revision {:?} deployed by PKO is artifact {commit}: recorded as its commit, no update needed",
+                revision.unwrap_or_default()
+            );
+            info!(stack = %self.name, namespace = %self.namespace, "{note}");
+            self.event(EventType::Normal, "RevisionAdopted", note).await;
+            self.status.last_update = Some(adopted);
+        }
+    }
+
     /// Phase 1: the finalizer is added first (the change brings the next reconcile); a stack
     /// being deleted without it is not ours any more.
     async fn finalizer(&self) -> Result<(), Stop> {
+        // After a switch-over, PKO's managers still own the finalizer (and what else PKO
+        // wrote); ours from now on. The patch brings the next reconcile.
+        if takeover::pko_owns(self.stack.meta(), Part::Main) {
+            let api = Api::<Stack>::namespaced(self.ctx.client.clone(), &self.namespace);
+            takeover::take_over(&api, &self.name, APPLY_MANAGER, Part::Main)
+                .await
+                .map_err(StackError::kube("taking over PKO's Stack fields"))?;
+            return Err(Stop::Quiet);
+        }
         if self.stack.finalizers().iter().any(|f| f == STACK_FINALIZER) {
             return Ok(());
         }
@@ -372,13 +412,8 @@ impl<'a> Run<'a> {
             "StackProcessing",
             waiting,
         );
-        let applied = Api::<Workspace>::namespaced(self.ctx.client.clone(), &self.namespace)
-            .patch(
-                &self.name,
-                &PatchParams::apply(APPLY_MANAGER).force(),
-                &Patch::Apply(&ws),
-            )
-            .await;
+        let workspaces = Api::<Workspace>::namespaced(self.ctx.client.clone(), &self.namespace);
+        let applied = takeover::apply(&workspaces, &self.name, APPLY_MANAGER, &ws).await;
         let applied = match applied {
             Ok(applied) => applied,
             Err(e) => return Err(self.refused(e, "Workspace").await),

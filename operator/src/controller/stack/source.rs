@@ -2,7 +2,8 @@
 //! its content.
 //!
 //! * `programRef`: the Program's artifact (URL + digest) becomes a `flux` source; the digest is
-//!   the commit, so a new artifact re-runs the stack even under the same revision.
+//!   the commit, so a new artifact re-runs the stack even under the same revision (a transform
+//!   changed). PKO records the revision instead: see [`Resolved::revision`].
 //! * `fluxSource`: any object with a Flux-style `status.artifact` (read, polled every minute).
 //! * `projectRepo`: a `git` source at a commit SHA. A `branch` is resolved with an HTTP refs
 //!   listing (no clone, no git binary in the operator) and polled every `resyncFrequencySeconds`;
@@ -11,17 +12,19 @@
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Secret, SecretKeySelector};
-use kube::Client;
 use kube::api::Api;
+use kube::{Client, Resource};
 use pko_api::common::{ResourceRef, ResourceSelectorType, SecretSelector};
 use pko_api::names::{checked_name, is_dns1123_subdomain};
-use pko_api::program::Program;
+use pko_api::program::{Artifact, Program};
 use pko_api::stack::{FLUX_SOURCE_KINDS, FluxSourceReference, Stack};
 use pko_api::workspace::{FluxSource, GitAuth, GitSource};
 
 use super::outcome::{Outcome, StackError, Stop};
 use super::sync::resync_frequency;
 use crate::controller::kit::FromKube;
+use crate::controller::program::METADATA_CHAIN;
+use crate::controller::takeover::{self, Part};
 use crate::gitremote::{self, HttpAuth};
 
 /// Where a Workspace gets the program.
@@ -38,6 +41,11 @@ pub(super) struct Resolved {
     pub workspace_source: WorkspaceSource,
     /// What identifies the program's content (commit SHA or artifact digest).
     pub commit: String,
+    /// What PKO records as the commit for this same content, where that differs from
+    /// `commit`: the Program's generation (when no transform shaped the artifact) or the Flux
+    /// artifact's revision. A stack PKO deployed at this revision is synced
+    /// ([`super::sync::handed_over`]), not run again.
+    pub revision: Option<String>,
     /// Poll the source this often (it is read, not watched).
     pub poll: Option<Duration>,
 }
@@ -129,6 +137,7 @@ async fn flux(client: &Client, stack: &Stack, namespace: &str) -> Result<Resolve
             dir: source.dir.clone(),
         }),
         commit: digest,
+        revision: field("revision"),
         poll: Some(Duration::from_secs(60)),
     })
 }
@@ -210,11 +219,31 @@ async fn program(client: &Client, stack: &Stack, namespace: &str) -> Result<Reso
         .get_opt(name)
         .await
         .map_err(StackError::kube("reading the Program"))?;
+    // Built by PKO before a switch-over: its URL is PKO's file server, and our own artifact is
+    // on its way (the Program controller's write brings the next reconcile).
+    if program
+        .as_ref()
+        .is_some_and(|p| takeover::pko_owns(p.meta(), Part::Status))
+    {
+        return Err(Stop::Status(
+            Outcome::reconciling(
+                "StackProcessing",
+                "waiting for the Program's artifact to be built again after the switch from PKO",
+            )
+            .after(UNAVAILABLE_RETRY),
+        ));
+    }
     let artifact = program
         .as_ref()
         .and_then(|p| p.status.as_ref())
-        .and_then(|s| s.artifact.as_ref())
-        .and_then(|a| a.digest.clone().map(|digest| (a.url.clone(), digest)));
+        .and_then(|s| s.artifact.as_ref());
+    let untransformed = |a: &&Artifact| {
+        a.metadata
+            .as_ref()
+            .is_none_or(|m| !m.contains_key(METADATA_CHAIN))
+    };
+    let revision = artifact.filter(untransformed).map(|a| a.revision.clone());
+    let artifact = artifact.and_then(|a| a.digest.clone().map(|digest| (a.url.clone(), digest)));
     let Some((url, digest)) = artifact else {
         let message = if program.is_none() {
             "unable to retrieve program for stack"
@@ -229,6 +258,7 @@ async fn program(client: &Client, stack: &Stack, namespace: &str) -> Result<Reso
     };
     Ok(Resolved {
         commit: digest.clone(),
+        revision,
         workspace_source: WorkspaceSource::Flux(FluxSource {
             url: Some(url),
             digest: Some(digest),
@@ -283,6 +313,8 @@ async fn git(
     Ok(Resolved {
         workspace_source: WorkspaceSource::Git(Box::new(source)),
         commit,
+        // PKO records the same SHA.
+        revision: None,
         // A pinned commit never changes; a branch is polled.
         poll: spec
             .branch

@@ -86,6 +86,32 @@ pub(super) fn request(stack: &Stack) -> Option<String> {
         .cloned()
 }
 
+/// A stack PKO deployed records `revision` (PKO's commit for this content) where we record
+/// `commit`: the last update's commits that are that revision, rewritten as `commit`, so the
+/// same content is not run again after a switch-over and a later change of `commit` (a
+/// transform) is seen. `None` when nothing is PKO's.
+pub(super) fn handed_over(
+    last: &StackUpdateState,
+    commit: &str,
+    revision: Option<&str>,
+) -> Option<StackUpdateState> {
+    let revision = revision.filter(|r| *r != commit)?;
+    let is_revision = |c: &Option<String>| c.as_deref() == Some(revision);
+    if !is_revision(&last.last_successful_commit) && !is_revision(&last.last_attempted_commit) {
+        return None;
+    }
+    let mut adopted = last.clone();
+    for c in [
+        &mut adopted.last_successful_commit,
+        &mut adopted.last_attempted_commit,
+    ] {
+        if is_revision(c) {
+            *c = Some(commit.to_owned());
+        }
+    }
+    Some(adopted)
+}
+
 /// PKO's `isSynced`: whether the last update covers the current spec, request and source.
 /// `Err(reason)` says why a new Update is needed.
 pub(super) fn is_synced(
@@ -118,7 +144,9 @@ pub(super) fn is_synced(
             stack.metadata.generation.unwrap_or(0)
         ));
     }
-    if last.reconcile_request.as_deref() != request {
+    // PKO records no request as "".
+    let recorded = last.reconcile_request.as_deref().filter(|r| !r.is_empty());
+    if recorded != request.filter(|r| !r.is_empty()) {
         return Err(format!("Sync request: {:?}", request.unwrap_or_default()));
     }
     if state == Some(UpdateState::Succeeded) {
@@ -326,6 +354,28 @@ mod tests {
         .expect("stack");
         s.metadata.generation = Some(generation);
         s
+    }
+
+    #[test]
+    fn the_revision_pko_deployed_is_recorded_as_our_commit_once() {
+        let pkos = last("succeeded", "3", 0, 10).last_update.expect("last");
+        // PKO recorded generation 3; our artifact of generation 3 is sha256:d.
+        let adopted = handed_over(&pkos, "sha256:d", Some("3")).expect("PKO's revision");
+        assert_eq!(adopted.last_successful_commit.as_deref(), Some("sha256:d"));
+        assert_eq!(adopted.last_attempted_commit.as_deref(), Some("sha256:d"));
+        assert_eq!(adopted.state, pkos.state);
+        // Then it is ours: nothing more to adopt, and a new digest is a new commit.
+        assert_eq!(handed_over(&adopted, "sha256:d", Some("3")), None);
+        assert_eq!(handed_over(&adopted, "sha256:e", Some("3")), None);
+        // Another revision than PKO's is a change, as is a transformed artifact (no revision).
+        assert_eq!(handed_over(&pkos, "sha256:d", Some("4")), None);
+        assert_eq!(handed_over(&pkos, "sha256:d", None), None);
+        // A failed update at that revision: its attempt is adopted, its last success is not.
+        let failed = last("failed", "3", 2, 10).last_update.expect("last");
+        let adopted = handed_over(&failed, "sha256:d", Some("3")).expect("attempt");
+        assert_eq!(adopted.last_attempted_commit.as_deref(), Some("sha256:d"));
+        assert_eq!(adopted.last_successful_commit, None);
+        assert_eq!(adopted.failures, Some(2));
     }
 
     fn ago(secs: i64) -> Time {
