@@ -46,6 +46,7 @@ tools: toolchain go-toolchain ## build kube-apiserver, etcd, kubectl, opa, pulum
 	tools/build.sh pulumi
 	tools/build.sh helm
 	tools/build.sh oci
+	tools/build.sh pko
 
 .PHONY: crds
 crds: ## regenerate deploy/crds from the Rust types
