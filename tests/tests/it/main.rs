@@ -39,7 +39,6 @@ mod refs;
 mod restricted_crosscheck;
 mod stack;
 mod stall;
-mod switchover;
 mod transforms;
 mod update;
 mod wire;
