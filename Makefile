@@ -100,7 +100,7 @@ run: tools build ## local control plane + CRDs + operator + examples/program.yam
 	$(CARGO_TARGET_DIR)/debug/pko-dev run
 
 .PHONY: pko
-pko: go-toolchain ## build PKO v2.9.0's manager (the peer `make bench` measures) from its source tarball (PKO_SRC_TARBALL overrides its path)
+pko: go-toolchain ## build PKO v2.9.0's manager and agent (the peer `make bench` measures, the switch-over tests run) from its source tarball (PKO_SRC_TARBALL overrides its path)
 	tools/build.sh pko
 
 # The bench's release build has a target dir of its own, so it never waits on a debug build.

@@ -3,8 +3,8 @@
 # the pulumi-resource-kubernetes provider) from Go modules into a cache keyed by the pinned versions. Idempotent: a component whose
 # binary already exists in its versioned folder is skipped.
 #
-# `pko` builds PKO v2.9.0's manager (the peer `make bench` measures against) from its source
-# tarball: $PKO_SRC_TARBALL, by default ../shared/reference/pko-v2.9.0-src.tar.gz next to the
+# `pko` builds PKO v2.9.0's manager and agent (the peer `make bench` measures against, and the
+# agent the switch-over and interoperability tests run) from its source tarball: $PKO_SRC_TARBALL, by default ../shared/reference/pko-v2.9.0-src.tar.gz next to the
 # repository. Its folder is keyed by the version and the tarball's sha256. `all` leaves it out.
 #
 #   tools/build.sh kube|opa|pulumi|pko|helm|oci|all  prints nothing but progress; exits non-zero on failure
@@ -64,21 +64,22 @@ pko_src_sum() {
   sha256sum "$PKO_SRC_TARBALL" | cut -c1-12
 }
 
-# PKO v2.9.0's manager (`operator/cmd`), built from its source in a scratch folder (every
-# dependency comes from the Go module proxy by the tarball's go.sum), next to the CRDs it is
-# deployed with (`crds/`, from the same tarball).
+# PKO v2.9.0's manager (`operator/cmd`) and agent (`agent`), built from its source in a scratch
+# folder (every dependency comes from the Go module proxy by the tarball's go.sum), next to the
+# CRDs they are deployed with (`crds/`, from the same tarball).
 build_pko() {
   require_pko_src
   local out; out=$(dir_for pko)
-  if [[ -x $out/pko-manager && -d $out/crds ]]; then return; fi
-  echo "building PKO v$PKO_VERSION's manager into $out (cold: ~4-5 min)" >&2
+  if [[ -x $out/pko-manager && -x $out/pko-agent && -d $out/crds ]]; then return; fi
+  echo "building PKO v$PKO_VERSION's manager and agent into $out (cold: ~5-6 min)" >&2
   mkdir -p "$cache"
   pko_work=$(mktemp -d "$cache/.pko-src.XXXXXX")
   trap 'rm -rf "$pko_work"' EXIT
   local work=$pko_work
   tar -xzf "$PKO_SRC_TARBALL" -C "$work"
   rm -rf "$out.tmp" && mkdir -p "$out.tmp/crds"
-  (cd "$work" && go build -trimpath -ldflags "-s -w" -o "$out.tmp/pko-manager" ./operator/cmd)
+  (cd "$work" && go build -trimpath -ldflags "-s -w" -o "$out.tmp/pko-manager" ./operator/cmd &&
+    go build -trimpath -ldflags "-s -w" -o "$out.tmp/pko-agent" ./agent)
   cp "$work"/operator/config/crd/bases/*.yaml "$out.tmp/crds/"
   rm -rf "$work"
   rm -rf "$out" && mv "$out.tmp" "$out"
