@@ -25,6 +25,8 @@ use pko_operator::leader;
 use pko_operator::memory;
 use pko_operator::metrics::Metrics;
 use pko_operator::probes::{self, Readiness};
+use pko_operator::rest_metrics::RestMetricsLayer;
+use pko_operator::secure_metrics;
 use pko_operator::stack_metrics;
 use pko_operator::transform::TransformRegistry;
 use tokio::task::{JoinHandle, JoinSet};
@@ -69,6 +71,12 @@ pub(crate) enum AppError {
     Webhook(#[from] pko_admission::StartError),
     #[error("--leader-elect needs --leader-election-namespace (or $POD_NAMESPACE)")]
     NoLeaseNamespace,
+    #[error(
+        "--metrics-secure needs a --metrics-bind-address of its own (e.g. :8443): the probe listener stays plain HTTP for the kubelet"
+    )]
+    SecureMetricsAddress,
+    #[error(transparent)]
+    SecureMetrics(#[from] pko_operator::secure_metrics::SecureMetricsError),
     #[error(transparent)]
     Election(#[from] leader::LeaderError),
     #[error("installing the SIGTERM handler")]
@@ -127,11 +135,11 @@ impl App {
         // kube and rustls must agree on one crypto provider; ring is the only one linked.
         let _ = rustls::crypto::ring::default_provider().install_default();
 
-        let client = kube_client(&args, None).await?;
         let admission_metrics = pko_admission::AdmissionMetrics::new();
         let metrics = Metrics::with_extra(args.metrics_object_labels, |registry| {
             admission_metrics.register(registry);
         });
+        let client = kube_client(&args, None, &metrics).await?;
         let shutdown = CancellationToken::new();
         let advertised = AdvertisedAddress::resolve(
             &args.program_fs_addr,
@@ -435,7 +443,7 @@ async fn serve(
         }
     }
     let readiness = Readiness::new(checks);
-    serve_probes(args, &readiness, metrics, shutdown, tasks).await?;
+    serve_probes(args, env, client, &readiness, metrics, shutdown, tasks).await?;
     Ok(Served {
         readiness,
         file_server,
@@ -443,9 +451,12 @@ async fn serve(
     })
 }
 
-/// /healthz, /readyz and /metrics, and /metrics alone on its own address when one is given.
+/// /healthz, /readyz and /metrics, and /metrics alone on its own address when one is given
+/// (over HTTPS, for authorized clients only, with --metrics-secure).
 async fn serve_probes(
     args: &RunArgs,
+    env: &PodEnv,
+    client: &Client,
     readiness: &Readiness,
     metrics: &Metrics,
     shutdown: &CancellationToken,
@@ -455,6 +466,9 @@ async fn serve_probes(
     // kubelet's slots are never taken by scrapers or by slow readers of /metrics.
     let separate_metrics = args.metrics_bind_address != "0"
         && args.metrics_bind_address != args.health_probe_bind_address;
+    if args.metrics_secure && !separate_metrics {
+        return Err(AppError::SecureMetricsAddress);
+    }
     let probe_app = probes::router(readiness.clone(), metrics.clone(), !separate_metrics);
     let probe_listener = http::bind(&args.health_probe_bind_address).await?;
     tasks.spawn(http::serve(
@@ -464,7 +478,26 @@ async fn serve_probes(
         listener_limits(args),
         shutdown.clone().cancelled_owned(),
     ));
-    if separate_metrics {
+    if args.metrics_secure {
+        let (tls, reload) =
+            secure_metrics::certificate(args.metrics_cert_path.as_ref(), metrics_hosts(env))?;
+        if let Some(reload) = reload {
+            tasks.spawn(reload.run(Duration::from_secs(30), shutdown.clone().cancelled_owned()));
+        }
+        let auth = Arc::new(secure_metrics::MetricsAuth::new(
+            client.clone(),
+            secure_metrics::Ttls::default(),
+        ));
+        let listener = http::bind(&args.metrics_bind_address).await?;
+        tasks.spawn(http::serve_tls(
+            "metrics",
+            listener,
+            secure_metrics::router(metrics.clone(), auth),
+            listener_limits(args),
+            tls,
+            shutdown.clone().cancelled_owned(),
+        ));
+    } else if separate_metrics {
         let listener = http::bind(&args.metrics_bind_address).await?;
         tasks.spawn(http::serve(
             "metrics",
@@ -475,6 +508,22 @@ async fn serve_probes(
         ));
     }
     Ok(())
+}
+
+/// Names a self-signed metrics certificate covers: the pod, the metrics Service, loopback.
+fn metrics_hosts(env: &PodEnv) -> Vec<String> {
+    let mut hosts = vec!["localhost".to_owned(), "127.0.0.1".to_owned()];
+    hosts.extend(
+        env.pod_name
+            .clone()
+            .or_else(|| env.hostname.clone())
+            .filter(|n| !n.is_empty()),
+    );
+    if let Some(ns) = env.pod_namespace.as_deref().filter(|n| !n.is_empty()) {
+        hosts.push(format!("pko-rs-metrics.{ns}.svc"));
+        hosts.push(format!("pko-rs-metrics.{ns}.svc.cluster.local"));
+    }
+    hosts
 }
 
 /// The limits of the file-server, probe and metrics listeners, from the `--listener-*` flags.
@@ -555,6 +604,7 @@ async fn task_ended(task: &mut Option<JoinHandle<()>>) {
 async fn kube_client(
     args: &RunArgs,
     request_timeout: Option<Duration>,
+    metrics: &Metrics,
 ) -> Result<Client, AppError> {
     let mut config = match &args.kubeconfig {
         Some(path) => {
@@ -575,13 +625,16 @@ async fn kube_client(
     let timeout = Duration::from_secs(args.kube_api_timeout_seconds);
     config.write_timeout = Some(timeout);
     config.connect_timeout = Some(timeout);
+    // Outermost: each request counts once, with the answer its caller got.
+    let counted = RestMetricsLayer::new(metrics.runtime.rest.clone(), &config.cluster_url);
     let builder = kube::client::ClientBuilder::try_from(config).map_err(AppError::Client)?;
     Ok(match request_timeout {
         Some(bound) => builder
             .with_layer(&tower_http::timeout::ResponseBodyTimeoutLayer::new(bound))
             .with_layer(&tower::timeout::TimeoutLayer::new(bound))
+            .with_layer(&counted)
             .build(),
-        None => builder.build(),
+        None => builder.with_layer(&counted).build(),
     })
 }
 

@@ -2,6 +2,8 @@
 //! header buffer, a cap on connection lifetime, on open connections and on the connections
 //! of one client address, idle and write timers on every connection, and a graceful drain.
 //!
+//! [`serve_tls`] is the same listener over TLS (the secure `/metrics`).
+//!
 //! These listeners speak HTTP/1.1 only (an HTTP/2 preface is refused), so HTTP/2's idle
 //! connections cannot be held here; the webhook, which speaks both, shares the same timers
 //! (`pko_admission::conn`).
@@ -10,7 +12,7 @@
 //! this one drains in-flight requests for a bounded time.
 
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
 use pko_admission::conn::{self, ConnLimits};
@@ -23,6 +25,7 @@ use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
+use tokio_rustls::TlsAcceptor;
 use tower::ServiceBuilder;
 use tower_http::limit::RequestBodyLimitLayer;
 use tower_http::timeout::TimeoutLayer;
@@ -96,12 +99,68 @@ pub async fn bind(addr: &str) -> Result<TcpListener, ServerError> {
         })
 }
 
+/// The TLS configuration of an HTTPS listener; replaced (a reloaded certificate) without a
+/// restart, each new connection taking the current one. Cheap to clone.
+#[derive(Clone)]
+pub struct TlsSource(Arc<RwLock<Arc<rustls::ServerConfig>>>);
+
+impl TlsSource {
+    /// `config`, which must offer HTTP/1.1 only (these listeners speak nothing else).
+    pub fn new(config: Arc<rustls::ServerConfig>) -> Self {
+        Self(Arc::new(RwLock::new(config)))
+    }
+
+    pub fn replace(&self, config: Arc<rustls::ServerConfig>) {
+        *self.0.write().unwrap_or_else(PoisonError::into_inner) = config;
+    }
+
+    /// The configuration new connections get.
+    pub fn current(&self) -> Arc<rustls::ServerConfig> {
+        self.0
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    fn acceptor(&self) -> TlsAcceptor {
+        TlsAcceptor::from(self.current())
+    }
+}
+
 /// Serve `app` on `listener` until `shutdown` resolves, then drain.
 pub async fn serve(
     name: &'static str,
     listener: TcpListener,
     app: Router,
     limits: ServerLimits,
+    shutdown: impl Future<Output = ()>,
+) {
+    serve_with(name, listener, app, limits, None, shutdown).await;
+}
+
+/// [`serve`] over TLS: the handshake has the header-read timeout, and every other bound holds
+/// as for plain HTTP.
+pub async fn serve_tls(
+    name: &'static str,
+    listener: TcpListener,
+    app: Router,
+    limits: ServerLimits,
+    tls: TlsSource,
+    shutdown: impl Future<Output = ()>,
+) {
+    serve_with(name, listener, app, limits, Some(tls), shutdown).await;
+}
+
+#[allow(
+    clippy::too_many_lines,
+    reason = "the accept loop: each bound where the connection reaches it"
+)]
+async fn serve_with(
+    name: &'static str,
+    listener: TcpListener,
+    app: Router,
+    limits: ServerLimits,
+    tls: Option<TlsSource>,
     shutdown: impl Future<Output = ()>,
 ) {
     let app = ServiceBuilder::new()
@@ -153,11 +212,39 @@ pub async fn serve(
             .header_read_timeout(limits.header_read_timeout)
             .max_buf_size(limits.max_header_bytes.max(8192))
             .keep_alive(true);
-        let connection = graceful.watch(builder.serve_connection(TokioIo::new(stream), service));
         let max_age = limits.max_connection_age;
+        let Some(tls) = &tls else {
+            let connection =
+                graceful.watch(builder.serve_connection(TokioIo::new(stream), service));
+            tokio::spawn(async move {
+                let _permit = permit;
+                let _place = place;
+                match tokio::time::timeout(max_age, connection).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(err)) => debug!(server = name, %peer, error = %err, "connection ended"),
+                    Err(_) => debug!(server = name, %peer, "connection reached its maximum age"),
+                }
+            });
+            continue;
+        };
+        let (acceptor, watcher) = (tls.acceptor(), graceful.watcher());
+        let handshake_timeout = limits.header_read_timeout;
         tokio::spawn(async move {
             let _permit = permit;
             let _place = place;
+            let stream =
+                match tokio::time::timeout(handshake_timeout, acceptor.accept(stream)).await {
+                    Ok(Ok(stream)) => stream,
+                    Ok(Err(err)) => {
+                        debug!(server = name, %peer, error = %err, "TLS handshake failed");
+                        return;
+                    }
+                    Err(_) => {
+                        debug!(server = name, %peer, "TLS handshake timed out");
+                        return;
+                    }
+                };
+            let connection = watcher.watch(builder.serve_connection(TokioIo::new(stream), service));
             match tokio::time::timeout(max_age, connection).await {
                 Ok(Ok(())) => {}
                 Ok(Err(err)) => debug!(server = name, %peer, error = %err, "connection ended"),
@@ -247,6 +334,39 @@ mod tests {
         assert!(
             started.elapsed() >= header_read_timeout,
             "closed after {:?}, before the header timeout",
+            started.elapsed()
+        );
+    }
+
+    /// Over TLS, a client that never finishes its handshake is cut off at the header-read
+    /// timeout, as a client that never sends its request head is over plain HTTP.
+    #[tokio::test]
+    async fn a_silent_tls_client_is_cut_off() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let (tls, _) = crate::secure_metrics::certificate(None, vec!["localhost".into()])
+            .expect("certificate");
+        let header_read_timeout = Duration::from_millis(300);
+        let limits = ServerLimits {
+            header_read_timeout,
+            ..limits()
+        };
+        let listener = bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let app = Router::new().route("/", get(|| async { "ok" }));
+        let (_stop, rx) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(serve_tls("test", listener, app, limits, tls, async move {
+            let _ = rx.await;
+        }));
+        let started = Instant::now();
+        let mut stream = TcpStream::connect(addr).await.expect("connect");
+        let mut buf = Vec::new();
+        // Only the handshake timeout can close it this soon (every other limit is a minute).
+        let read =
+            tokio::time::timeout(Duration::from_secs(30), stream.read_to_end(&mut buf)).await;
+        assert!(read.is_ok(), "connection still open after 30 s");
+        assert!(
+            started.elapsed() >= header_read_timeout,
+            "closed after {:?}, before the handshake timeout",
             started.elapsed()
         );
     }

@@ -77,6 +77,24 @@ struct RunArgs {
     /// Extra address serving /metrics ("0" disables it).
     #[arg(long, default_value = "0")]
     metrics_bind_address: String,
+    /// Serve /metrics on --metrics-bind-address over HTTPS, to clients whose bearer token the
+    /// apiserver authenticates (TokenReview) and whose user may `get` the non-resource URL
+    /// /metrics (SubjectAccessReview), as PKO's flag does. Off: plain HTTP, no authentication.
+    /// `--metrics-secure` alone means true.
+    #[arg(
+        long,
+        env = "METRICS_SECURE",
+        num_args = 0..=1,
+        default_value_t = false,
+        default_missing_value = "true",
+        action = clap::ArgAction::Set
+    )]
+    metrics_secure: bool,
+    /// With --metrics-secure: a folder with the serving certificate (`tls.crt`, `tls.key`, e.g.
+    /// a mounted Secret), reloaded when they change. Without it, a self-signed certificate is
+    /// made at start.
+    #[arg(long, env = "METRICS_CERT_PATH")]
+    metrics_cert_path: Option<PathBuf>,
     /// What per-object metric series are labelled with. `names`: each Stack's namespace and
     /// name, each transform object and plugin name (PKO's series). `none`: no namespace, name
     /// or plugin name in any label; the Stack gauges count Stacks and the plugin series are by

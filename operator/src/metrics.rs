@@ -12,6 +12,8 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::Registry;
 
+use crate::runtime_metrics::RuntimeMetrics;
+
 /// Labels of per-controller series.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ControllerLabels {
@@ -181,6 +183,9 @@ pub struct Metrics {
     pub fileserver_refused: Family<ReasonLabels, Counter>,
     /// Transform plugin calls, errors, latency and fuel (`pko_plugin_*`).
     pub plugins: pko_plugin_host::PluginMetrics,
+    /// PKO's controller-runtime, work-queue, REST-client and `resource_created_at_seconds`
+    /// series.
+    pub runtime: RuntimeMetrics,
 }
 
 impl Default for Metrics {
@@ -345,6 +350,7 @@ impl Metrics {
                 version: env!("CARGO_PKG_VERSION").to_owned(),
             }),
         );
+        let runtime = RuntimeMetrics::register(&mut registry, object_labels);
         Self {
             registry: Arc::new(registry),
             programs_active,
@@ -363,11 +369,14 @@ impl Metrics {
             fileserver_publish_wait_duration,
             fileserver_refused,
             plugins,
+            runtime,
         }
     }
 
     /// The OpenMetrics text exposition of every registered metric.
     pub fn encode(&self) -> Result<String, std::fmt::Error> {
+        // The work-queue gauges are read off the queues now, as client-go's are every 500 ms.
+        self.runtime.refresh(std::time::Instant::now());
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &self.registry)?;
         Ok(out)

@@ -85,7 +85,12 @@ async fn readyz(State(state): State<ProbeState>) -> Response {
 }
 
 async fn metrics_text(State(state): State<ProbeState>) -> Response {
-    match state.metrics.encode() {
+    metrics_response(&state.metrics)
+}
+
+/// The answer of `/metrics`: every metric in the OpenMetrics text format.
+pub fn metrics_response(metrics: &Metrics) -> Response {
+    match metrics.encode() {
         Ok(body) => (
             [(
                 header::CONTENT_TYPE,

@@ -8,6 +8,10 @@
 //! removed (PKO sets them to 0 forever), and `stacks_reconciling` is actually registered. With
 //! object labels off ([`crate::metrics::ObjectLabels::None`]) the two gauges count Stacks, so no
 //! tenant's Stack name reaches `/metrics`; the flags kept per Stack make the counts exact.
+//!
+//! The same watch keeps operator-lib's `resource_created_at_seconds{name,namespace,group,
+//! version,kind}` of each Stack (PKO's Stack controller sets it from its watch), only with
+//! object labels on, since it names every Stack.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -21,6 +25,7 @@ use serde_json::Value;
 use tracing::warn;
 
 use crate::metrics::{Metrics, StackLabels, StackSeries};
+use crate::runtime_metrics::CreatedLabels;
 
 /// What the gauges say about one Stack.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -98,6 +103,15 @@ impl StackGauges {
                 reconciling.inc_by(i64::from(flags.reconciling) - i64::from(before.reconciling));
             }
         }
+        if let (Some(created), Some(at)) = (
+            &self.metrics.runtime.created,
+            object.metadata.creation_timestamp.as_ref(),
+        ) {
+            // Whole seconds, as Kubernetes stores them.
+            #[allow(clippy::cast_precision_loss, reason = "seconds since 1970 fit an f64")]
+            let seconds = at.0.as_second() as f64;
+            created.get_or_create(&created_labels(&labels)).set(seconds);
+        }
         if relist {
             self.relisting.insert(labels.clone());
         }
@@ -108,6 +122,9 @@ impl StackGauges {
         let Some(before) = self.known.remove(labels) else {
             return;
         };
+        if let Some(created) = &self.metrics.runtime.created {
+            created.remove(&created_labels(labels));
+        }
         match &self.metrics.stacks {
             StackSeries::PerStack {
                 failing,
@@ -153,6 +170,17 @@ impl StackGauges {
         self.metrics
             .stacks_active
             .set(i64::try_from(self.known.len()).unwrap_or(i64::MAX));
+    }
+}
+
+/// operator-lib's labels of a Stack's `resource_created_at_seconds`.
+fn created_labels(stack: &StackLabels) -> CreatedLabels {
+    CreatedLabels {
+        name: stack.name.clone(),
+        namespace: stack.namespace.clone(),
+        group: "pulumi.com",
+        version: "v1",
+        kind: "Stack",
     }
 }
 
@@ -292,6 +320,41 @@ mod tests {
         assert_eq!(metrics.stacks_active.get(), 1);
         assert_eq!(series(&metrics, "ns", "a"), None);
         assert_eq!(series(&metrics, "ns", "c"), Some((0, 0)));
+    }
+
+    #[test]
+    fn each_stack_has_its_creation_time_until_it_goes_and_none_without_names() {
+        let created = |metrics: &Metrics, name: &str| {
+            let family = metrics.runtime.created.as_ref().expect("names: exported");
+            let labels = created_labels(&StackLabels {
+                namespace: "ns".into(),
+                name: name.into(),
+            });
+            family.get(&labels).map(|g| g.get())
+        };
+        let at = |s: &str| {
+            k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(s.parse().expect("time"))
+        };
+        let mut a = stack("ns", "a", json!({}));
+        a.metadata.creation_timestamp = Some(at("2024-05-01T10:00:00Z"));
+        let metrics = Metrics::new();
+        let mut gauges = StackGauges::new(metrics.clone());
+        gauges.observe(&watcher::Event::Apply(a.clone()));
+        assert_eq!(created(&metrics, "a"), Some(1_714_557_600.0));
+        let text = metrics.encode().expect("encode");
+        assert!(
+            text.contains("resource_created_at_seconds{name=\"a\",namespace=\"ns\",group=\"pulumi.com\",version=\"v1\",kind=\"Stack\"} 1714557600.0"),
+            "{text}"
+        );
+        gauges.observe(&watcher::Event::Delete(a.clone()));
+        assert_eq!(created(&metrics, "a"), None);
+
+        let metrics = Metrics::with_extra(ObjectLabels::None, |_| {});
+        let mut gauges = StackGauges::new(metrics.clone());
+        gauges.observe(&watcher::Event::Apply(a));
+        assert!(metrics.runtime.created.is_none());
+        let text = metrics.encode().expect("encode");
+        assert!(!text.contains("resource_created_at_seconds"), "{text}");
     }
 
     #[test]

@@ -29,8 +29,12 @@ pub(super) async fn elect(
     }
     let name = env.pod_name.as_deref().filter(|n| !n.is_empty());
     let config = election_config(args, env, name.or(env.hostname.as_deref()))?;
-    let lease_client =
-        kube_client(args, Some(config.retry_period.max(Duration::from_secs(1)))).await?;
+    let lease_client = kube_client(
+        args,
+        Some(config.retry_period.max(Duration::from_secs(1))),
+        metrics,
+    )
+    .await?;
     let (leadership, task) =
         leader::spawn_election(lease_client, config, metrics.clone(), election_stop.clone())?;
     Ok((leadership, Some(task)))

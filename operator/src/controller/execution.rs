@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use k8s_openapi::api::apps::v1::StatefulSet;
 use kube::Api;
+use kube::api::PartialObjectMeta;
 use pko_api::update::Update;
 use pko_api::workspace::Workspace;
 use tokio_util::sync::CancellationToken;
@@ -126,14 +127,14 @@ pub async fn run(
         max_artifact_bytes: args.max_artifact_bytes.clone(),
         git_ssh_accept_new_host_keys: args.git_ssh_accept_new_host_keys,
     };
-    let (workspaces, statefulsets): (Api<Workspace>, Api<StatefulSet>) = match namespace.as_deref()
-    {
-        Some(ns) => (
-            Api::namespaced(client.clone(), ns),
-            Api::namespaced(client.clone(), ns),
-        ),
-        None => (Api::all(client.clone()), Api::all(client.clone())),
-    };
+    let (workspaces, statefulsets): (Api<Workspace>, Api<PartialObjectMeta<StatefulSet>>) =
+        match namespace.as_deref() {
+            Some(ns) => (
+                Api::namespaced(client.clone(), ns),
+                Api::namespaced(client.clone(), ns),
+            ),
+            None => (Api::all(client.clone()), Api::all(client.clone())),
+        };
     let updates: Api<Update> = match namespace.as_deref() {
         Some(ns) => Api::namespaced(client.clone(), ns),
         None => Api::all(client.clone()),

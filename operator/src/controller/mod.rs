@@ -3,6 +3,7 @@
 pub mod backoff;
 pub mod conditions;
 pub mod execution;
+pub mod instrument;
 pub mod keys;
 pub mod kit;
 pub mod program;

@@ -13,10 +13,11 @@
 //! the Programs whose chain changed are reconciled again (see `crate::transform`).
 
 use std::collections::BTreeMap;
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams};
@@ -40,6 +41,7 @@ use crate::controller::kit::{self, Kit};
 use crate::controller::queue::WorkQueue;
 use crate::controller::takeover::{self, Part};
 use crate::metrics::Metrics;
+use crate::runtime_metrics::{self, ControllerProbe, ObjectKey, ReconcileResult};
 
 const CONTROLLER: &str = "program";
 const READY: &str = "Ready";
@@ -248,9 +250,15 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
 ) {
     ctx.metrics.init_controller(CONTROLLER, ProgramError::KINDS);
-    let queue = WorkQueue::new();
+    let probe = ctx
+        .metrics
+        .runtime
+        .controller(runtime_metrics::names::PROGRAM, concurrency.max(1));
+    let queue = WorkQueue::observed(probe.clone(), |key: &ObjectRef<StoredProgram>| {
+        ObjectKey::from(key)
+    });
     let workers = futures::future::join_all(
-        (0..concurrency.max(1)).map(|_| work(ctx.clone(), queue.clone())),
+        (0..concurrency.max(1)).map(|_| work(ctx.clone(), queue.clone(), probe.clone())),
     );
     let feed = {
         let queue = queue.clone();
@@ -305,12 +313,35 @@ async fn feed(ctx: &ProgramContext, queue: &WorkQueue<ObjectRef<StoredProgram>>)
 
 /// One worker: reconciles the oldest queued Program, as the store holds it now, until the
 /// queue shuts down.
-async fn work(ctx: Arc<ProgramContext>, queue: WorkQueue<ObjectRef<StoredProgram>>) {
+async fn work(
+    ctx: Arc<ProgramContext>,
+    queue: WorkQueue<ObjectRef<StoredProgram>>,
+    probe: ControllerProbe,
+) {
     while let Some(key) = queue.next().await {
-        // Gone from the store: deleted since it was queued.
         let again = match ctx.index.programs().get(&key) {
-            Some(program) => reconcile(program, ctx.clone()).await,
-            None => None,
+            Some(program) => {
+                let run = probe.start(ObjectKey::from(&key));
+                match AssertUnwindSafe(reconcile(program, ctx.clone()))
+                    .catch_unwind()
+                    .await
+                {
+                    Ok((result, again)) => {
+                        run.finish(result);
+                        again
+                    }
+                    Err(panic) => {
+                        run.panicked();
+                        std::panic::resume_unwind(panic)
+                    }
+                }
+            }
+            // Gone from the store: deleted since it was queued (kube's controllers drop such
+            // a request without a reconcile too).
+            None => {
+                probe.forget(&ObjectKey::from(&key));
+                None
+            }
         };
         queue.done(&key);
         if let Some(delay) = again {
@@ -319,9 +350,13 @@ async fn work(ctx: Arc<ProgramContext>, queue: WorkQueue<ObjectRef<StoredProgram
     }
 }
 
-/// Reconciles one Program; returns when to look at it again, if no change comes first.
+/// Reconciles one Program; returns how it ended and when to look at it again, if no change
+/// comes first.
 #[instrument(skip_all, fields(program = %format!("{}/{}", program.namespace().unwrap_or_default(), program.name_any())))]
-async fn reconcile(program: Arc<StoredProgram>, ctx: Arc<ProgramContext>) -> Option<Duration> {
+async fn reconcile(
+    program: Arc<StoredProgram>,
+    ctx: Arc<ProgramContext>,
+) -> (ReconcileResult, Option<Duration>) {
     let _measure = kit::measure(&ctx.metrics, CONTROLLER);
     let result = reconcile_inner(&program, &ctx).await;
     let failure = ctx
@@ -335,14 +370,18 @@ async fn reconcile(program: Arc<StoredProgram>, ctx: Arc<ProgramContext>) -> Opt
         kit::publish_stall(&ctx.recorder, &object, "Reconcile", &err.message()).await;
     }
     match result {
-        Ok(next) => next,
-        Err(err) => Some(kit::failure_delay(
-            CONTROLLER,
-            &*program,
-            &err,
-            &ctx.metrics,
-            &ctx.backoff,
-        )),
+        Ok(Some(next)) => (ReconcileResult::RequeueAfter, Some(next)),
+        Ok(None) => (ReconcileResult::Success, None),
+        Err(err) => (
+            ReconcileResult::Error,
+            Some(kit::failure_delay(
+                CONTROLLER,
+                &*program,
+                &err,
+                &ctx.metrics,
+                &ctx.backoff,
+            )),
+        ),
     }
 }
 

@@ -14,6 +14,8 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
+use crate::runtime_metrics::{ControllerProbe, ObjectKey};
+
 /// The queue's bookkeeping, free of any runtime: every decision is made here.
 #[derive(Debug)]
 struct State<K> {
@@ -75,6 +77,23 @@ impl<K: Clone + Eq + Hash> State<K> {
 pub struct WorkQueue<K> {
     state: Arc<Mutex<State<K>>>,
     wake: Arc<Notify>,
+    /// Sees every add and delayed add, for the work-queue series.
+    observer: Option<Observer<K>>,
+}
+
+/// The controller's series and how a key names its object.
+struct Observer<K> {
+    probe: ControllerProbe,
+    key: fn(&K) -> ObjectKey,
+}
+
+impl<K> Clone for Observer<K> {
+    fn clone(&self) -> Self {
+        Self {
+            probe: self.probe.clone(),
+            key: self.key,
+        }
+    }
 }
 
 impl<K: Clone + Eq + Hash + Send + 'static> Default for WorkQueue<K> {
@@ -88,6 +107,16 @@ impl<K: Clone + Eq + Hash + Send + 'static> WorkQueue<K> {
         Self {
             state: Arc::new(Mutex::new(State::new())),
             wake: Arc::new(Notify::new()),
+            observer: None,
+        }
+    }
+
+    /// A queue whose adds and delayed adds `probe` sees (`key` names a key's object); the
+    /// workers report what they take to the same probe.
+    pub fn observed(probe: ControllerProbe, key: fn(&K) -> ObjectKey) -> Self {
+        Self {
+            observer: Some(Observer { probe, key }),
+            ..Self::new()
         }
     }
 
@@ -98,13 +127,25 @@ impl<K: Clone + Eq + Hash + Send + 'static> WorkQueue<K> {
 
     /// Queues `key` at the back, unless it is queued already.
     pub fn add(&self, key: K) {
-        if self.lock().add(key) {
+        let mut state = self.lock();
+        if state.closed {
+            return;
+        }
+        if let Some(observer) = &self.observer {
+            observer.probe.trigger((observer.key)(&key));
+        }
+        let wake = state.add(key);
+        drop(state);
+        if wake {
             self.wake.notify_one();
         }
     }
 
     /// Queues `key` after `delay` (a requeue, or a retry after a failure).
     pub fn add_after(&self, key: K, delay: Duration) {
+        if let Some(observer) = &self.observer {
+            observer.probe.retry();
+        }
         let queue = self.clone();
         tokio::spawn(async move {
             tokio::time::sleep(delay).await;

@@ -136,6 +136,12 @@ fn helm_lint_passes_for_each_scope() {
         &[][..],
         &["scope.mode=namespaces", "scope.namespaces={a,b}"][..],
         &["serviceMonitor.enabled=true", "webhook.enabled=false"][..],
+        &["metricsSecure=true", "serviceMonitor.enabled=true"][..],
+        &[
+            "metricsSecure=true",
+            "metricsCertSecret=metrics-tls",
+            "serviceMonitor.enabled=true",
+        ][..],
     ] {
         let mut cmd = helm();
         cmd.args(["lint", "--strict", "--namespace", RELEASE_NAMESPACE])
@@ -190,6 +196,101 @@ async fn chart_namespaces_scope_renders_the_namespaced_overlay() {
         chart,
         kustomize(plane, "deploy/overlays/namespaced"),
         "chart scope=namespaces vs deploy/overlays/namespaced",
+    );
+}
+
+/// `path` relative to `from` (both absolute): kustomize takes no absolute paths.
+fn relative(path: &std::path::Path, from: &std::path::Path) -> PathBuf {
+    let depth = from.components().count().saturating_sub(1);
+    let mut out: PathBuf = std::iter::repeat_n("..", depth).collect();
+    out.extend(path.components().skip(1));
+    out
+}
+
+#[tokio::test]
+async fn chart_secure_metrics_renders_the_base_with_the_secure_metrics_component() {
+    let _machine = pko_tests::serial::shared().await;
+    let plane = ControlPlane::shared().await;
+    let chart = parse(&template(RELEASE_NAMESPACE, &["metricsSecure=true"]));
+    // An install's own kustomization: deploy/ plus the component.
+    let install = tempfile::tempdir().expect("tmp");
+    let root = repo_root().canonicalize().expect("repo root");
+    let from = install.path().canonicalize().expect("tmp");
+    let base = relative(&root.join("deploy"), &from);
+    let component = relative(&root.join("deploy/components/secure-metrics"), &from);
+    std::fs::write(
+        install.path().join("kustomization.yaml"),
+        format!(
+            "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources: [{}]\ncomponents: [{}]\n",
+            base.display(),
+            component.display()
+        ),
+    )
+    .expect("kustomization");
+    let mut cmd = plane.kubectl();
+    cmd.arg("kustomize").arg(install.path());
+    let kustomized = parse(&run(
+        &mut cmd,
+        None,
+        "kubectl kustomize of deploy/ + secure-metrics",
+    ));
+    assert_same(
+        chart,
+        kustomized,
+        "chart metricsSecure=true vs deploy/ + deploy/components/secure-metrics",
+    );
+}
+
+/// The ServiceMonitor of a secure install scrapes over HTTPS with Prometheus's token, verifying
+/// a mounted certificate with its CA and not verifying a self-signed one; a certificate
+/// Secret without metricsSecure is refused.
+#[test]
+fn the_service_monitor_follows_secure_metrics() {
+    let monitor = |sets: &[&str]| {
+        parse(&template(RELEASE_NAMESPACE, sets))
+            .into_iter()
+            .find(|o| o["kind"] == "ServiceMonitor")
+            .expect("service monitor")["spec"]["endpoints"][0]
+            .clone()
+    };
+    let plain = monitor(&["serviceMonitor.enabled=true"]);
+    assert_eq!(plain["port"], "http-metrics");
+    assert!(plain.get("scheme").is_none(), "{plain}");
+    let secure = monitor(&["serviceMonitor.enabled=true", "metricsSecure=true"]);
+    assert_eq!(secure["port"], "https-metrics");
+    assert_eq!(secure["scheme"], "https");
+    assert_eq!(
+        secure["bearerTokenFile"],
+        "/var/run/secrets/kubernetes.io/serviceaccount/token"
+    );
+    assert_eq!(secure["tlsConfig"]["insecureSkipVerify"], true);
+    let mounted = monitor(&[
+        "serviceMonitor.enabled=true",
+        "metricsSecure=true",
+        "metricsCertSecret=metrics-tls",
+    ]);
+    assert_eq!(mounted["tlsConfig"]["ca"]["secret"]["name"], "metrics-tls");
+    assert_eq!(
+        mounted["tlsConfig"]["serverName"],
+        format!("pko-rs-metrics.{RELEASE_NAMESPACE}.svc")
+    );
+    assert!(mounted["tlsConfig"].get("insecureSkipVerify").is_none());
+    let args = deployment_args(&["metricsSecure=true", "metricsCertSecret=metrics-tls"]);
+    assert!(
+        args.contains(&"--metrics-cert-path=/etc/pko-rs/metrics-tls".to_owned()),
+        "{args:?}"
+    );
+
+    let mut cmd = helm();
+    cmd.args(["template", "pko-rs"])
+        .arg(chart())
+        .args(["--set", "metricsCertSecret=metrics-tls"]);
+    let out = cmd.output().expect("run helm");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("metricsCertSecret needs metricsSecure: true"),
+        "{err}"
     );
 }
 
@@ -274,6 +375,8 @@ async fn helm_template_applies_with_server_side_dry_run() {
             "logFormat=text",
             "webhook.failurePolicy=Ignore",
             "leaderElection.leaseDuration=90s",
+            "metricsSecure=true",
+            "metricsCertSecret=metrics-tls",
         ],
     );
     let scoped = format!("scope.namespaces={{{a},{b}}}");
@@ -340,6 +443,7 @@ fn the_operator_accepts_the_charts_arguments() {
             "extraArgs={--max-concurrent-reconciles=50}",
         ][..],
         &["leaderElection.enabled=false", "webhook.enabled=false"][..],
+        &["metricsSecure=true", "metricsCertSecret=metrics-tls"][..],
         &[
             "egress.denyPrivateRanges=false",
             "egress.serviceCIDRs={10.96.0.0/12,fd00:10:96::/112}",

@@ -38,6 +38,23 @@ const FAMILIES: &[&str] = &[
     "pko_fileserver_cache_bytes",
     // An info metric: `# TYPE pko_build info`, sample `pko_build_info{version=…} 1`.
     "pko_build",
+    // PKO's controller-runtime, work-queue, REST-client and operator-lib families.
+    "controller_runtime_reconcile",
+    "controller_runtime_reconcile_errors",
+    "controller_runtime_reconcile_panics",
+    "controller_runtime_reconcile_time_seconds",
+    "controller_runtime_max_concurrent_reconciles",
+    "controller_runtime_active_workers",
+    "workqueue_depth",
+    "workqueue_adds",
+    "workqueue_queue_duration_seconds",
+    "workqueue_work_duration_seconds",
+    "workqueue_unfinished_work_seconds",
+    "workqueue_longest_running_processor_seconds",
+    "workqueue_retries",
+    "rest_client_requests",
+    "rest_client_request_duration_seconds",
+    "resource_created_at_seconds",
 ];
 
 /// A Stack `name` for stack `dev/<name>`, which no operator here ever runs.
@@ -129,6 +146,31 @@ async fn metrics_follow_programs_reconciles_and_fetches() {
     })
     .await
     .expect("reconciles counted");
+    // The same under PKO's names: successful reconciles of the program-controller, each one
+    // an add to its work queue and a work item timed, nothing left queued or running.
+    let controller = r#"{controller="program-controller"}"#;
+    let queue = r#"{name="program-controller",controller="program-controller"}"#;
+    wait_for("PKO's series of three reconciles", WAIT, || async {
+        let text = op.metrics_text().await?;
+        let value = |series: String| metric_value(&text, &series);
+        let ok = value(
+            r#"controller_runtime_reconcile_total{controller="program-controller",result="success"}"#
+                .to_owned(),
+        )? >= 3.0
+            && value(format!("controller_runtime_reconcile_time_seconds_count{controller}"))?
+                >= 3.0
+            && value(format!("controller_runtime_reconcile_errors_total{controller}"))? == 0.0
+            && value(format!("controller_runtime_active_workers{controller}"))? == 0.0
+            && value(format!("controller_runtime_max_concurrent_reconciles{controller}"))?
+                == 25.0
+            && value(format!("workqueue_adds_total{queue}"))? >= 3.0
+            && value(format!("workqueue_work_duration_seconds_count{queue}"))? >= 3.0
+            && value(format!("workqueue_depth{queue}"))? == 0.0
+            && value(format!("workqueue_unfinished_work_seconds{queue}"))? == 0.0;
+        ok.then_some(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
 
     // A fetch shows in the file-server series and is a cache hit (artifacts are pre-built).
     let before = op.metrics_text().await.expect("/metrics");
@@ -433,6 +475,8 @@ async fn without_object_labels_no_tenant_name_is_exported_and_the_counts_remain(
     ] {
         assert!(!text.contains(name), "{name} exported:\n{text}");
     }
+    // operator-lib's creation time names each Stack: not exported at all.
+    assert!(!text.contains("resource_created_at_seconds"), "{text}");
 
     // The same objects with names: PKO's per-Stack series and the transform's own.
     let transform = format!("transform=\"ProgramTransform/{ns}/acme-secret-tags\"");
@@ -449,6 +493,21 @@ async fn without_object_labels_no_tenant_name_is_exported_and_the_counts_remain(
     })
     .await;
     assert!(text.contains("plugin=\"default-tags\""), "{text}");
+    let created = format!(
+        "resource_created_at_seconds{{name=\"acme-payroll\",namespace=\"{ns}\",group=\"pulumi.com\",version=\"v1\",kind=\"Stack\"}}"
+    );
+    let stack_created = stacks
+        .get("acme-payroll")
+        .await
+        .expect("stack")
+        .metadata
+        .creation_timestamp
+        .expect("created")
+        .0
+        .as_second();
+    #[allow(clippy::cast_precision_loss, reason = "seconds since 1970")]
+    let stack_created = stack_created as f64;
+    assert_eq!(metric_value(&text, &created), Some(stack_created), "{text}");
 
     // A Stack deleted leaves the counts, as its series leave with names.
     stacks
@@ -461,4 +520,166 @@ async fn without_object_labels_no_tenant_name_is_exported_and_the_counts_remain(
             && metric_value(text, "stacks_reconciling") == Some(1.0)
     })
     .await;
+    until_text(&named, "the deleted Stack's creation time gone", |text| {
+        metric_value(text, &created).is_none()
+    })
+    .await;
+}
+
+/// A service account `name` in `ns` and a token of it (TokenRequest, the apiserver's audience).
+async fn service_account_token(plane: &ControlPlane, ns: &str, name: &str) -> String {
+    use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+    use k8s_openapi::api::core::v1::ServiceAccount;
+    let accounts: Api<ServiceAccount> = Api::namespaced(plane.client(), ns);
+    let account: ServiceAccount =
+        serde_json::from_value(json!({"metadata": {"name": name}})).expect("account");
+    accounts
+        .create(&PostParams::default(), &account)
+        .await
+        .expect("create service account");
+    let request = TokenRequest {
+        spec: TokenRequestSpec {
+            audiences: vec![],
+            expiration_seconds: Some(3600),
+            ..TokenRequestSpec::default()
+        },
+        ..TokenRequest::default()
+    };
+    accounts
+        .create_token_request(name, &PostParams::default(), &request)
+        .await
+        .expect("token request")
+        .status
+        .expect("token")
+        .token
+}
+
+/// `--metrics-secure`: /metrics over HTTPS on its own address; no token is 401, a token the
+/// apiserver does not know is 401, a service account without the reader role is 403 (named
+/// in the body), one bound to it gets the metrics; plain HTTP gets nothing there, and the
+/// probe listener does not serve /metrics.
+#[tokio::test]
+async fn secure_metrics_answer_authorized_scrapers_only() {
+    use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+    let _machine = pko_tests::serial::shared().await;
+    let plane = ControlPlane::shared().await;
+    let ns = plane.namespace("metrics-secure").await.expect("namespace");
+    let reader = format!("pko-tests-metrics-reader-{ns}");
+    let role: ClusterRole = serde_json::from_value(json!({
+        "metadata": {"name": reader},
+        "rules": [{"nonResourceURLs": ["/metrics"], "verbs": ["get"]}],
+    }))
+    .expect("role");
+    let binding: ClusterRoleBinding = serde_json::from_value(json!({
+        "metadata": {"name": reader},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": reader},
+        "subjects": [{"kind": "ServiceAccount", "name": "scraper", "namespace": ns}],
+    }))
+    .expect("binding");
+    let roles: Api<ClusterRole> = Api::all(plane.client());
+    let bindings: Api<ClusterRoleBinding> = Api::all(plane.client());
+    roles
+        .create(&PostParams::default(), &role)
+        .await
+        .expect("role");
+    bindings
+        .create(&PostParams::default(), &binding)
+        .await
+        .expect("binding");
+    let scraper = service_account_token(plane, &ns, "scraper").await;
+    let stranger = service_account_token(plane, &ns, "stranger").await;
+
+    let port = pko_tests::agent::free_port().expect("port");
+    let op = Operator::start(
+        plane,
+        OperatorOptions {
+            advertised: None,
+            args: vec![
+                format!("--watch-namespace={ns}"),
+                format!("--metrics-bind-address=127.0.0.1:{port}"),
+                "--metrics-secure".into(),
+            ],
+        },
+    )
+    .await
+    .expect("operator starts");
+    let client = reqwest::Client::builder()
+        // The certificate is self-signed at start.
+        .danger_accept_invalid_certs(true)
+        .build()
+        .expect("client");
+    let url = format!("https://127.0.0.1:{port}/metrics");
+    let get = |token: Option<String>| {
+        let (client, url) = (client.clone(), url.clone());
+        async move {
+            let mut request = client.get(&url);
+            if let Some(token) = token {
+                request = request.bearer_auth(token);
+            }
+            let response = request.send().await.expect("HTTPS answer");
+            let status = response.status().as_u16();
+            (status, response.text().await.unwrap_or_default())
+        }
+    };
+
+    let (status, body) = get(None).await;
+    assert_eq!(status, 401, "{body}");
+    assert!(body.contains("needs a bearer token"), "{body}");
+    let (status, body) = get(Some("not-a-token".into())).await;
+    assert_eq!(status, 401, "{body}");
+    assert!(body.contains("not authenticated"), "{body}");
+    let (status, body) = get(Some(stranger)).await;
+    assert_eq!(status, 403, "{body}");
+    assert!(
+        body.contains(&format!("system:serviceaccount:{ns}:stranger"))
+            && body.contains("may not get /metrics"),
+        "{body}"
+    );
+    let (status, body) = get(Some(scraper.clone())).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body.contains("controller_runtime_reconcile_total{controller=\"program-controller\""),
+        "{body}"
+    );
+    // A second scrape is answered from the cached decisions just the same.
+    assert_eq!(get(Some(scraper)).await.0, 200);
+
+    // Plain HTTP on the secure port is no way in; the probe listener has no /metrics.
+    let plain = reqwest::get(format!("http://127.0.0.1:{port}/metrics")).await;
+    assert!(
+        !plain.as_ref().is_ok_and(|r| r.status().is_success()),
+        "{plain:?}"
+    );
+    let probe = reqwest::get(op.probe_url("/metrics")).await.expect("probe");
+    assert_eq!(probe.status().as_u16(), 404);
+
+    let _ = bindings.delete(&reader, &DeleteParams::default()).await;
+    let _ = roles.delete(&reader, &DeleteParams::default()).await;
+}
+
+/// `--metrics-secure` without a metrics address of its own is refused at start, saying why.
+#[tokio::test]
+async fn secure_metrics_need_their_own_address() {
+    let _machine = pko_tests::serial::shared().await;
+    let plane = ControlPlane::shared().await;
+    let ns = plane
+        .namespace("metrics-secure-addr")
+        .await
+        .expect("namespace");
+    let started = Operator::start(
+        plane,
+        OperatorOptions {
+            advertised: None,
+            args: vec![format!("--watch-namespace={ns}"), "--metrics-secure".into()],
+        },
+    )
+    .await;
+    let Err(err) = started else {
+        panic!("an operator with --metrics-secure and no metrics address started");
+    };
+    let text = format!("{err:?}");
+    assert!(
+        text.contains("--metrics-secure needs a --metrics-bind-address of its own"),
+        "{text}"
+    );
 }

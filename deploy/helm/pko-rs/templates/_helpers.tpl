@@ -33,3 +33,8 @@ neither the private ranges nor the cluster's own are denied. */}}
 {{- $cidrs = concat $cidrs (default list $e.serviceCIDRs) (default list $e.podCIDRs) (default list $e.extraDenyCIDRs) -}}
 {{- join "," (uniq $cidrs) -}}
 {{- end -}}
+
+{{/* The metrics port's name: https-metrics when served securely. */}}
+{{- define "pko-rs.metricsPort" -}}
+{{- if .Values.metricsSecure -}}https-metrics{{- else -}}http-metrics{{- end -}}
+{{- end -}}

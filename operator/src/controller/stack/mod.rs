@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kube::api::Api;
-use kube::runtime::controller::{self, Action, Controller};
+use kube::runtime::controller::{self, Action};
 use kube::runtime::events::{EventType, Recorder};
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
@@ -30,11 +30,13 @@ use pko_api::update::Update;
 use pko_api::workspace::Workspace;
 
 use crate::controller::backoff::Backoff;
+use crate::controller::instrument::{self, Observed};
 use crate::controller::keys::{STACK_COMPONENT_LABEL, STACK_NAME_LABEL};
 use crate::controller::kit::{self, Kit};
 use crate::egress::EgressPolicy;
 use crate::gitremote;
 use crate::metrics::Metrics;
+use crate::runtime_metrics::names;
 
 mod outcome;
 mod reconcile;
@@ -113,7 +115,12 @@ pub async fn run(
         }
     }
     let ns = namespace.as_deref();
-    let controller = Controller::new(
+    let probe = ctx
+        .metrics
+        .runtime
+        .controller(names::STACK, concurrency.max(1));
+    let controller = instrument::controller(
+        &probe,
         api::<Stack>(&client, ns),
         watcher::Config::default().any_semantic(),
     );
@@ -127,18 +134,21 @@ pub async fn run(
     };
     let stack_selector = format!("{STACK_COMPONENT_LABEL}=stack");
     let events = controller
-        .watches(
+        .watches_observed(
+            &probe,
             api::<Workspace>(&client, ns),
             watcher::Config::default().labels(&stack_selector),
             move |ws: Workspace| by_label(ws.namespace(), ws.labels()),
         )
-        .watches(
+        .watches_observed(
+            &probe,
             api::<Update>(&client, ns),
             watcher::Config::default().labels(&stack_selector),
             move |u: Update| by_label(u.namespace(), u.labels()),
         )
         // A new artifact (revision or digest) of a Program re-runs the stacks using it.
-        .watches(
+        .watches_observed(
+            &probe,
             api::<Program>(&client, ns),
             watcher::Config::default(),
             move |p: Program| {
@@ -156,7 +166,8 @@ pub async fn run(
             },
         )
         // A stack that changes (e.g. becomes ready) re-checks the stacks that depend on it.
-        .watches(
+        .watches_observed(
+            &probe,
             api::<Stack>(&client, ns),
             watcher::Config::default(),
             move |prerequisite: Stack| {
@@ -174,8 +185,12 @@ pub async fn run(
         )
         .with_config(controller::Config::default().concurrency(concurrency))
         .graceful_shutdown_on(shutdown)
-        .run(reconcile::reconcile, error_policy, ctx);
-    kit::drive(CONTROLLER, events).await;
+        .run(
+            instrument::reconciler(&probe, reconcile::reconcile),
+            instrument::error_policy(&probe, error_policy),
+            ctx,
+        );
+    instrument::drive(CONTROLLER, &probe, events).await;
 }
 
 fn error_policy(stack: Arc<Stack>, err: &StackError, ctx: Arc<StackContext>) -> Action {

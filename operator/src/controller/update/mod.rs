@@ -15,7 +15,7 @@ use futures::channel::mpsc::{UnboundedReceiver, UnboundedSender, unbounded};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::Api;
-use kube::runtime::controller::{self, Action, Controller};
+use kube::runtime::controller::{self, Action};
 use kube::runtime::events::{EventType, Recorder};
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
@@ -29,8 +29,10 @@ use tracing::warn;
 use crate::agent_client::Agents;
 use crate::controller::backoff::{self, Backoff, Verdict};
 use crate::controller::conditions;
+use crate::controller::instrument::{self, Observed};
 use crate::controller::kit::{self, FromKube, Kit};
 use crate::metrics::Metrics;
+use crate::runtime_metrics::names;
 
 mod expire;
 mod handover;
@@ -189,7 +191,11 @@ pub async fn run(
     concurrency: u16,
     shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
 ) {
-    let controller = Controller::new(api, watcher::Config::default().any_semantic());
+    let probe = ctx
+        .metrics
+        .runtime
+        .controller(names::UPDATE, concurrency.max(1));
+    let controller = instrument::controller(&probe, api, watcher::Config::default().any_semantic());
     let store = controller.store();
     let woken = ctx
         .woken
@@ -197,12 +203,13 @@ pub async fn run(
         .unwrap_or_else(PoisonError::into_inner)
         .take();
     let controller = match woken {
-        Some(woken) => controller.reconcile_on(woken),
+        Some(woken) => controller.reconcile_on_observed(&probe, woken),
         None => controller,
     };
     let events = controller
         // A Workspace becoming ready starts the Updates waiting for it.
-        .watches(
+        .watches_observed(
+            &probe,
             workspaces,
             watcher::Config::default(),
             move |ws: Workspace| {
@@ -225,8 +232,12 @@ pub async fn run(
         )
         .with_config(controller::Config::default().concurrency(concurrency))
         .graceful_shutdown_on(shutdown)
-        .run(reconcile, error_policy, ctx);
-    kit::drive(CONTROLLER, events).await;
+        .run(
+            instrument::reconciler(&probe, reconcile),
+            instrument::error_policy(&probe, error_policy),
+            ctx,
+        );
+    instrument::drive(CONTROLLER, &probe, events).await;
 }
 
 fn error_policy(update: Arc<Update>, err: &UpdateError, ctx: Arc<UpdateContext>) -> Action {

@@ -27,8 +27,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use k8s_openapi::api::apps::v1::StatefulSet;
-use kube::api::Api;
-use kube::runtime::controller::{self, Action, Controller};
+use kube::api::{Api, PartialObjectMeta};
+use kube::runtime::controller::{self, Action};
 use kube::runtime::events::{EventType, Recorder};
 use kube::runtime::watcher;
 use kube::{Client, Resource};
@@ -37,9 +37,11 @@ use pko_api::workspace::{ConfigItem, Workspace};
 
 use crate::agent_client::{AgentError, Agents};
 use crate::controller::backoff::{self, Backoff, Verdict};
+use crate::controller::instrument::{self, Observed};
 use crate::controller::keys::WORKSPACE_COMPONENT_LABEL;
 use crate::controller::kit::{self, Kit};
 use crate::metrics::Metrics;
+use crate::runtime_metrics::names;
 use rules::Initialized;
 
 pub use pod::PodSettings;
@@ -166,19 +168,27 @@ impl WorkspaceContext {
 /// Runs the controller until `shutdown` resolves.
 pub async fn run(
     api: Api<Workspace>,
-    statefulsets: Api<StatefulSet>,
+    statefulsets: Api<PartialObjectMeta<StatefulSet>>,
     ctx: Arc<WorkspaceContext>,
     concurrency: u16,
     shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
 ) {
+    let probe = ctx
+        .metrics
+        .runtime
+        .controller(names::WORKSPACE, concurrency.max(1));
     let owned =
         watcher::Config::default().labels(&format!("{}=workspace", WORKSPACE_COMPONENT_LABEL));
-    let events = Controller::new(api, watcher::Config::default().any_semantic())
-        .owns(statefulsets, owned)
+    let events = instrument::controller(&probe, api, watcher::Config::default().any_semantic())
+        .owns_observed(&probe, statefulsets, owned)
         .with_config(controller::Config::default().concurrency(concurrency))
         .graceful_shutdown_on(shutdown)
-        .run(reconcile::reconcile, error_policy, ctx);
-    kit::drive(CONTROLLER, events).await;
+        .run(
+            instrument::reconciler(&probe, reconcile::reconcile),
+            instrument::error_policy(&probe, error_policy),
+            ctx,
+        );
+    instrument::drive(CONTROLLER, &probe, events).await;
 }
 
 fn error_policy(ws: Arc<Workspace>, err: &WorkspaceError, ctx: Arc<WorkspaceContext>) -> Action {
