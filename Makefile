@@ -40,13 +40,14 @@ go-toolchain:
 	@command -v go >/dev/null || { echo "go not found: Go 1.26 is needed to build tools/" >&2; exit 1; }
 
 .PHONY: tools
-tools: toolchain go-toolchain ## build kube-apiserver, etcd, kubectl, opa, pulumi (+ YAML host), helm, registry, cosign from Go modules into $(PKO_TOOLS_CACHE)
+tools: toolchain go-toolchain ## build kube-apiserver, etcd, kubectl, opa, pulumi (+ YAML host), helm, registry, cosign, promtool from Go modules into $(PKO_TOOLS_CACHE)
 	tools/build.sh kube
 	tools/build.sh opa
 	tools/build.sh pulumi
 	tools/build.sh helm
 	tools/build.sh oci
 	tools/build.sh pko
+	tools/build.sh promtool
 
 .PHONY: crds
 crds: ## regenerate deploy/crds from the Rust types

@@ -7,8 +7,8 @@
 # agent the switch-over and interoperability tests run) from its source tarball: $PKO_SRC_TARBALL, by default ../shared/reference/pko-v2.9.0-src.tar.gz next to the
 # repository. Its folder is keyed by the version and the tarball's sha256. `all` leaves it out.
 #
-#   tools/build.sh kube|opa|pulumi|pko|helm|oci|all  prints nothing but progress; exits non-zero on failure
-#   tools/build.sh dir kube|opa|pulumi|pko|helm|oci  prints the bin folder of a component
+#   tools/build.sh kube|opa|pulumi|pko|helm|oci|promtool|all  prints nothing but progress; exits non-zero on failure
+#   tools/build.sh dir kube|opa|pulumi|pko|helm|oci|promtool  prints the bin folder of a component
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -27,6 +27,11 @@ PKO_VERSION=2.9.0
 # The OCI registry and cosign the signed-plugin tests push to and sign with.
 REGISTRY_VERSION=3.1.2
 COSIGN_VERSION=2.6.5
+# Prometheus's promtool, whose `test rules` evaluates PromQL (Prometheus's own engine) over
+# series the tests scrape from the operator. Prometheus 3.x is served by the Go module proxy as
+# github.com/prometheus/prometheus v0.3XX.Y (3.16.0 = v0.316.0).
+PROMETHEUS_VERSION=3.16.0
+PROMETHEUS_MODULE_VERSION=v0.316.0
 # Helm is pinned by tools/helm/go.mod (helm.sh/helm/v3); this is the version it reports.
 HELM_VERSION=3.22.0
 # The Kubernetes version `helm template` and `helm lint` assume without a cluster, as Helm's own
@@ -49,6 +54,7 @@ dir_for() {
     pko) echo "$cache/pko-v$PKO_VERSION-$(pko_src_sum)" ;;
     oci) echo "$cache/registry-v$REGISTRY_VERSION-cosign-v$COSIGN_VERSION" ;;
     helm) echo "$cache/helm-v$HELM_VERSION-k$HELM_KUBE_VERSION-$(key helm)" ;;
+    promtool) echo "$cache/promtool-v$PROMETHEUS_VERSION" ;;
     *) echo "unknown component: $1" >&2; exit 2 ;;
   esac
 }
@@ -166,6 +172,19 @@ build_pulumi() {
   build_pulumi_kubernetes "$out"
 }
 
+# promtool alone (not the server), without the service discovery plugins (build tag
+# remove_all_sd: no cloud SDKs), so it builds in minutes. Cold: ~4 min on 2 cores.
+build_promtool() {
+  local out; out=$(dir_for promtool)
+  if [[ -x $out/promtool ]]; then return; fi
+  echo "building promtool v$PROMETHEUS_VERSION into $out (cold: ~4 min)" >&2
+  mkdir -p "$out.tmp"
+  GOBIN="$out.tmp" go install -trimpath -tags remove_all_sd \
+    -ldflags "-s -w -X github.com/prometheus/common/version.Version=$PROMETHEUS_VERSION" \
+    "github.com/prometheus/prometheus/cmd/promtool@$PROMETHEUS_MODULE_VERSION"
+  rm -rf "$out" && mv "$out.tmp" "$out"
+}
+
 # Helm's CLI, which the tests run `helm lint` and `helm template` of deploy/helm/pko-rs with.
 build_helm() {
   local out; out=$(dir_for helm)
@@ -193,6 +212,7 @@ case ${1:-all} in
   pko) build_pko ;;
   oci) build_oci ;;
   helm) build_helm ;;
-  all) build_kube; build_opa; build_pulumi; build_helm; build_oci ;;
-  *) echo "usage: $0 kube|opa|pulumi|pko|helm|oci|all | dir COMPONENT" >&2; exit 2 ;;
+  promtool) build_promtool ;;
+  all) build_kube; build_opa; build_pulumi; build_helm; build_oci; build_promtool ;;
+  *) echo "usage: $0 kube|opa|pulumi|pko|helm|oci|promtool|all | dir COMPONENT" >&2; exit 2 ;;
 esac

@@ -34,6 +34,7 @@ pub mod plugin_bench;
 pub mod plugins;
 mod process;
 pub mod prom;
+pub mod promtool;
 pub mod proto;
 pub mod refusal;
 pub mod registry;

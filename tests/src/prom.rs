@@ -123,11 +123,33 @@ pub fn scrape_sum(text: &str, name: &str, keep: impl Fn(&Labels) -> bool) -> f64
         .sum()
 }
 
+/// Every sample of an exposition: `(name, labels, value)`, comments and unparsable lines
+/// skipped.
+pub fn samples(text: &str) -> Vec<(String, Labels, f64)> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(sample)
+        .filter_map(|(name, labels, value)| {
+            let value = match value {
+                "+Inf" | "Inf" => f64::INFINITY,
+                "-Inf" => f64::NEG_INFINITY,
+                other => other.parse().ok()?,
+            };
+            Some((name.to_owned(), labels, value))
+        })
+        .collect()
+}
+
 /// The labels of one sample.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Labels(Vec<(String, String)>);
 
 impl Labels {
+    /// `(name, value)` in the order of the exposition.
+    pub fn pairs(&self) -> &[(String, String)] {
+        &self.0
+    }
+
     pub fn get(&self, name: &str) -> Option<&str> {
         self.0
             .iter()

@@ -21,6 +21,7 @@ mod admission_crosscheck;
 mod agent;
 mod chaos;
 mod crds;
+mod dashboards;
 mod deploy;
 mod deploy_scope;
 mod deploy_webhook;
