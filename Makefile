@@ -115,10 +115,11 @@ bench-build: toolchain
 	CARGO_TARGET_DIR=$(BENCH_TARGET_DIR) $(CARGO) build --release -p pko-operator -p pko-tests --bins
 
 .PHONY: bench
-bench: tools plugins policies pko bench-build ## benchmarks next to PKO v2.9.0 (release build, own target dir): docs/benchmarks.md and the baseline docs/bench-baseline.json
+bench: tools plugins policies pko agent-static bench-build ## benchmarks next to PKO v2.9.0 (release build, own target dir): docs/benchmarks.md and the baseline docs/bench-baseline.json
 	$(BENCH_BIN)/pko-bench --out docs/benchmarks.md --write-baseline docs/bench-baseline.json $(BENCH_FLAGS)
 	$(BENCH_BIN)/pko-bench-admission --out docs/benchmarks.md
 	$(BENCH_BIN)/pko-bench-plugins --out docs/benchmarks.md
+	$(BENCH_BIN)/pko-bench-workspaces --out docs/benchmarks.md
 
 .PHONY: bench-check
 bench-check: tools pko bench-build ## short bench; fails when a pko-rs/PKO ratio falls >25% below docs/bench-baseline.json
