@@ -11,6 +11,7 @@ use std::path::Path;
 use kube::Resource;
 use pko_api::program::Program;
 use pko_api::stack::Stack;
+use pko_api::update::Update;
 use pko_api::workspace::Workspace;
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
@@ -83,6 +84,28 @@ pub fn workspace(name: &str, spec: Value) -> Workspace {
             "spec": spec,
         }),
     )
+}
+
+/// An Update `name` with `spec`, controlled by the Workspace named `workspace` with `uid`:
+/// an Update without a controller owner is canceled, as in PKO.
+pub fn update(name: &str, workspace: &str, uid: &str, spec: Value) -> Update {
+    object(
+        "Update",
+        json!({
+            "apiVersion": "auto.pulumi.com/v1alpha1",
+            "kind": "Update",
+            "metadata": {"name": name, "ownerReferences": [controller_of(workspace, uid)]},
+            "spec": spec,
+        }),
+    )
+}
+
+/// The controller reference of an Update to the Workspace `workspace` with `uid`.
+pub fn controller_of(workspace: &str, uid: &str) -> Value {
+    json!({
+        "apiVersion": "auto.pulumi.com/v1alpha1", "kind": "Workspace",
+        "name": workspace, "uid": uid, "controller": true, "blockOwnerDeletion": true,
+    })
 }
 
 /// `base` with the top-level fields of `more` added or replaced (both JSON objects; anything

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use futures::{Stream, StreamExt, stream};
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::Client;
 use kube::api::{Api, PostParams};
 use pko_agent::auth::TokenAuth;
@@ -713,11 +714,24 @@ pub async fn hostile_agent(
     }
 
     let updates: Api<Update> = Api::namespaced(client.clone(), &ns);
+    let workspace_uid = workspaces
+        .get(WORKSPACE)
+        .await
+        .map_err(|e| HarnessError::kube("reading the Workspace", e))?
+        .metadata
+        .uid
+        .unwrap_or_default();
+    let workspace_owner: OwnerReference =
+        serde_json::from_value(crate::fixtures::controller_of(WORKSPACE, &workspace_uid)).map_err(
+            |e| HarnessError::Missing {
+                what: format!("an owner reference: {e}"),
+            },
+        )?;
     let mut rows = Vec::new();
     for hostility in scale.cases() {
         stub.set_hostility(hostility);
         let name = format!("{}-{}", hostility.name(), rows.len());
-        let update = Update::new(
+        let mut update = Update::new(
             &name,
             UpdateSpec {
                 workspace_name: Some(WORKSPACE.into()),
@@ -728,6 +742,8 @@ pub async fn hostile_agent(
                 ..Default::default()
             },
         );
+        // Controlled by its Workspace, or it is canceled (as in PKO).
+        update.metadata.owner_references = Some(vec![workspace_owner.clone()]);
         let started = Instant::now();
         updates
             .create(&PostParams::default(), &update)

@@ -108,11 +108,15 @@ impl Tenant {
         if let (Some(spec), Some(extra)) = (spec.as_object_mut(), extra.as_object()) {
             spec.extend(extra.clone());
         }
-        let update: Update = serde_json::from_value(json!({
-            "apiVersion": "auto.pulumi.com/v1alpha1", "kind": "Update",
-            "metadata": {"name": name}, "spec": spec,
-        }))
-        .expect("update");
+        let workspaces: Api<Workspace> = Api::namespaced(self.client.clone(), &self.ns);
+        let uid = workspaces
+            .get("reader")
+            .await
+            .expect("workspace reader")
+            .metadata
+            .uid
+            .expect("uid");
+        let update = fixtures::update(name, "reader", &uid, spec);
         self.updates()
             .create(&PostParams::default(), &update)
             .await

@@ -129,17 +129,35 @@ impl Env {
     }
 
     async fn update(&self, name: &str, type_: &str) -> Api<Update> {
+        self.update_with(
+            name,
+            json!({"workspaceName": "reader", "stackName": "dev", "type": type_}),
+        )
+        .await
+    }
+
+    /// Creates Update `name` with `spec`, controlled by the Workspace `reader`.
+    async fn update_with(&self, name: &str, spec: Value) -> Api<Update> {
         let api: Api<Update> = Api::namespaced(self.client(), &self.ns);
-        let update: Update = serde_json::from_value(json!({
-            "apiVersion": "auto.pulumi.com/v1alpha1", "kind": "Update",
-            "metadata": {"name": name},
-            "spec": {"workspaceName": "reader", "stackName": "dev", "type": type_},
-        }))
-        .expect("update");
-        api.create(&PostParams::default(), &update)
-            .await
-            .expect("create update");
+        let uid = self.reader_uid().await;
+        api.create(
+            &PostParams::default(),
+            &fixtures::update(name, "reader", &uid, spec),
+        )
+        .await
+        .expect("create update");
         api
+    }
+
+    async fn reader_uid(&self) -> String {
+        let workspaces: Api<Workspace> = Api::namespaced(self.client(), &self.ns);
+        workspaces
+            .get("reader")
+            .await
+            .expect("workspace reader")
+            .metadata
+            .uid
+            .expect("uid")
     }
 
     async fn completed(&self, api: &Api<Update>, name: &str) -> Update {
@@ -291,6 +309,41 @@ async fn a_failing_program_fails_the_update_with_the_cli_diagnosis() {
         "{message}"
     );
     assert_eq!(condition(&up, "Complete").1, "Failed");
+
+    // As PKO: an Update without an operation is refused, and one without a controller owner
+    // (made without one, or orphaned from its Workspace) is canceled; neither starts.
+    env.update_with(
+        "no-type",
+        json!({"workspaceName": "reader", "stackName": "dev"}),
+    )
+    .await;
+    let ownerless: Update = serde_json::from_value(json!({
+        "apiVersion": "auto.pulumi.com/v1alpha1", "kind": "Update",
+        "metadata": {"name": "ownerless"},
+        "spec": {"workspaceName": "reader", "stackName": "dev", "type": "up"},
+    }))
+    .expect("update");
+    api.create(&PostParams::default(), &ownerless)
+        .await
+        .expect("create");
+    for (name, reason, says) in [
+        ("no-type", "InvalidSpec", "spec.type is required"),
+        ("ownerless", "Canceled", "no controller owner"),
+    ] {
+        let u = env.completed(&api, name).await;
+        let (failed, got, message) = condition(&u, "Failed");
+        assert_eq!(
+            (failed.as_str(), got.as_str()),
+            ("True", reason),
+            "{message}"
+        );
+        assert!(message.contains(says), "{message}");
+        let status = u.status.expect("status");
+        assert!(
+            status.start_time.is_none(),
+            "{name} never started: {status:?}"
+        );
+    }
 }
 
 #[tokio::test]
@@ -476,16 +529,12 @@ async fn a_completed_update_is_deleted_after_its_ttl() {
     let plain = env.tmp.path().join("plain.txt");
     std::fs::write(&plain, "hi\n").expect("plain");
     env.workspace(&url, &digest, &plain).await;
-    let api: Api<Update> = Api::namespaced(env.client(), &env.ns);
-    let update: Update = serde_json::from_value(json!({
-        "apiVersion": "auto.pulumi.com/v1alpha1", "kind": "Update",
-        "metadata": {"name": "short-lived"},
-        "spec": {"workspaceName": "reader", "stackName": "dev", "type": "preview", "ttlAfterCompleted": "2s"},
-    }))
-    .expect("update");
-    api.create(&PostParams::default(), &update)
-        .await
-        .expect("create");
+    let api = env
+        .update_with(
+            "short-lived",
+            json!({"workspaceName": "reader", "stackName": "dev", "type": "preview", "ttlAfterCompleted": "2s"}),
+        )
+        .await;
     env.completed(&api, "short-lived").await;
     wait_for("the expired update to be deleted", WAIT, || async {
         api.get_opt("short-lived")
@@ -767,9 +816,12 @@ async fn updates_pko_left_with_its_finalizer_expire_and_go() {
         if let Some(ttl) = ttl {
             spec["ttlAfterCompleted"] = json!(ttl);
         }
+        // As PKO makes them: controlled by their Workspace (gone here; no garbage collector
+        // runs on this plane).
         let update: Update = serde_json::from_value(json!({
             "apiVersion": "auto.pulumi.com/v1alpha1", "kind": "Update",
-            "metadata": {"name": name, "finalizers": ["finalizer.stack.pulumi.com"]},
+            "metadata": {"name": name, "finalizers": ["finalizer.stack.pulumi.com"],
+                "ownerReferences": [fixtures::controller_of("gone", "00000000-0000-0000-0000-000000000000")]},
             "spec": spec,
         }))
         .expect("update");

@@ -460,20 +460,41 @@ async fn settled(
     if ctx.slots.running().contains_key(&current.uid) {
         return Ok(Some(Action::await_change()));
     }
-    if update.spec.workspace_name.is_none() {
+    if let Some((reason, message)) = refusal(update) {
         let mut status = current.before.clone();
         status.observed_generation = current.generation;
-        finish(
-            &mut status,
-            current.generation,
-            false,
-            "InvalidSpec",
-            "spec.workspaceName is required",
-        );
+        finish(&mut status, current.generation, false, reason, message);
         current.write(ctx, &status).await?;
         return Ok(Some(Action::await_change()));
     }
     Ok(None)
+}
+
+/// Why an Update never starts, as PKO decides it: one without a managing controller (made
+/// without an owner, or orphaned by a Workspace deleted with `--cascade=orphan`) is canceled,
+/// and one without a workspace or an operation is refused (PKO fails it once its workspace
+/// answers; here it fails at once, saying why).
+fn refusal(update: &Update) -> Option<(&'static str, &'static str)> {
+    let controlled = update
+        .owner_references()
+        .iter()
+        .any(|o| o.controller == Some(true));
+    if !controlled {
+        return Some((
+            "Canceled",
+            "the update has no controller owner: an Update runs only when owned by its Workspace (or a Stack's); orphaned Updates are canceled",
+        ));
+    }
+    if update.spec.workspace_name.is_none() {
+        return Some(("InvalidSpec", "spec.workspaceName is required"));
+    }
+    if update.spec.type_.is_none() {
+        return Some((
+            "InvalidSpec",
+            "spec.type is required: one of preview, up, refresh, destroy",
+        ));
+    }
+    None
 }
 
 /// The Update's Workspace and its agent's address once it is ready, or the status saying what
@@ -604,4 +625,44 @@ fn launch(
             .get_or_create(&ctx.metrics.controller("update-operation"))
             .observe(started.elapsed().as_secs_f64());
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn update(owners: serde_json::Value, spec: serde_json::Value) -> Update {
+        serde_json::from_value(json!({
+            "apiVersion": "auto.pulumi.com/v1alpha1", "kind": "Update",
+            "metadata": {"name": "u", "namespace": "ns", "ownerReferences": owners},
+            "spec": spec,
+        }))
+        .expect("update")
+    }
+
+    #[test]
+    fn an_update_runs_only_controlled_with_a_workspace_and_a_type() {
+        let controller = json!([{"apiVersion": "auto.pulumi.com/v1alpha1", "kind": "Workspace",
+            "name": "ws", "uid": "w", "controller": true}]);
+        let full = json!({"workspaceName": "ws", "stackName": "dev", "type": "up"});
+        assert_eq!(refusal(&update(controller.clone(), full.clone())), None);
+        let (reason, _) = refusal(&update(json!([]), full.clone())).expect("ownerless");
+        assert_eq!(reason, "Canceled");
+        let owner_only = json!([{"apiVersion": "pulumi.com/v1", "kind": "Stack",
+            "name": "s", "uid": "s"}]);
+        let (reason, _) = refusal(&update(owner_only, full)).expect("no controller");
+        assert_eq!(reason, "Canceled");
+        let (reason, message) = refusal(&update(
+            controller.clone(),
+            json!({"workspaceName": "ws", "stackName": "dev"}),
+        ))
+        .expect("no type");
+        assert_eq!(reason, "InvalidSpec");
+        assert!(message.contains("spec.type"), "{message}");
+        let (_, message) =
+            refusal(&update(controller, json!({"type": "up"}))).expect("no workspace");
+        assert!(message.contains("spec.workspaceName"), "{message}");
+    }
 }
