@@ -41,3 +41,8 @@ pub const DEV_PORT_ANNOTATION: &str = "pko-rs.dev/dev-agent-port";
 /// generation, environment digest), so a restarted operator does not install and initialize
 /// every workspace again (PKO keeps `auto.pulumi.com/initialized: "true"` for the same reason).
 pub const INITIALIZED_ANNOTATION: &str = "pko-rs.dev/initialized";
+
+/// Workspace `Ready=False` reasons written while the agent installs the program's packages
+/// and plugins, then selects and configures the stacks (PKO's).
+pub const INSTALLING: &str = "Installing";
+pub const INITIALIZING: &str = "Initializing";

@@ -22,7 +22,7 @@ use super::status::{self, STALLED};
 use super::{WorkspaceContext, WorkspaceError, env, pod, to_pb_item};
 use crate::agent_client::{AgentError, Credentials};
 use crate::controller::conditions;
-use crate::controller::keys::{APPLY_MANAGER, INITIALIZED_ANNOTATION};
+use crate::controller::keys::{APPLY_MANAGER, INITIALIZED_ANNOTATION, INITIALIZING, INSTALLING};
 use crate::controller::kit::FromKube;
 use crate::controller::takeover;
 
@@ -111,6 +111,23 @@ impl<'a> Run<'a> {
         }
         status::mark_not_ready(&mut self.status, true, reason, &message, self.generation);
         End::Report(Action::await_change())
+    }
+
+    /// Reports a step as PKO does while it runs (`Installing`, `Initializing`): `Ready=False`
+    /// with `reason`, nothing stalled (an earlier failure is being retried), written now.
+    async fn report_step(&mut self, reason: &str, message: &str) -> Result<(), WorkspaceError> {
+        conditions::remove(&mut self.status.conditions, STALLED);
+        status::mark_not_ready(&mut self.status, false, reason, message, self.generation);
+        status::write_status(
+            &self.ctx.client,
+            &self.namespace,
+            &self.name,
+            &self.before,
+            &self.status,
+        )
+        .await?;
+        self.before = self.status.clone();
+        Ok(())
     }
 
     /// Ends the reconcile `Stalled=True`/`Ready=False` after a failed agent call, always
@@ -393,6 +410,13 @@ pub(super) async fn initialise(
             message: format!("Failed to set the environment: {}", s.message()),
         });
     }
+    if fresh {
+        run.report_step(
+            INSTALLING,
+            "Installing packages and plugins required by the program",
+        )
+        .await?;
+    }
     if fresh && let Err(s) = agent.client.install(pb::InstallRequest {}).await {
         let message = format!("Installation failed: {}", s.message());
         let end = run
@@ -408,10 +432,12 @@ pub(super) async fn stacks(
     run: &mut Run<'_>,
     agent: &mut Agent,
     pending: Option<Pending>,
-) -> Phase<()> {
+) -> Result<Phase<()>, WorkspaceError> {
     let Some(Pending { wanted, fresh }) = pending else {
-        return Phase::Continue(());
+        return Ok(Phase::Continue(()));
     };
+    run.report_step(INITIALIZING, "Initializing and selecting a Pulumi stack")
+        .await?;
     if let Err(message) = initialize_stacks(&mut agent.client, run.ws).await {
         let end = run
             .stall_on_agent(
@@ -420,7 +446,7 @@ pub(super) async fn stacks(
                 message,
             )
             .await;
-        return Phase::Done(end);
+        return Ok(Phase::Done(end));
     }
     let generation = wanted.generation;
     record_on_pod(&run.ctx.client, &run.namespace, &run.name, &wanted).await;
@@ -430,7 +456,7 @@ pub(super) async fn stacks(
     run.ctx
         .event(run.ws, EventType::Normal, "Initialized", note)
         .await;
-    Phase::Continue(())
+    Ok(Phase::Continue(()))
 }
 
 /// Selects and configures every stack of the workspace.

@@ -77,7 +77,7 @@ async fn run_phases(run: &mut Run<'_>) -> Result<End, WorkspaceError> {
     proceed!(phases::check_version(run, &agent).await);
     let env = proceed!(phases::environment(run).await);
     let pending = proceed!(phases::initialise(run, &mut agent, env).await?);
-    proceed!(phases::stacks(run, &mut agent, pending).await);
+    proceed!(phases::stacks(run, &mut agent, pending).await?);
     Ok(phases::ready(run))
 }
 
