@@ -24,6 +24,7 @@ mod control_plane;
 pub mod execution;
 pub mod fifo;
 pub mod fixtures;
+pub mod flux;
 pub mod gitrepo;
 pub mod kubelet;
 pub mod measure;

@@ -388,6 +388,35 @@ async fn server_side_apply_gives_the_operator_least_privilege() {
         // Stack gauges (every replica).
         ("list", "pulumi.com", "stacks", None, None),
         ("watch", "pulumi.com", "stacks", None, None),
+        // Flux sources: read, and watched per kind (cluster-wide for this install).
+        (
+            "get",
+            "source.toolkit.fluxcd.io",
+            "gitrepositories",
+            tenant,
+            None,
+        ),
+        (
+            "list",
+            "source.toolkit.fluxcd.io",
+            "gitrepositories",
+            None,
+            None,
+        ),
+        (
+            "watch",
+            "source.toolkit.fluxcd.io",
+            "ocirepositories",
+            None,
+            None,
+        ),
+        (
+            "watch",
+            "source.toolkit.fluxcd.io",
+            "externalartifacts",
+            None,
+            None,
+        ),
         // Events from the controllers.
         ("create", "events.k8s.io", "events", tenant, None),
         ("patch", "events.k8s.io", "events", tenant, None),
@@ -434,6 +463,14 @@ async fn server_side_apply_gives_the_operator_least_privilege() {
         // Users' objects are theirs to delete; RBAC is not ours to grant.
         ("delete", "pulumi.com", "programs", tenant, None),
         ("delete", "pulumi.com", "stacks", tenant, None),
+        // Flux's sources are read, never written.
+        (
+            "patch",
+            "source.toolkit.fluxcd.io",
+            "gitrepositories",
+            tenant,
+            None,
+        ),
         (
             "create",
             "rbac.authorization.k8s.io",

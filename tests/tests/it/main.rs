@@ -28,6 +28,8 @@ mod deploy_webhook;
 mod depth;
 mod egress;
 mod fairness;
+mod fields;
+mod flux;
 mod harness_smoke;
 mod helm;
 mod image;

@@ -354,8 +354,22 @@ async fn the_operator_sends_no_request_for_a_bent_flux_source_reference() {
     // The operator's own: its key Secret, read and created by exact path at start.
     let key_get = format!("/api/v1/namespaces/{keys}/secrets/{KEY_SECRET}");
     let key_create = format!("/api/v1/namespaces/{keys}/secrets?");
+    // Discovery of Flux's group (to watch the control's kind; there is no Flux here, so no
+    // watch starts): cluster-level reads of the API's own description, no object.
+    let discovery = |verb: &str, uri: &str| {
+        let path = uri.split('?').next().unwrap_or_default();
+        verb == "get"
+            && !path.contains("/namespaces/")
+            && (path == "/apis"
+                || path == "/apis/source.toolkit.fluxcd.io"
+                || path
+                    .strip_prefix("/apis/source.toolkit.fluxcd.io/")
+                    .is_some_and(|v| !v.contains('/')))
+    };
     let own = |verb: &str, uri: &str| {
-        (verb == "get" && uri == key_get) || (verb == "create" && uri == key_create)
+        (verb == "get" && uri == key_get)
+            || (verb == "create" && uri == key_create)
+            || discovery(verb, uri)
     };
     let requests = operator_requests(&plane);
     let bent: Vec<_> = requests

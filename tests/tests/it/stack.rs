@@ -357,51 +357,12 @@ async fn invalid_sources_and_references_stall_with_a_clear_reason_and_reclaim_de
     .expect("dependent ready");
 }
 
-/// A minimal `GitRepository` CRD: the test plane has no Flux; only `status.artifact` matters.
-async fn install_flux_crd(client: kube::Client) {
-    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-    let crd: CustomResourceDefinition = serde_json::from_value(json!({
-        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-        "metadata": {"name": "gitrepositories.source.toolkit.fluxcd.io"},
-        "spec": {
-            "group": "source.toolkit.fluxcd.io",
-            "names": {"kind": "GitRepository", "plural": "gitrepositories", "singular": "gitrepository", "listKind": "GitRepositoryList"},
-            "scope": "Namespaced",
-            "versions": [{
-                "name": "v1", "served": true, "storage": true,
-                "subresources": {"status": {}},
-                "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": true}},
-            }],
-        },
-    }))
-    .expect("crd");
-    let crds: Api<CustomResourceDefinition> = Api::all(client);
-    crds.patch(
-        "gitrepositories.source.toolkit.fluxcd.io",
-        &PatchParams::apply("pko-tests").force(),
-        &Patch::Apply(&crd),
-    )
-    .await
-    .expect("apply CRD");
-    wait_for("the GitRepository CRD to be established", WAIT, || async {
-        let crd = crds
-            .get("gitrepositories.source.toolkit.fluxcd.io")
-            .await
-            .ok()?;
-        crd.status?
-            .conditions?
-            .iter()
-            .any(|c| c.type_ == "Established" && c.status == "True")
-            .then_some(())
-    })
-    .await
-    .expect("established");
-}
-
 #[tokio::test]
 async fn a_flux_source_object_is_fetched_verified_and_deployed() {
     let _machine = pko_tests::serial::shared().await;
-    install_flux_crd(ControlPlane::shared().await.client()).await;
+    pko_tests::flux::install_crds(ControlPlane::shared().await.client(), WAIT)
+        .await
+        .expect("Flux CRDs");
     let Env {
         plane,
         ns,
@@ -823,8 +784,11 @@ async fn a_real_resource_is_created_updated_and_destroyed() {
     .unwrap_or_else(|e| panic!("{e}\n{}", kubelet.logs("cm")));
 }
 
-/// PKO's retry rules: failures back off (capped by `retryMaxBackoffDurationSeconds`), the stack
-/// stalls after the fourth failure in a row, and a spec change runs it again.
+/// PKO's retry rules and count: failures back off (capped by `retryMaxBackoffDurationSeconds`);
+/// the first failure of a run counts 0, so the stack stalls after the fourth failure in a row
+/// ("failed 3 times", PKO's words); a spec change runs it again. After a success, a failure in
+/// the same generation counts 1 (PKO counts on from the success), so the stack stalls after
+/// three.
 #[tokio::test]
 async fn repeated_failures_stall_the_stack_until_the_spec_changes() {
     let _machine = pko_tests::serial::shared().await;
@@ -884,7 +848,7 @@ async fn repeated_failures_stall_the_stack_until_the_spec_changes() {
     };
     assert_eq!(reason, "UpdateFailed");
     assert!(
-        message.contains("up failed 4 times; not retrying until the spec or source changes"),
+        message.contains("up failed 3 times; not retrying until the spec or source changes"),
         "{message}"
     );
     assert_eq!(last.failures, Some(3));
@@ -922,6 +886,36 @@ async fn repeated_failures_stall_the_stack_until_the_spec_changes() {
     })
     .await
     .unwrap_or_else(|e| panic!("{e}\n{}", kubelet.logs("retry")));
+
+    // A new program that fails, in the same stack generation as the success: counted from it.
+    let programs: Api<Program> = Api::namespaced(plane.client(), &ns);
+    programs
+        .patch(
+            "reader",
+            &PatchParams::default(),
+            &Patch::Merge(
+                json!({"program": {"variables": {"content": {"fn::readFile": "${file}.gone"}}}}),
+            ),
+        )
+        .await
+        .expect("break the program");
+    let first = wait_for("the first failure after the success", WAIT, || async {
+        let last = stacks.get("retry").await.ok()?.status?.last_update?;
+        (last.state.as_deref() == Some("failed")).then_some(last)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", kubelet.logs("retry")));
+    assert_eq!(first.failures, Some(1), "{first:?}");
+    let (reason, message) = fixtures::stalled_stack(&stacks, "retry", WAIT).await;
+    assert_eq!(reason, "UpdateFailed");
+    assert!(message.contains("up failed 3 times"), "{message}");
+    let runs = updates
+        .list(&Default::default())
+        .await
+        .expect("updates")
+        .items
+        .len();
+    assert_eq!(runs, 4 + 1 + 3, "three failures after the success");
 }
 
 /// `preview: true` runs previews only, and deleting such a stack destroys nothing.

@@ -6,8 +6,9 @@
 //! `currentUpdate` whose Update is gone is dropped and the stack carries on (PKO waits forever,
 //! #1292); `currentUpdate` is saved only once its Update exists.
 //!
-//! Sources (see [`source`]): `programRef` (watched), `fluxSource` (polled), `projectRepo`
-//! (a pinned commit, or a branch polled without cloning).
+//! Sources (see [`source`]): `programRef` (watched), `fluxSource` (watched per kind, see
+//! [`flux`]), `projectRepo` (a pinned commit, or a branch polled without cloning), or none (the
+//! program is in the workspace image: `workspaceTemplate.spec.local`).
 //!
 //! Layout: [`reconcile`] runs the phases in order (finalizer, current Update, source, sync
 //! decision, launch) and writes the status once; [`sync`] holds the pure decisions;
@@ -38,6 +39,7 @@ use crate::gitremote;
 use crate::metrics::Metrics;
 use crate::runtime_metrics::names;
 
+mod flux;
 mod outcome;
 mod reconcile;
 mod source;
@@ -45,6 +47,7 @@ mod sync;
 mod update;
 mod workspace;
 
+pub use flux::FluxWatches;
 pub use outcome::StackError;
 
 const CONTROLLER: &str = "stack";
@@ -58,6 +61,8 @@ pub struct StackContext {
     pub git: gitremote::Resolver,
     /// Failed reconciles per Stack.
     pub backoff: Backoff,
+    /// The Flux source kinds watched for this controller's stacks.
+    pub flux: FluxWatches,
 }
 
 impl StackContext {
@@ -68,6 +73,7 @@ impl StackContext {
             metrics: kit.metrics.clone(),
             git: gitremote::Resolver::new(git_http_client(&egress), egress.clone(), GIT_REFS_TTL),
             backoff: Backoff::default(),
+            flux: FluxWatches::default(),
         }
     }
 
@@ -126,6 +132,15 @@ pub async fn run(
     );
     let store = controller.store();
     let dependents_store = store.clone();
+    // Stacks whose Flux source has a new artifact (see [`flux`]).
+    let (trigger, triggered) = futures::channel::mpsc::unbounded();
+    let flux_scope = flux::Scope {
+        client: client.clone(),
+        namespace: namespace.clone(),
+        stacks: store.clone(),
+        trigger,
+    };
+    let controller = controller.reconcile_on_observed(&probe, triggered);
     let by_label = |obj_ns: Option<String>, labels: &BTreeMap<String, String>| {
         labels
             .get(STACK_NAME_LABEL)
@@ -188,9 +203,13 @@ pub async fn run(
         .run(
             instrument::reconciler(&probe, reconcile::reconcile),
             instrument::error_policy(&probe, error_policy),
-            ctx,
+            ctx.clone(),
         );
-    instrument::drive(CONTROLLER, &probe, events).await;
+    // The watches end with the controller (they never end before it).
+    tokio::select! {
+        () = instrument::drive(CONTROLLER, &probe, events) => {}
+        () = flux::drive(&ctx.flux, flux_scope) => {}
+    }
 }
 
 fn error_policy(stack: Arc<Stack>, err: &StackError, ctx: Arc<StackContext>) -> Action {

@@ -299,9 +299,7 @@ impl<'a> Run<'a> {
             {
                 self.status.outputs = outputs;
             }
-            if type_ == Some(UpdateType::Destroy) {
-                self.status.outputs.clear();
-            }
+            // A destroy keeps the last outputs, as PKO does.
             if update.project_info.is_some() {
                 self.status.project_info = update.project_info.clone();
             }
@@ -334,15 +332,51 @@ impl<'a> Run<'a> {
         Ok(())
     }
 
-    /// Phase 3: the source (a sync the user asked for looks at the branch afresh).
+    /// Phase 3: the source (a sync the user asked for looks at the branch afresh). A stack
+    /// being destroyed whose source is gone destroys from its last project (PKO #1222);
+    /// without one, the stall says how to let the stack go.
     async fn source(&self) -> Result<Resolved, Stop> {
         let fresh =
             self.request.is_some() && self.request != self.writer.before.observed_reconcile_request;
         let reader = Reader {
             client: &self.ctx.client,
             git: &self.ctx.git,
+            flux: &self.ctx.flux,
         };
-        source::resolve(&reader, self.stack, &self.namespace, fresh).await
+        let stop = match source::resolve(&reader, self.stack, &self.namespace, fresh).await {
+            Ok(resolved) => return Ok(resolved),
+            Err(stop) => stop,
+        };
+        if !self.deleting || !source::unavailable(&stop) {
+            return Err(stop);
+        }
+        if let Some(resolved) = source::project_info_fallback(self.stack, self.deleting) {
+            info!(stack = %self.name, "the source is gone; destroying from the last project");
+            return Ok(resolved);
+        }
+        Err(match stop {
+            Stop::Status(Outcome::Stalled {
+                reason,
+                message,
+                requeue,
+            }) => Stop::Status(Outcome::Stalled {
+                reason,
+                message: format!(
+                    "{message}; the stack cannot be destroyed without its source (no project was recorded); {}",
+                    self.let_go_hint()
+                ),
+                requeue,
+            }),
+            other => other,
+        })
+    }
+
+    /// How a user lets the stack go without a destroy.
+    fn let_go_hint(&self) -> String {
+        format!(
+            "to let it go without a destroy, remove the finalizer: kubectl patch stack {} -n {} --type=merge -p '{{\"metadata\":{{\"finalizers\":null}}}}'",
+            self.name, self.namespace
+        )
     }
 
     /// Before an update (not a destroy): every prerequisite stack is met; one that succeeded
@@ -396,15 +430,15 @@ impl<'a> Run<'a> {
             }
             return Err(Outcome::stalled("SpecInvalid", message).into());
         }
-        let spec = match workspace::spec(self.stack, &self.namespace, source) {
-            Ok(spec) => spec,
+        let parts = match workspace::spec(self.stack, &self.namespace, source) {
+            Ok(parts) => parts,
             Err(message) => {
                 self.event(EventType::Warning, "StackConfigInvalid", message.clone())
                     .await;
                 return Err(Outcome::stalled("SpecInvalid", message).into());
             }
         };
-        let ws = workspace::object(self.stack, &self.namespace, spec)?;
+        let ws = workspace::object(self.stack, &self.namespace, parts)?;
         let waiting = "waiting for workspace readiness";
         outcome::reconciling(
             &mut self.status,
@@ -426,6 +460,13 @@ impl<'a> Run<'a> {
         }
         let stalled =
             conditions::get(&ws_status.conditions, "Stalled").filter(|c| c.status == "True");
+        // A workspace that cannot run, of a stack that never ran an update: nothing to
+        // destroy, so the stack goes (PKO's rule).
+        if stalled.is_some() && sync::never_ran(&self.status, self.deleting) {
+            info!(stack = %self.name, "the workspace is stalled and the stack never ran; letting it go");
+            set_finalizer(self.ctx, self.stack, false).await?;
+            return Err(Stop::Quiet);
+        }
         Err(match stalled {
             Some(c) => {
                 let reason = if c.reason == "IncompatibleConfiguration" {
@@ -534,8 +575,7 @@ impl<'a> Run<'a> {
     }
 
     /// Phase 4, up to date: the settled conditions; a reclaimed Workspace goes once the stack
-    /// is up to date, and a destroyed stack lets its finalizer go (before any status write, as
-    /// in [`Self::let_go`]).
+    /// is up to date, and a destroyed stack records the destroy, then lets its finalizer go.
     async fn settle(&mut self, poll: Option<Duration>) -> Result<Outcome, Stop> {
         let last = self.status.last_update.clone().unwrap_or_default();
         let outcome = sync::settled(self.stack, &last, poll, self.deleting);
@@ -546,6 +586,11 @@ impl<'a> Run<'a> {
             self.reclaim_workspace().await?;
         }
         if self.deleting && sync::destroyed(&last) {
+            // The destroy is recorded first, as PKO does (another finalizer may keep the Stack
+            // readable), with the conditions as they are: were the finalizer's removal
+            // refused, a write of new conditions would clear the stall that reports it, and
+            // trigger the next attempt at once, on every attempt.
+            self.writer.write(&self.status).await?;
             set_finalizer(self.ctx, self.stack, false).await?;
             return Err(Stop::Quiet);
         }
@@ -684,6 +729,7 @@ mod tests {
                 Duration::from_secs(1),
             ),
             backoff: Backoff::default(),
+            flux: crate::controller::stack::FluxWatches::default(),
         };
         (ctx, handle)
     }

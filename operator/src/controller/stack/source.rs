@@ -4,22 +4,27 @@
 //! * `programRef`: the Program's artifact (URL + digest) becomes a `flux` source; the digest is
 //!   the commit, so a new artifact re-runs the stack even under the same revision (a transform
 //!   changed). PKO records the revision instead: see [`Resolved::revision`].
-//! * `fluxSource`: any object with a Flux-style `status.artifact` (read, polled every minute).
+//! * `fluxSource`: any object with a Flux-style `status.artifact`, read here; the kinds of
+//!   Flux's group are watched ([`super::flux`]), so polling is a slow fallback for them.
 //! * `projectRepo`: a `git` source at a commit SHA. A `branch` is resolved with an HTTP refs
 //!   listing (no clone, no git binary in the operator) and polled every `resyncFrequencySeconds`;
 //!   the workspace pod checks the commit out with its own git CLI and credentials.
+//! * none: the program is already in the workspace image (PKO's `examples/custom-source`:
+//!   `workspaceTemplate.spec.local`); the commit is empty, as PKO records it.
 
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Secret, SecretKeySelector};
 use kube::api::Api;
 use kube::{Client, Resource};
+use pko_api::common::ProjectInfo;
 use pko_api::common::{ResourceRef, ResourceSelectorType, SecretSelector};
 use pko_api::names::{checked_name, is_dns1123_subdomain};
 use pko_api::program::{Artifact, Program};
 use pko_api::stack::{FLUX_SOURCE_KINDS, FluxSourceReference, Stack};
 use pko_api::workspace::{FluxSource, GitAuth, GitSource};
 
+use super::flux::{self, FluxWatches};
 use super::outcome::{Outcome, StackError, Stop};
 use super::sync::resync_frequency;
 use crate::controller::kit::FromKube;
@@ -33,6 +38,11 @@ pub(super) enum WorkspaceSource {
     Flux(FluxSource),
     // Boxed: its credentials make it much larger than a Flux source.
     Git(Box<GitSource>),
+    /// The stack names none: whatever the `workspaceTemplate` gives (a `local` folder).
+    Template,
+    /// A destroy whose source is gone: a `Pulumi.yaml` written from the stack's
+    /// `status.projectInfo` (PKO #1222).
+    ProjectInfo(ProjectInfo),
 }
 
 /// A usable source.
@@ -46,8 +56,20 @@ pub(super) struct Resolved {
     /// artifact's revision. A stack PKO deployed at this revision is synced
     /// ([`super::sync::handed_over`]), not run again.
     pub revision: Option<String>,
-    /// Poll the source this often (it is read, not watched).
+    /// Poll the source this often (it is read, or its watch may miss a change).
     pub poll: Option<Duration>,
+}
+
+impl Resolved {
+    /// A source whose content never changes by itself: no commit, no poll.
+    fn fixed(workspace_source: WorkspaceSource) -> Self {
+        Self {
+            workspace_source,
+            commit: String::new(),
+            revision: None,
+            poll: None,
+        }
+    }
 }
 
 /// What a source needs to be read.
@@ -55,6 +77,8 @@ pub(super) struct Reader<'a> {
     pub client: &'a Client,
     /// Branch → commit lookups.
     pub git: &'a gitremote::Resolver,
+    /// The Flux kinds watched.
+    pub flux: &'a FluxWatches,
 }
 
 /// A source that cannot be used stalls the stack; `requeue` is when to look again.
@@ -69,6 +93,26 @@ fn problem(reason: &'static str, message: String, requeue: Option<Duration>) -> 
 /// A source read, not watched, is looked at again after this long when unavailable.
 const UNAVAILABLE_RETRY: Duration = Duration::from_secs(30);
 
+/// The stall reason of a source that cannot be read (now).
+pub(super) const SOURCE_UNAVAILABLE: &str = "SourceUnavailable";
+
+/// Whether `stop` says the source cannot be read (as opposed to a spec that is wrong).
+pub(super) fn unavailable(stop: &Stop) -> bool {
+    matches!(stop, Stop::Status(Outcome::Stalled { reason, .. }) if *reason == SOURCE_UNAVAILABLE)
+}
+
+/// A destroy from the stack's last project when its source is gone (PKO #1222): only for a
+/// destroy that does not run the program, of a stack whose project is known.
+pub(super) fn project_info_fallback(stack: &Stack, deleting: bool) -> Option<Resolved> {
+    let spec = &stack.spec;
+    let info = stack.status.as_ref()?.project_info.clone()?;
+    (deleting
+        && spec.destroy_on_finalize == Some(true)
+        && spec.preview != Some(true)
+        && spec.run_program != Some(true))
+    .then(|| Resolved::fixed(WorkspaceSource::ProjectInfo(info)))
+}
+
 /// The stack's source; `fresh` skips cached branch lookups (a sync the user asked for). A
 /// source that cannot be used ends the reconcile with `Stalled` ([`Stop::Status`]).
 pub(super) async fn resolve(
@@ -81,12 +125,38 @@ pub(super) async fn resolve(
         return git(reader, stack, namespace, repo, fresh).await;
     }
     if stack.spec.flux_source.is_some() {
-        return flux(reader.client, stack, namespace).await;
+        return flux(reader, stack, namespace).await;
     }
-    program(reader.client, stack, namespace).await
+    if stack.spec.program_ref.is_some() {
+        return program(reader.client, stack, namespace).await;
+    }
+    sourceless(stack)
 }
 
-async fn flux(client: &Client, stack: &Stack, namespace: &str) -> Result<Resolved, Stop> {
+/// A stack without a source runs the program its workspace image holds (PKO's
+/// `examples/custom-source`): its `workspaceTemplate` must say where (`local`, or a `git` or
+/// `flux` source of its own), else nothing could run and the stack stalls saying so.
+fn sourceless(stack: &Stack) -> Result<Resolved, Stop> {
+    let template = stack
+        .spec
+        .workspace_template
+        .as_ref()
+        .and_then(|t| t.spec.as_ref());
+    let given = template.is_some_and(|t| t.local.is_some() || t.git.is_some() || t.flux.is_some());
+    if !given {
+        return Err(problem(
+            "SpecInvalid",
+            "the stack has no source: set projectRepo, fluxSource or programRef, or \
+             workspaceTemplate.spec.local (a program in the workspace image)"
+                .into(),
+            None,
+        ));
+    }
+    Ok(Resolved::fixed(WorkspaceSource::Template))
+}
+
+async fn flux(reader: &Reader<'_>, stack: &Stack, namespace: &str) -> Result<Resolved, Stop> {
+    let client = reader.client;
     let Some(source) = &stack.spec.flux_source else {
         return Err(problem("SpecInvalid", "no fluxSource".into(), None));
     };
@@ -103,6 +173,12 @@ async fn flux(client: &Client, stack: &Stack, namespace: &str) -> Result<Resolve
         }
     };
     // kube's own pluralization (GitRepository → gitrepositories), as discovery would say.
+    // Flux's kinds are watched: a new artifact brings the next reconcile, this read is the
+    // fallback. Any other group is only read.
+    let poll = match flux::watchable(&source.source_ref.api_version, r.kind) {
+        Some(kind) => reader.flux.want(kind),
+        None => flux::UNWATCHED_POLL,
+    };
     let resource = kube::api::ApiResource::from_gvk(&kube::api::GroupVersionKind::gvk(
         r.group, r.version, r.kind,
     ));
@@ -110,7 +186,7 @@ async fn flux(client: &Client, stack: &Stack, namespace: &str) -> Result<Resolve
         Api::namespaced_with(client.clone(), namespace, &resource);
     let unavailable = |message: String| {
         Err(problem(
-            "SourceUnavailable",
+            SOURCE_UNAVAILABLE,
             message,
             Some(UNAVAILABLE_RETRY),
         ))
@@ -138,7 +214,7 @@ async fn flux(client: &Client, stack: &Stack, namespace: &str) -> Result<Resolve
         }),
         commit: digest,
         revision: field("revision"),
-        poll: Some(Duration::from_secs(60)),
+        poll: Some(poll),
     })
 }
 
@@ -147,7 +223,7 @@ async fn flux(client: &Client, stack: &Stack, namespace: &str) -> Result<Resolve
 struct FluxRef<'a> {
     group: &'a str,
     version: &'a str,
-    kind: &'a str,
+    kind: &'static str,
     name: &'a str,
 }
 
@@ -165,7 +241,7 @@ impl<'a> FluxRef<'a> {
                 r.api_version
             ));
         }
-        let Some(kind) = FLUX_SOURCE_KINDS.iter().find(|k| **k == r.kind) else {
+        let Some(kind) = FLUX_SOURCE_KINDS.iter().copied().find(|k| *k == r.kind) else {
             return Err(format!(
                 "kind {:?} is not one of {}",
                 r.kind,
@@ -207,11 +283,7 @@ fn is_api_version(s: &str) -> bool {
 
 async fn program(client: &Client, stack: &Stack, namespace: &str) -> Result<Resolved, Stop> {
     let Some(program_ref) = &stack.spec.program_ref else {
-        return Err(problem(
-            "SpecInvalid",
-            "the stack has no source (projectRepo, fluxSource or programRef)".into(),
-            None,
-        ));
+        return Err(problem("SpecInvalid", "no programRef".into(), None));
     };
     let name = checked_name("spec.programRef.name", &program_ref.name)
         .map_err(|e| problem("SpecInvalid", e.to_string(), None))?;
@@ -251,7 +323,7 @@ async fn program(client: &Client, stack: &Stack, namespace: &str) -> Result<Reso
             "Program has no artifact"
         };
         return Err(problem(
-            "SourceUnavailable",
+            SOURCE_UNAVAILABLE,
             message.into(),
             Some(UNAVAILABLE_RETRY),
         ));
@@ -294,12 +366,12 @@ async fn git(
             let http = auth
                 .http_auth(reader.client, namespace)
                 .await
-                .map_err(|m| problem("SourceUnavailable", m, Some(UNAVAILABLE_RETRY)))?;
+                .map_err(|m| problem(SOURCE_UNAVAILABLE, m, Some(UNAVAILABLE_RETRY)))?;
             reader
                 .git
                 .resolve(repo, &branch, http.as_ref(), fresh)
                 .await
-                .map_err(|e| problem("SourceUnavailable", e.to_string(), Some(UNAVAILABLE_RETRY)))?
+                .map_err(|e| problem(SOURCE_UNAVAILABLE, e.to_string(), Some(UNAVAILABLE_RETRY)))?
         }
         (None, None) => return Err(invalid("projectRepo needs a commit or a branch".into())),
     };
@@ -522,6 +594,74 @@ mod tests {
             kind: kind.into(),
             name: name.into(),
         }
+    }
+
+    fn stack_of(spec: Value, status: Value) -> Stack {
+        serde_json::from_value(json!({
+            "apiVersion": "pulumi.com/v1", "kind": "Stack",
+            "metadata": {"name": "s", "namespace": "ns"},
+            "spec": spec, "status": status,
+        }))
+        .expect("stack")
+    }
+
+    #[test]
+    fn a_sourceless_stack_needs_a_program_in_its_template() {
+        let bare = stack_of(json!({"stack": "dev"}), Value::Null);
+        let Err(Stop::Status(Outcome::Stalled {
+            reason, message, ..
+        })) = sourceless(&bare)
+        else {
+            panic!("no source at all stalls");
+        };
+        assert_eq!(reason, "SpecInvalid");
+        assert!(
+            message.contains("workspaceTemplate.spec.local"),
+            "{message}"
+        );
+        let local = stack_of(
+            json!({"stack": "dev", "workspaceTemplate": {"spec": {"local": {"dir": "/app"}}}}),
+            Value::Null,
+        );
+        let resolved = sourceless(&local).expect("the image's program");
+        assert_eq!(resolved.workspace_source, WorkspaceSource::Template);
+        assert_eq!(resolved.commit, "");
+        assert_eq!(resolved.poll, None);
+    }
+
+    #[test]
+    fn only_a_destroy_without_the_program_falls_back_to_the_last_project() {
+        let info = json!({"projectInfo": {"name": "p", "runtime": "yaml"}});
+        let spec = json!({"stack": "dev", "programRef": {"name": "p"}, "destroyOnFinalize": true});
+        let s = stack_of(spec.clone(), info.clone());
+        let resolved = project_info_fallback(&s, true).expect("fallback");
+        assert_eq!(
+            resolved.workspace_source,
+            WorkspaceSource::ProjectInfo(ProjectInfo {
+                name: "p".into(),
+                runtime: "yaml".into()
+            })
+        );
+        assert!(project_info_fallback(&s, false).is_none(), "not deleting");
+        assert!(
+            project_info_fallback(&stack_of(spec.clone(), Value::Null), true).is_none(),
+            "no project recorded"
+        );
+        for (field, value) in [
+            ("destroyOnFinalize", false),
+            ("preview", true),
+            ("runProgram", true),
+        ] {
+            let mut other = spec.clone();
+            other[field] = json!(value);
+            assert!(
+                project_info_fallback(&stack_of(other, info.clone()), true).is_none(),
+                "{field}: {value}"
+            );
+        }
+        let gone = problem(SOURCE_UNAVAILABLE, "gone".into(), None);
+        assert!(unavailable(&gone));
+        assert!(!unavailable(&problem("SpecInvalid", "bad".into(), None)));
     }
 
     #[test]

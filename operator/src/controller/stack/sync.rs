@@ -149,8 +149,10 @@ pub(super) fn is_synced(
     if recorded != request.filter(|r| !r.is_empty()) {
         return Err(format!("Sync request: {:?}", request.unwrap_or_default()));
     }
+    // PKO leaves an empty commit (a source-less stack) out of the status.
+    let commit_of = |c: &Option<String>| c.clone().unwrap_or_default();
     if state == Some(UpdateState::Succeeded) {
-        if last.last_successful_commit.as_deref() != Some(commit) {
+        if commit_of(&last.last_successful_commit) != commit {
             return Err(format!("New commit detected: {commit:?}"));
         }
         if stack.spec.continue_resync_on_commit_match == Some(true)
@@ -160,7 +162,7 @@ pub(super) fn is_synced(
         }
         return Ok(());
     }
-    if last.last_attempted_commit.as_deref() != Some(commit) {
+    if commit_of(&last.last_attempted_commit) != commit {
         return Err(format!("New commit detected: {commit:?}"));
     }
     let failures = last.failures.unwrap_or(0);
@@ -184,8 +186,10 @@ pub(super) fn operation(stack: &Stack, deleting: bool) -> UpdateType {
     }
 }
 
-/// A finished Update, as `lastUpdate` records it. Consecutive failures of one run (generation
-/// and request) are counted; a success resets the count.
+/// A finished Update, as `lastUpdate` records it, with PKO's count: a failure in the same run
+/// (generation and reconcile request) as the last update counts one more than it did, a
+/// success included (so a success then a failure counts 1); the first failure of a run counts
+/// 0, and a success resets the count.
 pub(super) fn finished(
     current: &CurrentStackUpdate,
     previous: Option<&StackUpdateState>,
@@ -202,7 +206,7 @@ pub(super) fn finished(
         && last.reconcile_request == current.reconcile_request;
     let failures = if succeeded {
         0
-    } else if same_run && UpdateState::of(&last) == Some(UpdateState::Failed) {
+    } else if previous.is_some() && same_run {
         last.failures.unwrap_or(0) + 1
     } else {
         0
@@ -246,26 +250,37 @@ pub(super) fn settled(
             .then(|| resync_frequency(stack));
         Outcome::Ready { requeue }
     } else if failures >= MAX_FAILURES {
+        // PKO's words and count (the count of the last update, see [`finished`]).
         let message = format!(
-            "{} failed {} times; not retrying until the spec or source changes",
+            "{} failed {failures} times; not retrying until the spec or source changes",
             last.type_.clone().unwrap_or_default(),
-            failures + 1
         );
         Outcome::stalled("UpdateFailed", message)
     } else {
-        let reason = if update_type(last) == Some(UpdateType::Preview) {
-            "PreviewFailed"
+        let (reason, message) = if update_type(last) == Some(UpdateType::Preview) {
+            (
+                "PreviewFailed",
+                format!("preview failed ({failures} attempt(s))"),
+            )
         } else {
-            "RetryingAfterFailure"
+            (
+                "RetryingAfterFailure",
+                format!("{failures} update failure(s)"),
+            )
         };
         let wait = cooldown(stack, failures).saturating_sub(since(last.last_resync_time.as_ref()));
-        Outcome::reconciling(reason, format!("{} update failure(s)", failures + 1))
-            .after(wait.max(Duration::from_secs(1)))
+        Outcome::reconciling(reason, message).after(wait.max(Duration::from_secs(1)))
     };
     match poll {
         Some(poll) if !deleting => outcome.after(poll),
         _ => outcome,
     }
+}
+
+/// A stack being deleted that never ran an update: nothing of it can have been deployed by
+/// this Stack (PKO lets such a stack go when its workspace cannot run).
+pub(super) fn never_ran(status: &StackStatus, deleting: bool) -> bool {
+    deleting && status.last_update.is_none() && status.current_update.is_none()
 }
 
 /// Whether the last update destroyed the stack.
@@ -551,6 +566,39 @@ mod tests {
         assert_eq!(record.message.as_deref(), Some("done"));
         assert_eq!(record.last_successful_commit.as_deref(), Some("d2"));
         assert_eq!(record.permalink.as_deref(), Some("https://p"));
+        // PKO's count: a failure after a success of the same run counts 1, the first failure
+        // of a stack 0.
+        let success = last("succeeded", "d1", 0, 5).last_update;
+        let record = finished(&current, success.as_ref(), Some(UpdateType::Up), &failed);
+        assert_eq!(record.failures, Some(1));
+        assert_eq!(record.last_successful_commit.as_deref(), Some("d1"));
+        let record = finished(&current, None, Some(UpdateType::Up), &failed);
+        assert_eq!(record.failures, Some(0));
+    }
+
+    #[test]
+    fn an_empty_commit_is_one_pko_left_out() {
+        let s = stack(1);
+        let mut status = last("succeeded", "", 0, 5);
+        assert!(is_synced(&s, &status, "", None, false).is_ok());
+        if let Some(l) = status.last_update.as_mut() {
+            l.last_successful_commit = None;
+            l.last_attempted_commit = None;
+        }
+        assert!(is_synced(&s, &status, "", None, false).is_ok());
+        assert!(is_synced(&s, &status, "d1", None, false).is_err());
+    }
+
+    #[test]
+    fn only_a_deleted_stack_that_never_ran_is_let_go() {
+        assert!(never_ran(&StackStatus::default(), true));
+        assert!(!never_ran(&StackStatus::default(), false));
+        assert!(!never_ran(&last("failed", "d1", 0, 5), true));
+        let running = StackStatus {
+            current_update: Some(CurrentStackUpdate::default()),
+            ..Default::default()
+        };
+        assert!(!never_ran(&running, true));
     }
 
     #[test]
@@ -586,7 +634,7 @@ mod tests {
             settled(&s, &stalled, None, false),
             Outcome::stalled(
                 "UpdateFailed",
-                "up failed 4 times; not retrying until the spec or source changes"
+                "up failed 3 times; not retrying until the spec or source changes"
             )
         );
         let failed = last("failed", "d1", 1, 5).last_update.unwrap_or_default();
@@ -600,7 +648,7 @@ mod tests {
         };
         assert_eq!(
             (reason, message.as_str()),
-            ("RetryingAfterFailure", "2 update failure(s)")
+            ("RetryingAfterFailure", "1 update failure(s)")
         );
         assert!(
             wait > Duration::from_secs(20) && wait <= Duration::from_secs(25),
@@ -611,7 +659,7 @@ mod tests {
         preview.last_resync_time = Some(ago(1000));
         assert_eq!(
             settled(&s, &preview, None, false),
-            Outcome::reconciling("PreviewFailed", "2 update failure(s)")
+            Outcome::reconciling("PreviewFailed", "preview failed (1 attempt(s))")
                 .after(Duration::from_secs(1))
         );
     }

@@ -1,5 +1,7 @@
 //! The Update a stack creates for one operation: typed, then the Stack's `updateTemplate`
-//! strategically merged on.
+//! strategically merged on, its metadata's labels and annotations included (as PKO patches the
+//! whole Update). The stack's own labels always win: the controller finds its Updates by
+//! them. The name, namespace and owners are the controller's.
 
 use kube::{Resource, ResourceExt};
 use pko_api::stack::Stack;
@@ -65,12 +67,18 @@ pub(super) fn object(request: &Request<'_>) -> Result<Update, StackError> {
     update.metadata.namespace = stack.namespace();
     update.metadata.labels = Some(labels(&stack_name));
     update.metadata.owner_references = Some(vec![by_workspace, by_stack]);
-    let Some(template) = stack
-        .spec
-        .update_template
-        .as_ref()
-        .and_then(|t| t.spec.as_ref())
-    else {
+    let template = stack.spec.update_template.as_ref();
+    if let Some(meta) = template.and_then(|t| t.metadata.as_ref()) {
+        if !meta.labels.is_empty() {
+            let mut l = meta.labels.clone();
+            l.extend(labels(&stack_name));
+            update.metadata.labels = Some(l);
+        }
+        if !meta.annotations.is_empty() {
+            update.metadata.annotations = Some(meta.annotations.clone());
+        }
+    }
+    let Some(template) = template.and_then(|t| t.spec.as_ref()) else {
         return Ok(update);
     };
     let mut update = serde_json::to_value(&update)?;
@@ -169,5 +177,32 @@ mod tests {
         assert_eq!(update.spec.operation_timeout.as_deref(), Some("30m"));
         assert_eq!(update.spec.type_, Some(UpdateType::Preview));
         assert_eq!(update.metadata.owner_references.map(|o| o.len()), Some(2));
+    }
+
+    #[test]
+    fn the_template_metadata_labels_and_annotates_the_update() {
+        let s = stack(json!({"stack": "dev", "updateTemplate": {
+            "metadata": {"name": "hijack", "labels": {"team": "a", STACK_NAME_LABEL: "other"},
+                "annotations": {"note": "x"}},
+        }}));
+        let ws = workspace();
+        let update = object(&Request {
+            stack: &s,
+            workspace: &ws,
+            name: "s-1".into(),
+            type_: UpdateType::Up,
+            why: "why",
+        })
+        .expect("update");
+        assert_eq!(update.metadata.name.as_deref(), Some("s-1"));
+        let labels = update.metadata.labels.expect("labels");
+        assert_eq!(labels.get("team").map(String::as_str), Some("a"));
+        assert_eq!(labels.get(STACK_NAME_LABEL).map(String::as_str), Some("s"));
+        assert_eq!(
+            labels.get(STACK_COMPONENT_LABEL).map(String::as_str),
+            Some("stack")
+        );
+        let annotations = update.metadata.annotations.expect("annotations");
+        assert_eq!(annotations.get("note").map(String::as_str), Some("x"));
     }
 }

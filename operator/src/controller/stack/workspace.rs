@@ -192,12 +192,23 @@ fn env(stack: &Stack, namespace: &str) -> Result<Vec<EnvVar>, String> {
     Ok(env)
 }
 
-/// The Workspace spec of a stack, before its template, or a reason the stack's spec is invalid.
+/// What the stack itself puts in its Workspace. As in PKO's `setupWorkspace`, the
+/// `workspaceTemplate` is merged onto `spec`, and only then are the stack's own `stack` and its
+/// `envs`/`envSecrets` (`env_from`) appended: a template's `stacks` and `envFrom` come first
+/// and never replace them.
+#[derive(Debug)]
+pub(super) struct Parts {
+    pub spec: WorkspaceSpec,
+    pub stack: WorkspaceStack,
+    pub env_from: Vec<EnvFromSource>,
+}
+
+/// The stack's Workspace parts, or a reason the stack's spec is invalid.
 pub(super) fn spec(
     stack: &Stack,
     namespace: &str,
     source: WorkspaceSource,
-) -> Result<WorkspaceSpec, String> {
+) -> Result<Parts, String> {
     let spec = &stack.spec;
     let env = env(stack, namespace)?;
     let mut mounts = Mounts::default();
@@ -226,16 +237,25 @@ pub(super) fn spec(
             ..Default::default()
         }))
         .collect();
-    let (flux, git) = match source {
-        WorkspaceSource::Flux(flux) => (Some(flux), None),
-        WorkspaceSource::Git(git) => (None, Some(*git)),
-    };
-    Ok(WorkspaceSpec {
+    let template_stacks = spec
+        .workspace_template
+        .as_ref()
+        .and_then(|t| t.spec.as_ref())
+        .map(|t| t.stacks.as_slice())
+        .unwrap_or_default();
+    if template_stacks
+        .iter()
+        .any(|s| s.name.as_deref() == Some(spec.stack.as_str()))
+    {
+        // PKO appends both and the apiserver refuses the Workspace, on every attempt.
+        return Err(format!(
+            "workspaceTemplate.spec.stacks names the stack's own stack {:?}: the template's stacks are added to it, so list only other stacks there",
+            spec.stack
+        ));
+    }
+    let mut ws = WorkspaceSpec {
         service_account_name: spec.service_account_name.clone(),
-        flux,
-        git,
         env,
-        env_from,
         pod_template: Some(EmbeddedPodTemplateSpec {
             metadata: None,
             spec: Some(PodSpec {
@@ -244,25 +264,37 @@ pub(super) fn spec(
                 ..Default::default()
             }),
         }),
-        stacks: vec![WorkspaceStack {
+        ..Default::default()
+    };
+    match source {
+        WorkspaceSource::Flux(flux) => ws.flux = Some(flux),
+        WorkspaceSource::Git(git) => ws.git = Some(*git),
+        WorkspaceSource::ProjectInfo(info) => ws.project_info = Some(info),
+        WorkspaceSource::Template => {}
+    }
+    Ok(Parts {
+        spec: ws,
+        stack: WorkspaceStack {
             name: spec.stack.clone(),
             create: Some(spec.use_local_stack_only != Some(true)),
             secrets_provider: spec.secrets_provider.clone(),
             config,
             environment: spec.environment.clone(),
-        }],
-        ..Default::default()
+        },
+        env_from,
     })
 }
 
 /// The Workspace to apply, named after the stack and controlled by it: the typed object, its
 /// spec merged with the stack's `workspaceTemplate` (labels and annotations from the template's
-/// metadata; the stack's own labels always win).
-pub(super) fn object(
-    stack: &Stack,
-    namespace: &str,
-    spec: WorkspaceSpec,
-) -> Result<Value, StackError> {
+/// metadata; the stack's own labels always win), then the stack's own stack and `envFrom`
+/// appended (see [`Parts`]).
+pub(super) fn object(stack: &Stack, namespace: &str, parts: Parts) -> Result<Value, StackError> {
+    let Parts {
+        spec,
+        stack: own,
+        env_from,
+    } = parts;
     let name = stack.name_any();
     let owner = kit::controller_owner(stack).ok_or(StackError::NoUid("the Stack"))?;
     let mut ws = Workspace::new(&name, spec);
@@ -284,8 +316,37 @@ pub(super) fn object(
     if let Some(overlay) = template.and_then(|t| t.spec.as_ref()) {
         merge::merge(&mut ws["spec"], &serde_json::to_value(overlay)?);
     }
+    append(&mut ws["spec"], "stacks", [serde_json::to_value(own)?]);
+    append(
+        &mut ws["spec"],
+        "envFrom",
+        env_from
+            .iter()
+            .map(serde_json::to_value)
+            .collect::<Result<Vec<_>, _>>()?,
+    );
     strip_nulls(&mut ws["spec"]);
     Ok(ws)
+}
+
+/// Appends `items` to the list `field` of `spec` (made when missing or `null`).
+fn append(spec: &mut Value, field: &str, items: impl IntoIterator<Item = Value>) {
+    let mut items = items.into_iter().peekable();
+    if items.peek().is_none() {
+        return;
+    }
+    let Some(spec) = spec.as_object_mut() else {
+        return;
+    };
+    let list = spec
+        .entry(field)
+        .or_insert_with(|| Value::Array(Vec::new()));
+    if !list.is_array() {
+        *list = Value::Array(Vec::new());
+    }
+    if let Value::Array(list) = list {
+        list.extend(items);
+    }
 }
 
 /// Drops `null` members: what a template's `null` (a deletion) or an unset config value leaves.
@@ -326,6 +387,12 @@ mod tests {
         })
     }
 
+    /// The Workspace JSON the stack applies, as its spec.
+    fn applied(s: &Stack, source: WorkspaceSource) -> Value {
+        let parts = spec(s, "ns", source).expect("spec");
+        object(s, "ns", parts).expect("object")["spec"].clone()
+    }
+
     #[test]
     fn workspace_spec_follows_setup_workspace() {
         let mut s = stack();
@@ -333,7 +400,7 @@ mod tests {
         s.spec.config.insert("greeting".into(), json!("hi"));
         s.spec.secrets.insert("pw".into(), "x".into());
         s.spec.use_local_stack_only = Some(true);
-        let ws = serde_json::to_value(spec(&s, "ns", flux()).expect("spec")).expect("json");
+        let ws = applied(&s, flux());
         assert_eq!(ws["flux"], json!({"url": "u", "digest": "d"}));
         assert_eq!(
             ws["env"][0],
@@ -380,7 +447,7 @@ mod tests {
             .insert("TOKEN".into(), ResourceRef::secret("creds", "t"));
         s.spec.access_token_secret = Some("pulumi".into());
         s.spec.env_secrets = vec!["more".into()];
-        let ws = serde_json::to_value(spec(&s, "ns", flux()).expect("spec")).expect("json");
+        let ws = applied(&s, flux());
         let pod = &ws["podTemplate"]["spec"];
         assert_eq!(pod["volumes"].as_array().map(Vec::len), Some(1));
         assert_eq!(
@@ -412,8 +479,8 @@ mod tests {
             }))
             .expect("template"),
         );
-        let base = spec(&s, "ns", flux()).expect("spec");
-        let ws = object(&s, "ns", base).expect("object");
+        let parts = spec(&s, "ns", flux()).expect("spec");
+        let ws = object(&s, "ns", parts).expect("object");
         assert_eq!(ws["apiVersion"], "auto.pulumi.com/v1alpha1");
         assert_eq!(ws["kind"], "Workspace");
         assert_eq!(
@@ -432,9 +499,73 @@ mod tests {
         );
         assert_eq!(ws["spec"]["flux"], json!({"url": "u", "digest": "d"}));
         s.metadata.uid = None;
-        assert!(matches!(
-            object(&s, "ns", WorkspaceSpec::default()),
-            Err(StackError::NoUid(_))
-        ));
+        let parts = spec(&s, "ns", flux()).expect("spec");
+        assert!(matches!(object(&s, "ns", parts), Err(StackError::NoUid(_))));
+    }
+
+    // PKO's `setupWorkspace`: the template is merged first, then the stack's own stack and its
+    // envs/envSecrets are appended, so a template's `stacks` and `envFrom` add to them.
+    #[test]
+    fn template_stacks_and_env_from_come_first_and_replace_nothing() {
+        let mut s = stack();
+        s.spec.envs = vec!["cm-a".into()];
+        s.spec.env_secrets = vec!["sec-b".into()];
+        s.spec.workspace_template = Some(
+            serde_json::from_value(json!({"spec": {
+                "envFrom": [{"configMapRef": {"name": "cm-c"}}],
+                "env": [{"name": "EXTRA", "value": "1"}],
+                "stacks": [{"name": "extra", "create": true}],
+            }}))
+            .expect("template"),
+        );
+        s.spec.backend = Some("file:///state".into());
+        let ws = applied(&s, flux());
+        assert_eq!(
+            ws["envFrom"],
+            json!([
+                {"configMapRef": {"name": "cm-c"}},
+                {"configMapRef": {"name": "cm-a"}},
+                {"secretRef": {"name": "sec-b"}},
+            ])
+        );
+        let names: Vec<&str> = ws["stacks"]
+            .as_array()
+            .expect("stacks")
+            .iter()
+            .filter_map(|s| s["name"].as_str())
+            .collect();
+        assert_eq!(names, ["extra", "dev"]);
+        // env merges by name, the template's first (strategic merge).
+        assert_eq!(ws["env"][0]["name"], "EXTRA");
+        assert_eq!(ws["env"][1]["name"], "PULUMI_BACKEND_URL");
+        // The template naming the stack's own stack is refused, not doubled.
+        s.spec.workspace_template = Some(
+            serde_json::from_value(json!({"spec": {"stacks": [{"name": "dev", "create": false}]}}))
+                .expect("template"),
+        );
+        let err = spec(&s, "ns", flux()).expect_err("same stack twice");
+        assert!(err.contains("workspaceTemplate.spec.stacks"), "{err}");
+    }
+
+    #[test]
+    fn a_sourceless_stack_takes_the_template_source_and_a_destroy_its_project() {
+        let mut s = stack();
+        s.spec.program_ref = None;
+        s.spec.workspace_template = Some(
+            serde_json::from_value(json!({"spec": {"image": "app", "local": {"dir": "/app"}}}))
+                .expect("template"),
+        );
+        let ws = applied(&s, WorkspaceSource::Template);
+        assert_eq!(ws["local"], json!({"dir": "/app"}));
+        assert!(ws.get("flux").is_none() && ws.get("git").is_none());
+        s.spec.workspace_template = None;
+        let info = pko_api::common::ProjectInfo {
+            name: "p".into(),
+            runtime: "yaml".into(),
+        };
+        let ws = applied(&s, WorkspaceSource::ProjectInfo(info));
+        assert_eq!(ws["projectInfo"], json!({"name": "p", "runtime": "yaml"}));
+        assert!(ws.get("flux").is_none());
+        assert_eq!(ws["stacks"][0]["name"], "dev");
     }
 }
