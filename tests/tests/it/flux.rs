@@ -101,7 +101,8 @@ async fn a_new_artifact_of_a_watched_flux_source_runs_its_stacks() {
             );
         }
     }
-    // Both kinds are watched once listed; the OCIRepository at the version served first.
+    // Both kinds are watched; the OCIRepository at the version the apiserver prefers (v1),
+    // though its Stack names v1beta2.
     let log = wait_for("both kinds to be watched", WAIT, || async {
         let log = e.operator.log_text();
         (log.contains("watching Flux sources")
