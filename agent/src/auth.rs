@@ -1,15 +1,29 @@
-//! Authentication of the operator's calls.
+//! Authentication of the operator's calls, in one of three modes (`serve --auth-mode`).
 //!
-//! PKO's agent checks a Kubernetes token with TokenReview + SubjectAccessReview, over plaintext
-//! gRPC; every workspace service account then needs a cluster-wide `system:auth-delegator`
-//! binding, and the bearer token crosses the network in clear. Here the operator mints, per
-//! Workspace, a random bearer token and a self-signed TLS certificate, stores them in a Secret
-//! of the Workspace's namespace and mounts that Secret into the pod: the agent serves TLS with
-//! that certificate and accepts only that token; the operator pins that certificate. No
-//! apiserver call is needed on either side, and a token opens exactly one workspace.
+//! * `token` (pko-rs's default): PKO's agent checks a Kubernetes token with TokenReview +
+//!   SubjectAccessReview, over plaintext gRPC; every workspace service account then needs a
+//!   cluster-wide `system:auth-delegator` binding, and the bearer token crosses the network in
+//!   clear. Here the operator mints, per Workspace, a random bearer token and a self-signed TLS
+//!   certificate, stores them in a Secret of the Workspace's namespace and mounts that Secret
+//!   into the pod: the agent serves TLS with that certificate and accepts only that token; the
+//!   operator pins that certificate. No apiserver call is needed on either side, and a token
+//!   opens exactly one workspace.
+//! * `kube` (PKO's, which PKO's manager starts every agent with): the token is reviewed by the
+//!   apiserver ([`crate::kubeauth`]).
+//! * `none`: every call is accepted (local development only).
+//!
+//! [`Authenticated`] wraps the gRPC service and checks every call before it reaches it.
 
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use tonic::body::Body;
+use tonic::codegen::{BoxFuture, Context, Poll, Service, http};
+use tonic::server::NamedService;
+
+use crate::kubeauth::KubeAuth;
+use tonic::Status;
 use tonic::metadata::MetadataMap;
-use tonic::{Request, Status};
 
 /// Checks `authorization: Bearer <token>` on every call.
 #[derive(Clone)]
@@ -45,10 +59,82 @@ impl TokenAuth {
     }
 }
 
+/// [`TokenAuth`] as a tonic interceptor (for a server that needs no other mode).
 impl tonic::service::Interceptor for TokenAuth {
-    fn call(&mut self, request: Request<()>) -> Result<Request<()>, Status> {
+    fn call(&mut self, request: tonic::Request<()>) -> Result<tonic::Request<()>, Status> {
         self.check(request.metadata())?;
         Ok(request)
+    }
+}
+
+/// How calls are checked.
+pub enum Auth {
+    None,
+    Token(TokenAuth),
+    Kube(Box<KubeAuth>),
+}
+
+impl Auth {
+    /// Checks one call's headers.
+    pub async fn check(&self, headers: &http::HeaderMap) -> Result<(), Status> {
+        match self {
+            Auth::None => Ok(()),
+            Auth::Token(token) => token.check(&MetadataMap::from_headers(headers.clone())),
+            Auth::Kube(kube) => {
+                let header = headers
+                    .get(http::header::AUTHORIZATION)
+                    .and_then(|v| v.to_str().ok());
+                kube.check(header).await.map(|_| ())
+            }
+        }
+    }
+}
+
+/// The gRPC service behind [`Auth`]: a refused call is answered with its status and never
+/// reaches the service.
+#[derive(Clone)]
+pub struct Authenticated<S> {
+    inner: S,
+    auth: Arc<Auth>,
+}
+
+impl<S> Authenticated<S> {
+    pub fn new(inner: S, auth: Arc<Auth>) -> Self {
+        Self { inner, auth }
+    }
+}
+
+impl<S: NamedService> NamedService for Authenticated<S> {
+    const NAME: &'static str = S::NAME;
+}
+
+impl<S> Service<http::Request<Body>> for Authenticated<S>
+where
+    S: Service<http::Request<Body>, Response = http::Response<Body>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = http::Response<Body>;
+    type Error = Infallible;
+    type Future = BoxFuture<Self::Response, Self::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+        // The service that was polled ready serves this call; a clone takes its place.
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let auth = self.auth.clone();
+        Box::pin(async move {
+            match auth.check(request.headers()).await {
+                Ok(()) => inner.call(request).await,
+                Err(status) => Ok(status.into_http()),
+            }
+        })
     }
 }
 

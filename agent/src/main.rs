@@ -1,4 +1,6 @@
-//! `pko-agent`: the workspace agent binary (`serve`, `init`, `install-self`).
+//! `pko-agent`: the workspace agent binary (`serve`, `init`, `install-self`, `version`; as
+//! `tini`, the workspace container's PID 1). It also takes PKO's agent command lines, so PKO's
+//! manager can run it in place of its own agent.
 #![allow(
     clippy::disallowed_methods,
     reason = "main reads the environment once and passes the values down"
@@ -10,13 +12,15 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand, ValueEnum};
-use pko_agent::auth::TokenAuth;
+use pko_agent::auth::{Auth, Authenticated, TokenAuth};
 use pko_agent::git;
 use pko_agent::init::{self, FluxFetch};
+use pko_agent::kubeauth::{ApiServer, InCluster, KubeAuth, KubeAuthOptions};
 use pko_agent::limits::{self, Limits};
 use pko_agent::proto::automation_service_server::AutomationServiceServer;
 use pko_agent::pulumi::Cli;
 use pko_agent::server::{self, Agent};
+use pko_agent::tini;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -26,6 +30,16 @@ struct Args {
     /// Log level or RUST_LOG-style filter.
     #[arg(long, global = true, env = "AGENT_LOG_LEVEL", default_value = "info")]
     log_level: String,
+    /// Debug logging (PKO's agent flag; the same as --log-level=debug).
+    #[arg(short = 'v', long, global = true)]
+    verbose: bool,
+    /// Kubeconfig of the Kubernetes API that `--auth-mode kube` reviews tokens with (PKO's
+    /// agent flag); without it, `$KUBECONFIG`, then the pod's service account.
+    #[arg(long, global = true, env = "KUBECONFIG")]
+    kubeconfig: Option<String>,
+    /// Context of --kubeconfig to use instead of its current context.
+    #[arg(long, global = true)]
+    context: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -41,6 +55,8 @@ enum Command {
         /// Destination file.
         dest: PathBuf,
     },
+    /// Print the version (PKO's agent subcommand).
+    Version,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -49,6 +65,10 @@ enum AuthMode {
     Token,
     /// Accept every call (local development only).
     None,
+    /// PKO's: review the caller's token with the Kubernetes API (TokenReview for
+    /// --kube-audience, then a SubjectAccessReview for `use` of `workspaces/rpc` of the
+    /// workspace); plaintext gRPC.
+    Kube,
 }
 
 #[derive(clap::Args, Debug)]
@@ -68,6 +88,15 @@ struct ServeArgs {
     /// The bearer token itself (prefer --auth-token-file).
     #[arg(long, env = "AGENT_AUTH_TOKEN", hide_env_values = true)]
     auth_token: Option<String>,
+    /// `--auth-mode kube`: an audience the caller's token must have (`<ws>.<ns>`); repeatable.
+    #[arg(long = "kube-audience")]
+    kube_audiences: Vec<String>,
+    /// `--auth-mode kube`: the Workspace's namespace (the access review's).
+    #[arg(long, env = "WORKSPACE_NAMESPACE")]
+    kube_workspace_namespace: Option<String>,
+    /// `--auth-mode kube`: the Workspace's name (the access review's).
+    #[arg(long, env = "WORKSPACE_NAME")]
+    kube_workspace_name: Option<String>,
     /// PEM certificate to serve TLS with (with --tls-key-file); plaintext when absent.
     #[arg(long, env = "AGENT_TLS_CERT_FILE")]
     tls_cert_file: Option<PathBuf>,
@@ -185,24 +214,97 @@ struct InitArgs {
     dir: Option<String>,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
+fn main() -> std::process::ExitCode {
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    // PKO's container command runs `/share/tini /share/agent -- serve …`: this binary copied as
+    // `tini` is that PID 1, and needs no runtime of its own.
+    if argv.first().is_some_and(|a| tini::invoked_as_tini(a)) {
+        let code = tini::main(argv.get(1..).unwrap_or_default());
+        return std::process::ExitCode::from(u8::try_from(code).unwrap_or(1));
+    }
+    let args = Args::parse_from(agent_argv(argv));
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("pko-agent: cannot start the runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(args)) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("Error: {e:?}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+/// The command line without a `--` right before the subcommand (`agent -- serve …`, which a
+/// tini that keeps its separator passes on).
+fn agent_argv(mut argv: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+    if argv.get(1).is_some_and(|a| a == "--") {
+        argv.remove(1);
+    }
+    argv
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
+    let level = if args.verbose {
+        "debug"
+    } else {
+        args.log_level.as_str()
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_new(&args.log_level)
-                .context("invalid --log-level")?,
+            tracing_subscriber::EnvFilter::try_new(level).context("invalid --log-level")?,
         )
         .with_writer(std::io::stderr)
         .with_ansi(false)
         .init();
     // rustls needs one process-wide crypto provider; ring is the one linked.
     let _ = rustls::crypto::ring::default_provider().install_default();
+    let kube = KubeAccess {
+        kubeconfig: args.kubeconfig.as_deref().and_then(first_kubeconfig),
+        context: args.context.clone(),
+        in_cluster: InCluster {
+            host: std::env::var("KUBERNETES_SERVICE_HOST").ok(),
+            port: std::env::var("KUBERNETES_SERVICE_PORT").ok(),
+        },
+        pod_service_account: std::env::var("POD_NAMESPACE")
+            .ok()
+            .zip(std::env::var("POD_SA_NAME").ok()),
+    };
     match args.command {
-        Command::Serve(a) => serve(a).await,
+        Command::Serve(a) => serve(a, kube).await,
         Command::Init(a) => run_init(a).await,
         Command::InstallSelf { dest } => install_self(&dest),
+        Command::Version => {
+            println!("pko-agent {}", pko_agent::VERSION);
+            Ok(())
+        }
     }
+}
+
+/// Where `--auth-mode kube` finds the Kubernetes API (read from the command line and the
+/// environment in `main`).
+struct KubeAccess {
+    kubeconfig: Option<PathBuf>,
+    context: Option<String>,
+    in_cluster: InCluster,
+    pod_service_account: Option<(String, String)>,
+}
+
+/// The first file of a `KUBECONFIG`-style list that exists (client-go merges them; one file
+/// with the cluster and credentials is what an agent needs).
+fn first_kubeconfig(list: &str) -> Option<PathBuf> {
+    let paths: Vec<PathBuf> = std::env::split_paths(list)
+        .filter(|p| !p.as_os_str().is_empty())
+        .collect();
+    paths
+        .iter()
+        .find(|p| p.is_file())
+        .or(paths.first())
+        .cloned()
 }
 
 fn install_self(dest: &Path) -> anyhow::Result<()> {
@@ -293,26 +395,10 @@ fn read_env_file(path: &Path) -> anyhow::Result<Vec<(String, String)>> {
         .collect())
 }
 
-async fn serve(a: ServeArgs) -> anyhow::Result<()> {
+async fn serve(a: ServeArgs, kube: KubeAccess) -> anyhow::Result<()> {
     let workdir = std::fs::canonicalize(&a.workspace)
         .with_context(|| format!("workspace {}", a.workspace.display()))?;
-    let token = match (a.auth_mode, &a.auth_token_file, &a.auth_token) {
-        (AuthMode::None, _, _) => {
-            warn!("--auth-mode none: every caller is accepted");
-            None
-        }
-        (AuthMode::Token, Some(file), _) => Some(
-            std::fs::read_to_string(file)
-                .with_context(|| format!("reading the token {}", file.display()))?,
-        ),
-        (AuthMode::Token, None, Some(token)) => Some(token.clone()),
-        (AuthMode::Token, None, None) => {
-            bail!("--auth-mode token needs --auth-token-file or AGENT_AUTH_TOKEN")
-        }
-    };
-    if token.as_deref().is_some_and(|t| t.trim().is_empty()) {
-        bail!("the bearer token is empty");
-    }
+    let auth = auth_of(&a, &kube)?;
     let env = match &a.env_file {
         Some(path) => read_env_file(path)?,
         None => Vec::new(),
@@ -372,11 +458,11 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         .with_context(|| format!("listening on {addr}"))?;
     let local = listener.local_addr().context("listener address")?;
     info!(address = %local, instance = agent.instance(), "serving");
-    let service = tonic::service::interceptor::InterceptedService::new(
+    let service = Authenticated::new(
         AutomationServiceServer::new(agent)
             .max_decoding_message_size(limits::MAX_MESSAGE_BYTES)
             .max_encoding_message_size(limits::MAX_MESSAGE_BYTES),
-        TokenAuth::new(token),
+        std::sync::Arc::new(auth),
     );
 
     let stop = shutdown.clone();
@@ -394,6 +480,60 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     signals.abort();
     info!("stopped");
     Ok(())
+}
+
+/// How calls are checked, from `--auth-mode` and its flags.
+fn auth_of(a: &ServeArgs, kube: &KubeAccess) -> anyhow::Result<Auth> {
+    match a.auth_mode {
+        AuthMode::None => {
+            warn!("--auth-mode none: every caller is accepted");
+            Ok(Auth::None)
+        }
+        AuthMode::Token => {
+            let token = match (&a.auth_token_file, &a.auth_token) {
+                (Some(file), _) => std::fs::read_to_string(file)
+                    .with_context(|| format!("reading the token {}", file.display()))?,
+                (None, Some(token)) => token.clone(),
+                (None, None) => {
+                    bail!("--auth-mode token needs --auth-token-file or AGENT_AUTH_TOKEN")
+                }
+            };
+            if token.trim().is_empty() {
+                bail!("the bearer token is empty");
+            }
+            Ok(Auth::Token(TokenAuth::new(Some(token))))
+        }
+        AuthMode::Kube => {
+            let options = KubeAuthOptions {
+                audiences: a.kube_audiences.clone(),
+                workspace_namespace: a.kube_workspace_namespace.clone().unwrap_or_default(),
+                workspace_name: a.kube_workspace_name.clone().unwrap_or_default(),
+                pod_service_account: kube.pod_service_account.clone(),
+            };
+            // PKO's agent refuses to start without these, with the same messages.
+            if options.audiences.iter().all(|x| x.trim().is_empty()) {
+                bail!("--kube-audience is required when auth mode is kubernetes");
+            }
+            if options.workspace_namespace.is_empty() {
+                bail!("--kube-workspace-namespace is required when auth mode is kubernetes");
+            }
+            if options.workspace_name.is_empty() {
+                bail!("--kube-workspace-name is required when auth mode is kubernetes");
+            }
+            let api = ApiServer::configure(
+                kube.kubeconfig.as_deref(),
+                kube.context.as_deref(),
+                &kube.in_cluster,
+            )
+            .context("unable to load the kubeconfig")?;
+            info!(
+                audiences = ?options.audiences,
+                workspace = %format!("{}/{}", options.workspace_namespace, options.workspace_name),
+                "activated the Kubernetes authorization mode"
+            );
+            Ok(Auth::Kube(Box::new(KubeAuth::new(api, options))))
+        }
+    }
 }
 
 async fn wait_for_signal() {

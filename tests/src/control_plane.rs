@@ -291,6 +291,11 @@ impl ControlPlane {
         self.server_url.clone()
     }
 
+    /// The apiserver's CA certificate (PEM).
+    pub fn ca_path(&self) -> PathBuf {
+        self.dir().join("pki").join("ca.crt")
+    }
+
     /// The built kubectl with `--kubeconfig` set.
     pub fn kubectl(&self) -> Command {
         let mut cmd = Command::new(&self.kubectl_path);
@@ -791,7 +796,12 @@ fn write_state_files(dir: &Path, pki: &pki::Pki, token: &str) -> Result<(), Harn
     )
 }
 
-fn write_kubeconfig(path: &Path, server: &str, ca: &Path, token: &str) -> Result<(), HarnessError> {
+pub(crate) fn write_kubeconfig(
+    path: &Path,
+    server: &str,
+    ca: &Path,
+    token: &str,
+) -> Result<(), HarnessError> {
     // JSON strings are valid YAML scalars and need no further escaping.
     let quote = |s: &str| serde_json::Value::String(s.to_string()).to_string();
     let text = format!(

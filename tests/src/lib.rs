@@ -26,6 +26,7 @@ pub mod fifo;
 pub mod fixtures;
 pub mod flux;
 pub mod gitrepo;
+pub mod kubeauth;
 pub mod kubelet;
 pub mod measure;
 pub mod operator;

@@ -27,5 +27,22 @@ pub const DEFAULT_PORT: u16 = 50051;
 /// client can tell that the agent restarted (and lost what it was told) since its last call.
 pub const INSTANCE_HEADER: &str = "x-pko-agent-instance";
 
+/// The features an agent of this release lists in its `Capabilities` answer.
+pub mod features {
+    /// `SetEnvironmentVariables`: the environment of every later Pulumi command, without a
+    /// restart.
+    pub const SET_ENVIRONMENT_VARIABLES: &str = "set-environment-variables";
+    /// `RefreshRequest.preview_only` (field 6) is honoured.
+    pub const REFRESH_PREVIEW_ONLY: &str = "refresh-preview-only";
+    /// Every answer carries [`super::INSTANCE_HEADER`].
+    pub const INSTANCE_HEADER: &str = "instance-header";
+    /// All of them.
+    pub const ALL: [&str; 3] = [
+        SET_ENVIRONMENT_VARIABLES,
+        REFRESH_PREVIEW_ONLY,
+        INSTANCE_HEADER,
+    ];
+}
+
 /// Largest gRPC message, both ways, on both ends (agent server and operator client).
 pub const MAX_MESSAGE_BYTES: usize = 16 * 1024 * 1024;

@@ -322,6 +322,19 @@ impl AutomationService for Agent {
         )
     }
 
+    async fn capabilities(
+        &self,
+        _request: Request<pb::CapabilitiesRequest>,
+    ) -> Result<Response<pb::CapabilitiesResult>, Status> {
+        Ok(self.respond(pb::CapabilitiesResult {
+            agent: format!("pko-agent {}", crate::VERSION),
+            features: pko_agent_api::features::ALL
+                .iter()
+                .map(|f| (*f).to_owned())
+                .collect(),
+        }))
+    }
+
     async fn pulumi_version(
         &self,
         _request: Request<pb::PulumiVersionRequest>,

@@ -473,6 +473,16 @@ impl AutomationService for StubAgent {
     ) -> Result<Response<pb::SetEnvironmentVariablesResult>, Status> {
         Ok(Response::new(pb::SetEnvironmentVariablesResult {}))
     }
+
+    async fn capabilities(
+        &self,
+        _request: Request<pb::CapabilitiesRequest>,
+    ) -> Result<Response<pb::CapabilitiesResult>, Status> {
+        Ok(Response::new(pb::CapabilitiesResult {
+            agent: "stub".into(),
+            features: vec![pko_agent::features::SET_ENVIRONMENT_VARIABLES.into()],
+        }))
+    }
 }
 
 /// The stub serving on a loopback port; stops on drop.

@@ -33,6 +33,7 @@ mod flux;
 mod harness_smoke;
 mod helm;
 mod image;
+mod interop;
 mod leader;
 mod logs;
 mod metrics;
