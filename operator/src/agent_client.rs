@@ -1,13 +1,17 @@
 //! Reaching workspace agents: per-workspace credentials (bearer token + TLS key pair, minted
-//! here, kept in a Secret the pod mounts) and cached gRPC connections.
+//! here, kept in a Secret the pod mounts) and cached gRPC connections. Under PKO's contract
+//! (`controller/workspace/compat.rs`) the agent is called over plaintext with a token of the
+//! operator's own service account for the workspace's audience, minted by TokenRequest and
+//! cached until five minutes before it expires, as PKO's manager does.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use k8s_openapi::ByteString;
 use k8s_openapi::api::apps::v1::StatefulSet;
-use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+use k8s_openapi::api::core::v1::{Secret, ServiceAccount};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Api, PostParams};
 use kube::{Client, ResourceExt};
@@ -34,6 +38,60 @@ pub enum AgentError {
     NoDevPort(String),
     #[error(transparent)]
     Connect(#[from] ConnectError),
+    #[error(
+        "the workspace asks for PKO's auth mode, but the operator does not know its own service account: set --service-account-name (POD_SA_NAME) and --service-account-namespace (POD_NAMESPACE)"
+    )]
+    NoServiceAccount,
+    #[error(
+        "the apiserver minted no token of the service account {account} for audience {audience}"
+    )]
+    NoToken { account: String, audience: String },
+    #[error(
+        "cannot mint a token of the service account {account} for audience {audience}: {source}"
+    )]
+    TokenRequest {
+        account: String,
+        audience: String,
+        #[source]
+        source: kube::Error,
+    },
+}
+
+/// How the operator proves itself to one workspace's agent.
+#[derive(Clone, Debug)]
+pub enum AgentAuth {
+    /// pko-rs's: TLS pinned to the workspace's certificate, its random token.
+    Pinned(Credentials),
+    /// PKO's: plaintext, a token of the operator's service account for this audience.
+    Kube { audience: String },
+}
+
+/// The operator's service account, whose tokens PKO-mode agents review.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServiceAccountRef {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl std::fmt::Display for ServiceAccountRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// A token is renewed this long before it expires (PKO's leeway).
+const TOKEN_LEEWAY: Duration = Duration::from_secs(300);
+/// Tokens asked for live this long.
+const TOKEN_LIFETIME_SECONDS: i64 = 3600;
+/// A cached token unused this long is dropped (PKO prunes after two hours).
+const TOKEN_UNUSED: Duration = Duration::from_secs(2 * 3600);
+
+/// One cached token: its text, when it must be renewed, when it was last used.
+struct CachedToken {
+    token: String,
+    renew_at: Instant,
+    expires_at: Instant,
+    used: Instant,
 }
 
 /// The agent credentials of one workspace.
@@ -50,17 +108,104 @@ pub struct Agents {
     client: Client,
     localhost: Option<String>,
     cache: Mutex<HashMap<String, (String, AgentClient)>>,
+    service_account: Option<ServiceAccountRef>,
+    /// Audience → token of [`Self::service_account`].
+    tokens: Mutex<HashMap<String, CachedToken>>,
 }
 
 impl Agents {
     /// `localhost`: PKO's `WORKSPACE_LOCALHOST` (development): `host:port` sends every call
     /// there; a bare `host` uses the port the development kubelet annotates.
-    pub fn new(client: Client, localhost: Option<String>) -> Self {
+    /// `service_account`: the operator's own, for PKO's auth mode.
+    pub fn new(
+        client: Client,
+        localhost: Option<String>,
+        service_account: Option<ServiceAccountRef>,
+    ) -> Self {
         Self {
             client,
             localhost: localhost.filter(|l| !l.is_empty()),
             cache: Mutex::new(HashMap::new()),
+            service_account,
+            tokens: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// The operator's service account, if known.
+    pub fn service_account(&self) -> Option<&ServiceAccountRef> {
+        self.service_account.as_ref()
+    }
+
+    /// A token of the operator's service account for `audience`: the cached one until five
+    /// minutes before it expires, then a new one (the old one while it lasts if the apiserver
+    /// cannot mint one).
+    pub async fn token_for(&self, audience: &str) -> Result<String, AgentError> {
+        let account = self
+            .service_account
+            .clone()
+            .ok_or(AgentError::NoServiceAccount)?;
+        let now = Instant::now();
+        let stale = {
+            let mut tokens = self.tokens_lock();
+            tokens.retain(|_, t| now.duration_since(t.used) < TOKEN_UNUSED);
+            match tokens.get_mut(audience) {
+                Some(t) if now < t.renew_at => {
+                    t.used = now;
+                    return Ok(t.token.clone());
+                }
+                Some(t) if now < t.expires_at => Some(t.token.clone()),
+                _ => None,
+            }
+        };
+        let api: Api<ServiceAccount> = Api::namespaced(self.client.clone(), &account.namespace);
+        let request = TokenRequest {
+            spec: TokenRequestSpec {
+                audiences: vec![audience.to_owned()],
+                expiration_seconds: Some(TOKEN_LIFETIME_SECONDS),
+                bound_object_ref: None,
+            },
+            ..TokenRequest::default()
+        };
+        let minted = match api
+            .create_token_request(&account.name, &PostParams::default(), &request)
+            .await
+        {
+            Ok(minted) => minted,
+            Err(e) => {
+                return stale.ok_or_else(|| AgentError::TokenRequest {
+                    account: account.to_string(),
+                    audience: audience.to_owned(),
+                    source: e,
+                });
+            }
+        };
+        let Some(status) = minted.status else {
+            return stale.ok_or_else(|| AgentError::NoToken {
+                account: account.to_string(),
+                audience: audience.to_owned(),
+            });
+        };
+        // What the apiserver granted (it may shorten the lifetime asked for); a time already
+        // past counts as none.
+        let lifetime = status
+            .expiration_timestamp
+            .0
+            .duration_since(jiff::Timestamp::now());
+        let lifetime = Duration::try_from(lifetime).unwrap_or_default();
+        let cached = CachedToken {
+            token: status.token.clone(),
+            renew_at: now + lifetime.saturating_sub(TOKEN_LEEWAY),
+            expires_at: now + lifetime,
+            used: now,
+        };
+        self.tokens_lock().insert(audience.to_owned(), cached);
+        Ok(status.token)
+    }
+
+    fn tokens_lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, CachedToken>> {
+        self.tokens
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Reads the workspace's credentials Secret, creating it (owned by the Workspace) if missing.
@@ -132,23 +277,40 @@ impl Agents {
         workspace: &str,
         namespace: &str,
         address: &str,
-        credentials: &Credentials,
+        auth: &AgentAuth,
     ) -> Result<AgentClient, AgentError> {
         let key = format!("{namespace}/{workspace}");
-        let identity = format!("{address}|{}", credentials.fingerprint);
+        let target = match auth {
+            AgentAuth::Pinned(credentials) => Target {
+                address: address.to_owned(),
+                ca_pem: Some(credentials.cert_pem.clone()),
+                server_name: Some(pod::server_name(workspace, namespace)),
+                token: Some(credentials.token.clone()),
+                connect_timeout: Duration::from_secs(5),
+            },
+            AgentAuth::Kube { audience } => Target {
+                address: address.to_owned(),
+                ca_pem: None,
+                server_name: None,
+                token: Some(self.token_for(audience).await?),
+                connect_timeout: Duration::from_secs(5),
+            },
+        };
+        // A renewed token or re-minted credentials make a new connection.
+        let secret = match auth {
+            AgentAuth::Pinned(c) => c.fingerprint.clone(),
+            AgentAuth::Kube { .. } => {
+                let token = target.token.as_deref().unwrap_or_default();
+                hex::encode(Sha256::digest(token.as_bytes()))[..16].to_owned()
+            }
+        };
+        let identity = format!("{address}|{secret}");
         if let Some((id, client)) = self.lock().get(&key)
             && *id == identity
         {
             return Ok(client.clone());
         }
-        let client = connect(&Target {
-            address: address.to_owned(),
-            ca_pem: Some(credentials.cert_pem.clone()),
-            server_name: Some(pod::server_name(workspace, namespace)),
-            token: Some(credentials.token.clone()),
-            connect_timeout: Duration::from_secs(5),
-        })
-        .await?;
+        let client = connect(&target).await?;
         self.lock().insert(key, (identity, client.clone()));
         Ok(client)
     }

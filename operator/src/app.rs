@@ -187,7 +187,14 @@ impl App {
             kit,
             ctx,
             concurrency: args.max_concurrent_reconciles,
-            execution_args: args.execution.clone(),
+            execution_args: {
+                // The operator's service account lives in its own namespace unless told.
+                let mut execution = args.execution.clone();
+                if execution.service_account_namespace.is_none() {
+                    execution.service_account_namespace = env.pod_namespace.clone();
+                }
+                execution
+            },
             scope,
             egress: watches.egress,
             file_server: served.file_server,

@@ -19,12 +19,19 @@ impl Execution {
     /// A namespace named after `prefix`, its kubelet, and an operator watching it (workspace
     /// agents reached on loopback) with `operator_args` added.
     pub async fn start(prefix: &str, operator_args: &[&str]) -> Self {
+        Self::start_with(prefix, |_| {
+            operator_args.iter().map(|a| (*a).to_owned()).collect()
+        })
+        .await
+    }
+
+    /// [`Self::start`] with the operator's extra arguments made from the namespace's name.
+    pub async fn start_with(prefix: &str, operator_args: impl FnOnce(&str) -> Vec<String>) -> Self {
         let plane = ControlPlane::shared().await;
         let ns = plane.namespace(prefix).await.expect("namespace");
         let tmp = tempfile::tempdir().expect("tmp");
         std::fs::create_dir_all(tmp.path().join("backend")).expect("backend");
-        let kubelet =
-            Kubelet::start(plane.client(), &ns, &tmp.path().join("pods")).expect("kubelet");
+        let kubelet = Kubelet::start_on(plane, &ns, &tmp.path().join("pods")).expect("kubelet");
         let operator = Operator::start(
             plane,
             OperatorOptions {
@@ -34,7 +41,7 @@ impl Execution {
                     "--workspace-localhost=127.0.0.1".into(),
                 ]
                 .into_iter()
-                .chain(operator_args.iter().map(|a| (*a).to_owned()))
+                .chain(operator_args(&ns))
                 .collect(),
             },
         )

@@ -11,6 +11,14 @@
 //! reported in the Pod status (as `FallbackToLogsOnError` does) and retried; an agent that dies
 //! is restarted; a new pod template revision replaces the pod; a StatefulSet whose Workspace is
 //! gone is deleted (standing in for the garbage collector).
+//!
+//! Images are folders of the files the pods here run from them: pko-rs's images hold the agent
+//! at `/usr/local/bin/pko-agent`, `/agent` and `/tini`; PKO's image (any image named
+//! `…pulumi-kubernetes-operator…`) holds PKO's real agent (built by `tools/build.sh pko`) at
+//! `/agent` and, at `/tini`, pko-rs's agent, which acts as tini when called so (PKO's tini is
+//! not built here). Other commands (`cp`, `sh`, `ln`) are the host's; a `sh -c` script has its
+//! mount paths mapped like any argument. Each pod gets, as `KUBECONFIG`, a token of its service
+//! account where the kubelet would mount one (when that account exists).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -27,12 +35,14 @@ use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
 use crate::agent::{POD_MARKER, agent_binary, free_port, kill_marked};
+use crate::kubeauth;
 use crate::process::log_tail;
-use crate::{ChildGuard, HarnessError, spawn_guarded, tool_dir};
+use crate::{ChildGuard, ControlPlane, HarnessError, spawn_guarded, tool_dir};
 
 const COMPONENT_SELECTOR: &str = "auto.pulumi.com/component=workspace";
 const DEV_PORT_ANNOTATION: &str = "pko-rs.dev/dev-agent-port";
-const AGENT_IN_IMAGE: &str = "/usr/local/bin/pko-agent";
+/// What marks PKO's image (`pulumi/pulumi-kubernetes-operator:v2.9.0`, a mirror of it).
+const PKO_IMAGE_NAME: &str = "pulumi-kubernetes-operator";
 const INIT_TIMEOUT: Duration = Duration::from_secs(120);
 const INIT_RETRY: Duration = Duration::from_secs(10);
 const TICK: Duration = Duration::from_millis(300);
@@ -73,9 +83,33 @@ pub struct Kubelet {
 impl Kubelet {
     /// Starts supervising workspace StatefulSets of `namespace`; pod folders go under `dir`.
     pub fn start(client: Client, namespace: &str, dir: &Path) -> Result<Self, HarnessError> {
+        Self::start_with(client, namespace, dir, None)
+    }
+
+    /// [`Self::start`] on `plane`, whose pods get a token of their service account (an agent
+    /// serving `--auth-mode kube` reviews tokens with it).
+    pub fn start_on(
+        plane: &ControlPlane,
+        namespace: &str,
+        dir: &Path,
+    ) -> Result<Self, HarnessError> {
+        let api = ApiAccess {
+            server: plane.server_url(),
+            ca: plane.ca_path(),
+        };
+        Self::start_with(plane.client(), namespace, dir, Some(api))
+    }
+
+    fn start_with(
+        client: Client,
+        namespace: &str,
+        dir: &Path,
+        api: Option<ApiAccess>,
+    ) -> Result<Self, HarnessError> {
         std::fs::create_dir_all(dir)
             .map_err(|e| HarnessError::io(format!("creating {}", dir.display()), e))?;
-        let env = ImageEnv::new()?;
+        let mut env = ImageEnv::new(dir)?;
+        env.api = api;
         let state = Arc::new(Mutex::new(State::default()));
         let task = tokio::spawn(run(
             client,
@@ -151,17 +185,63 @@ impl Drop for Kubelet {
 
 /// What the workspace image provides: the pulumi CLI and YAML host on PATH, the Kubernetes
 /// provider installed in `~/.pulumi/plugins` (as images that bundle providers do), and no
-/// update checks or plugin downloads (the tests are offline).
+/// update checks or plugin downloads (the tests are offline); and the files of the agent
+/// images, one folder each.
 #[derive(Clone)]
 struct ImageEnv {
     path: String,
-    agent: PathBuf,
     /// (plugin folder name, binary) of each provider the image has installed.
     providers: Vec<(String, PathBuf)>,
+    /// pko-rs's images.
+    ours: PathBuf,
+    /// PKO's image, when PKO's agent is built.
+    pko: Option<PathBuf>,
+    /// The apiserver the pods' service-account kubeconfigs name.
+    api: Option<ApiAccess>,
+}
+
+/// Where the apiserver is, for a pod's kubeconfig.
+#[derive(Clone)]
+struct ApiAccess {
+    server: String,
+    ca: PathBuf,
+}
+
+/// Makes an image folder: each (path in the image, host file) as a link there, so `cp` copies
+/// the file under its name in the image.
+fn image_root(root: &Path, files: &[(&str, &Path)]) -> Result<PathBuf, HarnessError> {
+    for (inside, host) in files {
+        let link = root.join(inside.trim_start_matches('/'));
+        if let Some(parent) = link.parent() {
+            std::fs::create_dir_all(parent)
+                .map_err(|e| HarnessError::io(format!("creating {}", parent.display()), e))?;
+        }
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(host, &link)
+            .map_err(|e| HarnessError::io(format!("linking {}", link.display()), e))?;
+    }
+    Ok(root.to_path_buf())
 }
 
 impl ImageEnv {
-    fn new() -> Result<Self, HarnessError> {
+    fn new(dir: &Path) -> Result<Self, HarnessError> {
+        let agent = agent_binary()?;
+        let ours = image_root(
+            &dir.join("images/pko-rs"),
+            &[
+                ("/usr/local/bin/pko-agent", agent.as_path()),
+                ("/agent", agent.as_path()),
+                ("/tini", agent.as_path()),
+            ],
+        )?;
+        let pko_agent = tool_dir("pko").ok().map(|d| d.join("pko-agent"));
+        let pko = match pko_agent.filter(|a| a.is_file()) {
+            Some(pko_agent) => Some(image_root(
+                &dir.join("images/pko"),
+                &[("/agent", pko_agent.as_path()), ("/tini", agent.as_path())],
+            )?),
+            None => None,
+        };
         let bin = tool_dir("pulumi")?;
         let mut providers = Vec::new();
         let kubernetes = bin.join("pulumi-resource-kubernetes");
@@ -179,9 +259,22 @@ impl ImageEnv {
                 bin.display(),
                 std::env::var("PATH").unwrap_or_else(|_| "/usr/bin:/bin".into())
             ),
-            agent: agent_binary()?,
             providers,
+            ours,
+            pko,
+            api: None,
         })
+    }
+
+    /// The folder of `image`'s files.
+    fn root_of(&self, image: Option<&str>) -> Result<&Path, HarnessError> {
+        if image.is_some_and(|i| i.contains(PKO_IMAGE_NAME)) {
+            return self.pko.as_deref().ok_or_else(|| HarnessError::Missing {
+                what: "PKO's agent (pko-agent in `tools/build.sh dir pko`): run `make tools`"
+                    .into(),
+            });
+        }
+        Ok(&self.ours)
     }
 
     /// Lays the image's providers out in `home` as `pulumi plugin install` does (linked, not
@@ -855,18 +948,37 @@ async fn container_command(
             set(&mut env, e.name.clone(), map_path(&v));
         }
     }
+    if let Some(kubeconfig) = service_account_kubeconfig(client, namespace, spec, dir, image).await
+    {
+        set(
+            &mut env,
+            "KUBECONFIG".into(),
+            kubeconfig.display().to_string(),
+        );
+    }
+    let root = image.root_of(c.image.as_deref())?;
+    let in_image = |s: String| -> String {
+        let file = root.join(s.trim_start_matches('/'));
+        if s.starts_with('/') && file.symlink_metadata().is_ok() {
+            file.display().to_string()
+        } else {
+            s
+        }
+    };
     let mut argv: Vec<String> = c.command.clone().unwrap_or_default();
     argv.extend(c.args.clone().unwrap_or_default());
-    let argv: Vec<String> = argv.iter().map(|a| map_path(&expand(a, &env))).collect();
+    let mut argv: Vec<String> = argv
+        .iter()
+        .map(|a| in_image(map_path(&expand(a, &env))))
+        .collect();
+    // `sh -c SCRIPT`: the script's paths are the container's too.
+    if argv.len() >= 3 && argv[0] == "sh" && argv[1] == "-c" {
+        argv[2] = map_script(&argv[2], &mounts);
+    }
     let Some((program, rest)) = argv.split_first() else {
         return Err(HarnessError::Missing {
             what: format!("a command in container {}", c.name),
         });
-    };
-    let program = if program == AGENT_IN_IMAGE {
-        image.agent.display().to_string()
-    } else {
-        program.clone()
     };
     let mut cmd = Command::new(program);
     cmd.args(rest)
@@ -881,6 +993,51 @@ async fn container_command(
         .unwrap_or_else(|| dir.to_path_buf());
     cmd.current_dir(workdir);
     Ok((cmd, env))
+}
+
+/// A kubeconfig with a token of the pod's service account, where the kubelet would mount the
+/// account's token (none when the account does not exist: no test asked for it).
+async fn service_account_kubeconfig(
+    client: &Client,
+    namespace: &str,
+    spec: &k8s_openapi::api::core::v1::PodSpec,
+    dir: &Path,
+    image: &ImageEnv,
+) -> Option<PathBuf> {
+    let api = image.api.as_ref()?;
+    let account = spec.service_account_name.as_deref().unwrap_or("default");
+    let token = kubeauth::token(client, namespace, account, None)
+        .await
+        .ok()?;
+    let path = dir.join("serviceaccount.kubeconfig");
+    crate::control_plane::write_kubeconfig(&path, &api.server, &api.ca, &token).ok()?;
+    Some(path)
+}
+
+/// The mount paths of a shell script mapped to the pod folder: each place a mount path stands
+/// as a whole path (followed by `/`, a quote, a space or the end).
+fn map_script(script: &str, mounts: &[(String, PathBuf)]) -> String {
+    let mut out = script.to_owned();
+    for (mount, host) in mounts {
+        let mut mapped = String::new();
+        let mut rest = out.as_str();
+        while let Some(i) = rest.find(mount.as_str()) {
+            let before = rest[..i].chars().last();
+            let after = rest[i + mount.len()..].chars().next();
+            let starts = before.is_none_or(|c| !(c.is_alphanumeric() || c == '/' || c == '.'));
+            let ends = after.is_none_or(|c| matches!(c, '/' | '"' | '\'' | ' ' | '\n' | '\t'));
+            mapped.push_str(&rest[..i]);
+            if starts && ends {
+                mapped.push_str(&host.display().to_string());
+            } else {
+                mapped.push_str(mount);
+            }
+            rest = &rest[i + mount.len()..];
+        }
+        mapped.push_str(rest);
+        out = mapped;
+    }
+    out
 }
 
 /// Kubernetes' `$(VAR)` expansion (`$$` escapes); unknown references stay as they are.

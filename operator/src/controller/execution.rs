@@ -9,7 +9,7 @@ use pko_api::update::Update;
 use pko_api::workspace::Workspace;
 use tokio_util::sync::CancellationToken;
 
-use crate::agent_client::Agents;
+use crate::agent_client::{Agents, ServiceAccountRef};
 use crate::controller::kit::Kit;
 use crate::controller::stack::{self, StackContext};
 use crate::controller::update::{self, OperationSlots, SlotLimits, UpdateContext, UpdateSettings};
@@ -25,6 +25,22 @@ pub struct ExecutionArgs {
     /// Pull policy of the agent image.
     #[arg(long, env = "AGENT_IMAGE_PULL_POLICY", default_value = "IfNotPresent")]
     pub agent_image_pull_policy: String,
+    /// Image PKO's pod layout copies `/agent` and `/tini` from, for Workspaces annotated
+    /// `pko-rs.dev/agent: pko`: PKO's own image (its agent), or pko-rs's agent image (ours, which
+    /// answers the same layout).
+    #[arg(
+        long,
+        env = "PKO_AGENT_IMAGE",
+        default_value = "pulumi/pulumi-kubernetes-operator:v2.9.0"
+    )]
+    pub pko_agent_image: String,
+    /// The operator's own service account, whose tokens (TokenRequest, one audience per
+    /// workspace) a workspace under PKO's auth mode reviews (PKO's POD_SA_NAME).
+    #[arg(long, env = "POD_SA_NAME")]
+    pub service_account_name: Option<String>,
+    /// Namespace of --service-account-name (default: the operator's, $POD_NAMESPACE).
+    #[arg(long, env = "SERVICE_ACCOUNT_NAMESPACE")]
+    pub service_account_namespace: Option<String>,
     /// Development only: dial workspace agents here instead of their Service. `host:port` sends
     /// every call to one agent (PKO's WORKSPACE_LOCALHOST); a bare host uses the port a local
     /// kubelet stand-in annotates on each StatefulSet.
@@ -116,14 +132,26 @@ pub async fn run(
         slots,
     } = bounds;
     let client = kit.client.clone();
+    let service_account = args
+        .service_account_name
+        .clone()
+        .filter(|n| !n.is_empty())
+        .zip(
+            args.service_account_namespace
+                .clone()
+                .filter(|n| !n.is_empty()),
+        )
+        .map(|(name, namespace)| ServiceAccountRef { namespace, name });
     let agents = Arc::new(Agents::new(
         client.clone(),
         args.workspace_localhost.clone(),
+        service_account,
     ));
     let settings = PodSettings {
         file_server,
         agent_image: args.agent_image.clone(),
         agent_image_pull_policy: args.agent_image_pull_policy.clone(),
+        pko_agent_image: args.pko_agent_image.clone(),
         max_artifact_bytes: args.max_artifact_bytes.clone(),
         git_ssh_accept_new_host_keys: args.git_ssh_accept_new_host_keys,
     };

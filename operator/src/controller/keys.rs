@@ -46,3 +46,13 @@ pub const INITIALIZED_ANNOTATION: &str = "pko-rs.dev/initialized";
 /// and plugins, then selects and configures the stacks (PKO's).
 pub const INSTALLING: &str = "Installing";
 pub const INITIALIZING: &str = "Initializing";
+/// On a Workspace (a Stack sets it through `workspaceTemplate.metadata.annotations`): the agent
+/// contract of its pod. `pko` lays the pod out as PKO's manager does (agent and tini copied
+/// from `--pko-agent-image`, `serve --auth-mode kube`) and calls the agent over plaintext with
+/// a token of the operator's service account; `pko-rs` (or no annotation) is pko-rs's own (TLS
+/// pinned to the workspace's certificate, a random token in a Secret).
+pub const AGENT_ANNOTATION: &str = "pko-rs.dev/agent";
+/// On a workspace pod template under PKO's contract: the agent image whose agent could not take
+/// the environment over RPC, so `spec.env` is on the container (remembered across operator
+/// restarts; asked again when the image changes).
+pub const ENV_IN_POD_ANNOTATION: &str = "pko-rs.dev/env-in-pod-spec";

@@ -1,19 +1,35 @@
-//! pko-rs with PKO v2.9's agent contract, on the real apiserver: our agent binary takes the
-//! command lines PKO's manager gives it (`tini agent -- serve --auth-mode kube …`, `init` in
-//! `sh -c`) and reviews every caller's token with the real TokenReview and
-//! SubjectAccessReview.
+//! pko-rs with PKO v2.9's agent contract, on the real apiserver:
+//! - our agent binary takes the command lines PKO's manager gives it (`tini agent -- serve
+//!   --auth-mode kube …`, `init` in `sh -c`) and reviews every caller's token with the real
+//!   TokenReview and SubjectAccessReview;
+//! - a Stack whose Workspace asks for PKO's contract runs `up`, `preview`, `refresh` and
+//!   `destroy` through PKO's real agent binary (built by `tools/build.sh pko`), the environment
+//!   moved to the pod spec once since PKO's agent has no `SetEnvironmentVariables`;
+//! - a call the agent refuses (no `system:auth-delegator` for the workspace's account, no
+//!   `workspaces/rpc` for the operator's) is a condition that says what to fix.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::core::v1::Event;
+use kube::Api;
+use kube::api::{DeleteParams, ListParams, PostParams};
 use pko_agent::client::{Target, connect};
 use pko_agent::proto as pb;
+use pko_api::stack::Stack;
+use pko_api::update::Update;
+use pko_api::workspace::Workspace;
 use pko_tests::agent::{StaticServer, agent_binary, free_port, pulumi_env};
+use pko_tests::execution::Execution;
 use pko_tests::{ControlPlane, kubeauth, spawn_guarded, wait_for};
+use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 use tonic::Code;
+
+const WAIT: Duration = Duration::from_secs(180);
 
 /// Copies the agent as PKO's bootstrap does (`cp /agent /tini /share/`): one binary, two names.
 fn bootstrap(share: &Path) -> (PathBuf, PathBuf) {
@@ -292,4 +308,380 @@ async fn pkos_fetch_scripts_run_our_agent_init() {
         .await
         .expect("sh");
     assert!(!out.status.success());
+}
+
+/// The service accounts PKO's auth mode needs, in namespace `ns`: `pulumi` for the workspace
+/// pods (with `system:auth-delegator` when `delegated`), `pko-rs-operator` for the operator
+/// (allowed to use `workspaces/rpc` when `granted`).
+async fn accounts(plane: &ControlPlane, ns: &str, delegated: bool, granted: bool) {
+    let client = plane.client();
+    for account in ["pulumi", "pko-rs-operator"] {
+        kubeauth::service_account(&client, ns, account)
+            .await
+            .expect("service account");
+    }
+    if delegated {
+        kubeauth::bind_auth_delegator(&client, ns, "pulumi")
+            .await
+            .expect("auth-delegator");
+    }
+    if granted {
+        kubeauth::grant_workspace_rpc(&client, ns, ns, "pko-rs-operator")
+            .await
+            .expect("rpc grant");
+    }
+}
+
+/// An execution environment whose operator mints tokens of `pko-rs-operator` in the test's
+/// namespace, with `extra` arguments.
+async fn pko_mode_execution(prefix: &str, extra: &[&str]) -> Execution {
+    Execution::start_with(prefix, |ns| {
+        let mut args = vec![
+            "--service-account-name=pko-rs-operator".to_owned(),
+            format!("--service-account-namespace={ns}"),
+        ];
+        args.extend(extra.iter().map(|a| (*a).to_owned()));
+        args
+    })
+    .await
+}
+
+fn pko_stack(backend: &Path, spec: Value) -> Stack {
+    pko_tests::fixtures::file_backend_stack(
+        "interop",
+        backend,
+        pko_tests::fixtures::merged(
+            json!({
+                "programRef": {"name": "interop"},
+                "config": {"greeting": "hello"},
+                "workspaceTemplate": {
+                    "metadata": {"annotations": {"pko-rs.dev/agent": "pko"}},
+                    "spec": {"serviceAccountName": "pulumi"},
+                },
+            }),
+            spec,
+        ),
+    )
+}
+
+/// Waits for the Update `name` to complete; returns whether it failed and its message.
+async fn completed(updates: &Api<Update>, name: &str) -> (bool, String) {
+    wait_for(&format!("update {name} to complete"), WAIT, || async {
+        let status = updates.get(name).await.ok()?.status?;
+        let complete = status
+            .conditions
+            .iter()
+            .any(|c| c.type_ == "Complete" && c.status == "True");
+        let failed = status
+            .conditions
+            .iter()
+            .any(|c| c.type_ == "Failed" && c.status == "True");
+        complete.then(|| (failed, status.message.clone().unwrap_or_default()))
+    })
+    .await
+    .expect("complete")
+}
+
+#[tokio::test]
+async fn a_stack_runs_up_preview_refresh_and_destroy_through_pkos_agent() {
+    let _machine = pko_tests::serial::shared().await;
+    let e = pko_mode_execution("interop-pko", &[]).await;
+    let (plane, ns) = (e.plane, e.ns.clone());
+    accounts(plane, &ns, true, true).await;
+    let client = plane.client();
+    let backend = e.tmp.path().join("backend");
+    let programs: Api<pko_api::program::Program> = Api::namespaced(client.clone(), &ns);
+    programs
+        .create(
+            &PostParams::default(),
+            &pko_tests::fixtures::program(
+                "interop",
+                json!({
+                    "configuration": {"greeting": {"type": "String"}},
+                    "outputs": {"message": "${greeting}-from-pkos-agent"},
+                }),
+            ),
+        )
+        .await
+        .expect("program");
+    let stacks: Api<Stack> = Api::namespaced(client.clone(), &ns);
+    stacks
+        .create(
+            &PostParams::default(),
+            &pko_stack(&backend, json!({"destroyOnFinalize": true})),
+        )
+        .await
+        .expect("stack");
+
+    // up
+    let status = wait_for("the stack's outputs", WAIT, || async {
+        let status = stacks.get("interop").await.ok()?.status?;
+        let ready = status
+            .conditions
+            .iter()
+            .any(|c| c.type_ == "Ready" && c.status == "True");
+        (ready && status.outputs.get("message") == Some(&json!("hello-from-pkos-agent")))
+            .then_some(status)
+    })
+    .await
+    .unwrap_or_else(|err| {
+        panic!(
+            "{err}: {:?}\n{}",
+            futures::executor::block_on(stacks.get("interop"))
+                .ok()
+                .and_then(|s| s.status),
+            e.kubelet.logs("interop")
+        )
+    });
+    let last = status.last_update.expect("lastUpdate");
+    assert_eq!(
+        (last.type_.as_deref(), last.state.as_deref()),
+        (Some("up"), Some("succeeded"))
+    );
+
+    // The pod is PKO's layout, with PKO's agent, and the environment on the container.
+    let sts: Api<StatefulSet> = Api::namespaced(client.clone(), &ns);
+    let pod = sts
+        .get("interop-workspace")
+        .await
+        .expect("statefulset")
+        .spec
+        .expect("spec")
+        .template;
+    let pod = serde_json::to_value(&pod).expect("json");
+    let bootstrap = &pod["spec"]["initContainers"][0];
+    assert_eq!(
+        bootstrap["args"],
+        json!(["cp", "/agent", "/tini", "/share/"])
+    );
+    assert!(
+        bootstrap["image"]
+            .as_str()
+            .is_some_and(|i| i.contains("pulumi-kubernetes-operator")),
+        "{bootstrap}"
+    );
+    let agent = &pod["spec"]["containers"][0];
+    assert_eq!(agent["command"][0], "/share/tini");
+    assert!(
+        agent["env"]
+            .as_array()
+            .is_some_and(|env| env.iter().any(|v| v["name"] == "PULUMI_BACKEND_URL")),
+        "{agent}"
+    );
+    assert!(
+        pod["metadata"]["annotations"]["pko-rs.dev/env-in-pod-spec"]
+            .as_str()
+            .is_some_and(|i| i.contains("pulumi-kubernetes-operator")),
+        "{pod}"
+    );
+    let logs = e.kubelet.logs("interop");
+    assert!(
+        logs.contains("Pulumi Kubernetes Agent"),
+        "PKO's agent ran:\n{logs}"
+    );
+    let events: Api<Event> = Api::namespaced(client.clone(), &ns);
+    let moved = events
+        .list(&ListParams::default())
+        .await
+        .expect("events")
+        .items
+        .into_iter()
+        .filter(|ev| ev.reason.as_deref() == Some("EnvironmentOnPod"))
+        .count();
+    assert_eq!(moved, 1, "the environment moved to the pod once");
+
+    // preview and refresh, as Updates of the workspace.
+    let updates: Api<Update> = Api::namespaced(client.clone(), &ns);
+    for kind in ["preview", "refresh"] {
+        let name = format!("interop-{kind}");
+        let update: Update = serde_json::from_value(json!({
+            "apiVersion": "auto.pulumi.com/v1alpha1", "kind": "Update",
+            "metadata": {"name": name},
+            "spec": {"workspaceName": "interop", "stackName": "dev", "type": kind},
+        }))
+        .expect("update");
+        updates
+            .create(&PostParams::default(), &update)
+            .await
+            .expect("create update");
+        let (failed, message) = completed(&updates, &name).await;
+        assert!(!failed, "{kind}: {message}\n{}", e.kubelet.logs("interop"));
+    }
+
+    // destroy: the finalizer runs it through the same agent.
+    stacks
+        .delete("interop", &DeleteParams::default())
+        .await
+        .expect("delete");
+    wait_for("the stack to be gone", WAIT, || async {
+        stacks
+            .get_opt("interop")
+            .await
+            .ok()?
+            .is_none()
+            .then_some(())
+    })
+    .await
+    .expect("destroyed and gone");
+    let destroy = updates
+        .list(&ListParams::default())
+        .await
+        .expect("updates")
+        .items
+        .into_iter()
+        .find(|u| {
+            u.spec
+                .type_
+                .is_some_and(|t| serde_json::to_value(t).ok() == Some(json!("destroy")))
+        })
+        .expect("a destroy update");
+    let conditions = destroy.status.expect("status").conditions;
+    assert!(
+        conditions
+            .iter()
+            .any(|c| c.type_ == "Failed" && c.status == "False"),
+        "{conditions:?}"
+    );
+}
+
+/// The message of the workspace's condition that names `needle`, once there is one.
+async fn condition_naming(workspaces: &Api<Workspace>, needle: &str) -> (String, String) {
+    wait_for(&format!("a condition naming {needle}"), WAIT, || async {
+        let status = workspaces.get("interop").await.ok()?.status?;
+        status
+            .conditions
+            .iter()
+            .find(|c| c.status != "True" || c.type_ == "Stalled")
+            .filter(|c| c.message.contains(needle))
+            .map(|c| (c.reason.clone(), c.message.clone()))
+    })
+    .await
+    .expect("condition")
+}
+
+#[tokio::test]
+async fn a_refused_call_says_what_to_fix() {
+    let _machine = pko_tests::serial::shared().await;
+    let e = pko_mode_execution("interop-refused", &[]).await;
+    let (plane, ns) = (e.plane, e.ns.clone());
+    // Neither the auth-delegator binding nor the workspaces/rpc grant yet.
+    accounts(plane, &ns, false, false).await;
+    let client = plane.client();
+    let backend = e.tmp.path().join("backend");
+    let programs: Api<pko_api::program::Program> = Api::namespaced(client.clone(), &ns);
+    programs
+        .create(
+            &PostParams::default(),
+            &pko_tests::fixtures::program(
+                "interop",
+                json!({"configuration": {"greeting": {"type": "String"}}, "outputs": {"m": "${greeting}"}}),
+            ),
+        )
+        .await
+        .expect("program");
+    let stacks: Api<Stack> = Api::namespaced(client.clone(), &ns);
+    stacks
+        .create(&PostParams::default(), &pko_stack(&backend, json!({})))
+        .await
+        .expect("stack");
+    let workspaces: Api<Workspace> = Api::namespaced(client.clone(), &ns);
+
+    let (reason, message) = condition_naming(&workspaces, "system:auth-delegator").await;
+    assert!(
+        message.contains(&format!(
+            "bind the workspace's service account {ns}/pulumi to the ClusterRole system:auth-delegator"
+        )),
+        "{reason}: {message}"
+    );
+    kubeauth::bind_auth_delegator(&client, &ns, "pulumi")
+        .await
+        .expect("auth-delegator");
+    let (reason, message) = condition_naming(&workspaces, "workspaces/rpc").await;
+    assert!(
+        message.contains(&format!("{ns}/pko-rs-operator"))
+            && message.contains("use on workspaces/rpc"),
+        "{reason}: {message}"
+    );
+    kubeauth::grant_workspace_rpc(&client, &ns, &ns, "pko-rs-operator")
+        .await
+        .expect("rpc grant");
+    wait_for("the workspace to be ready", WAIT, || async {
+        let status = workspaces.get("interop").await.ok()?.status?;
+        status
+            .conditions
+            .iter()
+            .any(|c| c.type_ == "Ready" && c.status == "True")
+            .then_some(())
+    })
+    .await
+    .unwrap_or_else(|err| {
+        panic!(
+            "{err}: {:?}",
+            futures::executor::block_on(workspaces.get("interop"))
+                .ok()
+                .and_then(|w| w.status)
+        )
+    });
+}
+
+#[tokio::test]
+async fn our_agent_in_pkos_layout_takes_the_environment_over_rpc_without_a_restart() {
+    let _machine = pko_tests::serial::shared().await;
+    // pko-rs's agent image answers PKO's layout: /agent and /tini are ours.
+    let e = pko_mode_execution("interop-ours", &["--pko-agent-image=pko-rs-agent:latest"]).await;
+    let (plane, ns) = (e.plane, e.ns.clone());
+    accounts(plane, &ns, true, true).await;
+    let client = plane.client();
+    let backend = e.tmp.path().join("backend");
+    let programs: Api<pko_api::program::Program> = Api::namespaced(client.clone(), &ns);
+    programs
+        .create(
+            &PostParams::default(),
+            &pko_tests::fixtures::program(
+                "interop",
+                json!({"configuration": {"greeting": {"type": "String"}}, "outputs": {"m": "${greeting}-ours"}}),
+            ),
+        )
+        .await
+        .expect("program");
+    let stacks: Api<Stack> = Api::namespaced(client.clone(), &ns);
+    stacks
+        .create(&PostParams::default(), &pko_stack(&backend, json!({})))
+        .await
+        .expect("stack");
+    wait_for("the stack's outputs", WAIT, || async {
+        let status = stacks.get("interop").await.ok()?.status?;
+        (status.outputs.get("m") == Some(&json!("hello-ours"))).then_some(())
+    })
+    .await
+    .unwrap_or_else(|err| panic!("{err}\n{}", e.kubelet.logs("interop")));
+    // The environment went over RPC: not on the container, no mark, no move, one pod.
+    let sts: Api<StatefulSet> = Api::namespaced(client.clone(), &ns);
+    let sts = sts.get("interop-workspace").await.expect("statefulset");
+    let pod = serde_json::to_value(&sts.spec.expect("spec").template).expect("json");
+    assert_eq!(
+        pod["spec"]["initContainers"][0]["args"],
+        json!(["cp", "/agent", "/tini", "/share/"])
+    );
+    let agent = &pod["spec"]["containers"][0];
+    assert!(
+        agent["env"]
+            .as_array()
+            .is_some_and(|env| !env.iter().any(|v| v["name"] == "PULUMI_BACKEND_URL")),
+        "{agent}"
+    );
+    assert_eq!(
+        pod["metadata"]["annotations"]["pko-rs.dev/env-in-pod-spec"],
+        Value::Null
+    );
+    let events: Api<Event> = Api::namespaced(client.clone(), &ns);
+    let moved = events
+        .list(&ListParams::default())
+        .await
+        .expect("events")
+        .items
+        .iter()
+        .any(|ev| ev.reason.as_deref() == Some("EnvironmentOnPod"));
+    assert!(!moved, "our agent takes the environment over RPC");
+    assert_eq!(sts.metadata.generation, Some(1), "the pod was never rolled");
 }

@@ -95,6 +95,7 @@ fn statefulset(template: &Value) -> Result<(), PodError> {
     let settings = PodSettings {
         agent_image: "pko-rs:latest".into(),
         agent_image_pull_policy: "IfNotPresent".into(),
+        pko_agent_image: "pulumi/pulumi-kubernetes-operator:v2.9.0".into(),
         max_artifact_bytes: None,
         git_ssh_accept_new_host_keys: false,
         file_server: pko_admission::tenancy::FileServerNames::default(),
@@ -105,7 +106,7 @@ fn statefulset(template: &Value) -> Result<(), PodError> {
         "team-a",
         &OwnerReference::default(),
         &settings,
-        "fp",
+        &pod::AgentLayout::pinned("fp"),
     )
     .map(|_| ())
 }

@@ -26,14 +26,9 @@ pub(super) async fn connect(
     namespace: &str,
     address: &str,
 ) -> Result<AgentClient, AgentError> {
-    let owner = crate::controller::kit::controller_owner(ws);
-    let credentials = ctx
-        .agents
-        .ensure_credentials(ws_name, namespace, owner.as_ref())
-        .await?;
-    ctx.agents
-        .client(ws_name, namespace, address, &credentials)
-        .await
+    let auth =
+        crate::controller::workspace::agent_auth(&ctx.agents, ws, ws_name, namespace).await?;
+    ctx.agents.client(ws_name, namespace, address, &auth).await
 }
 
 /// Counts of resource operations and the errors the engine reported.

@@ -12,6 +12,7 @@
 //! (`status`, the one writer); `rules` holds the decisions that need no apiserver or agent;
 //! `pod` builds the Service and StatefulSet, `env` the variables pushed to the agent.
 
+pub mod compat;
 pub mod env;
 pub mod merge;
 mod phases;
@@ -35,7 +36,7 @@ use kube::{Client, Resource};
 use pko_agent_api::proto as pb;
 use pko_api::workspace::{ConfigItem, Workspace};
 
-use crate::agent_client::{AgentError, Agents};
+use crate::agent_client::{AgentAuth, AgentError, Agents};
 use crate::controller::backoff::{self, Backoff, Verdict};
 use crate::controller::instrument::{self, Observed};
 use crate::controller::keys::WORKSPACE_COMPONENT_LABEL;
@@ -93,9 +94,10 @@ impl WorkspaceError {
     /// Whether retrying may help (see [`backoff`]).
     fn verdict(&self) -> Verdict {
         match self {
-            Self::Kube { source, .. } | Self::Agent(AgentError::Credentials { source, .. }) => {
-                backoff::classify(source)
-            }
+            Self::Kube { source, .. }
+            | Self::Agent(
+                AgentError::Credentials { source, .. } | AgentError::TokenRequest { source, .. },
+            ) => backoff::classify(source),
             Self::NoNamespace | Self::Pod(_) | Self::Encode(_) => Verdict::Permanent,
             Self::Agent(_) | Self::AgentUnavailable { .. } => Verdict::Transient,
         }
@@ -125,6 +127,16 @@ pub struct WorkspaceContext {
     pub backoff: Backoff,
     /// Workspace uid → what its agent was last initialized with.
     initialized: Mutex<HashMap<String, Initialized>>,
+    /// Workspace uid → what its pod's agent can do (asked once per pod).
+    facts: Mutex<HashMap<String, AgentFacts>>,
+}
+
+/// What one workspace pod's agent can do, and the image it came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct AgentFacts {
+    pub(crate) pod_uid: String,
+    pub(crate) image: String,
+    pub(crate) features: compat::Features,
 }
 
 impl WorkspaceContext {
@@ -137,7 +149,24 @@ impl WorkspaceContext {
             metrics: kit.metrics.clone(),
             backoff: Backoff::default(),
             initialized: Mutex::new(HashMap::new()),
+            facts: Mutex::new(HashMap::new()),
         }
+    }
+
+    fn facts_for(&self, uid: &str) -> Option<AgentFacts> {
+        self.facts
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(uid)
+            .cloned()
+    }
+
+    fn set_facts(&self, uid: &str, value: Option<AgentFacts>) {
+        let mut map = self.facts.lock().unwrap_or_else(PoisonError::into_inner);
+        match value {
+            Some(v) => map.insert(uid.to_owned(), v),
+            None => map.remove(uid),
+        };
     }
 
     fn initialized_for(&self, uid: &str) -> Option<Initialized> {
@@ -193,6 +222,30 @@ pub async fn run(
 
 fn error_policy(ws: Arc<Workspace>, err: &WorkspaceError, ctx: Arc<WorkspaceContext>) -> Action {
     kit::error_policy(CONTROLLER, &*ws, err, &ctx.metrics, &ctx.backoff)
+}
+
+/// How the operator proves itself to the workspace's agent, by its contract (`compat.rs`): the
+/// workspace's credentials (made when missing) or a token for its audience. A Workspace whose
+/// annotation names no contract is stalled by its controller before any agent is called; here
+/// it counts as pko-rs's.
+pub async fn agent_auth(
+    agents: &Agents,
+    ws: &Workspace,
+    name: &str,
+    namespace: &str,
+) -> Result<AgentAuth, AgentError> {
+    match compat::agent_mode(ws.metadata.annotations.as_ref()).unwrap_or_default() {
+        compat::AgentMode::Pko => Ok(AgentAuth::Kube {
+            audience: compat::audience(name, namespace),
+        }),
+        compat::AgentMode::PkoRs => {
+            let owner = crate::controller::kit::controller_owner(ws);
+            let credentials = agents
+                .ensure_credentials(name, namespace, owner.as_ref())
+                .await?;
+            Ok(AgentAuth::Pinned(credentials))
+        }
+    }
 }
 
 /// A Workspace config item as the agent's.

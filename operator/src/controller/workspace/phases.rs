@@ -17,12 +17,15 @@ use pko_agent_api::proto as pb;
 use pko_api::workspace::{Workspace, WorkspaceStatus};
 use tracing::{info, warn};
 
+use super::compat::{self, AgentMode, EnvDelivery, Features};
 use super::rules::{self, Initialization, Initialized};
 use super::status::{self, STALLED};
-use super::{WorkspaceContext, WorkspaceError, env, pod, to_pb_item};
-use crate::agent_client::{AgentError, Credentials};
+use super::{AgentFacts, WorkspaceContext, WorkspaceError, env, pod, to_pb_item};
+use crate::agent_client::{AgentAuth, AgentError};
 use crate::controller::conditions;
-use crate::controller::keys::{APPLY_MANAGER, INITIALIZED_ANNOTATION, INITIALIZING, INSTALLING};
+use crate::controller::keys::{
+    APPLY_MANAGER, ENV_IN_POD_ANNOTATION, INITIALIZED_ANNOTATION, INITIALIZING, INSTALLING,
+};
 use crate::controller::kit::FromKube;
 use crate::controller::takeover;
 
@@ -36,6 +39,8 @@ pub(super) const ENV_UNAVAILABLE_REQUEUE: Duration = Duration::from_secs(15);
 pub(super) const INITIALIZATION_RETRY: Duration = Duration::from_secs(60);
 /// Notices an agent that restarted without a StatefulSet change.
 pub(super) const READY_RECHECK: Duration = Duration::from_secs(60);
+/// The environment moves to the pod spec: apply the new StatefulSet at once.
+pub(super) const ENV_TO_POD_REQUEUE: Duration = Duration::from_millis(100);
 
 /// Where a phase leaves the reconcile.
 #[derive(Debug)]
@@ -143,32 +148,71 @@ impl<'a> Run<'a> {
 pub(super) fn deleting(run: &mut Run<'_>) -> End {
     status::mark_deleting(&mut run.status, run.generation);
     run.ctx.set_initialized(&run.uid, None);
+    run.ctx.set_facts(&run.uid, None);
     End::Report(Action::await_change())
 }
 
 /// What the apply phase made.
 #[derive(Debug)]
 pub(super) struct Applied {
-    pub(super) credentials: Credentials,
+    /// How the agent is called.
+    pub(super) auth: AgentAuth,
+    pub(super) layout: pod::AgentLayout,
     pub(super) statefulset: StatefulSet,
 }
 
-/// Ensures the agent credentials, then applies the Service and the StatefulSet; a pod
-/// template that cannot be run stalls the workspace.
+/// Ensures the agent credentials (pko-rs's contract), then applies the Service and the
+/// StatefulSet; a pod template that cannot be run, or an unknown agent contract, stalls the
+/// workspace.
 pub(super) async fn apply(run: &mut Run<'_>) -> Result<Phase<Applied>, WorkspaceError> {
+    let mode = match compat::agent_mode(run.ws.metadata.annotations.as_ref()) {
+        Ok(mode) => mode,
+        Err(message) => {
+            run.status.address = None;
+            let end = run
+                .stall_on_spec("SpecInvalid", "SpecInvalid", message)
+                .await;
+            return Ok(Phase::Done(end));
+        }
+    };
     let workload_owner = pod::controller_owner(run.ws)?;
-    let credentials = run
-        .ctx
-        .agents
-        .ensure_credentials(&run.name, &run.namespace, Some(&workload_owner))
-        .await?;
+    let (layout, auth) = match mode {
+        AgentMode::PkoRs => {
+            let credentials = run
+                .ctx
+                .agents
+                .ensure_credentials(&run.name, &run.namespace, Some(&workload_owner))
+                .await?;
+            (
+                pod::AgentLayout::pinned(&credentials.fingerprint),
+                AgentAuth::Pinned(credentials),
+            )
+        }
+        AgentMode::Pko => {
+            let image = &run.ctx.settings.pko_agent_image;
+            let marked = marked_env_image(&run.ctx.client, &run.namespace, &run.name).await?;
+            let learned = run.ctx.facts_for(&run.uid);
+            let env_in_pod = compat::env_in_pod_spec(
+                mode,
+                image,
+                learned.as_ref().map(|f| (f.image.as_str(), f.features)),
+                marked.as_deref(),
+            );
+            (
+                pod::AgentLayout::Pko { env_in_pod },
+                AgentAuth::Kube {
+                    audience: compat::audience(&run.name, &run.namespace),
+                },
+            )
+        }
+    };
     let desired = match pod::desired_statefulset(
         run.ws,
         &run.name,
         &run.namespace,
         &workload_owner,
         &run.ctx.settings,
-        &credentials.fingerprint,
+        &layout,
     ) {
         Ok(sts) => sts,
         Err(
@@ -194,9 +238,29 @@ pub(super) async fn apply(run: &mut Run<'_>) -> Result<Phase<Applied>, Workspace
     )
     .await?;
     Ok(Phase::Continue(Applied {
-        credentials,
+        auth,
+        layout,
         statefulset,
     }))
+}
+
+/// The agent image the current StatefulSet's pod template marks as unable to take the
+/// environment over RPC (none when there is no StatefulSet yet).
+async fn marked_env_image(
+    client: &Client,
+    namespace: &str,
+    workspace: &str,
+) -> Result<Option<String>, WorkspaceError> {
+    let statefulsets: Api<StatefulSet> = Api::namespaced(client.clone(), namespace);
+    let current = statefulsets
+        .get_opt(&pod::workload_name(workspace))
+        .await
+        .map_err(WorkspaceError::kube("reading the workspace StatefulSet"))?;
+    Ok(current
+        .and_then(|sts| sts.spec)
+        .and_then(|spec| spec.template.metadata)
+        .and_then(|meta| meta.annotations)
+        .and_then(|mut a| a.remove(ENV_IN_POD_ANNOTATION)))
 }
 
 /// Server-side applies the Service, then the StatefulSet (returned as the apiserver has it).
@@ -282,10 +346,14 @@ pub(super) struct Agent {
     pub(super) instance: String,
     /// Its Pulumi CLI version.
     pub(super) version: String,
+    /// What it can do beyond PKO's protocol.
+    pub(super) features: Features,
+    /// `spec.env` is on its container.
+    pub(super) env_in_pod: bool,
 }
 
-/// Connects to the agent and asks its Pulumi version; the address and the version go to the
-/// status.
+/// Connects to the agent, asks its Pulumi version and (once per pod) its capabilities; the
+/// address and the version go to the status.
 pub(super) async fn connect(
     run: &mut Run<'_>,
     applied: &Applied,
@@ -299,10 +367,13 @@ pub(super) async fn connect(
         Err(e) => return Err(e.into()),
     };
     let connected = agents
-        .client(&run.name, &run.namespace, &address, &applied.credentials)
+        .client(&run.name, &run.namespace, &address, &applied.auth)
         .await;
     let mut client = match connected {
         Ok(c) => c,
+        Err(e @ (AgentError::NoServiceAccount | AgentError::TokenRequest { .. })) => {
+            return Err(e.into());
+        }
         Err(e) => {
             let message = format!("cannot connect to the workspace agent at {address}: {e}");
             run.warn("ConnectionFailure", message.clone()).await;
@@ -316,26 +387,107 @@ pub(super) async fn connect(
         Ok(v) => v,
         Err(s) => {
             agents.forget(&run.name, &run.namespace);
-            return Err(WorkspaceError::AgentUnavailable {
-                reason: format!("{:?}", s.code()),
-                message: format!("PulumiVersion failed: {}", s.message()),
-            });
+            return Err(refused_or_unavailable(run, "PulumiVersion", &s));
         }
     };
-    let instance = answer
+    let header = answer
         .metadata()
         .get(pko_agent_api::INSTANCE_HEADER)
         .and_then(|v| v.to_str().ok())
-        .unwrap_or_default()
-        .to_owned();
+        .map(str::to_owned);
     let version = answer.into_inner().version;
+    let pod = workspace_pod(&run.ctx.client, &run.namespace, &run.name).await;
+    let features = capabilities(run, &mut client, pod.as_ref()).await?;
     run.status.pulumi_version = Some(version.clone());
     run.status.address = Some(address);
     Ok(Phase::Continue(Agent {
         client,
-        instance,
+        instance: compat::instance_of(header.as_deref(), pod.as_ref()),
         version,
+        features,
+        env_in_pod: applied.layout == (pod::AgentLayout::Pko { env_in_pod: true }),
     }))
+}
+
+/// A failed call as the workspace's error: under PKO's auth mode a refusal says what to fix.
+fn refused_or_unavailable(run: &Run<'_>, call: &str, s: &tonic::Status) -> WorkspaceError {
+    let account = format!(
+        "{}/{}",
+        run.namespace,
+        run.ws
+            .spec
+            .service_account_name
+            .as_deref()
+            .filter(|n| !n.is_empty())
+            .unwrap_or(pko_api::workspace::DEFAULT_SERVICE_ACCOUNT_NAME)
+    );
+    let operator = run.ctx.agents.service_account().map(ToString::to_string);
+    let message = compat::refusal(s.code(), s.message(), &account, operator.as_deref())
+        .unwrap_or_else(|| format!("{call} failed: {}", s.message()));
+    WorkspaceError::AgentUnavailable {
+        reason: format!("{:?}", s.code()),
+        message,
+    }
+}
+
+/// The workspace pod (none when it cannot be read).
+async fn workspace_pod(client: &Client, namespace: &str, workspace: &str) -> Option<Pod> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    pods.get_opt(&format!("{}-0", pod::workload_name(workspace)))
+        .await
+        .ok()
+        .flatten()
+}
+
+/// What the agent can do: known for this pod already, or asked (`Capabilities`; PKO's agent
+/// answers Unimplemented) and remembered for it.
+async fn capabilities(
+    run: &Run<'_>,
+    client: &mut AgentClient,
+    pod: Option<&Pod>,
+) -> Result<Features, WorkspaceError> {
+    let pod_uid = pod.and_then(|p| p.metadata.uid.clone()).unwrap_or_default();
+    if let Some(facts) = run.ctx.facts_for(&run.uid)
+        && !pod_uid.is_empty()
+        && facts.pod_uid == pod_uid
+    {
+        return Ok(facts.features);
+    }
+    let answer = client.capabilities(pb::CapabilitiesRequest {}).await;
+    let features =
+        match compat::features(answer.as_ref().map(|r| r.get_ref()).map_err(|s| s.code())) {
+            Some(f) => f,
+            None => {
+                run.ctx.agents.forget(&run.name, &run.namespace);
+                let s = answer.err().unwrap_or_else(|| tonic::Status::unknown(""));
+                return Err(refused_or_unavailable(run, "Capabilities", &s));
+            }
+        };
+    let image = pod
+        .and_then(bootstrap_image)
+        .unwrap_or_else(|| run.ctx.settings.pko_agent_image.clone());
+    info!(?features, %image, "agent capabilities");
+    run.ctx.set_facts(
+        &run.uid,
+        Some(AgentFacts {
+            pod_uid,
+            image,
+            features,
+        }),
+    );
+    Ok(features)
+}
+
+/// The image the pod's agent was copied from.
+fn bootstrap_image(pod: &Pod) -> Option<String> {
+    pod.spec
+        .as_ref()?
+        .init_containers
+        .as_ref()?
+        .iter()
+        .find(|c| c.name == "bootstrap")?
+        .image
+        .clone()
 }
 
 /// Stalls the workspace when the agent's Pulumi cannot take the stacks' config.
@@ -400,15 +552,21 @@ pub(super) async fn initialise(
         Initialization::Fresh => true,
         Initialization::Reconfigure => false,
     };
-    let request = pb::SetEnvironmentVariablesRequest {
-        env: env.into_iter().collect(),
-    };
-    if let Err(s) = agent.client.set_environment_variables(request).await {
-        run.ctx.agents.forget(&run.name, &run.namespace);
-        return Err(WorkspaceError::AgentUnavailable {
-            reason: "InitializationFailed".into(),
-            message: format!("Failed to set the environment: {}", s.message()),
-        });
+    match compat::env_delivery(agent.features, agent.env_in_pod) {
+        EnvDelivery::Rpc => {
+            let request = pb::SetEnvironmentVariablesRequest {
+                env: env.into_iter().collect(),
+            };
+            if let Err(s) = agent.client.set_environment_variables(request).await {
+                run.ctx.agents.forget(&run.name, &run.namespace);
+                return Err(WorkspaceError::AgentUnavailable {
+                    reason: "InitializationFailed".into(),
+                    message: format!("Failed to set the environment: {}", s.message()),
+                });
+            }
+        }
+        EnvDelivery::OnPod => {}
+        EnvDelivery::MoveToPod => return Ok(Phase::Done(move_env_to_pod(run).await)),
     }
     if fresh {
         run.report_step(
@@ -425,6 +583,28 @@ pub(super) async fn initialise(
         return Ok(Phase::Done(end));
     }
     Ok(Phase::Continue(Some(Pending { wanted, fresh })))
+}
+
+/// The agent cannot take the environment over RPC (PKO's agent): the next apply puts it on the
+/// container, which restarts the pod once; nothing is initialized before.
+async fn move_env_to_pod(run: &mut Run<'_>) -> End {
+    let message = "the workspace agent has no SetEnvironmentVariables (PKO's agent): the environment goes on the pod spec, which restarts the pod once".to_owned();
+    run.ctx
+        .event(
+            run.ws,
+            EventType::Normal,
+            "EnvironmentOnPod",
+            message.clone(),
+        )
+        .await;
+    status::mark_not_ready(
+        &mut run.status,
+        false,
+        "RollingUpdate",
+        &message,
+        run.generation,
+    );
+    End::Report(Action::requeue(ENV_TO_POD_REQUEUE))
 }
 
 /// Selects and configures every stack, then remembers what the agent was told.

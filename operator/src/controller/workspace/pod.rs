@@ -6,9 +6,9 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::apps::v1::{StatefulSet, StatefulSetSpec};
 use k8s_openapi::api::core::v1::{
     Capabilities, Container, ContainerPort, EmptyDirVolumeSource, EnvVar, EnvVarSource,
-    ObjectFieldSelector, PodSecurityContext, PodSpec, PodTemplateSpec, Probe, SeccompProfile,
-    SecretKeySelector, SecretVolumeSource, SecurityContext, Service, ServicePort, ServiceSpec,
-    TCPSocketAction, Volume, VolumeMount,
+    ObjectFieldSelector, PodSecurityContext, PodSpec, PodTemplateSpec, Probe,
+    ResourceFieldSelector, SeccompProfile, SecretKeySelector, SecretVolumeSource, SecurityContext,
+    Service, ServicePort, ServiceSpec, TCPSocketAction, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
@@ -19,7 +19,8 @@ use sha2::{Digest, Sha256};
 
 use super::{merge, restricted};
 use crate::controller::keys::{
-    REVISION_HASH_ANNOTATION, WORKSPACE_COMPONENT_LABEL, WORKSPACE_NAME_LABEL,
+    ENV_IN_POD_ANNOTATION, REVISION_HASH_ANNOTATION, WORKSPACE_COMPONENT_LABEL,
+    WORKSPACE_NAME_LABEL,
 };
 
 pub const AGENT_PORT: u16 = pko_agent_api::DEFAULT_PORT;
@@ -28,6 +29,9 @@ const CREDENTIALS_DIR: &str = "/var/run/pko-agent";
 /// Where the agent binary sits in the agent (operator) image.
 pub const AGENT_IN_IMAGE: &str = "/usr/local/bin/pko-agent";
 const AGENT_IN_SHARE: &str = "/share/pko-agent";
+/// PKO's layout: where its bootstrap copies the agent and tini.
+const PKO_AGENT_IN_SHARE: &str = "/share/agent";
+const PKO_TINI_IN_SHARE: &str = "/share/tini";
 const RESTRICTED_UID: i64 = 1000;
 
 /// `<workspace>-workspace`: the StatefulSet, its Service and its pod's name prefix (PKO's).
@@ -88,6 +92,9 @@ pub struct PodSettings {
     /// Image holding the agent at [`AGENT_IN_IMAGE`] (the operator's own).
     pub agent_image: String,
     pub agent_image_pull_policy: String,
+    /// Image holding `/agent` and `/tini` (and `sh`, `cp`, `ln`), for workspaces under PKO's
+    /// contract: PKO's image, or pko-rs's agent image.
+    pub pko_agent_image: String,
     /// `FLUX_MAX_UNTAR_SIZE_BYTES` passed to the fetch container, if set.
     pub max_artifact_bytes: Option<String>,
     /// Let git fetches trust an SSH host key seen first when the Secret has no `knownHosts`.
@@ -95,6 +102,24 @@ pub struct PodSettings {
     /// The names of the operator's file server: a flux URL on it must name a Program of the
     /// Workspace's own namespace (the admission rule, applied again here).
     pub file_server: pko_admission::tenancy::FileServerNames,
+}
+
+/// How the workspace's agent is laid out in its pod (which contract: `compat.rs`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AgentLayout {
+    /// pko-rs's, with the fingerprint of the workspace's credentials (a re-mint rolls the pod).
+    Pinned { credentials_fingerprint: String },
+    /// PKO's; `env_in_pod`: `spec.env` goes on the container (the agent cannot take it over
+    /// RPC).
+    Pko { env_in_pod: bool },
+}
+
+impl AgentLayout {
+    pub fn pinned(credentials_fingerprint: &str) -> Self {
+        Self::Pinned {
+            credentials_fingerprint: credentials_fingerprint.to_owned(),
+        }
+    }
 }
 
 /// A pod template that the restricted profile forbids.
@@ -229,11 +254,18 @@ fn field_env(name: &str, field_path: &str) -> EnvVar {
     }
 }
 
-/// The fetch init container's env and args for the Workspace's source (git > flux > local >
-/// project info, as PKO); `None` when it has no source.
-fn fetch_step(ws: &Workspace, settings: &PodSettings) -> Option<(Vec<EnvVar>, Vec<String>)> {
+/// Which source a Workspace has (git > flux > local > project info, as PKO).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SourceKind {
+    Git,
+    Flux,
+    Local,
+    ProjectInfo,
+}
+
+/// The fetch init container's env for the Workspace's source; `None` when it has no source.
+fn fetch_env(ws: &Workspace, settings: &PodSettings) -> Option<(SourceKind, Vec<EnvVar>)> {
     let spec = &ws.spec;
-    let link = format!("--link={SHARE}/workspace");
     if let Some(git) = &spec.git {
         let mut e = vec![
             env("GIT_URL", git.url.as_deref().unwrap_or_default()),
@@ -279,15 +311,7 @@ fn fetch_step(ws: &Workspace, settings: &PodSettings) -> Option<(Vec<EnvVar>, Ve
                 e.push(secret_env("GIT_GITHUB_APP_PRIVATE_KEY", &app.private_key));
             }
         }
-        let args = vec![
-            "init".into(),
-            format!("--target-dir={SHARE}/source"),
-            "--git-url=$(GIT_URL)".into(),
-            "--git-revision=$(GIT_REVISION)".into(),
-            "--dir=$(GIT_DIR)".into(),
-            link,
-        ];
-        return Some((e, args));
+        return Some((SourceKind::Git, e));
     }
     if let Some(flux) = &spec.flux {
         let mut e = vec![
@@ -298,48 +322,87 @@ fn fetch_step(ws: &Workspace, settings: &PodSettings) -> Option<(Vec<EnvVar>, Ve
         if let Some(max) = &settings.max_artifact_bytes {
             e.push(env("FLUX_MAX_UNTAR_SIZE_BYTES", max));
         }
-        let args = vec![
-            "init".into(),
-            format!("--target-dir={SHARE}/source"),
-            "--flux-url=$(FLUX_URL)".into(),
-            "--flux-digest=$(FLUX_DIGEST)".into(),
-            "--dir=$(FLUX_DIR)".into(),
-            link,
-        ];
-        return Some((e, args));
+        return Some((SourceKind::Flux, e));
     }
     if let Some(local) = &spec.local {
         let e = vec![env("LOCAL_DIR", local.dir.as_deref().unwrap_or_default())];
-        return Some((
-            e,
-            vec!["init".into(), "--local-dir=$(LOCAL_DIR)".into(), link],
-        ));
+        return Some((SourceKind::Local, e));
     }
     if let Some(info) = &spec.project_info {
         let e = vec![
             env("PROJECT_NAME", &info.name),
             env("PROJECT_RUNTIME", &info.runtime),
         ];
-        let args = vec![
-            "init".into(),
-            format!("--target-dir={SHARE}/workspace"),
-            "--project-name=$(PROJECT_NAME)".into(),
-            "--project-runtime=$(PROJECT_RUNTIME)".into(),
-        ];
-        return Some((e, args));
+        return Some((SourceKind::ProjectInfo, e));
     }
     None
 }
 
-/// The StatefulSet of a Workspace. `credentials_fingerprint` changes when the agent's
-/// credentials are re-minted, so the pod restarts with the new ones.
+/// `pko-agent`'s arguments for the fetch container (no shell needed in the image: the agent
+/// makes the project link itself).
+fn fetch_args(kind: SourceKind) -> Vec<String> {
+    let link = format!("--link={SHARE}/workspace");
+    let strings = |list: &[&str]| list.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+    match kind {
+        SourceKind::Git => {
+            let mut args = strings(&[
+                "init",
+                "--git-url=$(GIT_URL)",
+                "--git-revision=$(GIT_REVISION)",
+                "--dir=$(GIT_DIR)",
+            ]);
+            args.insert(1, format!("--target-dir={SHARE}/source"));
+            args.push(link);
+            args
+        }
+        SourceKind::Flux => {
+            let mut args = strings(&[
+                "init",
+                "--flux-url=$(FLUX_URL)",
+                "--flux-digest=$(FLUX_DIGEST)",
+                "--dir=$(FLUX_DIR)",
+            ]);
+            args.insert(1, format!("--target-dir={SHARE}/source"));
+            args.push(link);
+            args
+        }
+        SourceKind::Local => vec!["init".into(), "--local-dir=$(LOCAL_DIR)".into(), link],
+        SourceKind::ProjectInfo => vec![
+            "init".into(),
+            format!("--target-dir={SHARE}/workspace"),
+            "--project-name=$(PROJECT_NAME)".into(),
+            "--project-runtime=$(PROJECT_RUNTIME)".into(),
+        ],
+    }
+}
+
+/// PKO's fetch script (run by `sh -c` in the agent image); the values come from the env, each
+/// quoted, so none is read as shell syntax.
+fn pko_fetch_script(kind: SourceKind) -> &'static str {
+    match kind {
+        SourceKind::Git => {
+            "/share/agent init -t /share/source --git-url \"$GIT_URL\" --git-revision \"$GIT_REVISION\" &&\nln -s \"/share/source/$GIT_DIR\" /share/workspace"
+        }
+        SourceKind::Flux => {
+            "/share/agent init -t /share/source --flux-url \"$FLUX_URL\" --flux-digest \"$FLUX_DIGEST\" &&\nln -s \"/share/source/$FLUX_DIR\" /share/workspace"
+        }
+        SourceKind::Local => "ln -s \"$LOCAL_DIR\" /share/workspace",
+        SourceKind::ProjectInfo => {
+            "/share/agent init -t /share/workspace --project-name \"$PROJECT_NAME\" --project-runtime \"$PROJECT_RUNTIME\""
+        }
+    }
+}
+
+/// The StatefulSet of a Workspace, with its agent laid out as `layout` says (pko-rs's layout
+/// carries the credentials' fingerprint, which changes when they are re-minted, so the pod
+/// restarts with the new ones).
 pub fn desired_statefulset(
     ws: &Workspace,
     name: &str,
     namespace: &str,
     owner: &OwnerReference,
     settings: &PodSettings,
-    credentials_fingerprint: &str,
+    layout: &AgentLayout,
 ) -> Result<StatefulSet, PodError> {
     let spec = &ws.spec;
     check_flux_url(
@@ -349,7 +412,7 @@ pub fn desired_statefulset(
     )?;
     let profile = spec.security_profile.unwrap_or_default();
     let restricted = profile == SecurityProfile::Restricted;
-    let base = base_template(ws, name, settings, profile);
+    let base = base_template(ws, name, namespace, settings, profile, layout);
     let mut template = overlay_template(&base, spec, name)?;
     if restricted {
         // The final pod gets the defaults the webhook would have stored and meets every rule
@@ -371,13 +434,22 @@ pub fn desired_statefulset(
     let hash = {
         let mut h = Sha256::new();
         h.update(serde_json::to_vec(&template)?);
-        h.update(credentials_fingerprint.as_bytes());
+        if let AgentLayout::Pinned {
+            credentials_fingerprint,
+        } = layout
+        {
+            h.update(credentials_fingerprint.as_bytes());
+        }
         hex::encode(h.finalize())[..16].to_owned()
     };
-    template.metadata.get_or_insert_default().annotations = Some(BTreeMap::from([(
-        REVISION_HASH_ANNOTATION.to_owned(),
-        hash,
-    )]));
+    let mut annotations = BTreeMap::from([(REVISION_HASH_ANNOTATION.to_owned(), hash)]);
+    if *layout == (AgentLayout::Pko { env_in_pod: true }) {
+        annotations.insert(
+            ENV_IN_POD_ANNOTATION.to_owned(),
+            settings.pko_agent_image.clone(),
+        );
+    }
+    template.metadata.get_or_insert_default().annotations = Some(annotations);
 
     Ok(StatefulSet {
         metadata: ObjectMeta {
@@ -406,8 +478,10 @@ pub fn desired_statefulset(
 fn base_template(
     ws: &Workspace,
     name: &str,
+    namespace: &str,
     settings: &PodSettings,
     profile: SecurityProfile,
+    layout: &AgentLayout,
 ) -> PodTemplateSpec {
     let spec = &ws.spec;
     let image = spec
@@ -417,18 +491,45 @@ fn base_template(
         .unwrap_or_else(|| default_image(profile).to_owned());
     let (container_security, pod_security) =
         security_contexts(profile == SecurityProfile::Restricted);
-    let share_mount = VolumeMount {
-        name: "share".into(),
-        mount_path: SHARE.into(),
-        ..VolumeMount::default()
+    let parts = Parts {
+        ws,
+        settings,
+        image: &image,
+        share_mount: VolumeMount {
+            name: "share".into(),
+            mount_path: SHARE.into(),
+            ..VolumeMount::default()
+        },
+        security: container_security,
     };
-    let init_containers = init_containers(ws, settings, &image, &share_mount, &container_security);
-    let pulumi = pulumi_container(spec, &image, &share_mount, &container_security);
+    let (init_containers, pulumi) = match layout {
+        AgentLayout::Pinned { .. } => (init_containers(&parts), pulumi_container(&parts)),
+        AgentLayout::Pko { env_in_pod } => (
+            pko_init_containers(&parts),
+            pko_pulumi_container(&parts, name, namespace, *env_in_pod),
+        ),
+    };
     let service_account = spec
         .service_account_name
         .as_deref()
         .filter(|s| !s.is_empty())
         .unwrap_or(pko_api::workspace::DEFAULT_SERVICE_ACCOUNT_NAME);
+    let mut volumes = vec![Volume {
+        name: "share".into(),
+        empty_dir: Some(EmptyDirVolumeSource::default()),
+        ..Volume::default()
+    }];
+    if let AgentLayout::Pinned { .. } = layout {
+        volumes.push(Volume {
+            name: "agent-credentials".into(),
+            secret: Some(SecretVolumeSource {
+                secret_name: Some(credentials_name(name)),
+                default_mode: Some(0o440),
+                ..SecretVolumeSource::default()
+            }),
+            ..Volume::default()
+        });
+    }
     PodTemplateSpec {
         metadata: Some(ObjectMeta {
             labels: Some(labels(name)),
@@ -440,25 +541,20 @@ fn base_template(
             termination_grace_period_seconds: Some(600),
             init_containers: Some(init_containers),
             containers: vec![pulumi],
-            volumes: Some(vec![
-                Volume {
-                    name: "share".into(),
-                    empty_dir: Some(EmptyDirVolumeSource::default()),
-                    ..Volume::default()
-                },
-                Volume {
-                    name: "agent-credentials".into(),
-                    secret: Some(SecretVolumeSource {
-                        secret_name: Some(credentials_name(name)),
-                        default_mode: Some(0o440),
-                        ..SecretVolumeSource::default()
-                    }),
-                    ..Volume::default()
-                },
-            ]),
+            volumes: Some(volumes),
             ..PodSpec::default()
         }),
     }
+}
+
+/// What every container of the generated pod is made from.
+struct Parts<'a> {
+    ws: &'a Workspace,
+    settings: &'a PodSettings,
+    /// The workspace image (the `pulumi` container's).
+    image: &'a str,
+    share_mount: VolumeMount,
+    security: SecurityContext,
 }
 
 fn runtime_default_seccomp() -> Option<SeccompProfile> {
@@ -501,14 +597,8 @@ fn security_contexts(restricted: bool) -> (SecurityContext, PodSecurityContext) 
 
 /// The init containers: the agent copied to the shared volume, then the program fetched (when
 /// the workspace has a source).
-fn init_containers(
-    ws: &Workspace,
-    settings: &PodSettings,
-    image: &str,
-    share_mount: &VolumeMount,
-    container_security: &SecurityContext,
-) -> Vec<Container> {
-    let spec = &ws.spec;
+fn init_containers(parts: &Parts<'_>) -> Vec<Container> {
+    let (settings, spec) = (parts.settings, &parts.ws.spec);
     let mut init_containers = vec![Container {
         name: "bootstrap".into(),
         image: Some(settings.agent_image.clone()),
@@ -518,21 +608,21 @@ fn init_containers(
             "install-self".into(),
             AGENT_IN_SHARE.into(),
         ]),
-        volume_mounts: Some(vec![share_mount.clone()]),
-        security_context: Some(container_security.clone()),
+        volume_mounts: Some(vec![parts.share_mount.clone()]),
+        security_context: Some(parts.security.clone()),
         ..Container::default()
     }];
-    if let Some((fetch_env, args)) = fetch_step(ws, settings) {
+    if let Some((kind, fetch_env)) = fetch_env(parts.ws, settings) {
         let mut command = vec![AGENT_IN_SHARE.to_owned()];
-        command.extend(args);
+        command.extend(fetch_args(kind));
         init_containers.push(Container {
             name: "fetch".into(),
-            image: Some(image.to_owned()),
+            image: Some(parts.image.to_owned()),
             image_pull_policy: spec.image_pull_policy.clone(),
             command: Some(command),
             env: Some(fetch_env),
-            volume_mounts: Some(vec![share_mount.clone()]),
-            security_context: Some(container_security.clone()),
+            volume_mounts: Some(vec![parts.share_mount.clone()]),
+            security_context: Some(parts.security.clone()),
             // The kubelet keeps the end of the log as the termination message: a failed fetch
             // (digest mismatch, …) then explains itself in the pod status.
             termination_message_policy: Some("FallbackToLogsOnError".into()),
@@ -542,13 +632,37 @@ fn init_containers(
     init_containers
 }
 
+/// PKO's init containers, from the PKO-contract agent image: `cp /agent /tini /share/`, then the
+/// fetch script (`sh -c`), both as `args` of the image (PKO's image and pko-rs's agent image
+/// have no entrypoint).
+fn pko_init_containers(parts: &Parts<'_>) -> Vec<Container> {
+    let settings = parts.settings;
+    let from_agent_image = |name: &str, args: Vec<String>| Container {
+        name: name.into(),
+        image: Some(settings.pko_agent_image.clone()),
+        image_pull_policy: Some(settings.agent_image_pull_policy.clone()),
+        args: Some(args),
+        volume_mounts: Some(vec![parts.share_mount.clone()]),
+        security_context: Some(parts.security.clone()),
+        ..Container::default()
+    };
+    let strings = |list: &[&str]| list.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+    let mut init_containers = vec![from_agent_image(
+        "bootstrap",
+        strings(&["cp", "/agent", "/tini", "/share/"]),
+    )];
+    if let Some((kind, fetch_env)) = fetch_env(parts.ws, settings) {
+        let mut fetch = from_agent_image("fetch", strings(&["sh", "-c", pko_fetch_script(kind)]));
+        fetch.env = Some(fetch_env);
+        fetch.termination_message_policy = Some("FallbackToLogsOnError".into());
+        init_containers.push(fetch);
+    }
+    init_containers
+}
+
 /// The container running the agent (and Pulumi).
-fn pulumi_container(
-    spec: &WorkspaceSpec,
-    image: &str,
-    share_mount: &VolumeMount,
-    container_security: &SecurityContext,
-) -> Container {
+fn pulumi_container(parts: &Parts<'_>) -> Container {
+    let spec = &parts.ws.spec;
     let mut command = vec![
         AGENT_IN_SHARE.to_owned(),
         "serve".into(),
@@ -562,11 +676,81 @@ fn pulumi_container(
     if let Some(level) = spec.pulumi_log_level.filter(|l| *l > 0) {
         command.push(format!("--pulumi-log-level={level}"));
     }
+    let mut container = agent_container(parts, command, false);
+    container
+        .volume_mounts
+        .get_or_insert_default()
+        .push(VolumeMount {
+            name: "agent-credentials".into(),
+            mount_path: CREDENTIALS_DIR.into(),
+            read_only: Some(true),
+            ..VolumeMount::default()
+        });
+    container
+}
+
+/// PKO's agent container: `tini agent -- serve` with PKO's flags, checking the operator's token
+/// with the Kubernetes API for the workspace's audience.
+fn pko_pulumi_container(
+    parts: &Parts<'_>,
+    name: &str,
+    namespace: &str,
+    env_in_pod: bool,
+) -> Container {
+    let spec = &parts.ws.spec;
+    let mut command: Vec<String> = [
+        PKO_TINI_IN_SHARE,
+        PKO_AGENT_IN_SHARE,
+        "--",
+        "serve",
+        "--workspace",
+        "/share/workspace",
+        "--skip-install",
+        "--env-file",
+        "/share/.env",
+        "--auth-mode",
+        "kube",
+        "--kube-audience",
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect();
+    command.push(super::compat::audience(name, namespace));
+    command.extend([
+        "--kube-workspace-namespace".to_owned(),
+        namespace.to_owned(),
+        "--kube-workspace-name".to_owned(),
+        name.to_owned(),
+    ]);
+    if let Some(level) = spec.pulumi_log_level.filter(|l| *l > 0) {
+        command.extend(["--pulumi-log-level".to_owned(), level.to_string()]);
+    }
+    let mut container = agent_container(parts, command, env_in_pod);
+    // PKO's: the agent's own memory limit, from the container's request.
+    container.env.get_or_insert_default().push(EnvVar {
+        name: "AGENT_MEMLIMIT".into(),
+        value: None,
+        value_from: Some(EnvVarSource {
+            resource_field_ref: Some(ResourceFieldSelector {
+                container_name: Some("pulumi".into()),
+                resource: "requests.memory".into(),
+                divisor: None,
+            }),
+            ..EnvVarSource::default()
+        }),
+    });
+    container
+}
+
+/// What both agent containers share; `all_env`: every variable of `spec.env` goes on the
+/// container, not only those the kubelet alone can resolve.
+fn agent_container(parts: &Parts<'_>, command: Vec<String>, all_env: bool) -> Container {
+    let spec = &parts.ws.spec;
     // The rest of `env` is pushed to the agent (see `env.rs`): changing it restarts nothing.
     let mut pulumi_env: Vec<EnvVar> = spec
         .env
         .iter()
-        .filter(|v| !super::env::is_pushed(v))
+        .filter(|v| all_env || !super::env::is_pushed(v))
         .cloned()
         .collect();
     pulumi_env.push(field_env("POD_NAMESPACE", "metadata.namespace"));
@@ -580,7 +764,7 @@ fn pulumi_container(
     }
     Container {
         name: "pulumi".into(),
-        image: Some(image.to_owned()),
+        image: Some(parts.image.to_owned()),
         image_pull_policy: spec.image_pull_policy.clone(),
         command: Some(command),
         working_dir: Some(format!("{SHARE}/workspace")),
@@ -593,16 +777,8 @@ fn pulumi_container(
         env: Some(pulumi_env),
         env_from: Some(spec.env_from.clone()).filter(|e| !e.is_empty()),
         resources: Some(resources),
-        volume_mounts: Some(vec![
-            share_mount.clone(),
-            VolumeMount {
-                name: "agent-credentials".into(),
-                mount_path: CREDENTIALS_DIR.into(),
-                read_only: Some(true),
-                ..VolumeMount::default()
-            },
-        ]),
-        security_context: Some(container_security.clone()),
+        volume_mounts: Some(vec![parts.share_mount.clone()]),
+        security_context: Some(parts.security.clone()),
         // Ready once the agent listens (PKO has no probe, so the operator dials too early).
         readiness_probe: Some(Probe {
             tcp_socket: Some(TCPSocketAction {
@@ -672,6 +848,7 @@ mod tests {
             file_server: pko_admission::tenancy::FileServerNames::default(),
             agent_image: "agent:1".into(),
             agent_image_pull_policy: "IfNotPresent".into(),
+            pko_agent_image: "pko:2.9".into(),
             max_artifact_bytes: None,
             git_ssh_accept_new_host_keys: false,
         }
@@ -694,7 +871,7 @@ mod tests {
                 "ns",
                 &OwnerReference::default(),
                 &settings,
-                "fp",
+                &AgentLayout::pinned("fp"),
             )
         };
         for url in [
@@ -729,7 +906,7 @@ mod tests {
             "ns",
             &OwnerReference::default(),
             &settings(),
-            "fp",
+            &AgentLayout::pinned("fp"),
         )
         .expect("sts");
         serde_json::to_value(sts).expect("json")
@@ -879,7 +1056,7 @@ mod tests {
             "ns",
             &OwnerReference::default(),
             &settings,
-            "fp",
+            &AgentLayout::pinned("fp"),
         )
         .expect("statefulset");
         let sts = serde_json::to_value(sts).expect("json");
@@ -1024,7 +1201,7 @@ mod tests {
                 "ns",
                 &OwnerReference::default(),
                 &settings(),
-                "fp",
+                &AgentLayout::pinned("fp"),
             )
             .expect_err("refused");
             assert!(matches!(err, PodError::Restricted(_)), "{err}");
@@ -1032,8 +1209,123 @@ mod tests {
         // The baseline profile allows root.
         desired_statefulset(
             &ws(json!({"securityProfile": "baseline", "podTemplate": {"spec": {"securityContext": {"runAsUser": 0}}}})),
-            "w", "ns", &OwnerReference::default(), &settings(), "fp",
+            "w", "ns", &OwnerReference::default(), &settings(), &AgentLayout::pinned("fp"),
         )
         .expect("baseline");
+    }
+
+    #[test]
+    fn pkos_layout_is_the_one_pkos_manager_makes() {
+        let spec = json!({
+            "flux": {"url": "http://src/a.tar.gz", "digest": "sha256:00", "dir": "d"},
+            "env": [{"name": "PULUMI_BACKEND_URL", "value": "file:///state"}],
+            "pulumiLogLevel": 3,
+        });
+        let build = |env_in_pod| {
+            let sts = desired_statefulset(
+                &ws(spec.clone()),
+                "w",
+                "ns",
+                &OwnerReference::default(),
+                &settings(),
+                &AgentLayout::Pko { env_in_pod },
+            )
+            .expect("sts");
+            serde_json::to_value(sts).expect("json")
+        };
+        let sts = build(false);
+        let p = &sts["spec"]["template"]["spec"];
+        let bootstrap = container(p, "initContainers", "bootstrap");
+        assert_eq!(bootstrap["image"], "pko:2.9");
+        assert_eq!(
+            bootstrap["args"],
+            json!(["cp", "/agent", "/tini", "/share/"])
+        );
+        assert_eq!(bootstrap["command"], Value::Null);
+        let fetch = container(p, "initContainers", "fetch");
+        assert_eq!(fetch["image"], "pko:2.9");
+        assert_eq!(fetch["args"][0], "sh");
+        assert_eq!(fetch["args"][1], "-c");
+        assert_eq!(
+            fetch["args"][2],
+            "/share/agent init -t /share/source --flux-url \"$FLUX_URL\" --flux-digest \"$FLUX_DIGEST\" &&\nln -s \"/share/source/$FLUX_DIR\" /share/workspace"
+        );
+        assert_eq!(
+            env_of(fetch, "FLUX_URL").as_deref(),
+            Some("http://src/a.tar.gz")
+        );
+        let pulumi = container(p, "containers", "pulumi");
+        assert_eq!(
+            pulumi["command"],
+            json!([
+                "/share/tini",
+                "/share/agent",
+                "--",
+                "serve",
+                "--workspace",
+                "/share/workspace",
+                "--skip-install",
+                "--env-file",
+                "/share/.env",
+                "--auth-mode",
+                "kube",
+                "--kube-audience",
+                "w.ns",
+                "--kube-workspace-namespace",
+                "ns",
+                "--kube-workspace-name",
+                "w",
+                "--pulumi-log-level",
+                "3"
+            ])
+        );
+        // No credentials: the agent reviews the operator's token.
+        assert_eq!(p["volumes"].as_array().map(Vec::len), Some(1));
+        assert_eq!(pulumi["volumeMounts"].as_array().map(Vec::len), Some(1));
+        let memlimit = pulumi["env"]
+            .as_array()
+            .and_then(|e| e.iter().find(|v| v["name"] == "AGENT_MEMLIMIT"))
+            .expect("AGENT_MEMLIMIT");
+        assert_eq!(
+            memlimit["valueFrom"]["resourceFieldRef"],
+            json!({"containerName": "pulumi", "resource": "requests.memory"})
+        );
+        assert_eq!(env_of(pulumi, "PULUMI_ENV").as_deref(), Some("/share/.env"));
+        // The environment is pushed…
+        assert_eq!(env_of(pulumi, "PULUMI_BACKEND_URL"), None);
+        let annotations = &sts["spec"]["template"]["metadata"]["annotations"];
+        assert_eq!(annotations[ENV_IN_POD_ANNOTATION], Value::Null);
+        // …or, for an agent that cannot take it, on the container, with the image remembered.
+        let on_pod = build(true);
+        let pulumi = container(&on_pod["spec"]["template"]["spec"], "containers", "pulumi");
+        assert_eq!(
+            env_of(pulumi, "PULUMI_BACKEND_URL").as_deref(),
+            Some("file:///state")
+        );
+        let marked = &on_pod["spec"]["template"]["metadata"]["annotations"];
+        assert_eq!(marked[ENV_IN_POD_ANNOTATION], "pko:2.9");
+        assert_ne!(
+            marked[REVISION_HASH_ANNOTATION],
+            annotations[REVISION_HASH_ANNOTATION]
+        );
+    }
+
+    #[test]
+    fn pkos_layout_writes_a_project_file_with_pkos_flags() {
+        let info = desired_statefulset(
+            &ws(json!({"projectInfo": {"name": "p", "runtime": "yaml"}})),
+            "w",
+            "ns",
+            &OwnerReference::default(),
+            &settings(),
+            &AgentLayout::Pko { env_in_pod: false },
+        )
+        .expect("sts");
+        let info = serde_json::to_value(info).expect("json");
+        let fetch = container(&info["spec"]["template"]["spec"], "initContainers", "fetch");
+        assert_eq!(
+            fetch["args"][2],
+            "/share/agent init -t /share/workspace --project-name \"$PROJECT_NAME\" --project-runtime \"$PROJECT_RUNTIME\""
+        );
     }
 }

@@ -98,11 +98,12 @@ fn mock() -> (Client, Apiserver) {
 
 fn context(client: &Client) -> WorkspaceContext {
     let kit = Kit::new(client.clone(), Metrics::new(), None);
-    let agents = Arc::new(Agents::new(client.clone(), None));
+    let agents = Arc::new(Agents::new(client.clone(), None, None));
     let settings = PodSettings {
         file_server: pko_admission::tenancy::FileServerNames::default(),
         agent_image: "agent:1".into(),
         agent_image_pull_policy: "IfNotPresent".into(),
+        pko_agent_image: "pko:2.9".into(),
         max_artifact_bytes: None,
         git_ssh_accept_new_host_keys: false,
     };
@@ -178,7 +179,10 @@ async fn apply_sends_the_service_then_the_statefulset() {
     };
     served(script).await;
     assert_eq!(applied.statefulset.metadata.generation, Some(1));
-    assert_eq!(applied.credentials.token, "t");
+    match &applied.auth {
+        crate::agent_client::AgentAuth::Pinned(credentials) => assert_eq!(credentials.token, "t"),
+        other => panic!("{other:?}"),
+    }
     assert_eq!(
         serde_json::to_value(&run.status).expect("status"),
         serde_json::to_value(status::draft(&ws)).expect("status"),
