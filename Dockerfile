@@ -53,9 +53,13 @@ COPY --from=build /out/tmp /tmp
 COPY --from=build --chown=65532:65532 /out/home/nonroot /home/nonroot
 COPY --from=build /out/pko-agent /usr/local/bin/pko-agent
 COPY --from=pulumi /out/pulumi /out/pulumi-language-yaml /usr/local/bin/
-ENV PATH=/usr/local/bin HOME=/home/nonroot
+# What the pod PKO's manager lays out runs from its agent image: /agent and /tini (links to the
+# agent, which acts as tini when called so) and busybox's sh, cp and ln in /bin.
+COPY --from=build /out/agent-root/ /
+ENV PATH=/usr/local/bin:/bin HOME=/home/nonroot
 USER 65532:65532
-ENTRYPOINT ["/usr/local/bin/pko-agent"]
+# No entrypoint: PKO's init containers give only `args` (`cp /agent /tini /share/`, `sh -c …`).
+CMD ["/usr/local/bin/pko-agent"]
 
 # The operator image (the default target). Static binaries: no libc, no base image.
 FROM scratch

@@ -163,13 +163,25 @@ dist-pulumi: go-toolchain ## the pulumi CLI and YAML language host the agent ima
 # The images have no base: the users 65532 (nonroot) and 1000 (pulumi, as which restricted
 # workspace pods run) and the CA bundle of Debian's ca-certificates (https plugin sources,
 # pulumi) are all they carry besides the binaries.
+#
+# The agent image also answers the pod PKO's manager lays out (`cp /agent /tini /share/`, then
+# `sh -c "/share/agent init … && ln -s …"`, then `/share/tini /share/agent -- serve …`):
+# `/agent` and `/tini` are links to the agent (which acts as tini when called so), and `sh`,
+# `cp` and `ln` are Debian's static busybox (busybox-static, installed by `tools/image.sh
+# busybox` when missing), in agent-root/, copied over the image's root.
 .PHONY: dist-rootfs
-dist-rootfs: ## /etc/passwd, /etc/group, the CA bundle, /tmp and the user's home the container images ship, into $(DIST_DIR)/
+dist-rootfs: ## /etc/passwd, /etc/group, the CA bundle, /tmp and the user's home the container images ship, plus the agent image's /agent, /tini and busybox (sh, cp, ln), into $(DIST_DIR)/
 	install -D -m 0644 tools/rootfs/passwd $(DIST_DIR)/passwd
 	install -D -m 0644 tools/rootfs/group $(DIST_DIR)/group
 	install -D -m 0644 /etc/ssl/certs/ca-certificates.crt $(DIST_DIR)/ca-certificates.crt
 	install -d -m 1777 $(DIST_DIR)/tmp
 	install -d -m 1777 $(DIST_DIR)/home/nonroot
+	tools/image.sh busybox
+	install -d -m 0755 $(DIST_DIR)/agent-root/bin $(DIST_DIR)/agent-root/
+	install -m 0755 /bin/busybox $(DIST_DIR)/agent-root/bin/busybox
+	for applet in sh cp ln; do ln -sfn busybox $(DIST_DIR)/agent-root/bin/$$applet; done
+	ln -sfn usr/local/bin/pko-agent $(DIST_DIR)/agent-root/agent
+	ln -sfn usr/local/bin/pko-agent $(DIST_DIR)/agent-root/tini
 
 # `make image`: the operator and agent images as OCI layouts, assembled with umoci (no
 # container daemon); the tests unpack and run them with runc (tests/tests/it/image.rs).

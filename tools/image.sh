@@ -5,6 +5,8 @@
 # and /etc/passwd, /etc/group and the CA bundle are the only other files.
 #
 #   tools/image.sh deps              installs umoci, runc and ca-certificates (apt) when missing
+#   tools/image.sh busybox           installs busybox-static (apt) unless /bin/busybox is a
+#                                    static busybox (the agent image's sh, cp and ln)
 #   tools/image.sh build DIST OUT    OCI layouts OUT/pko-rs and OUT/pko-rs-agent (tag latest) from
 #                                    what `make dist dist-policies dist-plugins dist-pulumi
 #                                    dist-rootfs` wrote to DIST; prints each manifest digest
@@ -29,6 +31,20 @@ deps() {
   fi
   DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}" ||
     { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}"; }
+}
+
+# Debian's busybox-static: one static binary, so it runs in an image with no libc.
+busybox() {
+  if [[ -x /bin/busybox ]] && ! LC_ALL=C readelf -l /bin/busybox 2>/dev/null | grep -q 'program interpreter'; then
+    return
+  fi
+  echo "installing busybox-static (apt-get): the agent image's sh, cp and ln" >&2
+  if [[ $(id -u) != 0 ]]; then
+    echo "busybox-static missing and not root: install it with apt-get" >&2
+    exit 1
+  fi
+  DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends busybox-static ||
+    { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends busybox-static; }
 }
 
 # The files both images carry.
@@ -67,8 +83,7 @@ image() {
   umoci raw add-layer --image "$layout:$TAG" --history.created="$created" \
     --history.created_by="tools/image.sh" "$work/$name.tar"
   umoci config --image "$layout:$TAG" --no-history --created="$created" --author=pko-rs \
-    --os=linux --architecture=amd64 --config.user=$NONROOT:$NONROOT --config.workingdir=/ \
-    --config.env=PATH=/usr/local/bin "$@"
+    --os=linux --architecture=amd64 --config.user=$NONROOT:$NONROOT --config.workingdir=/ "$@"
   umoci gc --layout "$layout"
   local digest size
   digest=$(jq -r '.manifests[0].digest' "$layout/index.json")
@@ -94,7 +109,8 @@ build() {
   for wasm in default_tags naming_policy resource_allowlist; do
     install -D -m 0644 "$dist/plugins/$wasm.wasm" "$op/usr/local/share/pko-rs/plugins/$wasm.wasm"
   done
-  image pko-rs "$op" no --config.entrypoint=/usr/local/bin/pko-operator \
+  image pko-rs "$op" no --config.env=PATH=/usr/local/bin \
+    --config.entrypoint=/usr/local/bin/pko-operator \
     --config.exposedports=9090/tcp --config.exposedports=8081/tcp \
     --config.exposedports=8383/tcp --config.exposedports=9443/tcp
 
@@ -106,12 +122,17 @@ build() {
   install -D -m 0755 "$dist/pko-agent" "$ag/usr/local/bin/pko-agent"
   install -D -m 0755 "$dist/pulumi" "$ag/usr/local/bin/pulumi"
   install -D -m 0755 "$dist/pulumi-language-yaml" "$ag/usr/local/bin/pulumi-language-yaml"
+  # What PKO's workspace pod runs from its agent image: /agent, /tini (links to the agent) and
+  # busybox's sh, cp and ln in /bin (links kept as links: cp -P).
+  cp -P -R "$dist/agent-root/." "$ag/"
+  # No entrypoint: PKO's init containers give only `args` (`cp …`, `sh -c …`), run as they are.
   image pko-rs-agent "$ag" yes --config.env=HOME=/home/nonroot \
-    --config.entrypoint=/usr/local/bin/pko-agent
+    --config.env=PATH=/usr/local/bin:/bin --config.cmd=/usr/local/bin/pko-agent
 }
 
 case ${1:-} in
   deps) deps ;;
+  busybox) busybox ;;
   build) build "${2:-}" "${3:-}" ;;
-  *) echo "usage: $0 deps | build DIST OUT" >&2; exit 2 ;;
+  *) echo "usage: $0 deps | busybox | build DIST OUT" >&2; exit 2 ;;
 esac

@@ -1,8 +1,10 @@
 //! The images `make image` writes (OCI layouts in `$PKO_IMAGE_DIR`), unpacked with umoci and
 //! run with runc as the user 65532 on a read-only root filesystem, in the host's network
 //! namespace: the operator image gets ready against the test apiserver, the agent image runs
-//! `pko-agent --version` and `pulumi version`. Both match the Dockerfile's last stages (paths,
-//! user, entrypoint).
+//! `pko-agent --version` and `pulumi version`, and the agent image runs the pod PKO's manager
+//! lays out (`cp /agent /tini /share/`, the `sh -c` fetch, `tini agent -- serve --auth-mode
+//! kube` reviewing a token with the apiserver as a mounted service account). Both match the
+//! Dockerfile's last stages (paths, user, entrypoint or command).
 //!
 //! runc needs root. crun 1.8.1 (Debian 12) cannot run on the project's machines at all ("cgroups
 //! in hybrid mode not supported, drop all controllers from cgroupv2", even with
@@ -224,7 +226,9 @@ fn assert_matches_dockerfile(bundle: &Bundle, from: &str) {
             .collect();
         let (dest, sources) = words.split_last().expect("COPY sources destination");
         for source in sources {
-            copied.push(if dest.ends_with('/') {
+            copied.push(if source.ends_with('/') {
+                (*dest).to_owned()
+            } else if dest.ends_with('/') {
                 let base = Path::new(source).file_name().expect("file name");
                 format!("{dest}{}", base.to_string_lossy())
             } else {
@@ -234,6 +238,10 @@ fn assert_matches_dockerfile(bundle: &Bundle, from: &str) {
     }
     assert!(!copied.is_empty(), "{stage:?}");
     for path in &copied {
+        // A folder's contents copied over the root: checked by what the image runs.
+        if path == "/" {
+            continue;
+        }
         let inside = bundle.rootfs().join(path.trim_start_matches('/'));
         assert!(
             inside.exists(),
@@ -254,8 +262,16 @@ fn assert_matches_dockerfile(bundle: &Bundle, from: &str) {
         format!("{}:{}", user["uid"], user["gid"]),
         "user"
     );
-    let entrypoint: Vec<String> = serde_json::from_str(&value("ENTRYPOINT ")).expect("exec form");
-    assert_eq!(bundle.image_args(), entrypoint, "entrypoint");
+    // ENTRYPOINT, or CMD alone (an image whose containers' bare `args` run as they are).
+    let instruction = stage
+        .iter()
+        .find_map(|l| {
+            l.strip_prefix("ENTRYPOINT ")
+                .or_else(|| l.strip_prefix("CMD "))
+        })
+        .unwrap_or_else(|| panic!("no ENTRYPOINT or CMD in Dockerfile `{from}`"));
+    let entrypoint: Vec<String> = serde_json::from_str(instruction.trim()).expect("exec form");
+    assert_eq!(bundle.image_args(), entrypoint, "entrypoint or command");
     let path = value("ENV ");
     let path = path
         .split_whitespace()
@@ -473,6 +489,251 @@ async fn operator_image_gets_ready_read_only_as_nonroot() {
         options.split(',').any(|o| o == "ro"),
         "root mounted {options}"
     );
+    drop(container);
+    drop(running);
+}
+
+/// A tar.gz of one project file at `proj/Pulumi.yaml`.
+fn project_artifact() -> Vec<u8> {
+    let gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    let mut builder = tar::Builder::new(gz);
+    let data = b"name: fetched\nruntime: yaml\n";
+    let mut header = tar::Header::new_gnu();
+    header.set_size(data.len() as u64);
+    header.set_mode(0o644);
+    builder
+        .append_data(&mut header, "proj/Pulumi.yaml", &data[..])
+        .expect("append");
+    builder.into_inner().expect("tar").finish().expect("gzip")
+}
+
+fn bind(destination: &str, source: &Path, read_only: bool) -> Value {
+    let mut options = vec!["bind"];
+    if read_only {
+        options.push("ro");
+    }
+    json!({"destination": destination, "type": "bind", "source": source, "options": options})
+}
+
+#[tokio::test]
+async fn agent_image_runs_the_pod_pkos_manager_lays_out() {
+    use pko_tests::kubeauth;
+    use sha2::Digest;
+
+    let _machine = pko_tests::serial::shared().await;
+    let plane = ControlPlane::shared().await;
+    let ns = plane.namespace("image-pko").await.expect("namespace");
+    let client = plane.client();
+    for account in ["pulumi", "operator"] {
+        kubeauth::service_account(&client, &ns, account)
+            .await
+            .expect("service account");
+    }
+    kubeauth::bind_auth_delegator(&client, &ns, "pulumi")
+        .await
+        .expect("auth-delegator");
+    kubeauth::grant_workspace_rpc(&client, &ns, &ns, "operator")
+        .await
+        .expect("rpc grant");
+    let mut bundle = Bundle::unpack("pko-rs-agent");
+    let tmp = tempfile::tempdir().expect("tmp");
+    let share = tmp.path().join("share");
+    std::fs::create_dir(&share).expect("share");
+    // An emptyDir: writable by the pod's user.
+    std::fs::set_permissions(&share, std::os::unix::fs::PermissionsExt::from_mode(0o777))
+        .expect("chmod share");
+    let share_mount = bind("/share", &share, false);
+    let home = tmpfs("/home/nonroot", &format!("uid={NONROOT},gid={NONROOT}"));
+
+    // bootstrap: bare args, no entrypoint.
+    let words = |list: &[&str]| list.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+    bundle.prepare(
+        &words(&["cp", "/agent", "/tini", "/share/"]),
+        &[],
+        std::slice::from_ref(&share_mount),
+    );
+    run_to_end(&bundle);
+    for name in ["agent", "tini"] {
+        let meta = std::fs::symlink_metadata(share.join(name)).expect("copied");
+        assert!(meta.file_type().is_file(), "{name} is a copy, not a link");
+    }
+
+    // fetch: PKO's script in a real shell.
+    let artifact = project_artifact();
+    let digest = format!("sha256:{}", hex::encode(sha2::Sha256::digest(&artifact)));
+    let server = pko_tests::agent::StaticServer::start(std::collections::HashMap::from([(
+        "/a.tar.gz".to_owned(),
+        artifact,
+    )]))
+    .await
+    .expect("artifact server");
+    bundle.prepare(
+        &words(&[
+            "sh",
+            "-c",
+            "/share/agent init -t /share/source --flux-url \"$FLUX_URL\" --flux-digest \"$FLUX_DIGEST\" &&\nln -s \"/share/source/$FLUX_DIR\" /share/workspace",
+        ]),
+        &[
+            format!("FLUX_URL={}", server.url("/a.tar.gz")),
+            format!("FLUX_DIGEST={digest}"),
+            "FLUX_DIR=proj".into(),
+            "PULUMI_ENV=/share/.env".into(),
+        ],
+        std::slice::from_ref(&share_mount),
+    );
+    // Run without blocking this runtime, which serves the artifact.
+    let container = Container { id: container_id() };
+    let fetched = tokio::process::Command::new(runtime())
+        .arg("run")
+        .arg("--bundle")
+        .arg(bundle.path())
+        .arg(&container.id)
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .expect("runc run");
+    drop(container);
+    assert!(
+        fetched.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&fetched.stdout),
+        String::from_utf8_lossy(&fetched.stderr)
+    );
+    assert!(share.join("source/proj/Pulumi.yaml").is_file());
+
+    // pulumi: tini, the agent, PKO's serve flags; the service account mounted where the
+    // kubelet mounts it.
+    let account = tmp.path().join("serviceaccount");
+    std::fs::create_dir(&account).expect("account dir");
+    let token = kubeauth::token(&client, &ns, "pulumi", None)
+        .await
+        .expect("pod token");
+    std::fs::write(account.join("token"), token).expect("token");
+    std::fs::copy(plane.ca_path(), account.join("ca.crt")).expect("ca");
+    std::fs::write(account.join("namespace"), &ns).expect("namespace");
+    for entry in std::fs::read_dir(&account)
+        .expect("account files")
+        .flatten()
+    {
+        std::fs::set_permissions(
+            entry.path(),
+            std::os::unix::fs::PermissionsExt::from_mode(0o644),
+        )
+        .expect("chmod");
+    }
+    std::fs::set_permissions(
+        &account,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .expect("chmod");
+    let api_port = plane
+        .server_url()
+        .rsplit(':')
+        .next()
+        .expect("port")
+        .trim_end_matches('/')
+        .to_owned();
+    let port = pko_tests::agent::free_port().expect("port");
+    let mut args = words(&[
+        "/share/tini",
+        "/share/agent",
+        "--",
+        "serve",
+        "--workspace",
+        "/share/workspace",
+        "--skip-install",
+        "--env-file",
+        "/share/.env",
+        "--auth-mode",
+        "kube",
+        "--kube-audience",
+    ]);
+    args.extend([
+        format!("ws.{ns}"),
+        "--kube-workspace-namespace".into(),
+        ns.clone(),
+        "--kube-workspace-name".into(),
+        "ws".into(),
+        "--host".into(),
+        "127.0.0.1".into(),
+        "--port".into(),
+        port.to_string(),
+    ]);
+    bundle.prepare(
+        &args,
+        &[
+            "KUBERNETES_SERVICE_HOST=127.0.0.1".into(),
+            format!("KUBERNETES_SERVICE_PORT={api_port}"),
+            format!("POD_NAMESPACE={ns}"),
+            "POD_SA_NAME=pulumi".into(),
+            "AGENT_MEMLIMIT=67108864".into(),
+            "PULUMI_ENV=/share/.env".into(),
+        ],
+        &[
+            share_mount,
+            home,
+            bind(
+                "/var/run/secrets/kubernetes.io/serviceaccount",
+                &account,
+                true,
+            ),
+        ],
+    );
+    let container = Container { id: container_id() };
+    let mut cmd = Command::new(runtime());
+    cmd.arg("run")
+        .arg("--bundle")
+        .arg(bundle.path())
+        .arg(&container.id)
+        .stdin(Stdio::null());
+    let log = tmp.path().join("serve.log");
+    let mut running = spawn_guarded(cmd, "runc run pko-rs-agent serve", &log).expect("runc run");
+    let listening = pko_tests::wait_for("the agent to listen", Duration::from_secs(60), || {
+        let exited = running.try_wait().ok().flatten();
+        async move {
+            if exited.is_some() {
+                return Some(false);
+            }
+            tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .ok()
+                .map(|_| true)
+        }
+    })
+    .await;
+    let log_text = || std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        matches!(listening, Ok(true)),
+        "{listening:?}: {}",
+        log_text()
+    );
+    let call = |token: String| async move {
+        let mut agent = pko_agent::client::connect(&pko_agent::client::Target {
+            address: format!("127.0.0.1:{port}"),
+            ca_pem: None,
+            server_name: None,
+            token: Some(token),
+            connect_timeout: Duration::from_secs(5),
+        })
+        .await
+        .expect("connect");
+        agent
+            .pulumi_version(pko_agent::proto::PulumiVersionRequest {})
+            .await
+            .map(|r| r.into_inner().version)
+    };
+    let operator = kubeauth::token(&client, &ns, "operator", Some(&format!("ws.{ns}")))
+        .await
+        .expect("operator token");
+    let version = call(operator)
+        .await
+        .unwrap_or_else(|s| panic!("{s:?}: {}", log_text()));
+    assert!(version.starts_with("v3."), "{version}");
+    let elsewhere = kubeauth::token(&client, &ns, "operator", Some("other.ns"))
+        .await
+        .expect("token");
+    let refused = call(elsewhere).await.expect_err("another audience");
+    assert_eq!(refused.code(), tonic::Code::Unauthenticated);
     drop(container);
     drop(running);
 }
