@@ -7,8 +7,12 @@
 # agent the switch-over and interoperability tests run) from its source tarball: $PKO_SRC_TARBALL, by default ../shared/reference/pko-v2.9.0-src.tar.gz next to the
 # repository. Its folder is keyed by the version and the tarball's sha256. `all` leaves it out.
 #
-#   tools/build.sh kube|opa|pulumi|pko|helm|oci|promtool|all  prints nothing but progress; exits non-zero on failure
-#   tools/build.sh dir kube|opa|pulumi|pko|helm|oci|promtool  prints the bin folder of a component
+# `node` builds the test node the end-to-end tests run (kubelet, containerd, CNI plugins,
+# kube-proxy, CoreDNS, kube-controller-manager, kube-scheduler, kube-network-policies, crictl)
+# and installs runc and nftables from Debian when missing.
+#
+#   tools/build.sh kube|opa|pulumi|pko|helm|oci|promtool|node|all  prints nothing but progress; exits non-zero on failure
+#   tools/build.sh dir kube|opa|pulumi|pko|helm|oci|promtool|node  prints the bin folder of a component
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -37,6 +41,15 @@ HELM_VERSION=3.22.0
 # The Kubernetes version `helm template` and `helm lint` assume without a cluster, as Helm's own
 # Makefile stamps it: one above the major of its client-go modules (v0.37 -> 1.37).
 HELM_KUBE_VERSION=1.37
+# The test node (`node`): kubelet, kube-proxy, kube-controller-manager and kube-scheduler come
+# from the same Kubernetes module as the apiserver (K8S_VERSION, by tools/node/go.mod); the
+# rest are built from their modules at these versions.
+CONTAINERD_VERSION=2.4.2
+CNI_PLUGINS_VERSION=1.10.0
+# CoreDNS is built from tools/node/coredns (its own main with only the plugins the node uses).
+COREDNS_VERSION=1.15.0
+KNP_VERSION=0.8.0
+CRICTL_VERSION=1.37.0
 PKO_SRC_TARBALL=${PKO_SRC_TARBALL:-$here/../../shared/reference/pko-v$PKO_VERSION-src.tar.gz}
 
 # The folder's name carries every version and a hash of the helper module's go.sum, so a bump
@@ -55,8 +68,15 @@ dir_for() {
     oci) echo "$cache/registry-v$REGISTRY_VERSION-cosign-v$COSIGN_VERSION" ;;
     helm) echo "$cache/helm-v$HELM_VERSION-k$HELM_KUBE_VERSION-$(key helm)" ;;
     promtool) echo "$cache/promtool-v$PROMETHEUS_VERSION" ;;
+    node) echo "$cache/node-k$K8S_VERSION-c$CONTAINERD_VERSION-cni$CNI_PLUGINS_VERSION-dns$COREDNS_VERSION-np$KNP_VERSION-cri$CRICTL_VERSION-$(node_key)" ;;
     *) echo "unknown component: $1" >&2; exit 2 ;;
   esac
+}
+
+node_key() {
+  (cat "$here/node/go.mod" "$here/node/go.sum" "$here/node/coredns/go.mod" \
+    "$here/node/coredns/go.sum" "$here/node/coredns/main.go" "$here/node/pause/main.go" 2>/dev/null || true) |
+    sha256sum | cut -c1-12
 }
 
 require_pko_src() {
@@ -201,6 +221,68 @@ build_helm() {
   rm -rf "$out" && mv "$out.tmp" "$out"
 }
 
+# Debian packages the test node runs: runc (containerd's runtime; crun does not run on this
+# kind of machine's hybrid cgroups) and nftables (the `nft` CLI kube-proxy's nftables mode
+# drives).
+node_deps() {
+  local missing=()
+  command -v runc >/dev/null || missing+=(runc)
+  command -v nft >/dev/null || missing+=(nftables)
+  if ((${#missing[@]} == 0)); then return; fi
+  echo "installing ${missing[*]} (apt-get)" >&2
+  if [[ $(id -u) != 0 ]]; then
+    echo "${missing[*]} missing and not root: install them with apt-get" >&2
+    exit 1
+  fi
+  DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}" ||
+    { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}"; }
+}
+
+# One binary of the node into $out.tmp, skipped when an interrupted build already made it.
+node_bin() {
+  local name=$1
+  shift
+  if [[ -x $node_tmp/$name ]]; then return; fi
+  echo "  $name" >&2
+  "$@"
+}
+
+# The binaries a real node of the end-to-end tests runs (tests/src/node.rs), only those, each
+# stripped. Cold: ~12-18 min on 2 cores.
+build_node() {
+  node_deps
+  local out; out=$(dir_for node)
+  if [[ -x $out/crictl ]]; then return; fi
+  echo "building the test node (kubelet, kube-proxy, kube-controller-manager, kube-scheduler v$K8S_VERSION, containerd v$CONTAINERD_VERSION, CNI plugins v$CNI_PLUGINS_VERSION, CoreDNS v$COREDNS_VERSION, kube-network-policies v$KNP_VERSION, crictl v$CRICTL_VERSION) into $out" >&2
+  node_tmp=$out.tmp
+  mkdir -p "$node_tmp"
+  local flags=(-trimpath -ldflags "-s -w")
+  local stamp="-X k8s.io/component-base/version.gitVersion=v$K8S_VERSION -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=${K8S_VERSION#1.}"
+  stamp="${stamp%.*} -X k8s.io/component-base/version.gitTreeState=clean"
+  local c
+  for c in kubelet kube-proxy kube-controller-manager kube-scheduler; do
+    node_bin "$c" bash -c 'cd "$1/node" && go build -trimpath -ldflags "-s -w $2" -o "$3/$4" "k8s.io/kubernetes/cmd/$4"' \
+      _ "$here" "$stamp" "$node_tmp" "$c"
+  done
+  # No btrfs, devmapper or zfs snapshotter (overlayfs only), no tracing exporter.
+  local ctags=no_btrfs,no_devmapper,no_zfs,no_tracing
+  local cmod=github.com/containerd/containerd/v2 cstamp="-X github.com/containerd/containerd/v2/version.Version=v$CONTAINERD_VERSION"
+  for c in containerd containerd-shim-runc-v2; do
+    node_bin "$c" env GOBIN="$node_tmp" go install -trimpath -tags "$ctags" -ldflags "-s -w $cstamp" "$cmod/cmd/$c@v$CONTAINERD_VERSION"
+  done
+  # The CNI plugins in a folder of their own: containerd's CNI binary folder.
+  local cni=github.com/containernetworking/plugins/plugins
+  for c in main/bridge main/loopback ipam/host-local meta/portmap; do
+    node_bin "cni/${c#*/}" env GOBIN="$node_tmp/cni" go install "${flags[@]}" "$cni/$c@v$CNI_PLUGINS_VERSION"
+  done
+  node_bin coredns bash -c 'cd "$1/node/coredns" && go build -trimpath -ldflags "-s -w" -o "$2/coredns" .' _ "$here" "$node_tmp"
+  node_bin kube-network-policies bash -c 'GOBIN="$1" go install -trimpath -ldflags "-s -w" "sigs.k8s.io/kube-network-policies/cmd@v$2" && mv "$1/cmd" "$1/kube-network-policies"' _ "$node_tmp" "$KNP_VERSION"
+  # The pod sandbox's process; the harness puts it in an image of its own.
+  node_bin pause bash -c 'cd "$1/node" && go build -trimpath -ldflags "-s -w" -o "$2/pause" ./pause' _ "$here" "$node_tmp"
+  node_bin crictl env GOBIN="$node_tmp" go install "${flags[@]}" "sigs.k8s.io/cri-tools/cmd/crictl@v$CRICTL_VERSION"
+  rm -rf "$out" && mv "$node_tmp" "$out"
+}
+
 case ${1:-all} in
   dir)
     if [[ ${2:-} == pko ]]; then require_pko_src; fi
@@ -213,6 +295,7 @@ case ${1:-all} in
   oci) build_oci ;;
   helm) build_helm ;;
   promtool) build_promtool ;;
-  all) build_kube; build_opa; build_pulumi; build_helm; build_oci; build_promtool ;;
-  *) echo "usage: $0 kube|opa|pulumi|pko|helm|oci|promtool|all | dir COMPONENT" >&2; exit 2 ;;
+  node) build_node ;;
+  all) build_kube; build_opa; build_pulumi; build_helm; build_oci; build_promtool; build_node ;;
+  *) echo "usage: $0 kube|opa|pulumi|pko|helm|oci|promtool|node|all | dir COMPONENT" >&2; exit 2 ;;
 esac
