@@ -50,6 +50,18 @@ pub struct StartOptions {
     /// Write the apiserver's audit log (every request, at the Metadata level, JSON lines) to
     /// `logs/audit.log` in the state folder; see [`ControlPlane::audit_log`].
     pub audit_log: bool,
+    /// Run etcd and kube-apiserver inside a real node's namespaces (see [`crate::node`]), with
+    /// the host's loopback ports forwarded to them, so the apiserver reaches pods (webhooks,
+    /// kubelet) and pods reach it through the `kubernetes` Service.
+    pub in_node: Option<InNode>,
+}
+
+/// Where and how a control plane runs inside a node's namespaces.
+#[derive(Debug, Clone)]
+pub struct InNode {
+    pub netns: std::sync::Arc<crate::netns::Netns>,
+    /// The node's address: the `kubernetes` Service's endpoint.
+    pub address: String,
 }
 
 /// The audit policy of [`StartOptions::audit_log`]: who did what to which object, and the
@@ -78,6 +90,8 @@ pub struct ControlPlane {
     apiserver_cmd: StoredCommand,
     /// `Some` when the state lives in a temporary folder, removed on stop.
     temp: Mutex<Option<TempDir>>,
+    /// Host loopback forwards into a node's namespaces ([`StartOptions::in_node`]).
+    forwards: Mutex<Vec<crate::netns::Forward>>,
 }
 
 impl fmt::Debug for ControlPlane {
@@ -222,7 +236,7 @@ impl ControlPlane {
 
         let mut attempt = 1;
         let launched = loop {
-            match launch(&bins, &dir, &token, opts.audit_log).await {
+            match launch(&bins, &dir, &token, &opts).await {
                 Ok(launched) => break launched,
                 Err(e) if attempt < LAUNCH_ATTEMPTS && is_port_clash(&e) => attempt += 1,
                 Err(e) => {
@@ -245,6 +259,7 @@ impl ControlPlane {
             processes: Mutex::new(launched.processes),
             apiserver_cmd: launched.apiserver_cmd,
             temp: Mutex::new(temp),
+            forwards: Mutex::new(launched.forwards),
         };
         let crds_dir = opts
             .crds_dir
@@ -425,6 +440,7 @@ impl ControlPlane {
             let _ = std::fs::remove_file(pid_file(&self.dir, process.name()));
         }
         drop(processes);
+        lock(&self.forwards).clear();
         let temp = lock(&self.temp).take();
         // PKO_TESTS_KEEP_STATE=1 keeps the logs and state for a look after the run.
         if std::env::var_os("PKO_TESTS_KEEP_STATE").is_some_and(|v| v == "1")
@@ -519,6 +535,7 @@ impl StoredCommand {
 
 struct Launched {
     processes: Vec<ChildGuard>,
+    forwards: Vec<crate::netns::Forward>,
     apiserver_cmd: StoredCommand,
     config: kube::Config,
     kubeconfig_path: PathBuf,
@@ -531,8 +548,14 @@ async fn launch(
     bins: &KubeBinaries,
     dir: &Path,
     token: &str,
-    audit_log: bool,
+    opts: &StartOptions,
 ) -> Result<Launched, HarnessError> {
+    let node = opts.in_node.as_ref();
+    let command = |program: &Path| match node {
+        Some(node) => node.netns.command(program),
+        None => Command::new(program),
+    };
+    let mut forwards = Vec::new();
     let [client_port, peer_port, api_port] = free_ports()?;
     let etcd_data = dir.join("etcd");
     if etcd_data.exists() {
@@ -544,7 +567,7 @@ async fn launch(
 
     let client_url = format!("http://127.0.0.1:{client_port}");
     let peer_url = format!("http://127.0.0.1:{peer_port}");
-    let mut etcd_cmd = Command::new(&bins.etcd);
+    let mut etcd_cmd = command(&bins.etcd);
     etcd_cmd
         .arg("--name=default")
         .arg(format!("--data-dir={}", etcd_data.display()))
@@ -558,15 +581,32 @@ async fn launch(
         .arg("--log-level=warn");
     let mut etcd = spawn_guarded(etcd_cmd, "etcd", &logs.join("etcd.log"))?;
     write_pid_file(dir, &etcd)?;
+    if let Some(node) = node {
+        forwards.push(node.netns.forward_in(client_port, loopback(client_port))?);
+    }
     wait_etcd(&mut etcd, client_port).await?;
 
     let pki = dir.join("pki");
     let server_url = format!("https://127.0.0.1:{api_port}");
-    let mut api_cmd = Command::new(&bins.apiserver);
+    let mut api_cmd = command(&bins.apiserver);
+    api_cmd.arg(format!("--etcd-servers={client_url}"));
+    match node {
+        // Pods reach it through the `kubernetes` Service (the node's address), the kubelet
+        // with its client certificate, authorized by the Node authorizer; pods get service
+        // account tokens.
+        Some(node) => api_cmd
+            .arg("--bind-address=0.0.0.0")
+            .arg(format!("--advertise-address={}", node.address))
+            .arg(format!("--client-ca-file={}", pki.join("ca.crt").display()))
+            .arg("--authorization-mode=Node,RBAC")
+            .arg("--enable-admission-plugins=NodeRestriction"),
+        None => api_cmd
+            .arg("--bind-address=127.0.0.1")
+            .arg("--advertise-address=127.0.0.1")
+            .arg("--authorization-mode=RBAC")
+            .arg("--disable-admission-plugins=ServiceAccount"),
+    };
     api_cmd
-        .arg(format!("--etcd-servers={client_url}"))
-        .arg("--bind-address=127.0.0.1")
-        .arg("--advertise-address=127.0.0.1")
         .arg(format!("--secure-port={api_port}"))
         .arg(format!("--cert-dir={}", pki.display()))
         .arg(format!(
@@ -591,12 +631,10 @@ async fn launch(
             "--token-auth-file={}",
             dir.join("tokens.csv").display()
         ))
-        .arg("--authorization-mode=RBAC")
-        .arg("--disable-admission-plugins=ServiceAccount")
         .arg("--allow-privileged=true")
         .arg("--enable-priority-and-fairness=false")
         .arg("--profiling=false");
-    if audit_log {
+    if opts.audit_log {
         let policy = dir.join("audit-policy.yaml");
         std::fs::write(&policy, AUDIT_POLICY)
             .map_err(|e| HarnessError::io(format!("writing {}", policy.display()), e))?;
@@ -613,6 +651,9 @@ async fn launch(
     let apiserver_cmd = StoredCommand::of(&api_cmd);
     let mut apiserver = spawn_guarded(api_cmd, "kube-apiserver", &logs.join("kube-apiserver.log"))?;
     write_pid_file(dir, &apiserver)?;
+    if let Some(node) = node {
+        forwards.push(node.netns.forward_in(api_port, loopback(api_port))?);
+    }
 
     let kubeconfig_path = dir.join("kubeconfig");
     write_kubeconfig(&kubeconfig_path, &server_url, &pki.join("ca.crt"), token)?;
@@ -630,11 +671,16 @@ async fn launch(
     wait_apiserver(&mut apiserver, &mut etcd, &config, &server_url).await?;
     Ok(Launched {
         processes: vec![etcd, apiserver],
+        forwards,
         apiserver_cmd,
         config,
         kubeconfig_path,
         server_url,
     })
+}
+
+fn loopback(port: u16) -> std::net::SocketAddr {
+    std::net::SocketAddr::from(([127, 0, 0, 1], port))
 }
 
 fn log_tail(process: &ChildGuard) -> Box<LogTail> {
@@ -788,6 +834,16 @@ fn write_state_files(dir: &Path, pki: &pki::Pki, token: &str) -> Result<(), Harn
     write_file(&pki_dir.join("apiserver.key"), &pki.serving_key_pem, true)?;
     write_file(&pki_dir.join("sa.key"), &pki.sa_key_pem, true)?;
     write_file(&pki_dir.join("sa.pub"), &pki.sa_pub_pem, false)?;
+    write_file(
+        &pki_dir.join("node-client.crt"),
+        &pki.node_client_cert_pem,
+        false,
+    )?;
+    write_file(
+        &pki_dir.join("node-client.key"),
+        &pki.node_client_key_pem,
+        true,
+    )?;
     // token,user,uid,"groups"
     write_file(
         &dir.join("tokens.csv"),

@@ -29,6 +29,8 @@ pub mod gitrepo;
 pub mod kubeauth;
 pub mod kubelet;
 pub mod measure;
+pub mod netns;
+pub mod node;
 pub mod operator;
 mod pki;
 pub mod pko_peer;
@@ -48,7 +50,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
-pub use control_plane::{ControlPlane, FIELD_MANAGER, NAMESPACE_LABEL, StartOptions};
+pub use control_plane::{ControlPlane, FIELD_MANAGER, InNode, NAMESPACE_LABEL, StartOptions};
 pub use process::{ChildGuard, process_alive, spawn_guarded};
 
 /// Everything that can go wrong while running the harness.

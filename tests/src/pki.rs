@@ -18,7 +18,14 @@ pub(crate) struct Pki {
     /// SPKI public key for `--service-account-key-file` (the apiserver's parser does not read
     /// PKCS#8 EC private keys there).
     pub sa_pub_pem: String,
+    /// The client certificate of a real node's kubelet ([`NODE_NAME`] in `system:nodes`),
+    /// signed by the same CA (the apiserver's `--client-ca-file`).
+    pub node_client_cert_pem: String,
+    pub node_client_key_pem: String,
 }
+
+/// The name of the node a real kubelet registers (see `crate::node`).
+pub const NODE_NAME: &str = "pko-node";
 
 fn name(common_name: &str) -> DistinguishedName {
     let mut dn = DistinguishedName::new();
@@ -60,8 +67,24 @@ pub(crate) fn generate() -> Result<Pki, rcgen::Error> {
     let serving_key = KeyPair::generate()?;
     let serving_cert = serving.signed_by(&serving_key, &*ca)?;
 
+    let mut client = CertificateParams::default();
+    let mut client_name = DistinguishedName::new();
+    client_name.push(DnType::CommonName, format!("system:node:{NODE_NAME}"));
+    client_name.push(DnType::OrganizationName, "system:nodes");
+    client.distinguished_name = client_name;
+    client.key_usages = vec![
+        KeyUsagePurpose::DigitalSignature,
+        KeyUsagePurpose::KeyEncipherment,
+    ];
+    client.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    client.use_authority_key_identifier_extension = true;
+    let client_key = KeyPair::generate()?;
+    let client_cert = client.signed_by(&client_key, &*ca)?;
+
     let sa_key = KeyPair::generate()?;
     Ok(Pki {
+        node_client_cert_pem: client_cert.pem(),
+        node_client_key_pem: client_key.serialize_pem(),
         ca_cert_pem: ca.pem(),
         serving_cert_pem: serving_cert.pem(),
         serving_key_pem: serving_key.serialize_pem(),
