@@ -12,6 +12,8 @@ export PKO_TOOLS_CACHE ?= $(CACHE_DIR)/tools
 export GOTOOLCHAIN := local
 export CGO_ENABLED := 0
 export CARGO_TERM_COLOR ?= never
+# Incremental caches are not reused by a one-shot build and cost gigabytes of disk per target dir.
+export CARGO_INCREMENTAL ?= 0
 # The admission policy bundle built by `make policies`; the operator and the tests load it.
 export PKO_POLICY_BUNDLE ?= $(CACHE_DIR)/policies/policies.tar.gz
 # Transform plugins built by `make plugins` (plugins/ is a workspace of its own, built for

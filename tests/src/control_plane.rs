@@ -599,7 +599,9 @@ async fn launch(
             .arg(format!("--advertise-address={}", node.address))
             .arg(format!("--client-ca-file={}", pki.join("ca.crt").display()))
             .arg("--authorization-mode=Node,RBAC")
-            .arg("--enable-admission-plugins=NodeRestriction"),
+            .arg("--enable-admission-plugins=NodeRestriction")
+            // Logs and exec reach the kubelet by the node's address: its name is in no DNS.
+            .arg("--kubelet-preferred-address-types=InternalIP"),
         None => api_cmd
             .arg("--bind-address=127.0.0.1")
             .arg("--advertise-address=127.0.0.1")

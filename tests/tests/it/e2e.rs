@@ -52,7 +52,8 @@ async fn node_runs_a_pod_from_our_image() {
             "containers": [{
                 "name": "agent",
                 "image": agent,
-                "args": ["--version"],
+                // The image has no entrypoint (PKO's manager runs its own commands in it).
+                "command": ["/usr/local/bin/pko-agent", "--version"],
                 "securityContext": {"runAsNonRoot": true, "readOnlyRootFilesystem": true,
                     "allowPrivilegeEscalation": false, "capabilities": {"drop": ["ALL"]}},
             }],

@@ -492,14 +492,22 @@ async fn a_stack_runs_up_preview_refresh_and_destroy_through_pkos_agent() {
 
     // preview and refresh, as Updates of the workspace.
     let updates: Api<Update> = Api::namespaced(client.clone(), &ns);
+    let workspace_uid = Api::<Workspace>::namespaced(client.clone(), &ns)
+        .get("interop")
+        .await
+        .expect("workspace")
+        .metadata
+        .uid
+        .expect("uid");
     for kind in ["preview", "refresh"] {
         let name = format!("interop-{kind}");
-        let update: Update = serde_json::from_value(json!({
-            "apiVersion": "auto.pulumi.com/v1alpha1", "kind": "Update",
-            "metadata": {"name": name},
-            "spec": {"workspaceName": "interop", "stackName": "dev", "type": kind},
-        }))
-        .expect("update");
+        // Owned by the Workspace: an Update without a controller is canceled, as PKO does.
+        let update = pko_tests::fixtures::update(
+            &name,
+            "interop",
+            &workspace_uid,
+            json!({"workspaceName": "interop", "stackName": "dev", "type": kind}),
+        );
         updates
             .create(&PostParams::default(), &update)
             .await
