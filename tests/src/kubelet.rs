@@ -57,6 +57,8 @@ struct PodRun {
     ready: bool,
     /// When an init container failed, the earliest time to try again.
     retry_at: Option<Instant>,
+    /// The next restart of the agent is not reported (no status is written for it).
+    unreported_restart: bool,
 }
 
 impl Drop for PodRun {
@@ -144,6 +146,21 @@ impl Kubelet {
             kill_marked(&pod.dir.display().to_string());
         }
         killed
+    }
+
+    /// SIGKILLs the agent of workspace `workspace` and restarts it without reporting anything:
+    /// the Pod and StatefulSet statuses stay as they were, as when a real kubelet's report of
+    /// a container restart has not reached the apiserver yet. What was the agent's `Ready`
+    /// stays so; only the agent's own answers (its instance id) tell the new process.
+    pub fn restart_agent_unreported(&self, workspace: &str) -> bool {
+        {
+            let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            match state.pods.get_mut(&format!("{workspace}-workspace")) {
+                Some(pod) => pod.unreported_restart = true,
+                None => return false,
+            }
+        }
+        self.kill_agent(workspace)
     }
 
     /// The agent's pid of workspace `workspace`, if it runs.
@@ -434,6 +451,7 @@ async fn sync(
                     restarts: 0,
                     ready: false,
                     retry_at: Some(Instant::now()),
+                    unreported_restart: false,
                 },
             );
         return start_pod(client, namespace, &pod_name, &name, &pod_spec, image, state).await;
@@ -442,16 +460,27 @@ async fn sync(
         return start_pod(client, namespace, &pod_name, &name, &pod_spec, image, state).await;
     }
     if agent_died {
-        {
+        let reported = {
             let mut st = state.lock().unwrap_or_else(PoisonError::into_inner);
-            if let Some(p) = st.pods.get_mut(&name) {
-                p.agent = None;
-                p.ready = false;
-                p.restarts += 1;
+            match st.pods.get_mut(&name) {
+                Some(p) if p.unreported_restart => {
+                    p.unreported_restart = false;
+                    p.agent = None;
+                    false
+                }
+                Some(p) => {
+                    p.agent = None;
+                    p.ready = false;
+                    p.restarts += 1;
+                    true
+                }
+                None => true,
             }
+        };
+        if reported {
+            set_sts_status(client, namespace, &name, generation, &revision, false).await?;
+            set_pod_ready(client, namespace, &pod_name, false, state, &name, None).await?;
         }
-        set_sts_status(client, namespace, &name, generation, &revision, false).await?;
-        set_pod_ready(client, namespace, &pod_name, false, state, &name, None).await?;
         // Restart the container (its folder, the emptyDir, is kept).
         return start_agent(client, namespace, &pod_name, &name, &pod_spec, image, state).await;
     }

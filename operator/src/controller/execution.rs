@@ -175,6 +175,7 @@ pub async fn run(
             slots,
             max_event_bytes: args.max_event_bytes_per_operation,
             operation_timeout: Some(args.operation_timeout).filter(|t| !t.is_zero()),
+            workspace_wake: ws_ctx.waker(),
         },
     ));
     let stack_ctx = Arc::new(StackContext::new(&kit, egress));

@@ -13,7 +13,7 @@ use pko_api::workspace::Workspace;
 use pko_tests::execution::Execution;
 use pko_tests::fixtures;
 use pko_tests::kubelet::Kubelet;
-use pko_tests::operator::{Operator, OperatorOptions};
+use pko_tests::operator::{Operator, OperatorOptions, metric_value};
 use pko_tests::{ControlPlane, fifo, wait_for};
 use serde_json::{Value, json};
 
@@ -446,6 +446,68 @@ async fn killed_agent_then_next_update(prefix: &str, lose_marker: bool, released
         "{}",
         env.kubelet.logs("reader")
     );
+}
+
+/// An agent restarted where nothing has noticed yet (the kubelet's report is late, so the
+/// Workspace still shows its old `Ready=True`): an Update created then does not run on the new
+/// agent until the Workspace has told it the environment and stacks again, and succeeds. Before,
+/// it ran at once on an agent without its environment (no backend URL: "PULUMI_ACCESS_TOKEN
+/// must be set") and failed.
+#[tokio::test]
+async fn an_update_waits_for_a_restarted_agent_to_be_initialized_again() {
+    let _machine = pko_tests::serial::shared().await;
+    let env = env("upd-restart").await;
+    let (url, digest) = env.program().await;
+    let plain = env.tmp.path().join("plain.txt");
+    std::fs::write(&plain, "hi\n").expect("plain");
+    env.workspace(&url, &digest, &plain).await;
+    // The Workspace controller's own writes of its status make it look once more; the restart
+    // comes once a look found the agent told everything (and so wrote nothing) and none is
+    // queued or running: nothing is left to make it look again.
+    let controller = r#"{controller="workspace-controller"}"#;
+    let queue = r#"{name="workspace-controller",controller="workspace-controller"}"#;
+    wait_for("the workspace controller to settle", WAIT, || async {
+        let told = env
+            .operator
+            .log_text()
+            .contains("the agent knows the workspace already");
+        let text = env.operator.metrics_text().await?;
+        let value = |series: String| metric_value(&text, &series);
+        (told
+            && value(format!("controller_runtime_active_workers{controller}"))? == 0.0
+            && value(format!("workqueue_depth{queue}"))? == 0.0)
+            .then_some(())
+    })
+    .await
+    .expect("the workspace controller settles");
+    let workspaces: Api<Workspace> = Api::namespaced(env.client(), &env.ns);
+    let before = workspaces.get("reader").await.expect("workspace").status;
+    let pid = env.kubelet.agent_pid("reader");
+    assert!(env.kubelet.restart_agent_unreported("reader"));
+    wait_for("the restarted agent", WAIT, || async {
+        env.kubelet.agent_pid("reader").filter(|p| Some(*p) != pid)
+    })
+    .await
+    .expect("restarted");
+    // Nothing was reported: the Workspace still says what it said of the old agent.
+    let after = workspaces.get("reader").await.expect("workspace").status;
+    assert_eq!(after, before, "the restart is not visible in the Workspace");
+
+    let api = env.update("up-after-restart", "up").await;
+    let up = env.completed(&api, "up-after-restart").await;
+    let (failed, reason, message) = condition(&up, "Failed");
+    assert_eq!(
+        (failed.as_str(), reason.as_str()),
+        ("False", "UpdateSucceeded"),
+        "{message}\n{}",
+        env.kubelet.logs("reader")
+    );
+    // The new agent was told its environment before the operation ran.
+    let log = std::fs::read_to_string(env.tmp.path().join("pods/reader-workspace/agent.log"))
+        .expect("agent log");
+    let told = log.rfind("environment variables set").expect("told");
+    let ran = log.rfind("operation started").expect("ran");
+    assert!(told < ran, "{log}");
 }
 
 #[tokio::test]

@@ -36,12 +36,14 @@ use crate::runtime_metrics::names;
 
 mod expire;
 mod handover;
+mod instance;
 mod operate;
 mod outcome;
 mod slots;
 mod timeout;
 
 use expire::expire;
+use instance::AgentCheck;
 use operate::{connect, operate};
 pub use outcome::sanitize_key;
 use outcome::{Outcome, apply_outcome, finish, store_result, write_status};
@@ -76,6 +78,9 @@ pub const MAX_EVENT_DECODED_BYTES: u64 = 32 << 20;
 /// A queued Update is looked at again after this long even when no slot frees (it is woken as
 /// soon as one does).
 const QUEUED_RECHECK: Duration = Duration::from_secs(30);
+/// An Update whose agent restarted is looked at again after this long even when the
+/// Workspace's status does not change (it is woken as soon as it does).
+const NOT_INITIALIZED_RECHECK: Duration = Duration::from_secs(5);
 /// Resource-change Events published per Update at most.
 const MAX_RESOURCE_EVENTS: usize = 25;
 const MESSAGE_LIMIT: usize = 2000;
@@ -147,6 +152,8 @@ pub struct UpdateContext {
     wake: UnboundedSender<ObjectRef<Update>>,
     /// Taken by [`run`], which reconciles what is sent on `wake`.
     woken: Mutex<Option<UnboundedReceiver<ObjectRef<Update>>>>,
+    /// Asks the Workspace controller to reconcile a Workspace now.
+    workspace_wake: UnboundedSender<ObjectRef<Workspace>>,
 }
 
 /// The operator's bounds on Update operations.
@@ -158,6 +165,8 @@ pub struct UpdateSettings {
     pub max_event_bytes: u64,
     /// Longest an operation may run; `None`: as long as it takes (PKO's behaviour).
     pub operation_timeout: Option<Duration>,
+    /// Asks the Workspace controller to reconcile a Workspace now (its agent restarted).
+    pub workspace_wake: UnboundedSender<ObjectRef<Workspace>>,
 }
 
 impl UpdateContext {
@@ -174,6 +183,7 @@ impl UpdateContext {
             operation_timeout: settings.operation_timeout,
             wake,
             woken: Mutex::new(Some(woken)),
+            workspace_wake: settings.workspace_wake,
         }
     }
 
@@ -402,8 +412,27 @@ async fn reconcile_inner(
         }
     };
     let ws_name = ws.name_any();
-    let client = match connect(&ctx, &ws, &ws_name, &current.namespace, &address).await {
-        Ok(c) => c,
+    let connected = match connect(&ctx, &ws, &ws_name, &current.namespace, &address).await {
+        Ok(mut client) => instance::check(&mut client, &ctx.client, &current.namespace, &ws_name)
+            .await?
+            .map(|check| (client, check)),
+        Err(e) => Err(e.to_string()),
+    };
+    let client = match connected {
+        Ok((client, AgentCheck::Initialized)) => client,
+        Ok((_, AgentCheck::NotInitialized(message))) => {
+            // The Workspace controller learns of the restart now, not at its next recheck.
+            if ctx
+                .workspace_wake
+                .unbounded_send(ObjectRef::from_obj(&ws))
+                .is_err()
+            {
+                warn!(workspace = %ws_name, "the workspace controller is not running");
+            }
+            let s = current.waiting("WorkspaceNotReady", &message);
+            current.write(&ctx, &s).await?;
+            return Ok(Action::requeue(NOT_INITIALIZED_RECHECK));
+        }
         Err(e) => {
             let message = format!("cannot reach the workspace agent: {e}");
             let s = current.waiting("TransientFailure", &message);

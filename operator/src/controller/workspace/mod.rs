@@ -27,19 +27,22 @@ mod tests;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
+use futures::channel::mpsc::{UnboundedReceiver, UnboundedSender, unbounded};
 use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, PartialObjectMeta};
 use kube::runtime::controller::{self, Action};
 use kube::runtime::events::{EventType, Recorder};
+use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
-use kube::{Client, Resource};
+use kube::{Client, Resource, ResourceExt};
 use pko_agent_api::proto as pb;
 use pko_api::workspace::{ConfigItem, Workspace};
 
 use crate::agent_client::{AgentAuth, AgentError, Agents};
 use crate::controller::backoff::{self, Backoff, Verdict};
 use crate::controller::instrument::{self, Observed};
-use crate::controller::keys::WORKSPACE_COMPONENT_LABEL;
+use crate::controller::keys::{INITIALIZED_ANNOTATION, WORKSPACE_COMPONENT_LABEL};
 use crate::controller::kit::{self, Kit};
 use crate::metrics::Metrics;
 use crate::runtime_metrics::names;
@@ -129,6 +132,11 @@ pub struct WorkspaceContext {
     initialized: Mutex<HashMap<String, Initialized>>,
     /// Workspace uid → what its pod's agent can do (asked once per pod).
     facts: Mutex<HashMap<String, AgentFacts>>,
+    /// Where others (the Update controller, finding an agent not initialized) ask for a
+    /// Workspace to be reconciled now.
+    wake: UnboundedSender<ObjectRef<Workspace>>,
+    /// Taken by [`run`], which reconciles what is sent on `wake`.
+    woken: Mutex<Option<UnboundedReceiver<ObjectRef<Workspace>>>>,
 }
 
 /// What one workspace pod's agent can do, and the image it came from.
@@ -141,6 +149,7 @@ pub(crate) struct AgentFacts {
 
 impl WorkspaceContext {
     pub fn new(kit: &Kit, agents: Arc<Agents>, settings: PodSettings) -> Self {
+        let (wake, woken) = unbounded();
         Self {
             client: kit.client.clone(),
             recorder: kit.recorder(CONTROLLER),
@@ -150,7 +159,14 @@ impl WorkspaceContext {
             backoff: Backoff::default(),
             initialized: Mutex::new(HashMap::new()),
             facts: Mutex::new(HashMap::new()),
+            wake,
+            woken: Mutex::new(Some(woken)),
         }
+    }
+
+    /// Sends a Workspace to be reconciled now (see [`Self::wake`]).
+    pub fn waker(&self) -> UnboundedSender<ObjectRef<Workspace>> {
+        self.wake.clone()
     }
 
     fn facts_for(&self, uid: &str) -> Option<AgentFacts> {
@@ -208,7 +224,17 @@ pub async fn run(
         .controller(names::WORKSPACE, concurrency.max(1));
     let owned =
         watcher::Config::default().labels(&format!("{}=workspace", WORKSPACE_COMPONENT_LABEL));
-    let events = instrument::controller(&probe, api, watcher::Config::default().any_semantic())
+    let controller = instrument::controller(&probe, api, watcher::Config::default().any_semantic());
+    let woken = ctx
+        .woken
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .take();
+    let controller = match woken {
+        Some(woken) => controller.reconcile_on_observed(&probe, woken),
+        None => controller,
+    };
+    let events = controller
         .owns_observed(&probe, statefulsets, owned)
         .with_config(controller::Config::default().concurrency(concurrency))
         .graceful_shutdown_on(shutdown)
@@ -246,6 +272,13 @@ pub async fn agent_auth(
             Ok(AgentAuth::Pinned(credentials))
         }
     }
+}
+
+/// The agent instance the Workspace controller last initialized in the workspace's pod, from
+/// the pod's annotation (none before the first initialization).
+pub fn initialized_instance(pod: &Pod) -> Option<String> {
+    Initialized::from_annotation(pod.annotations().get(INITIALIZED_ANNOTATION)?)
+        .map(|told| told.instance)
 }
 
 /// A Workspace config item as the agent's.

@@ -15,7 +15,7 @@ use kube::{Client, ResourceExt};
 use pko_agent_api::client::AgentClient;
 use pko_agent_api::proto as pb;
 use pko_api::workspace::{Workspace, WorkspaceStatus};
-use tracing::{info, warn};
+use tracing::{debug, info};
 
 use super::compat::{self, AgentMode, EnvDelivery, Features};
 use super::rules::{self, Initialization, Initialized};
@@ -325,18 +325,24 @@ async fn told_on_pod(client: &Client, namespace: &str, workspace: &str) -> Optio
     Initialized::from_annotation(pod.annotations().get(INITIALIZED_ANNOTATION)?)
 }
 
-/// Annotates the workspace pod with what its agent was told. Best effort: without it, the
-/// next operator initializes this workspace once more, which is safe.
-async fn record_on_pod(client: &Client, namespace: &str, workspace: &str, told: &Initialized) {
+/// Annotates the workspace pod with what its agent was told. The Update controller runs an
+/// operation only on the agent instance named there, so a failed write fails the reconcile
+/// (and the agent is told again on the next one) rather than leave Updates waiting.
+async fn record_on_pod(
+    client: &Client,
+    namespace: &str,
+    workspace: &str,
+    told: &Initialized,
+) -> Result<(), WorkspaceError> {
     let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
     let name = format!("{}-0", pod::workload_name(workspace));
     let patch = serde_json::json!({"metadata": {"annotations": {INITIALIZED_ANNOTATION: told.annotation()}}});
-    if let Err(e) = pods
-        .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+    pods.patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
         .await
-    {
-        warn!(pod = %name, %namespace, error = %e, "cannot record the initialization on the workspace pod");
-    }
+        .map_err(WorkspaceError::kube(format!(
+            "recording the initialization on pod {name}"
+        )))?;
+    Ok(())
 }
 
 /// A connected agent and what it said of itself.
@@ -548,7 +554,10 @@ pub(super) async fn initialise(
         None => told_on_pod(&run.ctx.client, &run.namespace, &run.name).await,
     };
     let fresh = match rules::initialization(done.as_ref(), &wanted) {
-        Initialization::UpToDate => return Ok(Phase::Continue(None)),
+        Initialization::UpToDate => {
+            debug!(instance = %agent.instance, "the agent knows the workspace already");
+            return Ok(Phase::Continue(None));
+        }
         Initialization::Fresh => true,
         Initialization::Reconfigure => false,
     };
@@ -629,7 +638,7 @@ pub(super) async fn stacks(
         return Ok(Phase::Done(end));
     }
     let generation = wanted.generation;
-    record_on_pod(&run.ctx.client, &run.namespace, &run.name, &wanted).await;
+    record_on_pod(&run.ctx.client, &run.namespace, &run.name, &wanted).await?;
     run.ctx.set_initialized(&run.uid, Some(wanted));
     info!(instance = %agent.instance, generation, "workspace initialized");
     let note = rules::initialized_note(fresh, &run.name, generation);
