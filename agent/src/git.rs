@@ -1,9 +1,13 @@
 //! `init` from a git repository: the `git` CLI of the workspace image checks out one revision.
 //!
-//! The CLI (present in every Pulumi image) speaks every transport and credential helper git
-//! does, so the agent carries no git implementation. Credentials come from the pod's env (the
-//! Workspace's `git.auth` Secret keys) and never appear on a command line: HTTP credentials go in
-//! an `Authorization` header set through `GIT_CONFIG_*` env, an SSH key in a 0600 file. Nothing
+//! The CLI (in every image Pulumi publishes: `pulumi/pulumi`, `pulumi-base` on Debian and UBI,
+//! and the language images built on it) speaks every transport and credential helper git does,
+//! so the agent carries no git implementation. An image without it (or, for an SSH URL, without
+//! `ssh`) is told so before anything else, by name. Credentials come from the pod's env (the
+//! Workspace's `git.auth` Secret keys, PKO's `GIT_*` names) and never appear on a command line:
+//! HTTP credentials go in an `Authorization` header set through `GIT_CONFIG_*` env, an SSH key
+//! and its passphrase in 0600 files (ssh asks this binary for the passphrase: see
+//! [`askpass`]). GitHub App credentials are exchanged for an installation token first. Nothing
 //! is left in the target folder when a step fails.
 
 use std::path::{Path, PathBuf};
@@ -13,6 +17,8 @@ use base64::Engine;
 use tokio::process::Command;
 use tracing::info;
 
+use crate::askpass;
+
 /// How long one git command may take (a clone of a large repository over a slow link).
 const GIT_TIMEOUT: Duration = Duration::from_secs(600);
 
@@ -20,8 +26,19 @@ const GIT_TIMEOUT: Duration = Duration::from_secs(600);
 pub enum GitError {
     #[error("invalid git revision {0:?}")]
     BadRevision(String),
-    #[error("git authentication with a GitHub App is not supported by this agent; use a token")]
-    GithubAppUnsupported,
+    #[error("GitHub App credentials: {0}")]
+    GithubApp(#[from] pko_git::github_app::GithubAppError),
+    #[error(
+        "GitHub App credentials are incomplete: {0} is empty (the Secret keys of git.auth.githubApp)"
+    )]
+    GithubAppIncomplete(&'static str),
+    #[error("cannot build the HTTPS client for the GitHub API: {0}")]
+    HttpClient(String),
+    #[error(
+        "the workspace image has no `{program}` on its PATH: git sources are checked out with the image's git CLI{}; use an image that has it (every pulumi/pulumi image does) or a Program or Flux source",
+        if .program == "ssh" { " over ssh" } else { "" }
+    )]
+    MissingTool { program: String },
     #[error("cannot run {program}: {source} (the workspace image needs the git CLI)")]
     Spawn {
         program: String,
@@ -69,13 +86,34 @@ pub struct GitAuth {
     /// With no `ssh_known_hosts`: trust the host key seen first (ssh's `accept-new`) instead of
     /// refusing a host the image does not know.
     pub ssh_accept_new_host_keys: bool,
-    pub github_app: bool,
+    pub github_app: Option<GithubApp>,
+}
+
+/// GitHub App credentials (`GIT_GITHUB_APP_*`) and where to exchange them.
+#[derive(Clone, Default)]
+pub struct GithubApp {
+    pub app_id: String,
+    pub installation_id: String,
+    pub private_key: String,
+    pub api_url: String,
+}
+
+impl std::fmt::Debug for GithubApp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GithubApp")
+            .field("app_id", &self.app_id)
+            .field("installation_id", &self.installation_id)
+            .field("api_url", &self.api_url)
+            .finish_non_exhaustive()
+    }
 }
 
 impl GitAuth {
-    /// Reads `GIT_USERNAME`, `GIT_PASSWORD`, `GIT_TOKEN`, `GIT_SSH_PRIVATE_KEY`,
-    /// `GIT_SSH_KNOWN_HOSTS` and the GitHub App variables; empty values count as unset.
-    /// `ssh_accept_new_host_keys` is left false (a flag of `init` sets it).
+    /// Reads PKO's `GIT_USERNAME`, `GIT_PASSWORD` (also an SSH key's passphrase), `GIT_TOKEN`,
+    /// `GIT_SSH_PRIVATE_KEY`, `GIT_GITHUB_APP_ID`, `GIT_GITHUB_APP_INSTALLATION_ID`,
+    /// `GIT_GITHUB_APP_PRIVATE_KEY`, and ours: `GIT_SSH_KNOWN_HOSTS`, `GIT_GITHUB_API_URL`
+    /// (default GitHub's); empty values count as unset. `ssh_accept_new_host_keys` is left
+    /// false (a flag of `init` sets it).
     #[allow(
         clippy::disallowed_methods,
         reason = "the pod's environment is where a workspace's git credentials are mounted"
@@ -89,7 +127,13 @@ impl GitAuth {
             ssh_private_key: var("GIT_SSH_PRIVATE_KEY"),
             ssh_known_hosts: var("GIT_SSH_KNOWN_HOSTS"),
             ssh_accept_new_host_keys: false,
-            github_app: var("GIT_GITHUB_APP_ID").is_some(),
+            github_app: var("GIT_GITHUB_APP_ID").map(|app_id| GithubApp {
+                app_id,
+                installation_id: var("GIT_GITHUB_APP_INSTALLATION_ID").unwrap_or_default(),
+                private_key: var("GIT_GITHUB_APP_PRIVATE_KEY").unwrap_or_default(),
+                api_url: var("GIT_GITHUB_API_URL")
+                    .unwrap_or_else(|| pko_git::github_app::DEFAULT_API_URL.to_owned()),
+            }),
         }
     }
 
@@ -159,7 +203,9 @@ enum HostKeys {
 /// The `ssh` command git runs: the key, and the host key rule. An unknown host is refused
 /// unless accepting new keys was asked for.
 fn ssh_command(key: Option<&Path>, host_keys: &HostKeys) -> String {
-    let mut cmd = String::from("ssh");
+    // Only the key logs in: ssh never asks for a password (the askpass answers passphrases).
+    let mut cmd =
+        String::from("ssh -o PasswordAuthentication=no -o KbdInteractiveAuthentication=no");
     if let Some(key) = key {
         cmd.push_str(&format!(" -i '{}' -o IdentitiesOnly=yes", key.display()));
     }
@@ -218,6 +264,9 @@ struct Runner<'a> {
     dir: &'a Path,
     ssh_key: Option<PathBuf>,
     host_keys: HostKeys,
+    /// The file [`askpass`] answers ssh's passphrase prompt from, and the program ssh runs for
+    /// it (this binary).
+    askpass: Option<(PathBuf, PathBuf)>,
 }
 
 impl Runner<'_> {
@@ -252,6 +301,16 @@ impl Runner<'_> {
             "GIT_SSH_COMMAND",
             ssh_command(self.ssh_key.as_deref(), &self.host_keys),
         );
+        match &self.askpass {
+            Some((file, program)) => {
+                cmd.env(askpass::FILE_ENV, file)
+                    .env("SSH_ASKPASS", program)
+                    .env("SSH_ASKPASS_REQUIRE", "force");
+            }
+            None => {
+                cmd.env_remove(askpass::FILE_ENV);
+            }
+        }
         cmd
     }
 
@@ -295,9 +354,27 @@ fn failure(step: &str, status: String, stderr: String) -> GitError {
 /// commit SHA that was checked out.
 pub async fn clone(fetch: &GitFetch, target: &Path) -> Result<String, GitError> {
     check_revision(&fetch.revision)?;
-    if fetch.auth.github_app {
-        return Err(GitError::GithubAppUnsupported);
+    require_tool(&fetch.program)?;
+    if is_ssh_url(&fetch.url) {
+        require_tool(Path::new("ssh"))?;
     }
+    let minted;
+    let fetch = match &fetch.auth.github_app {
+        Some(app) => {
+            let token = github_app_token(app).await?;
+            minted = GitFetch {
+                auth: GitAuth {
+                    username: Some(pko_git::github_app::TOKEN_USER.to_owned()),
+                    token: Some(token),
+                    github_app: None,
+                    ..fetch.auth.clone()
+                },
+                ..fetch.clone()
+            };
+            &minted
+        }
+        None => fetch,
+    };
     let parent = target.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(parent).map_err(io(format!("creating {}", parent.display())))?;
     let staging = tempfile::Builder::new()
@@ -320,11 +397,23 @@ pub async fn clone(fetch: &GitFetch, target: &Path) -> Result<String, GitError> 
         }
         None => HostKeys::Image,
     };
+    // PKO's one `password`: with an SSH key, the key's passphrase.
+    let askpass = match (&ssh_key, &fetch.auth.password) {
+        (Some(_), Some(passphrase)) => {
+            let program = std::env::current_exe().map_err(io("finding the agent binary"))?;
+            Some((
+                write_key(staging.path(), "passphrase", passphrase)?,
+                program,
+            ))
+        }
+        _ => None,
+    };
     let git = Runner {
         fetch,
         dir: &work,
         ssh_key,
         host_keys,
+        askpass,
     };
     git.run("init", &["init", "-q"]).await?;
     git.run("remote add", &["remote", "add", "origin", &fetch.url])
@@ -390,6 +479,82 @@ pub async fn clone(fetch: &GitFetch, target: &Path) -> Result<String, GitError> 
     Ok(commit)
 }
 
+/// `true` for the URLs git reaches over ssh: `ssh://`, `git+ssh://`, `ssh+git://`, or scp-like
+/// `[user@]host:path` (a colon before any slash).
+fn is_ssh_url(url: &str) -> bool {
+    if let Some((scheme, _)) = url.split_once("://") {
+        return matches!(scheme, "ssh" | "git+ssh" | "ssh+git");
+    }
+    url.split_once(':')
+        .is_some_and(|(host, _)| !host.is_empty() && !host.contains('/'))
+}
+
+/// Fails with a clear message when `program` (a bare name) is on no folder of `PATH`; a path is
+/// left to the spawn to judge.
+fn require_tool(program: &Path) -> Result<(), GitError> {
+    if program.components().count() > 1 {
+        return Ok(());
+    }
+    #[allow(
+        clippy::disallowed_methods,
+        reason = "the PATH git and ssh are looked up in is the init container's own"
+    )]
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    if on_path(program, &path) {
+        Ok(())
+    } else {
+        Err(GitError::MissingTool {
+            program: program.display().to_string(),
+        })
+    }
+}
+
+fn on_path(program: &Path, path: &std::ffi::OsStr) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    std::env::split_paths(path).any(|dir| {
+        std::fs::metadata(dir.join(program))
+            .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    })
+}
+
+/// An installation token for `app`, from its API (the system's CA certificates, and those of
+/// `SSL_CERT_FILE`/`SSL_CERT_DIR`).
+async fn github_app_token(app: &GithubApp) -> Result<String, GitError> {
+    use pko_git::github_app::{AppCredentials, exchange};
+    for (what, value) in [
+        ("the installation id", &app.installation_id),
+        ("the private key", &app.private_key),
+    ] {
+        if value.is_empty() {
+            return Err(GitError::GithubAppIncomplete(what));
+        }
+    }
+    let creds = AppCredentials::new(&app.app_id, &app.installation_id, &app.private_key)?;
+    let url = creds.token_url(&app.api_url)?;
+    let now = jiff::Timestamp::now();
+    let jwt = creds.jwt(now)?;
+    let client = https_client()?;
+    let token = exchange(&client, url, &jwt, now).await?;
+    info!(app = creds.app_id(), expires_at = %token.expires_at, "GitHub App installation token minted");
+    Ok(token.secret().to_owned())
+}
+
+fn https_client() -> Result<reqwest::Client, GitError> {
+    let mut builder = reqwest::Client::builder()
+        .connect_timeout(Duration::from_secs(10))
+        .timeout(Duration::from_secs(60))
+        .redirect(reqwest::redirect::Policy::limited(5));
+    let found = rustls_native_certs::load_native_certs();
+    for cert in found.certs {
+        if let Ok(cert) = reqwest::Certificate::from_der(cert.as_ref()) {
+            builder = builder.add_root_certificate(cert);
+        }
+    }
+    builder
+        .build()
+        .map_err(|e| GitError::HttpClient(e.to_string()))
+}
+
 /// Writes an SSH file (a key, known_hosts) where only we can read it (ssh refuses
 /// group/world-readable keys).
 fn write_key(dir: &Path, name: &str, key: &str) -> Result<PathBuf, GitError> {
@@ -436,17 +601,22 @@ mod tests {
     #[test]
     fn unknown_hosts_are_refused_unless_keys_are_given_or_new_ones_accepted() {
         let key = Path::new("/s/ssh-key");
+        let ssh = "ssh -o PasswordAuthentication=no -o KbdInteractiveAuthentication=no";
         assert_eq!(
             ssh_command(Some(key), &HostKeys::Known("/s/known_hosts".into())),
-            "ssh -i '/s/ssh-key' -o IdentitiesOnly=yes -o StrictHostKeyChecking=yes -o UserKnownHostsFile='/s/known_hosts'"
+            format!(
+                "{ssh} -i '/s/ssh-key' -o IdentitiesOnly=yes -o StrictHostKeyChecking=yes -o UserKnownHostsFile='/s/known_hosts'"
+            )
         );
         assert_eq!(
             ssh_command(None, &HostKeys::AcceptNew("/s/known_hosts".into())),
-            "ssh -o StrictHostKeyChecking=accept-new -o UserKnownHostsFile='/s/known_hosts'"
+            format!(
+                "{ssh} -o StrictHostKeyChecking=accept-new -o UserKnownHostsFile='/s/known_hosts'"
+            )
         );
         assert_eq!(
             ssh_command(Some(key), &HostKeys::Image),
-            "ssh -i '/s/ssh-key' -o IdentitiesOnly=yes -o StrictHostKeyChecking=yes"
+            format!("{ssh} -i '/s/ssh-key' -o IdentitiesOnly=yes -o StrictHostKeyChecking=yes")
         );
     }
 
@@ -488,6 +658,45 @@ mod tests {
             failure("fetch", "1".into(), "fatal: not found".into()),
             GitError::Failed { .. }
         ));
+    }
+
+    #[test]
+    fn ssh_urls_are_told_from_others() {
+        for ssh in [
+            "git@github.com:o/r.git",
+            "ssh://h/r",
+            "git+ssh://h/r",
+            "h:r",
+        ] {
+            assert!(is_ssh_url(ssh), "{ssh}");
+        }
+        for other in ["https://h/r", "/srv/r", "./a:b", "file:///r", "git://h/r"] {
+            assert!(!is_ssh_url(other), "{other}");
+        }
+    }
+
+    #[test]
+    fn a_missing_git_or_ssh_is_named() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let path = dir.path().as_os_str();
+        assert!(!on_path(Path::new("git"), path));
+        std::fs::write(dir.path().join("git"), "").expect("write");
+        assert!(!on_path(Path::new("git"), path), "not executable");
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(
+            dir.path().join("git"),
+            std::fs::Permissions::from_mode(0o755),
+        )
+        .expect("chmod");
+        assert!(on_path(Path::new("git"), path));
+        let text = GitError::MissingTool {
+            program: "ssh".into(),
+        }
+        .to_string();
+        assert!(
+            text.contains("no `ssh` on its PATH") && text.contains("over ssh"),
+            "{text}"
+        );
     }
 
     #[test]

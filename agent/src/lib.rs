@@ -11,6 +11,7 @@
 //!
 //! It links neither kube nor wasmtime nor opa, so it stays small and quick to build.
 
+pub mod askpass;
 pub mod auth;
 pub mod git;
 pub mod inflight;

@@ -177,9 +177,10 @@ struct InitArgs {
     /// `sha256:<hex>` digest the artifact must have.
     #[arg(long, requires = "flux_url")]
     flux_digest: Option<String>,
-    /// Git repository URL, checked out with the image's `git` CLI (credentials from the
-    /// `GIT_USERNAME`/`GIT_PASSWORD`/`GIT_TOKEN`/`GIT_SSH_PRIVATE_KEY`/`GIT_SSH_KNOWN_HOSTS`
-    /// env).
+    /// Git repository URL, checked out with the image's `git` CLI (credentials from PKO's
+    /// `GIT_USERNAME`/`GIT_PASSWORD`/`GIT_TOKEN`/`GIT_SSH_PRIVATE_KEY`/`GIT_GITHUB_APP_ID`/
+    /// `GIT_GITHUB_APP_INSTALLATION_ID`/`GIT_GITHUB_APP_PRIVATE_KEY` env, plus
+    /// `GIT_SSH_KNOWN_HOSTS` and `GIT_GITHUB_API_URL`).
     #[arg(long, requires = "git_revision", conflicts_with = "project_name")]
     git_url: Option<String>,
     /// Commit SHA, branch or tag to check out.
@@ -221,6 +222,15 @@ fn main() -> std::process::ExitCode {
     if argv.first().is_some_and(|a| tini::invoked_as_tini(a)) {
         let code = tini::main(argv.get(1..).unwrap_or_default());
         return std::process::ExitCode::from(u8::try_from(code).unwrap_or(1));
+    }
+    // ssh asking for an SSH key's passphrase during a git fetch (see `askpass`).
+    #[allow(
+        clippy::disallowed_methods,
+        reason = "where the process starts: how ssh called this binary"
+    )]
+    let askpass_file = std::env::var_os(pko_agent::askpass::FILE_ENV);
+    if let Some(file) = pko_agent::askpass::requested(&argv, askpass_file) {
+        return pko_agent::askpass::answer(std::path::Path::new(&file));
     }
     let args = Args::parse_from(agent_argv(argv));
     let runtime = match tokio::runtime::Runtime::new() {

@@ -179,6 +179,31 @@ impl EgressPolicy {
         }
     }
 
+    /// The addresses of `host` the operator may connect to on `port`, for a connection that
+    /// is not HTTP (git over SSH). A name that resolves only to refused addresses is refused.
+    pub async fn resolve(&self, host: &str, port: u16) -> Result<Vec<SocketAddr>, Failure> {
+        let found: Vec<SocketAddr> = tokio::net::lookup_host((host, port))
+            .await
+            .map_err(|_| Failure::Unreachable)?
+            .collect();
+        let mut refused = None;
+        let allowed: Vec<SocketAddr> = found
+            .into_iter()
+            .filter(|addr| match self.check(addr.ip()) {
+                Ok(()) => true,
+                Err(why) => {
+                    refused = Some(why);
+                    false
+                }
+            })
+            .collect();
+        match (allowed.is_empty(), refused) {
+            (true, Some(why)) => Err(Failure::Refused(why)),
+            (true, None) => Err(Failure::Unreachable),
+            (false, _) => Ok(allowed),
+        }
+    }
+
     /// A client builder whose name lookups and redirects follow these rules.
     pub fn client_builder(self: &Arc<Self>, max_redirects: usize) -> reqwest::ClientBuilder {
         let redirects = self.clone();

@@ -1,10 +1,12 @@
-//! `git ls-remote` over HTTP(S): which commit a branch or tag of a repository points at.
+//! `git ls-remote`: which commit a branch or tag of a repository points at, over HTTP(S) or SSH.
 //!
 //! The Stack controller tracks a branch by asking the server for its refs (the first request of
-//! a fetch: `GET <repo>/info/refs?service=git-upload-pack`), no clone and no git binary in the
-//! operator image. Smart servers answer with pkt-lines; plain file servers ("dumb" HTTP, a bare
-//! repository after `git update-server-info`) with `<sha>\t<ref>` lines; both are read. Answers
-//! are cached briefly so many Stacks tracking one branch cost one request per interval.
+//! a fetch: `GET <repo>/info/refs?service=git-upload-pack`, or `git-upload-pack` over SSH, see
+//! [`crate::gitssh`]), no clone and no git binary in the operator image. Smart servers answer
+//! with pkt-lines; plain file servers ("dumb" HTTP, a bare repository after
+//! `git update-server-info`) with `<sha>\t<ref>` lines; both are read. Answers are cached
+//! briefly so many Stacks tracking one branch cost one request per interval. GitHub App
+//! credentials become an installation token here, cached until shortly before it expires.
 //!
 //! The URL is a tenant's and the error reaches its Stack's status: a failure is told by its
 //! class ([`Failure`]), never a status code, a port or an answer, with the detail in the
@@ -16,7 +18,11 @@ use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
 
+use jiff::Timestamp;
+use pko_git::github_app::{self, AppCredentials, GithubAppError, TokenCache};
+
 use crate::egress::{self, EgressPolicy, Failure};
+use crate::gitssh::{self, HostKeyRule, KnownHosts, SshError, SshKey, SshUrl};
 
 /// Largest refs advertisement read (repositories with many tags stay far below).
 const MAX_BYTES: usize = 16 * 1024 * 1024;
@@ -25,9 +31,15 @@ const TIMEOUT: Duration = Duration::from_secs(30);
 #[derive(Debug, thiserror::Error)]
 pub enum GitRemoteError {
     #[error(
-        "cannot track a branch of {0:?}: only http(s) repositories can be polled; pin `commit` instead"
+        "cannot track a branch of {0:?}: only http(s) and ssh repositories can be polled; pin `commit` instead"
     )]
     UnsupportedUrl(String),
+    #[error("cannot list the refs of {url}: {error}")]
+    Ssh { url: String, error: SshError },
+    #[error("cannot get a GitHub App installation token: {0}")]
+    GithubApp(GithubAppError),
+    #[error("cannot get a GitHub App installation token from the GitHub API: {failure}{}", hint(*failure))]
+    GithubAppFailed { failure: Failure },
     #[error("cannot list the refs of {url}: {failure}{}", hint(*failure))]
     Failed { url: String, failure: Failure },
     #[error("cannot list the refs of {url}: more than {MAX_BYTES} bytes of refs")]
@@ -67,6 +79,38 @@ impl std::fmt::Debug for HttpAuth {
     }
 }
 
+/// How a lookup logs in.
+#[derive(Clone, Debug, Default)]
+pub enum RemoteAuth {
+    #[default]
+    None,
+    Http(HttpAuth),
+    /// An SSH key (none: the server is asked for an anonymous login) and the Secret's
+    /// `knownHosts` lines.
+    Ssh {
+        key: Option<SshKey>,
+        known_hosts: Option<String>,
+    },
+}
+
+/// Settings of the operator (flags), not of a tenant.
+#[derive(Clone, Debug)]
+pub struct RemoteOptions {
+    /// The GitHub API root installation tokens are minted at.
+    pub github_api: String,
+    /// SSH: trust a host's first key when the Secret has no `knownHosts`.
+    pub ssh_accept_new_host_keys: bool,
+}
+
+impl Default for RemoteOptions {
+    fn default() -> Self {
+        Self {
+            github_api: github_app::DEFAULT_API_URL.to_owned(),
+            ssh_accept_new_host_keys: false,
+        }
+    }
+}
+
 /// `true` for a full commit id (SHA-1 or SHA-256), which needs no lookup.
 pub fn is_commit(reference: &str) -> bool {
     matches!(reference.len(), 40 | 64) && reference.bytes().all(|b| b.is_ascii_hexdigit())
@@ -84,6 +128,10 @@ pub struct Resolver {
     egress: Arc<EgressPolicy>,
     ttl: Duration,
     cache: Mutex<RefsCache>,
+    options: RemoteOptions,
+    tokens: TokenCache,
+    /// Host keys first seen under `--git-ssh-accept-new-host-keys`, by known_hosts name.
+    seen_host_keys: Arc<Mutex<HashMap<String, Vec<u8>>>>,
 }
 
 impl Resolver {
@@ -93,12 +141,63 @@ impl Resolver {
         http: Result<reqwest::Client, String>,
         egress: Arc<EgressPolicy>,
         ttl: Duration,
+        options: RemoteOptions,
     ) -> Self {
         Self {
             http,
             egress,
             ttl,
             cache: Mutex::new(HashMap::new()),
+            options,
+            tokens: TokenCache::default(),
+            seen_host_keys: Arc::default(),
+        }
+    }
+
+    /// HTTP credentials from a GitHub App installation: a cached token, or a new one minted at
+    /// the GitHub API (an operator setting; the installation id in its path is checked).
+    pub async fn github_token(&self, creds: &AppCredentials) -> Result<HttpAuth, GitRemoteError> {
+        let api = &self.options.github_api;
+        let now = Timestamp::now();
+        let auth = |t: github_app::InstallationToken| HttpAuth {
+            username: github_app::TOKEN_USER.to_owned(),
+            password: t.secret().to_owned(),
+        };
+        if let Some(token) = self.tokens.get(api, creds, now) {
+            return Ok(auth(token));
+        }
+        let url = creds.token_url(api).map_err(GitRemoteError::GithubApp)?;
+        let failed = |failure| GitRemoteError::GithubAppFailed { failure };
+        self.egress
+            .check_url(&url)
+            .map_err(|refused| failed(Failure::Refused(refused)))?;
+        let http = self
+            .http
+            .as_ref()
+            .map_err(|detail| GitRemoteError::NoClient {
+                url: url.to_string(),
+                detail: detail.clone(),
+            })?;
+        let jwt = creds.jwt(now).map_err(GitRemoteError::GithubApp)?;
+        let app = creds.app_id();
+        match github_app::exchange(http, url, &jwt, now).await {
+            Ok(token) => {
+                tracing::debug!(app, expires_at = %token.expires_at, "GitHub App installation token minted");
+                self.tokens.put(api, creds, token.clone(), now);
+                Ok(auth(token))
+            }
+            // The detail is the operator's; the tenant gets the class.
+            Err(GithubAppError::Request(e)) => {
+                let failure = egress::classify(&e);
+                tracing::info!(app, %failure, detail = egress::describe(&e), "GitHub App token request failed");
+                Err(failed(failure))
+            }
+            Err(GithubAppError::Status { status, message }) => {
+                let failure = Failure::of_status(status).unwrap_or(Failure::Unexpected);
+                tracing::info!(app, status, message, "GitHub App token refused");
+                Err(failed(failure))
+            }
+            Err(e) => Err(GitRemoteError::GithubApp(e)),
         }
     }
 
@@ -108,7 +207,7 @@ impl Resolver {
         &self,
         url: &str,
         reference: &str,
-        auth: Option<&HttpAuth>,
+        auth: &RemoteAuth,
         fresh: bool,
     ) -> Result<String, GitRemoteError> {
         if is_commit(reference) {
@@ -140,7 +239,83 @@ impl Resolver {
         })
     }
 
-    async fn list(&self, url: &str, auth: Option<&HttpAuth>) -> Result<Refs, GitRemoteError> {
+    async fn list(&self, url: &str, auth: &RemoteAuth) -> Result<Refs, GitRemoteError> {
+        match SshUrl::parse(url) {
+            Ok(ssh) => return self.list_ssh(url, &ssh, auth).await,
+            Err(SshError::NotSsh) => {}
+            Err(error) => {
+                return Err(GitRemoteError::Ssh {
+                    url: url.to_owned(),
+                    error,
+                });
+            }
+        }
+        let http = match auth {
+            RemoteAuth::Http(a) => Some(a),
+            _ => None,
+        };
+        self.list_http(url, http).await
+    }
+
+    async fn list_ssh(
+        &self,
+        url: &str,
+        ssh: &SshUrl,
+        auth: &RemoteAuth,
+    ) -> Result<Refs, GitRemoteError> {
+        let ssh_err = |error| GitRemoteError::Ssh {
+            url: url.to_owned(),
+            error,
+        };
+        let failed = |failure: Failure| GitRemoteError::Failed {
+            url: url.to_owned(),
+            failure,
+        };
+        let (key, known_hosts) = match auth {
+            RemoteAuth::Ssh { key, known_hosts } => (key.as_ref(), known_hosts.as_deref()),
+            _ => (None, None),
+        };
+        let rule = match known_hosts {
+            Some(text) => HostKeyRule::Known(Arc::new(KnownHosts::parse(text).map_err(ssh_err)?)),
+            None if self.options.ssh_accept_new_host_keys => {
+                HostKeyRule::AcceptNew(self.seen_host_keys.clone())
+            }
+            None => HostKeyRule::None,
+        };
+        let addrs = self
+            .egress
+            .resolve(&ssh.host, ssh.port)
+            .await
+            .map_err(failed)?;
+        let addr = *addrs.first().ok_or(failed(Failure::Unreachable))?;
+        let listed = tokio::time::timeout(
+            gitssh::TIMEOUT,
+            gitssh::advertised_refs(addr, ssh, key, rule, MAX_BYTES),
+        )
+        .await
+        .map_err(|_| failed(Failure::Unreachable))?;
+        let body = match listed {
+            Ok(body) => body,
+            Err(SshError::Connection(e)) => {
+                tracing::info!(url, error = %e, "branch lookup over SSH failed");
+                return Err(failed(Failure::Unreachable));
+            }
+            Err(SshError::AuthRefused) => return Err(failed(Failure::Unauthorized)),
+            Err(SshError::NoRefs) => return Err(failed(Failure::NotFound)),
+            Err(SshError::TooLarge(_)) => {
+                return Err(GitRemoteError::TooLarge {
+                    url: url.to_owned(),
+                });
+            }
+            Err(error) => return Err(ssh_err(error)),
+        };
+        parse_smart(&body).map_err(|detail| GitRemoteError::Parse {
+            url: url.to_owned(),
+            detail,
+        })
+    }
+
+    async fn list_http(&self, url: &str, auth: Option<&HttpAuth>) -> Result<Refs, GitRemoteError> {
         let endpoint = format!(
             "{}/info/refs?service=git-upload-pack",
             url.trim_end_matches('/')
@@ -206,15 +381,26 @@ impl Resolver {
     }
 }
 
-fn auth_digest(auth: Option<&HttpAuth>) -> String {
-    auth.map(|a| {
-        let mut h = Sha256::new();
-        h.update(a.username.as_bytes());
+/// Tells credentials apart in the refs cache, without keeping them.
+fn auth_digest(auth: &RemoteAuth) -> String {
+    let parts: Vec<&str> = match auth {
+        RemoteAuth::None => return String::new(),
+        RemoteAuth::Http(a) => vec!["http", &a.username, &a.password],
+        RemoteAuth::Ssh { key, known_hosts } => vec![
+            "ssh",
+            key.as_ref().map_or("", |k| k.private_key.as_str()),
+            key.as_ref()
+                .and_then(|k| k.passphrase.as_deref())
+                .unwrap_or_default(),
+            known_hosts.as_deref().unwrap_or_default(),
+        ],
+    };
+    let mut h = Sha256::new();
+    for part in parts {
+        h.update(part.as_bytes());
         h.update([0]);
-        h.update(a.password.as_bytes());
-        hex::encode(h.finalize())
-    })
-    .unwrap_or_default()
+    }
+    hex::encode(h.finalize())
 }
 
 /// The commit of `reference`: an exact ref name, else `refs/heads/<r>`, `refs/tags/<r>` (peeled

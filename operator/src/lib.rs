@@ -14,6 +14,7 @@ pub mod controller;
 pub mod egress;
 pub mod fileserver;
 pub mod gitremote;
+pub mod gitssh;
 pub mod http;
 pub mod leader;
 pub mod memory;

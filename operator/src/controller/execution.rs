@@ -91,6 +91,11 @@ pub struct ExecutionArgs {
     /// the SSH key has no `knownHosts` key. Off: such a server is refused.
     #[arg(long, env = "GIT_SSH_ACCEPT_NEW_HOST_KEYS")]
     pub git_ssh_accept_new_host_keys: bool,
+    /// The GitHub API root where GitHub App credentials (`gitAuth.githubApp`) are exchanged for
+    /// installation tokens, by the operator (branch lookups, through the egress rules) and by
+    /// workspace pods (checkouts). GitHub Enterprise Server: `https://<host>/api/v3`.
+    #[arg(long, env = "GITHUB_API_URL", default_value = pko_git::github_app::DEFAULT_API_URL)]
+    pub github_api_url: String,
 }
 
 /// What tenants' objects may make the execution controllers reach.
@@ -154,6 +159,7 @@ pub async fn run(
         pko_agent_image: args.pko_agent_image.clone(),
         max_artifact_bytes: args.max_artifact_bytes.clone(),
         git_ssh_accept_new_host_keys: args.git_ssh_accept_new_host_keys,
+        github_api_url: args.github_api_url.clone(),
     };
     let (workspaces, statefulsets): (Api<Workspace>, Api<PartialObjectMeta<StatefulSet>>) =
         match namespace.as_deref() {
@@ -178,7 +184,14 @@ pub async fn run(
             workspace_wake: ws_ctx.waker(),
         },
     ));
-    let stack_ctx = Arc::new(StackContext::new(&kit, egress));
+    let stack_ctx = Arc::new(StackContext::new(
+        &kit,
+        egress,
+        crate::gitremote::RemoteOptions {
+            github_api: args.github_api_url.clone(),
+            ssh_accept_new_host_keys: args.git_ssh_accept_new_host_keys,
+        },
+    ));
     tokio::join!(
         stack::run(
             client.clone(),

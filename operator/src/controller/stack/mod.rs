@@ -66,12 +66,17 @@ pub struct StackContext {
 }
 
 impl StackContext {
-    pub fn new(kit: &Kit, egress: Arc<EgressPolicy>) -> Self {
+    pub fn new(kit: &Kit, egress: Arc<EgressPolicy>, git: gitremote::RemoteOptions) -> Self {
         Self {
             client: kit.client.clone(),
             recorder: kit.recorder(CONTROLLER),
             metrics: kit.metrics.clone(),
-            git: gitremote::Resolver::new(git_http_client(&egress), egress.clone(), GIT_REFS_TTL),
+            git: gitremote::Resolver::new(
+                git_http_client(&egress),
+                egress.clone(),
+                GIT_REFS_TTL,
+                git,
+            ),
             backoff: Backoff::default(),
             flux: FluxWatches::default(),
         }

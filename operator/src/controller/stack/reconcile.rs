@@ -727,6 +727,7 @@ mod tests {
                 crate::controller::stack::git_http_client(&Arc::new(EgressPolicy::default())),
                 Arc::new(EgressPolicy::default()),
                 Duration::from_secs(1),
+                crate::gitremote::RemoteOptions::default(),
             ),
             backoff: Backoff::default(),
             flux: crate::controller::stack::FluxWatches::default(),

@@ -6,9 +6,9 @@
 //!   changed). PKO records the revision instead: see [`Resolved::revision`].
 //! * `fluxSource`: any object with a Flux-style `status.artifact`, read here; the kinds of
 //!   Flux's group are watched ([`super::flux`]), so polling is a slow fallback for them.
-//! * `projectRepo`: a `git` source at a commit SHA. A `branch` is resolved with an HTTP refs
-//!   listing (no clone, no git binary in the operator) and polled every `resyncFrequencySeconds`;
-//!   the workspace pod checks the commit out with its own git CLI and credentials.
+//! * `projectRepo`: a `git` source at a commit SHA. A `branch` is resolved with a refs listing
+//!   over HTTP(S) or SSH (no clone, no git binary in the operator) and polled every
+//!   `resyncFrequencySeconds`; the workspace pod checks the commit out with its own credentials.
 //! * none: the program is already in the workspace image (PKO's `examples/custom-source`:
 //!   `workspaceTemplate.spec.local`); the commit is empty, as PKO records it.
 
@@ -22,7 +22,8 @@ use pko_api::common::{ResourceRef, ResourceSelectorType, SecretSelector};
 use pko_api::names::{checked_name, is_dns1123_subdomain};
 use pko_api::program::{Artifact, Program};
 use pko_api::stack::{FLUX_SOURCE_KINDS, FluxSourceReference, Stack};
-use pko_api::workspace::{FluxSource, GitAuth, GitSource};
+use pko_api::workspace::{FluxSource, GitAuth, GitHubAppAuth, GitSource};
+use pko_git::github_app::AppCredentials;
 
 use super::flux::{self, FluxWatches};
 use super::outcome::{Outcome, StackError, Stop};
@@ -30,7 +31,9 @@ use super::sync::resync_frequency;
 use crate::controller::kit::FromKube;
 use crate::controller::program::METADATA_CHAIN;
 use crate::controller::takeover::{self, Part};
-use crate::gitremote::{self, HttpAuth};
+use crate::controller::workspace::pod::KNOWN_HOSTS_KEY;
+use crate::gitremote::{self, HttpAuth, RemoteAuth};
+use crate::gitssh::{SshError, SshKey, SshUrl};
 
 /// Where a Workspace gets the program.
 #[derive(Debug, Clone, PartialEq)]
@@ -363,15 +366,16 @@ async fn git(
     let commit = match (commit, branch) {
         (Some(commit), _) => commit,
         (None, Some(branch)) => {
-            let http = auth
-                .http_auth(reader.client, namespace)
+            let unavailable = |m: String| problem(SOURCE_UNAVAILABLE, m, Some(UNAVAILABLE_RETRY));
+            let remote = auth
+                .remote_auth(reader.client, namespace, reader.git, repo)
                 .await
-                .map_err(|m| problem(SOURCE_UNAVAILABLE, m, Some(UNAVAILABLE_RETRY)))?;
+                .map_err(unavailable)?;
             reader
                 .git
-                .resolve(repo, &branch, http.as_ref(), fresh)
+                .resolve(repo, &branch, &remote, fresh)
                 .await
-                .map_err(|e| problem(SOURCE_UNAVAILABLE, e.to_string(), Some(UNAVAILABLE_RETRY)))?
+                .map_err(|e| unavailable(e.to_string()))?
         }
         (None, None) => return Err(invalid("projectRepo needs a commit or a branch".into())),
     };
@@ -414,6 +418,14 @@ impl KeyRef {
     }
 }
 
+/// A GitHub App's three Secret keys.
+#[derive(Debug, Clone, PartialEq)]
+struct AppRefs {
+    app_id: KeyRef,
+    installation_id: KeyRef,
+    private_key: KeyRef,
+}
+
 /// The stack's git credentials, by reference (values are read only to list a branch's refs).
 #[derive(Debug, Default, PartialEq)]
 struct GitCredentials {
@@ -422,20 +434,15 @@ struct GitCredentials {
     token: Option<KeyRef>,
     username: Option<KeyRef>,
     password: Option<KeyRef>,
+    github_app: Option<AppRefs>,
 }
 
 impl GitCredentials {
-    /// PKO's precedence: `gitAuth` (sshAuth > accessToken > basicAuth), else the deprecated
-    /// `gitAuthSecret` (every key optional).
+    /// PKO's precedence: `gitAuth` (sshAuth > accessToken > githubApp > basicAuth), else the
+    /// deprecated `gitAuthSecret` (every key optional).
     fn of(stack: &Stack, namespace: &str) -> Result<Self, String> {
         let spec = &stack.spec;
         if let Some(auth) = &spec.git_auth {
-            if auth.github_app.is_some() && auth.ssh_auth.is_none() && auth.access_token.is_none() {
-                return Err(
-                    "gitAuth.githubApp is not supported by pko-rs; use accessToken, basicAuth or sshAuth"
-                        .into(),
-                );
-            }
             let key = |what: &str, r: &ResourceRef| key_ref(what, r, namespace);
             if let Some(ssh) = &auth.ssh_auth {
                 return Ok(Self {
@@ -454,6 +461,19 @@ impl GitCredentials {
             if let Some(token) = &auth.access_token {
                 return Ok(Self {
                     token: Some(key("gitAuth.accessToken", token)?),
+                    ..Self::default()
+                });
+            }
+            if let Some(app) = &auth.github_app {
+                return Ok(Self {
+                    github_app: Some(AppRefs {
+                        app_id: key("gitAuth.githubApp.appID", &app.app_id)?,
+                        installation_id: key(
+                            "gitAuth.githubApp.installationID",
+                            &app.installation_id,
+                        )?,
+                        private_key: key("gitAuth.githubApp.privateKey", &app.private_key)?,
+                    }),
                     ..Self::default()
                 });
             }
@@ -476,10 +496,12 @@ impl GitCredentials {
             };
             return Ok(Self {
                 ssh_private_key: key("sshPrivateKey"),
-                ssh_password: None,
+                // PKO's one `password` key: the SSH key's passphrase too.
+                ssh_password: key("password"),
                 token: key("accessToken"),
                 username: key("username"),
                 password: key("password"),
+                github_app: None,
             });
         }
         Ok(Self::default())
@@ -494,13 +516,70 @@ impl GitCredentials {
             username: selector(&self.username),
             // An SSH key's passphrase and a basic-auth password share PKO's `password` field.
             password: selector(&self.password.clone().or(self.ssh_password.clone())),
-            github_app: None,
+            github_app: self.github_app.as_ref().map(|app| GitHubAppAuth {
+                app_id: app.app_id.selector(),
+                installation_id: app.installation_id.selector(),
+                private_key: app.private_key.selector(),
+            }),
         };
         (auth != GitAuth::default()).then_some(auth)
     }
 
+    /// Credentials for listing the refs of `url`: over SSH the key, its passphrase and the
+    /// `knownHosts` of the key's Secret; over HTTP(S) see [`Self::http_auth`]. Secret values are
+    /// read here, namespaced and uncached, only when a branch is polled.
+    async fn remote_auth(
+        &self,
+        client: &Client,
+        namespace: &str,
+        git: &gitremote::Resolver,
+        url: &str,
+    ) -> Result<RemoteAuth, String> {
+        match SshUrl::parse(url) {
+            Err(SshError::NotSsh) => {}
+            // The lookup reports a malformed URL.
+            Err(_) => return Ok(RemoteAuth::None),
+            Ok(_) => {
+                let read = |r: Option<KeyRef>| read_key(client, namespace, r);
+                let Some(private_key) = read(self.ssh_private_key.clone()).await? else {
+                    return Ok(RemoteAuth::Ssh {
+                        key: None,
+                        known_hosts: None,
+                    });
+                };
+                let known_hosts = self.ssh_private_key.as_ref().map(|r| KeyRef {
+                    name: r.name.clone(),
+                    key: KNOWN_HOSTS_KEY.to_owned(),
+                    optional: true,
+                });
+                return Ok(RemoteAuth::Ssh {
+                    key: Some(SshKey {
+                        private_key,
+                        passphrase: read(self.ssh_password.clone()).await?,
+                    }),
+                    known_hosts: read(known_hosts).await?,
+                });
+            }
+        }
+        if let Some(app) = &self.github_app {
+            let read = |r: &KeyRef| read_key(client, namespace, Some(r.clone()));
+            let (id, installation, key) = (
+                read(&app.app_id).await?.unwrap_or_default(),
+                read(&app.installation_id).await?.unwrap_or_default(),
+                read(&app.private_key).await?.unwrap_or_default(),
+            );
+            let creds = AppCredentials::new(&id, &installation, &key)
+                .map_err(|e| format!("gitAuth.githubApp: {e}"))?;
+            let auth = git.github_token(&creds).await.map_err(|e| e.to_string())?;
+            return Ok(RemoteAuth::Http(auth));
+        }
+        Ok(self
+            .http_auth(client, namespace)
+            .await?
+            .map_or(RemoteAuth::None, RemoteAuth::Http))
+    }
+
     /// HTTP credentials for listing refs: a token (as user `git`), else username + password.
-    /// Secret values are read here, namespaced and uncached, only when a branch is polled.
     async fn http_auth(
         &self,
         client: &Client,
@@ -807,14 +886,44 @@ mod tests {
             json!({"stack": "dev", "projectRepo": "https://g/r", "branch": "main", "gitAuth": {"accessToken": literal}}),
         );
         assert!(GitCredentials::of(&s, "ns").is_err());
-        let app = json!({"appID": secret_ref("a", "id"), "installationID": secret_ref("a", "i"), "privateKey": secret_ref("a", "k")});
+        let app = json!({"appID": literal, "installationID": secret_ref("a", "i"), "privateKey": secret_ref("a", "k")});
         let s = stack(
             json!({"stack": "dev", "projectRepo": "https://g/r", "branch": "main", "gitAuth": {"githubApp": app}}),
         );
-        assert!(
-            GitCredentials::of(&s, "ns")
-                .expect_err("github app")
-                .contains("githubApp")
+        let err = GitCredentials::of(&s, "ns").expect_err("literal app id");
+        assert!(err.contains("gitAuth.githubApp.appID"), "{err}");
+    }
+
+    #[test]
+    fn a_github_app_goes_to_the_workspace_by_reference() {
+        let app = json!({"appID": secret_ref("app", "id"), "installationID": secret_ref("app", "inst"), "privateKey": secret_ref("app", "key")});
+        // PKO's order: a token wins over the App, the App over basic auth.
+        let s = stack(
+            json!({"stack": "dev", "projectRepo": "https://g/r", "branch": "main",
+            "gitAuth": {"githubApp": app, "basicAuth": {"userName": secret_ref("b", "u"), "password": secret_ref("b", "p")}}}),
+        );
+        assert_eq!(
+            wire(
+                GitCredentials::of(&s, "ns")
+                    .expect("creds")
+                    .workspace_auth()
+            ),
+            Some(json!({"githubApp": {
+                "appID": {"name": "app", "key": "id"},
+                "installationID": {"name": "app", "key": "inst"},
+                "privateKey": {"name": "app", "key": "key"}}}))
+        );
+        let s = stack(
+            json!({"stack": "dev", "projectRepo": "https://g/r", "branch": "main",
+            "gitAuth": {"githubApp": app, "accessToken": secret_ref("tok", "t")}}),
+        );
+        assert_eq!(
+            wire(
+                GitCredentials::of(&s, "ns")
+                    .expect("creds")
+                    .workspace_auth()
+            ),
+            Some(json!({"token": {"name": "tok", "key": "t"}}))
         );
     }
 }

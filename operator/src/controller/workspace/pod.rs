@@ -99,6 +99,8 @@ pub struct PodSettings {
     pub max_artifact_bytes: Option<String>,
     /// Let git fetches trust an SSH host key seen first when the Secret has no `knownHosts`.
     pub git_ssh_accept_new_host_keys: bool,
+    /// Where workspace pods exchange GitHub App credentials for installation tokens.
+    pub github_api_url: String,
     /// The names of the operator's file server: a flux URL on it must name a Program of the
     /// Workspace's own namespace (the admission rule, applied again here).
     pub file_server: pko_admission::tenancy::FileServerNames,
@@ -309,6 +311,7 @@ fn fetch_env(ws: &Workspace, settings: &PodSettings) -> Option<(SourceKind, Vec<
                     &app.installation_id,
                 ));
                 e.push(secret_env("GIT_GITHUB_APP_PRIVATE_KEY", &app.private_key));
+                e.push(env("GIT_GITHUB_API_URL", &settings.github_api_url));
             }
         }
         return Some((SourceKind::Git, e));
@@ -851,6 +854,7 @@ mod tests {
             pko_agent_image: "pko:2.9".into(),
             max_artifact_bytes: None,
             git_ssh_accept_new_host_keys: false,
+            github_api_url: pko_git::github_app::DEFAULT_API_URL.into(),
         }
     }
 

@@ -106,6 +106,7 @@ fn context(client: &Client) -> WorkspaceContext {
         pko_agent_image: "pko:2.9".into(),
         max_artifact_bytes: None,
         git_ssh_accept_new_host_keys: false,
+        github_api_url: pko_git::github_app::DEFAULT_API_URL.into(),
     };
     WorkspaceContext::new(&kit, agents, settings)
 }
