@@ -84,7 +84,7 @@ lint: toolchain ## rustfmt and clippy, warnings are errors
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 .PHONY: test
-test: tools policies plugins build lint image ## every test: unit + integration on a real etcd + kube-apiserver
+test: test-deps tools policies plugins build lint image ## every test: unit + integration on a real etcd + kube-apiserver
 	$(CARGO) test --workspace --all-targets --no-fail-fast
 
 # Property tests (proptest) of every parser of outside input run in `make test` with a bounded
@@ -189,6 +189,10 @@ dist-rootfs: ## /etc/passwd, /etc/group, the CA bundle, /tmp and the user's home
 # `make image`: the operator and agent images as OCI layouts, assembled with umoci (no
 # container daemon); the tests unpack and run them with runc (tests/tests/it/image.rs).
 export PKO_IMAGE_DIR ?= $(CACHE_DIR)/images
+
+.PHONY: test-deps
+test-deps: ## Debian packages the integration tests use as real servers: git, openssh-server (installed when missing)
+	tools/test-deps.sh
 
 .PHONY: image-deps
 image-deps:

@@ -1,5 +1,6 @@
 //! Where the operator itself may connect when a tenant chooses the URL: git branch lookups
-//! (`<repo>/info/refs`) and https transform modules.
+//! (`<repo>/info/refs`, or an SSH server), GitHub App token requests and https transform
+//! modules.
 //!
 //! Every address a host name resolves to is checked before a connection is made, and so is
 //! every redirect: the cloud metadata addresses (a list, not only link-local ones: AWS's IPv6

@@ -27,12 +27,22 @@ impl Execution {
 
     /// [`Self::start`] with the operator's extra arguments made from the namespace's name.
     pub async fn start_with(prefix: &str, operator_args: impl FnOnce(&str) -> Vec<String>) -> Self {
+        Self::start_with_env(prefix, operator_args, &[]).await
+    }
+
+    /// [`Self::start_with`] with `env` added to the operator's environment (e.g.
+    /// `SSL_CERT_FILE` for a test server's CA).
+    pub async fn start_with_env(
+        prefix: &str,
+        operator_args: impl FnOnce(&str) -> Vec<String>,
+        env: &[(&str, &str)],
+    ) -> Self {
         let plane = ControlPlane::shared().await;
         let ns = plane.namespace(prefix).await.expect("namespace");
         let tmp = tempfile::tempdir().expect("tmp");
         std::fs::create_dir_all(tmp.path().join("backend")).expect("backend");
         let kubelet = Kubelet::start_on(plane, &ns, &tmp.path().join("pods")).expect("kubelet");
-        let operator = Operator::start(
+        let operator = Operator::start_with_env(
             plane,
             OperatorOptions {
                 advertised: None,
@@ -44,6 +54,7 @@ impl Execution {
                 .chain(operator_args(&ns))
                 .collect(),
             },
+            env,
         )
         .await
         .expect("operator");

@@ -118,6 +118,11 @@ impl GitRepo {
         git(&self.work, &["rev-parse", "HEAD"])
     }
 
+    /// The bare repository (what a git server over SSH serves).
+    pub fn bare(&self) -> &Path {
+        &self.bare
+    }
+
     /// Paths requested so far.
     pub fn requests(&self) -> Vec<String> {
         self.log

@@ -25,6 +25,7 @@ pub mod execution;
 pub mod fifo;
 pub mod fixtures;
 pub mod flux;
+pub mod githubapi;
 pub mod gitrepo;
 pub mod kubeauth;
 pub mod kubelet;
@@ -43,6 +44,7 @@ pub mod proto;
 pub mod refusal;
 pub mod registry;
 pub mod serial;
+pub mod sshgit;
 pub mod webhook;
 
 use std::future::Future;

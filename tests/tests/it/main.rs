@@ -31,6 +31,7 @@ mod egress;
 mod fairness;
 mod fields;
 mod flux;
+mod gitauth;
 mod harness_smoke;
 mod helm;
 mod image;
