@@ -98,6 +98,7 @@ fn statefulset(template: &Value) -> Result<(), PodError> {
         pko_agent_image: "pulumi/pulumi-kubernetes-operator:v2.9.0".into(),
         max_artifact_bytes: None,
         git_ssh_accept_new_host_keys: false,
+        github_api_url: "https://api.github.com".into(),
         file_server: pko_admission::tenancy::FileServerNames::default(),
     };
     pod::desired_statefulset(
