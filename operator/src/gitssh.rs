@@ -689,12 +689,15 @@ mod tests {
     }
 
     #[test]
-    fn patterns_are_globbed_in_linear_time() {
+    fn patterns_are_globbed_without_exponential_backtracking() {
         assert!(glob(b"*.example.com", b"git.example.com"));
         assert!(glob(b"git?.example.com", b"git1.example.com"));
         assert!(!glob(b"*.example.com", b"example.com"));
+        // A naive recursive matcher takes exponential time to refuse this one.
         let evil = "*a".repeat(2000);
-        assert!(!glob(evil.as_bytes(), "a".repeat(5000).as_bytes()));
+        let many = "a".repeat(5000);
+        assert!(glob(evil.as_bytes(), many.as_bytes()));
+        assert!(!glob(evil.as_bytes(), format!("{many}b").as_bytes()));
     }
 
     #[test]
@@ -714,7 +717,7 @@ mod tests {
 
     #[test]
     fn the_advertisement_ends_at_its_flush() {
-        let adv = b"003f1111111111111111111111111111111111111111 refs/heads/main\n0000";
+        let adv = b"003d1111111111111111111111111111111111111111 refs/heads/main\n0000";
         assert_eq!(advertisement_end(&adv[..20]).expect("partial"), None);
         assert_eq!(advertisement_end(adv).expect("whole"), Some(adv.len()));
         assert!(matches!(
