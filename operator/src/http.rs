@@ -203,7 +203,9 @@ async fn serve_with(
             drop(permit);
             continue;
         };
-        let _ = stream.set_nodelay(true);
+        if let Err(err) = conn::tune(&stream) {
+            debug!(server = name, %peer, error = %err, "cannot tune the connection");
+        }
         let (stream, service) = conn::guard(stream, app.clone(), limits.conn);
         let service = TowerToHyperService::new(service);
         let mut builder = http1::Builder::new();
@@ -540,6 +542,59 @@ mod tests {
         assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
         let ended = tokio::time::timeout(Duration::from_secs(60), writer).await;
         assert!(ended.is_ok(), "the slow reader still holds its connection");
+    }
+
+    /// A reader that pipelines requests for tiny answers and never reads meets the write timer
+    /// after a bounded number of answers: its own receive window, the unsent-bytes bound and
+    /// hyper's buffer. Without the bound the kernel's autotuned send buffer (up to 4 MiB by
+    /// default) took every answer, and the server produced megabytes of them before any write
+    /// blocked. The measure is bytes produced, so the machine's speed does not enter.
+    #[tokio::test]
+    async fn a_slow_reader_of_tiny_answers_gets_a_bounded_share_before_it_is_cut_off() {
+        let answered = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let app = Router::new().route(
+            "/tiny",
+            get({
+                let answered = answered.clone();
+                move || {
+                    answered.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    async { "ok" }
+                }
+            }),
+        );
+        let limits = ServerLimits {
+            conn: ConnLimits {
+                write_timeout: Duration::from_millis(300),
+                ..limits().conn
+            },
+            ..limits()
+        };
+        let (addr, _stop, _handle) = start(app, limits).await;
+        let one = get_answer(addr, "/tiny").await;
+        assert!(one.starts_with("HTTP/1.1 200"), "{one}");
+        answered.store(0, std::sync::atomic::Ordering::Relaxed);
+
+        // The client's receive buffer is fixed, so the bound does not follow the host's
+        // tcp_rmem default.
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        socket.set_recv_buffer_size(64 * 1024).expect("SO_RCVBUF");
+        let mut stream = socket.connect(addr).await.expect("connect");
+        let writer = tokio::spawn(async move {
+            let requests = "GET /tiny HTTP/1.1\r\nHost: x\r\n\r\n".repeat(256);
+            loop {
+                if let Err(err) = stream.write_all(requests.as_bytes()).await {
+                    return err;
+                }
+            }
+        });
+        // Only catches a connection that stays open: the timer is 300 ms.
+        let ended = tokio::time::timeout(Duration::from_secs(120), writer).await;
+        assert!(ended.is_ok(), "the slow reader still holds its connection");
+        let produced = answered.load(std::sync::atomic::Ordering::Relaxed) * one.len();
+        assert!(
+            produced < 1024 * 1024,
+            "{produced} bytes of answers produced for a reader that reads none"
+        );
     }
 
     /// A keep-alive connection without a request in flight is closed after the idle timeout.

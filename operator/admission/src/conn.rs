@@ -6,7 +6,11 @@
 //!   connection open, and it covers every request of a keep-alive connection, not only the
 //!   first;
 //! - a write timer: a write the peer does not drain for `write_timeout` (a reader that does
-//!   not read) fails the connection.
+//!   not read) fails the connection;
+//! - a bound on unsent bytes ([`tune`]): without it the kernel grows a connection's send
+//!   buffer up to `tcp_wmem`'s maximum (4 MiB by default), so a reader that never reads
+//!   blocks no write until the server has produced megabytes of answers for it (tens of
+//!   thousands of small ones, pipelined), and the write timer may never start.
 //!
 //! A request is in flight from the service call until its response body is dropped (sent or
 //! abandoned), so a long download is never idle.
@@ -30,6 +34,19 @@ pub struct ConnLimits {
     pub idle_timeout: Duration,
     /// Longest time one write may wait for the peer to read.
     pub write_timeout: Duration,
+}
+
+/// Unsent bytes one connection may queue in the kernel before its writes block: a fast reader
+/// never waits on it (the kernel wakes the writer below it), a reader that does not read holds
+/// its own receive window plus this.
+pub const UNSENT_LOW_WATER: u32 = 16 * 1024;
+
+/// Tunes an accepted connection: no Nagle delay (a response's last small segment would wait
+/// for the peer's delayed ACK), and at most [`UNSENT_LOW_WATER`] unsent bytes, so a peer that
+/// does not read blocks the next write, which starts the write timer.
+pub fn tune(stream: &tokio::net::TcpStream) -> std::io::Result<()> {
+    stream.set_nodelay(true)?;
+    socket2::SockRef::from(stream).set_tcp_notsent_lowat(UNSENT_LOW_WATER)
 }
 
 /// What the stream and the service of one connection share.

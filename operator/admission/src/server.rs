@@ -255,9 +255,10 @@ impl<S> Accept<tokio::net::TcpStream, S> for ConnectionCap {
     fn accept(&self, stream: tokio::net::TcpStream, service: S) -> Self::Future {
         // The apiserver keeps HTTP/2 connections open and sends request after request: with
         // Nagle's algorithm a response's last small segment waits for the client's delayed ACK
-        // (~40 ms per request).
-        if let Err(e) = stream.set_nodelay(true) {
-            debug!(error = %e, "cannot set TCP_NODELAY on a webhook connection");
+        // (~40 ms per request). The unsent-bytes bound makes a client that does not read meet
+        // the write timer.
+        if let Err(e) = conn::tune(&stream) {
+            debug!(error = %e, "cannot tune a webhook connection");
         }
         // Dropping the stream on a refusal closes it: no handshake, no buffers.
         let refuse = |reason: &'static str, message: &'static str| {
