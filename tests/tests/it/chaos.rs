@@ -44,13 +44,7 @@ async fn invented_methods_and_long_paths_add_no_metric_series() {
     );
 }
 
-// Withdrawn from `make test` until fixed: on this host the slow readers admitted by the probe
-// and webhook listeners (tiny responses) are never closed (8 and 15-16 of them still open
-// after the 30 s grace, run alone or in the suite), while the metrics listener's close within
-// the write timeout. A fixed 8 KiB client receive buffer changes nothing, so it is not TCP
-// autotuning alone. Run it with `cargo test -p pko-tests --test it -- --ignored chaos::slow`.
 #[tokio::test]
-#[ignore = "probe and webhook listeners leave slow readers with tiny responses open on this host"]
 async fn slow_readers_and_idle_connections_hold_no_listener() {
     // Alone in the binary: each scenario measures one operator's memory and latencies, and
     // any other test would load the same two cores.
