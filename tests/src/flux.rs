@@ -6,17 +6,24 @@
 //! module proxy serves (Go types only). The schemas keep every field, so objects look as Flux
 //! writes them. `OCIRepository` is served at `v1beta2` (Flux before 2.6) and `v1` (preferred),
 //! as Flux serves it, so a Stack may name either version.
+//!
+//! [`FluxSource`] plays source-controller's artifact server: each revision a tar.gz served over
+//! HTTP, which is all a `fluxSource` Stack fetches (PKO's agent and pko-rs's alike).
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, ApiResource, DynamicObject, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 
+use crate::agent::StaticServer;
 use crate::{HarnessError, wait_for};
 
 /// Flux's source group.
 pub const GROUP: &str = "source.toolkit.fluxcd.io";
+/// The `GitRepository` version Stacks here name.
+pub const API_VERSION: &str = "source.toolkit.fluxcd.io/v1";
 
 /// A Flux source kind: `(kind, plural, served versions, the stored one)`.
 type Kind = (
@@ -154,5 +161,91 @@ impl Sources {
             .await
             .map_err(|e| HarnessError::kube(format!("the artifact of {name}"), e))?;
         Ok(())
+    }
+}
+
+/// Creates `GitRepository` `name` in `namespace` with `artifact` in its status, or gives the
+/// existing one that artifact.
+pub async fn set_git_repository(
+    client: kube::Client,
+    namespace: &str,
+    name: &str,
+    artifact: &Artifact,
+) -> Result<(), HarnessError> {
+    let git = Sources::new(client, namespace, "GitRepository", "v1");
+    let fields = (
+        artifact.url.as_str(),
+        artifact.digest.as_str(),
+        artifact.revision.as_str(),
+    );
+    let exists = git
+        .api
+        .get_opt(name)
+        .await
+        .map_err(|e| HarnessError::kube(format!("reading GitRepository {name}"), e))?
+        .is_some();
+    if exists {
+        git.set_artifact(name, fields).await
+    } else {
+        git.create(name, fields).await
+    }
+}
+
+/// A `.tar.gz` of `files` (path → content) at its root, as source-controller packs a revision.
+pub fn tarball(files: &[(&str, &str)]) -> Result<Vec<u8>, HarnessError> {
+    let io = |e| HarnessError::io("packing a Flux artifact", e);
+    let mut tar = tar::Builder::new(flate2::write::GzEncoder::new(
+        Vec::new(),
+        flate2::Compression::default(),
+    ));
+    for (path, content) in files {
+        let mut header = tar::Header::new_gnu();
+        header.set_size(content.len() as u64);
+        header.set_mode(0o644);
+        header.set_cksum();
+        tar.append_data(&mut header, path, content.as_bytes())
+            .map_err(io)?;
+    }
+    tar.into_inner().map_err(io)?.finish().map_err(io)
+}
+
+/// What a source's `status.artifact` says of one revision.
+#[derive(Clone, Debug)]
+pub struct Artifact {
+    pub url: String,
+    pub digest: String,
+    pub revision: String,
+}
+
+/// Revisions of one Flux source, served over HTTP.
+#[derive(Default)]
+pub struct FluxSource {
+    /// One server per revision: earlier revisions stay served at their URLs.
+    servers: Vec<StaticServer>,
+}
+
+impl FluxSource {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Serves `files` as revision `revision` (e.g. `main@sha1:<sha>`) and returns its
+    /// artifact.
+    pub async fn publish(
+        &mut self,
+        revision: &str,
+        files: &[(&str, &str)],
+    ) -> Result<Artifact, HarnessError> {
+        let bytes = tarball(files)?;
+        let digest = crate::fixtures::sha256(&bytes);
+        let path = format!("/gitrepository/{}.tar.gz", &digest["sha256:".len()..]);
+        let server = StaticServer::start(HashMap::from([(path.clone(), bytes)])).await?;
+        let url = server.url(&path);
+        self.servers.push(server);
+        Ok(Artifact {
+            url,
+            digest,
+            revision: revision.to_owned(),
+        })
     }
 }

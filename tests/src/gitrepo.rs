@@ -3,6 +3,9 @@
 //! git's "dumb" HTTP transport reads it (`info/refs`, `objects/…`, after
 //! `git update-server-info`). Both the operator's refs listing and the agent's `git` clone talk
 //! to it as to any git host. Optional basic auth checks that credentials travel.
+//!
+//! [`GitRepo::start_smart`] also speaks git's "smart" HTTP protocol, through the real `git
+//! http-backend` run as a CGI program: go-git (PKO's operator and agent) speaks no other.
 
 use std::path::{Component, Path, PathBuf};
 use std::process::Command;
@@ -50,6 +53,23 @@ impl GitRepo {
     /// An empty repository (branch `main`) under `dir`, served on a free loopback port;
     /// `basic_auth` (`user`, `password`) makes every request need those credentials.
     pub async fn start(dir: &Path, basic_auth: Option<(&str, &str)>) -> Result<Self, HarnessError> {
+        Self::start_serving(dir, basic_auth, false).await
+    }
+
+    /// [`Self::start`], also serving the smart protocol (`info/refs?service=git-upload-pack`
+    /// and `git-upload-pack`) with `git http-backend`.
+    pub async fn start_smart(
+        dir: &Path,
+        basic_auth: Option<(&str, &str)>,
+    ) -> Result<Self, HarnessError> {
+        Self::start_serving(dir, basic_auth, true).await
+    }
+
+    async fn start_serving(
+        dir: &Path,
+        basic_auth: Option<(&str, &str)>,
+        smart: bool,
+    ) -> Result<Self, HarnessError> {
         let work = dir.join("work");
         let bare = dir.join("repo.git");
         std::fs::create_dir_all(&work)
@@ -75,7 +95,7 @@ impl GitRepo {
             )
         });
         let log = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let task = tokio::spawn(serve(listener, bare.clone(), expected, log.clone()));
+        let task = tokio::spawn(serve(listener, bare.clone(), expected, log.clone(), smart));
         Ok(Self {
             work,
             bare,
@@ -143,6 +163,7 @@ async fn serve(
     root: PathBuf,
     auth: Option<String>,
     log: Arc<std::sync::Mutex<Vec<String>>>,
+    smart: bool,
 ) {
     while let Ok((mut conn, _)) = listener.accept().await {
         let root = root.clone();
@@ -175,8 +196,16 @@ async fn serve(
             if let Ok(mut l) = log.lock() {
                 l.push(path.clone());
             }
+            let query = target.split_once('?').map(|(_, q)| q).unwrap_or_default();
+            let wants_smart = path.ends_with("/git-upload-pack")
+                || (path.ends_with("/info/refs") && query.contains("service=git-upload-pack"));
             let response = if !authorized {
                 reply(401, "text/plain", b"unauthorized\n".to_vec(), true)
+            } else if smart && wants_smart {
+                match smart_http(&mut conn, &root, &text, &head, &path, query).await {
+                    Ok(response) => response,
+                    Err(e) => reply(500, "text/plain", format!("{e}\n").into_bytes(), false),
+                }
             } else {
                 match file_under(&root, &path).and_then(|f| std::fs::read(f).ok()) {
                     Some(body) => reply(200, "application/octet-stream", body, false),
@@ -200,10 +229,153 @@ fn file_under(root: &Path, path: &str) -> Option<PathBuf> {
     file.is_file().then_some(file)
 }
 
+/// One smart-protocol request answered by `git http-backend` (CGI): the request's body (sized
+/// or chunked) is its input, its headers and output the response.
+async fn smart_http(
+    conn: &mut tokio::net::TcpStream,
+    bare: &Path,
+    head_text: &str,
+    head: &[u8],
+    path: &str,
+    query: &str,
+) -> std::io::Result<Vec<u8>> {
+    let header = |name: &str| {
+        head_text.lines().skip(1).find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            k.trim().eq_ignore_ascii_case(name).then(|| v.trim().to_owned())
+        })
+    };
+    let method = head_text.split_whitespace().next().unwrap_or("GET").to_owned();
+    let body_start = head
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map_or(head.len(), |p| p + 4);
+    let mut body = head[body_start..].to_vec();
+    let chunked = header("transfer-encoding").is_some_and(|v| v.eq_ignore_ascii_case("chunked"));
+    let length: usize = header("content-length")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let mut buf = [0u8; 16 * 1024];
+    loop {
+        let complete = if chunked {
+            dechunk(&body).is_some()
+        } else {
+            body.len() >= length
+        };
+        if complete || body.len() > 64 << 20 {
+            break;
+        }
+        let n = conn.read(&mut buf).await?;
+        if n == 0 {
+            break;
+        }
+        body.extend_from_slice(&buf[..n]);
+    }
+    let input = if chunked {
+        dechunk(&body).unwrap_or_default()
+    } else {
+        body.truncate(length);
+        body
+    };
+    let (Some(project_root), Some(repo)) = (bare.parent(), bare.file_name()) else {
+        return Err(std::io::Error::other("the bare repository has no parent"));
+    };
+    let path_info = match path.strip_prefix("/repo.git") {
+        Some(rest) => format!("/{}{rest}", repo.to_string_lossy()),
+        None => return Err(std::io::Error::other(format!("no repository at {path}"))),
+    };
+    let mut cgi = tokio::process::Command::new("git");
+    cgi.arg("http-backend")
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("GIT_PROJECT_ROOT", project_root)
+        .env("GIT_HTTP_EXPORT_ALL", "1")
+        .env("GIT_CONFIG_NOSYSTEM", "1")
+        .env("GIT_CONFIG_GLOBAL", "/dev/null")
+        .env("REQUEST_METHOD", &method)
+        .env("PATH_INFO", &path_info)
+        .env("QUERY_STRING", query)
+        .env("CONTENT_LENGTH", input.len().to_string())
+        .env("REMOTE_ADDR", "127.0.0.1")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true);
+    if let Some(t) = header("content-type") {
+        cgi.env("CONTENT_TYPE", t);
+    }
+    if let Some(e) = header("content-encoding") {
+        cgi.env("HTTP_CONTENT_ENCODING", e);
+    }
+    if let Some(p) = header("git-protocol") {
+        cgi.env("GIT_PROTOCOL", p);
+    }
+    let mut child = cgi.spawn()?;
+    let mut stdin = child
+        .stdin
+        .take()
+        .ok_or_else(|| std::io::Error::other("no stdin"))?;
+    let writer = tokio::spawn(async move {
+        let _ = stdin.write_all(&input).await;
+    });
+    let out = child.wait_with_output().await?;
+    let _ = writer.await;
+    let split = out
+        .stdout
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map(|p| (p, p + 4))
+        .or_else(|| {
+            out.stdout
+                .windows(2)
+                .position(|w| w == b"\n\n")
+                .map(|p| (p, p + 2))
+        })
+        .ok_or_else(|| std::io::Error::other("git http-backend wrote no headers"))?;
+    let cgi_head = String::from_utf8_lossy(&out.stdout[..split.0]).into_owned();
+    let body = out.stdout[split.1..].to_vec();
+    let mut status = "200 OK".to_owned();
+    let mut response = String::new();
+    for line in cgi_head.lines() {
+        match line.split_once(':') {
+            Some((k, v)) if k.eq_ignore_ascii_case("status") => status = v.trim().to_owned(),
+            Some(_) => {
+                response.push_str(line.trim_end());
+                response.push_str("\r\n");
+            }
+            None => {}
+        }
+    }
+    let mut out = format!(
+        "HTTP/1.1 {status}\r\n{response}Content-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    out.extend_from_slice(&body);
+    Ok(out)
+}
+
+/// The body of a complete chunked transfer, `None` while chunks are missing.
+fn dechunk(mut data: &[u8]) -> Option<Vec<u8>> {
+    let mut out = Vec::new();
+    loop {
+        let line_end = data.windows(2).position(|w| w == b"\r\n")?;
+        let size_text = String::from_utf8_lossy(&data[..line_end]);
+        let size = usize::from_str_radix(size_text.split(';').next()?.trim(), 16).ok()?;
+        data = &data[line_end + 2..];
+        if size == 0 {
+            return Some(out);
+        }
+        out.extend_from_slice(data.get(..size)?);
+        data = data.get(size + 2..)?;
+    }
+}
+
 fn reply(status: u16, content_type: &str, body: Vec<u8>, challenge: bool) -> Vec<u8> {
     let reason = match status {
         200 => "OK",
         401 => "Unauthorized",
+        500 => "Internal Server Error",
         _ => "Not Found",
     };
     let mut head = format!(

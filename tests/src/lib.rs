@@ -19,6 +19,7 @@
 pub mod agent;
 pub mod bench_baseline;
 pub mod chaos;
+pub mod cluster_dns;
 pub mod command;
 mod control_plane;
 pub mod execution;

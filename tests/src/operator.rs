@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
+use crate::cluster_dns::{ClusterDns, private_mounts};
 use crate::{ChildGuard, ControlPlane, HarnessError, spawn_guarded};
 
 /// Options of one operator process.
@@ -41,9 +42,29 @@ impl Operator {
         opts: OperatorOptions,
         env: &[(&str, &str)],
     ) -> Result<Self, HarnessError> {
+        Self::start_retrying(plane, &opts, env, None).await
+    }
+
+    /// [`Self::start`] resolving names with the [`ClusterDns`], so the operator reaches agents
+    /// at `<ws>-workspace.<ns>:50051` as in a cluster (pods of a kubelet with
+    /// [`crate::kubelet::PodNetwork::Cluster`]; no `--workspace-localhost`).
+    pub async fn start_with_cluster_dns(
+        plane: &ControlPlane,
+        opts: OperatorOptions,
+    ) -> Result<Self, HarnessError> {
+        let dns = ClusterDns::shared()?;
+        Self::start_retrying(plane, &opts, &[], Some(dns)).await
+    }
+
+    async fn start_retrying(
+        plane: &ControlPlane,
+        opts: &OperatorOptions,
+        env: &[(&str, &str)],
+        dns: Option<&ClusterDns>,
+    ) -> Result<Self, HarnessError> {
         let mut attempt = 1;
         loop {
-            match Self::start_once(plane, &opts, env).await {
+            match Self::start_once(plane, opts, env, dns).await {
                 Err(HarnessError::Exited { log, .. })
                     if attempt < PORT_ATTEMPTS && lost_a_port(&log.path) =>
                 {
@@ -58,10 +79,14 @@ impl Operator {
         plane: &ControlPlane,
         opts: &OperatorOptions,
         env: &[(&str, &str)],
+        dns: Option<&ClusterDns>,
     ) -> Result<Self, HarnessError> {
         let fs_port = free_port()?;
         let probe_port = free_port()?;
-        let mut cmd = Command::new(operator_binary()?);
+        let mut cmd = match dns {
+            Some(dns) => private_mounts(&operator_binary()?, Some(dns), None),
+            None => Command::new(operator_binary()?),
+        };
         cmd.envs(env.iter().copied());
         // A test may run the operator with a kubeconfig of its own (e.g. impersonating a
         // service account); otherwise the plane's admin one.

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use crate::cluster_dns::{ClusterDns, private_mounts};
 use crate::{ChildGuard, ControlPlane, HarnessError, LogTail, spawn_guarded, tool_dir};
 
 /// How long an operator gets from spawn to a 200 from `/readyz`.
@@ -158,16 +159,14 @@ pub struct PeerOptions {
     pub advertised: Option<String>,
     /// Leader election on, with these settings; off when `None`.
     pub lease: Option<LeaseSettings>,
+    /// Names resolve with the [`ClusterDns`] (PKO's manager dials
+    /// `<ws>-workspace.<ns>:50051`, served by a kubelet with the cluster network).
+    pub cluster_dns: bool,
 }
 
 /// PKO's manager names no leader-election namespace, so controller-runtime reads it from the
 /// in-cluster service-account file; outside a pod that file is provided in a private mount
-/// namespace of the process (`unshare`), holding `system_ns`.
-const IN_CLUSTER_NAMESPACE: &str = "mount -t tmpfs none /run \
-    && mkdir -p /run/secrets/kubernetes.io/serviceaccount \
-    && printf %s \"$PKO_BENCH_NAMESPACE\" > /run/secrets/kubernetes.io/serviceaccount/namespace \
-    && exec \"$0\" \"$@\"";
-
+/// namespace of the process (`cluster_dns::private_mounts`), holding `system_ns`.
 /// Starts `peer` against `plane` watching every namespace, with its file server on `fs_port`
 /// (a free loopback port when `None`) advertised as that address, leader election off,
 /// logging warnings and errors only; `system_ns` stands for the operator's own namespace.
@@ -226,13 +225,14 @@ pub async fn start_with(
         }
         Peer::Pko => {
             let metrics_port = free_port()?;
-            let mut cmd = if opts.lease.is_some() {
-                let mut cmd = Command::new("unshare");
-                cmd.args(["--mount", "--propagation", "private", "sh", "-c"])
-                    .arg(IN_CLUSTER_NAMESPACE)
-                    .arg(&bins.pko_manager)
-                    .env("PKO_BENCH_NAMESPACE", system_ns);
-                cmd
+            let dns = if opts.cluster_dns {
+                Some(ClusterDns::shared()?)
+            } else {
+                None
+            };
+            let mut cmd = if opts.lease.is_some() || dns.is_some() {
+                let in_cluster = opts.lease.is_some().then_some(system_ns);
+                private_mounts(&bins.pko_manager, dns, in_cluster)
             } else {
                 Command::new(&bins.pko_manager)
             };
@@ -366,4 +366,86 @@ async fn answer_bare(mut stream: tokio::net::TcpStream, response: &[u8]) -> std:
             return Ok(());
         }
     }
+}
+
+/// The service account PKO's manager runs as (`POD_SA_NAME`); its tokens are what PKO's
+/// manager sends to PKO's agents.
+pub const PKO_MANAGER_ACCOUNT: &str = "controller-manager";
+
+/// What PKO's install gives its manager beyond the admin access the harness runs it with: the
+/// service account `controller-manager` in `system_ns`, whose tokens it mints (TokenRequest)
+/// for every agent call, allowed to `use` `workspaces/rpc` (the rule of PKO's ClusterRole that
+/// PKO's agent checks with a SubjectAccessReview).
+pub async fn install_manager_identity(
+    client: &kube::Client,
+    system_ns: &str,
+) -> Result<(), HarnessError> {
+    use k8s_openapi::api::core::v1::ServiceAccount;
+    use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+    use kube::api::{Api, Patch, PatchParams};
+    let params = PatchParams::apply(crate::FIELD_MANAGER).force();
+    let account = serde_json::json!({
+        "apiVersion": "v1", "kind": "ServiceAccount",
+        "metadata": {"name": PKO_MANAGER_ACCOUNT, "namespace": system_ns},
+    });
+    Api::<ServiceAccount>::namespaced(client.clone(), system_ns)
+        .patch(PKO_MANAGER_ACCOUNT, &params, &Patch::Apply(&account))
+        .await
+        .map_err(|e| HarnessError::kube("applying PKO's service account", e))?;
+    let role = "pko-tests:pulumi-kubernetes-operator:workspaces-rpc";
+    let cluster_role = serde_json::json!({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+        "metadata": {"name": role},
+        "rules": [{"apiGroups": ["auto.pulumi.com"], "resources": ["workspaces/rpc"], "verbs": ["use"]}],
+    });
+    Api::<ClusterRole>::all(client.clone())
+        .patch(role, &params, &Patch::Apply(&cluster_role))
+        .await
+        .map_err(|e| HarnessError::kube("applying PKO's workspaces/rpc role", e))?;
+    let binding = format!("{role}:{system_ns}");
+    let cluster_binding = serde_json::json!({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+        "metadata": {"name": binding},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
+        "subjects": [{"kind": "ServiceAccount", "name": PKO_MANAGER_ACCOUNT, "namespace": system_ns}],
+    });
+    Api::<ClusterRoleBinding>::all(client.clone())
+        .patch(&binding, &params, &Patch::Apply(&cluster_binding))
+        .await
+        .map_err(|e| HarnessError::kube("binding PKO's workspaces/rpc role", e))?;
+    Ok(())
+}
+
+/// A workspace service account as PKO's documentation asks for one: `name` in `namespace`,
+/// bound to `system:auth-delegator` so the agent running as it may ask the apiserver to review
+/// its callers' tokens (TokenReview, SubjectAccessReview).
+pub async fn workspace_service_account(
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+) -> Result<(), HarnessError> {
+    use k8s_openapi::api::core::v1::ServiceAccount;
+    use k8s_openapi::api::rbac::v1::ClusterRoleBinding;
+    use kube::api::{Api, Patch, PatchParams};
+    let params = PatchParams::apply(crate::FIELD_MANAGER).force();
+    let account = serde_json::json!({
+        "apiVersion": "v1", "kind": "ServiceAccount",
+        "metadata": {"name": name, "namespace": namespace},
+    });
+    Api::<ServiceAccount>::namespaced(client.clone(), namespace)
+        .patch(name, &params, &Patch::Apply(&account))
+        .await
+        .map_err(|e| HarnessError::kube("applying the workspace service account", e))?;
+    let binding = format!("{namespace}:{name}:system:auth-delegator");
+    let cluster_binding = serde_json::json!({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+        "metadata": {"name": binding},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "system:auth-delegator"},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
+    });
+    Api::<ClusterRoleBinding>::all(client.clone())
+        .patch(&binding, &params, &Patch::Apply(&cluster_binding))
+        .await
+        .map_err(|e| HarnessError::kube("binding system:auth-delegator", e))?;
+    Ok(())
 }

@@ -179,12 +179,33 @@ pub async fn take_over<K>(
 where
     K: Clone + serde::de::DeserializeOwned + std::fmt::Debug + kube::Resource,
 {
+    take_over_parts(api, name, &[(ours, part)]).await
+}
+
+/// [`take_over`] of several parts at once, each to its manager, in one write.
+pub async fn take_over_parts<K>(
+    api: &Api<K>,
+    name: &str,
+    parts: &[(&str, Part)],
+) -> Result<bool, kube::Error>
+where
+    K: Clone + serde::de::DeserializeOwned + std::fmt::Debug + kube::Resource,
+{
     let client = api.clone().into_client();
     let request = Request::new(api.resource_url())
         .get_metadata(name, &GetParams::default())
         .map_err(kube::Error::BuildRequest)?;
     let fetched: Fetched = client.request(request).await?;
-    let Some(entries) = taken_over(&fetched.metadata.managed_fields, ours, part)? else {
+    let mut entries = None;
+    for (ours, part) in parts {
+        let current = entries
+            .as_deref()
+            .unwrap_or(fetched.metadata.managed_fields.as_slice());
+        if let Some(next) = taken_over(current, ours, *part)? {
+            entries = Some(next);
+        }
+    }
+    let Some(entries) = entries else {
         return Ok(false);
     };
     let patch = TakeoverPatch {
@@ -195,7 +216,7 @@ where
     };
     api.patch(name, &PatchParams::default(), &Patch::Merge(&patch))
         .await?;
-    info!(object = %name, manager = ours, "took over the fields PKO's managers owned");
+    info!(object = %name, "took over the fields PKO's managers owned");
     Ok(true)
 }
 

@@ -1004,6 +1004,7 @@ async fn failover_run(bins: &PeerBinaries, peer: Peer, log: &Path) -> anyhow::Re
         fs_port,
         advertised: Some(format!("127.0.0.1:{first_port}")),
         lease: Some(FAILOVER_LEASE),
+        ..PeerOptions::default()
     };
     let mut leader = pko_peer::start_with(
         peer,

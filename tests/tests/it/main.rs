@@ -45,6 +45,7 @@ mod refs;
 mod restricted_crosscheck;
 mod stack;
 mod stall;
+mod switchover;
 mod transforms;
 mod update;
 mod wire;

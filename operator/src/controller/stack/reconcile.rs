@@ -236,10 +236,13 @@ impl<'a> Run<'a> {
         // wrote); ours from now on. The patch brings the next reconcile.
         if takeover::pko_owns(self.stack.meta(), Part::Main) {
             let api = Api::<Stack>::namespaced(self.ctx.client.clone(), &self.namespace);
-            takeover::take_over(&api, &self.name, APPLY_MANAGER, Part::Main)
+            // Nothing taken (the watched object was behind a write that took it): go on.
+            if takeover::take_over(&api, &self.name, APPLY_MANAGER, Part::Main)
                 .await
-                .map_err(StackError::kube("taking over PKO's Stack fields"))?;
-            return Err(Stop::Quiet);
+                .map_err(StackError::kube("taking over PKO's Stack fields"))?
+            {
+                return Err(Stop::Quiet);
+            }
         }
         if self.stack.finalizers().iter().any(|f| f == STACK_FINALIZER) {
             return Ok(());

@@ -4,6 +4,10 @@
 //! Terminating (and block its namespace's deletion). Released here once the Update is complete
 //! (the Stack controller reads results from the Update's status, finalizer or not) or
 //! deleted.
+//!
+//! The fields PKO's managers own on an Update (its spec, written at creation, and its status)
+//! pass to ours the first time the controller sees it (`controller/takeover.rs`): a run resumed
+//! after the switch then writes a status with nothing of PKO's left beside it.
 
 use kube::api::{Api, Patch, PatchParams};
 use kube::{Resource, ResourceExt};
@@ -13,8 +17,29 @@ use tracing::info;
 
 use super::{COMPLETE, UpdateContext, UpdateError};
 use crate::controller::conditions;
-use crate::controller::keys::STACK_FINALIZER;
+use crate::controller::keys::{APPLY_MANAGER, STACK_FINALIZER, UPDATE_STATUS_MANAGER};
 use crate::controller::kit::FromKube;
+use crate::controller::takeover::{self, Part};
+
+/// Whether PKO's managers own fields of the Update (read from the watched object).
+pub(super) fn pko_owned(update: &Update) -> bool {
+    takeover::pko_owns(update.meta(), Part::Main) || takeover::pko_owns(update.meta(), Part::Status)
+}
+
+/// Moves what PKO's managers own on the Update to ours (spec to the apply manager, status to
+/// the status writer), in one compare-and-swap write; false when a fresh read finds nothing of
+/// PKO's left (the watched object was behind).
+pub(super) async fn take_over(ctx: &UpdateContext, update: &Update) -> Result<bool, UpdateError> {
+    let namespace = update.namespace().unwrap_or_default();
+    let api = Api::<Update>::namespaced(ctx.client.clone(), &namespace);
+    let parts = [
+        (APPLY_MANAGER, Part::Main),
+        (UPDATE_STATUS_MANAGER, Part::Status),
+    ];
+    takeover::take_over_parts(&api, &update.name_any(), &parts)
+        .await
+        .map_err(UpdateError::kube("taking over the fields PKO owned"))
+}
 
 /// The finalizers the Update keeps when PKO's is to be released now; `None` to leave them.
 pub(super) fn released(update: &Update) -> Option<Vec<String>> {
@@ -79,6 +104,27 @@ mod tests {
             u.metadata.deletion_timestamp = Some(Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH));
         }
         u
+    }
+
+    #[test]
+    fn an_update_with_fields_of_pkos_managers_is_pkos() {
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry;
+        let entry = |manager: &str, sub: Option<&str>| ManagedFieldsEntry {
+            manager: Some(manager.to_owned()),
+            subresource: sub.map(str::to_owned),
+            ..ManagedFieldsEntry::default()
+        };
+        let mut u = update(&[], true, false);
+        assert!(!pko_owned(&u));
+        u.metadata.managed_fields = Some(vec![entry("pko-rs/update-status", Some("status"))]);
+        assert!(!pko_owned(&u));
+        u.metadata.managed_fields = Some(vec![entry(
+            "pulumi-kubernetes-operator/update-status",
+            Some("status"),
+        )]);
+        assert!(pko_owned(&u));
+        u.metadata.managed_fields = Some(vec![entry("pulumi-kubernetes-operator", None)]);
+        assert!(pko_owned(&u));
     }
 
     #[test]

@@ -364,6 +364,10 @@ async fn reconcile_inner(
         handover::release(&ctx, &update, keep).await?;
         return Ok(Action::await_change());
     }
+    // So is the taking over of PKO's fields (a switch-over), before anything else is written.
+    if handover::pko_owned(&update) && handover::take_over(&ctx, &update).await? {
+        return Ok(Action::await_change());
+    }
     if let Some(action) = settled(&update, &ctx, &current).await? {
         return Ok(action);
     }
