@@ -145,8 +145,15 @@ pub fn private_mounts(
     pod_namespace: Option<&str>,
 ) -> std::process::Command {
     let mut cmd = std::process::Command::new("unshare");
-    cmd.args(["--mount", "--propagation", "private", "sh", "-c", PRIVATE_MOUNTS])
-        .arg(program);
+    cmd.args([
+        "--mount",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        PRIVATE_MOUNTS,
+    ])
+    .arg(program);
     if let Some(dns) = dns {
         cmd.env("PKO_TESTS_RESOLV_CONF", dns.resolv_conf());
     }

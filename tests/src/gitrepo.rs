@@ -20,6 +20,8 @@ pub struct GitRepo {
     work: PathBuf,
     bare: PathBuf,
     port: u16,
+    /// With TLS: the certificate (PEM) clients must trust.
+    tls_cert: Option<String>,
     /// Requests served, by path (for asserting who fetched what).
     log: Arc<std::sync::Mutex<Vec<String>>>,
     task: tokio::task::JoinHandle<()>,
@@ -56,13 +58,20 @@ impl GitRepo {
         Self::start_serving(dir, basic_auth, false).await
     }
 
-    /// [`Self::start`], also serving the smart protocol (`info/refs?service=git-upload-pack`
-    /// and `git-upload-pack`) with `git http-backend`.
-    pub async fn start_smart(
+    /// [`Self::start`] over HTTPS (a self-signed certificate for 127.0.0.1, see
+    /// [`Self::tls_cert`]), also serving the smart protocol (`info/refs?service=git-upload-pack`
+    /// and `git-upload-pack`) with `git http-backend`: what PKO, which takes `https` and `ssh`
+    /// repositories only and clones with go-git, needs.
+    pub async fn start_smart_https(
         dir: &Path,
         basic_auth: Option<(&str, &str)>,
     ) -> Result<Self, HarnessError> {
         Self::start_serving(dir, basic_auth, true).await
+    }
+
+    /// The certificate an HTTPS server presents (PEM), to trust.
+    pub fn tls_cert(&self) -> Option<&str> {
+        self.tls_cert.as_deref()
     }
 
     async fn start_serving(
@@ -95,11 +104,24 @@ impl GitRepo {
             )
         });
         let log = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let task = tokio::spawn(serve(listener, bare.clone(), expected, log.clone(), smart));
+        let (tls_cert, acceptor) = if smart {
+            let (cert, key) = crate::agent::self_signed(&["127.0.0.1", "localhost"])?;
+            (Some(cert.clone()), Some(tls_acceptor(&cert, &key)?))
+        } else {
+            (None, None)
+        };
+        let task = tokio::spawn(serve(
+            listener,
+            bare.clone(),
+            expected,
+            log.clone(),
+            acceptor,
+        ));
         Ok(Self {
             work,
             bare,
             port,
+            tls_cert,
             log,
             task,
         })
@@ -107,7 +129,12 @@ impl GitRepo {
 
     /// The clone URL.
     pub fn url(&self) -> String {
-        format!("http://127.0.0.1:{}/repo.git", self.port)
+        let scheme = if self.tls_cert.is_some() {
+            "https"
+        } else {
+            "http"
+        };
+        format!("{scheme}://127.0.0.1:{}/repo.git", self.port)
     }
 
     /// Writes `files` (path → content), commits them on `branch` and pushes; returns the SHA.
@@ -158,63 +185,102 @@ impl Drop for GitRepo {
     }
 }
 
+fn tls_acceptor(cert: &str, key: &str) -> Result<tokio_rustls::TlsAcceptor, HarnessError> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    crate::ensure_crypto_provider();
+    let bad =
+        |e: String| HarnessError::io("the git server's certificate", std::io::Error::other(e));
+    let chain =
+        vec![CertificateDer::from_pem_slice(cert.as_bytes()).map_err(|e| bad(e.to_string()))?];
+    let key = PrivateKeyDer::from_pem_slice(key.as_bytes()).map_err(|e| bad(e.to_string()))?;
+    let config = rustls::ServerConfig::builder()
+        .with_no_client_auth()
+        .with_single_cert(chain, key)
+        .map_err(|e| bad(e.to_string()))?;
+    Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
+}
+
 async fn serve(
     listener: TcpListener,
     root: PathBuf,
     auth: Option<String>,
     log: Arc<std::sync::Mutex<Vec<String>>>,
-    smart: bool,
+    tls: Option<tokio_rustls::TlsAcceptor>,
 ) {
-    while let Ok((mut conn, _)) = listener.accept().await {
+    while let Ok((conn, _)) = listener.accept().await {
         let root = root.clone();
         let auth = auth.clone();
         let log = log.clone();
+        let tls = tls.clone();
         tokio::spawn(async move {
-            let mut head = Vec::new();
-            let mut buf = [0u8; 1024];
-            while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 64 * 1024 {
-                match conn.read(&mut buf).await {
-                    Ok(0) | Err(_) => return,
-                    Ok(n) => head.extend_from_slice(&buf[..n]),
+            match tls {
+                Some(tls) => {
+                    if let Ok(conn) = tls.accept(conn).await {
+                        answer(conn, &root, auth.as_deref(), &log, true).await;
+                    }
                 }
+                None => answer(conn, &root, auth.as_deref(), &log, false).await,
             }
-            let text = String::from_utf8_lossy(&head).into_owned();
-            let target = text
-                .lines()
-                .next()
-                .and_then(|l| l.split_whitespace().nth(1))
-                .unwrap_or("/")
-                .to_owned();
-            let authorized = auth.as_ref().is_none_or(|want| {
-                text.lines().any(|l| {
-                    l.split_once(':').is_some_and(|(k, v)| {
-                        k.eq_ignore_ascii_case("authorization") && v.trim() == want
-                    })
-                })
-            });
-            let path = target.split('?').next().unwrap_or("/").to_owned();
-            if let Ok(mut l) = log.lock() {
-                l.push(path.clone());
-            }
-            let query = target.split_once('?').map(|(_, q)| q).unwrap_or_default();
-            let wants_smart = path.ends_with("/git-upload-pack")
-                || (path.ends_with("/info/refs") && query.contains("service=git-upload-pack"));
-            let response = if !authorized {
-                reply(401, "text/plain", b"unauthorized\n".to_vec(), true)
-            } else if smart && wants_smart {
-                match smart_http(&mut conn, &root, &text, &head, &path, query).await {
-                    Ok(response) => response,
-                    Err(e) => reply(500, "text/plain", format!("{e}\n").into_bytes(), false),
-                }
-            } else {
-                match file_under(&root, &path).and_then(|f| std::fs::read(f).ok()) {
-                    Some(body) => reply(200, "application/octet-stream", body, false),
-                    None => reply(404, "text/plain", b"not found\n".to_vec(), false),
-                }
-            };
-            let _ = conn.write_all(&response).await;
-            let _ = conn.shutdown().await;
         });
+    }
+}
+
+/// Answers one request on `conn`.
+async fn answer<S>(
+    mut conn: S,
+    root: &Path,
+    auth: Option<&str>,
+    log: &std::sync::Mutex<Vec<String>>,
+    smart: bool,
+) where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    {
+        let mut head = Vec::new();
+        let mut buf = [0u8; 1024];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 64 * 1024 {
+            match conn.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => head.extend_from_slice(&buf[..n]),
+            }
+        }
+        let text = String::from_utf8_lossy(&head).into_owned();
+        let target = text
+            .lines()
+            .next()
+            .and_then(|l| l.split_whitespace().nth(1))
+            .unwrap_or("/")
+            .to_owned();
+        let authorized = auth.is_none_or(|want| {
+            text.lines().any(|l| {
+                l.split_once(':').is_some_and(|(k, v)| {
+                    k.eq_ignore_ascii_case("authorization") && v.trim() == want
+                })
+            })
+        });
+        let path = target.split('?').next().unwrap_or("/").to_owned();
+        if let Ok(mut l) = log.lock() {
+            l.push(path.clone());
+        }
+        let query = target.split_once('?').map(|(_, q)| q).unwrap_or_default();
+        let wants_smart = path.ends_with("/git-upload-pack")
+            || (path.ends_with("/info/refs") && query.contains("service=git-upload-pack"));
+        let response = if !authorized {
+            reply(401, "text/plain", b"unauthorized\n".to_vec(), true)
+        } else if smart && wants_smart {
+            match smart_http(&mut conn, root, &text, &head, &path, query).await {
+                Ok(response) => response,
+                Err(e) => reply(500, "text/plain", format!("{e}\n").into_bytes(), false),
+            }
+        } else {
+            match file_under(root, &path).and_then(|f| std::fs::read(f).ok()) {
+                Some(body) => reply(200, "application/octet-stream", body, false),
+                None => reply(404, "text/plain", b"not found\n".to_vec(), false),
+            }
+        };
+        let _ = conn.write_all(&response).await;
+        let _ = conn.shutdown().await;
     }
 }
 
@@ -231,8 +297,8 @@ fn file_under(root: &Path, path: &str) -> Option<PathBuf> {
 
 /// One smart-protocol request answered by `git http-backend` (CGI): the request's body (sized
 /// or chunked) is its input, its headers and output the response.
-async fn smart_http(
-    conn: &mut tokio::net::TcpStream,
+async fn smart_http<S: tokio::io::AsyncRead + Unpin>(
+    conn: &mut S,
     bare: &Path,
     head_text: &str,
     head: &[u8],
@@ -242,10 +308,16 @@ async fn smart_http(
     let header = |name: &str| {
         head_text.lines().skip(1).find_map(|l| {
             let (k, v) = l.split_once(':')?;
-            k.trim().eq_ignore_ascii_case(name).then(|| v.trim().to_owned())
+            k.trim()
+                .eq_ignore_ascii_case(name)
+                .then(|| v.trim().to_owned())
         })
     };
-    let method = head_text.split_whitespace().next().unwrap_or("GET").to_owned();
+    let method = head_text
+        .split_whitespace()
+        .next()
+        .unwrap_or("GET")
+        .to_owned();
     let body_start = head
         .windows(4)
         .position(|w| w == b"\r\n\r\n")

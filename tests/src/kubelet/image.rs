@@ -189,7 +189,10 @@ fn is_before_path(b: u8) -> bool {
 
 fn is_after_path(b: u8) -> bool {
     b.is_ascii_whitespace()
-        || matches!(b, b'"' | b'\'' | b';' | b'&' | b'|' | b')' | b'`' | b',' | b':')
+        || matches!(
+            b,
+            b'"' | b'\'' | b';' | b'&' | b'|' | b')' | b'`' | b',' | b':'
+        )
 }
 
 #[cfg(test)]

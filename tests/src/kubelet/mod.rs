@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
-use k8s_openapi::api::core::v1::{ConfigMap, Container, Pod, ServiceAccount, Secret, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, Container, Pod, Secret, Service, ServiceAccount};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use pko_api::workspace::Workspace;
@@ -100,6 +100,10 @@ pub struct KubeletOptions {
     pub api: Option<ApiAccess>,
     /// Image files beyond this project's agent and PKO's agent image (they win).
     pub images: Vec<ImageFiles>,
+    /// Certificates (PEM) every image trusts beside the host's, as an image built with a
+    /// company CA does: given to containers as `SSL_CERT_FILE` (Go, OpenSSL) and
+    /// `GIT_SSL_CAINFO` (git).
+    pub trusted_certs: Vec<String>,
 }
 
 /// One "pod": its folder, agent process and what was reported.
@@ -207,7 +211,7 @@ impl Kubelet {
         if options.network == PodNetwork::Cluster {
             ClusterDns::shared()?;
         }
-        let image = ImageEnv::new(options.images.clone(), &dir.join(".images"))?;
+        let image = ImageEnv::new(&options, &dir.join(".images"))?;
         let node = Arc::new(Node {
             client,
             namespace: namespace.to_owned(),
@@ -317,12 +321,31 @@ impl Drop for Kubelet {
 struct ImageEnv {
     path: String,
     images: Images,
+    /// The trust store of every image, when it has more than the host's.
+    ca_bundle: Option<PathBuf>,
     /// (plugin folder name, binary) of each provider the image has installed.
     providers: Vec<(String, PathBuf)>,
 }
 
 impl ImageEnv {
-    fn new(extra: Vec<ImageFiles>, dir: &Path) -> Result<Self, HarnessError> {
+    fn new(options: &KubeletOptions, dir: &Path) -> Result<Self, HarnessError> {
+        let extra = options.images.clone();
+        let ca_bundle = if options.trusted_certs.is_empty() {
+            None
+        } else {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| HarnessError::io(format!("creating {}", dir.display()), e))?;
+            let mut bundle =
+                std::fs::read_to_string("/etc/ssl/certs/ca-certificates.crt").unwrap_or_default();
+            for cert in &options.trusted_certs {
+                bundle.push('\n');
+                bundle.push_str(cert);
+            }
+            let path = dir.join("ca-bundle.pem");
+            std::fs::write(&path, bundle)
+                .map_err(|e| HarnessError::io(format!("writing {}", path.display()), e))?;
+            Some(path)
+        };
         let bin = tool_dir("pulumi")?;
         let mut providers = Vec::new();
         let kubernetes = bin.join("pulumi-resource-kubernetes");
@@ -341,6 +364,7 @@ impl ImageEnv {
                 std::env::var("PATH").unwrap_or_else(|_| "/usr/bin:/bin".into())
             ),
             images: Images::new(extra, &agent_binary()?, dir)?,
+            ca_bundle,
             providers,
         })
     }
@@ -373,7 +397,12 @@ async fn run(node: Arc<Node>) {
         let pods = Api::<Pod>::namespaced(node.client.clone(), &node.namespace)
             .list_metadata(&ListParams::default().labels(COMPONENT_SELECTOR))
             .await
-            .map(|l| l.items.iter().map(ResourceExt::name_any).collect::<Vec<_>>());
+            .map(|l| {
+                l.items
+                    .iter()
+                    .map(ResourceExt::name_any)
+                    .collect::<Vec<_>>()
+            });
         if let (Ok(list), Ok(pods)) = (list, pods) {
             let names: Vec<String> = list.items.iter().map(ResourceExt::name_any).collect();
             for sts in list.items {
@@ -791,11 +820,16 @@ async fn init_failed(
         "name": c.name, "ready": false, "restartCount": 0, "image": c.image, "imageID": "",
         "state": {"terminated": {"exitCode": code, "reason": "Error", "message": message}},
     }));
-    write_pod_status(&node.client, &node.namespace, &format!("{sts}-0"), json!({
-        "phase": "Pending",
-        "initContainerStatuses": statuses,
-        "conditions": [{"type": "Ready", "status": "False", "reason": "PodInitializing"}],
-    }))
+    write_pod_status(
+        &node.client,
+        &node.namespace,
+        &format!("{sts}-0"),
+        json!({
+            "phase": "Pending",
+            "initContainerStatuses": statuses,
+            "conditions": [{"type": "Ready", "status": "False", "reason": "PodInitializing"}],
+        }),
+    )
     .await?;
     node.with_pod(sts, id, |p| p.retry_at = Some(Instant::now() + INIT_RETRY));
     Ok(())
@@ -1051,7 +1085,8 @@ async fn write_pod_ready_at(
     status["podIP"] = json!(ip.to_string());
     if ready {
         let flag = "True";
-        status["conditions"] = json!([{"type": "Ready", "status": flag}, {"type": "ContainersReady", "status": flag}]);
+        status["conditions"] =
+            json!([{"type": "Ready", "status": flag}, {"type": "ContainersReady", "status": flag}]);
         status["containerStatuses"][0]["ready"] = json!(true);
         status["containerStatuses"][0]["started"] = json!(true);
         status["containerStatuses"][0]["state"] = json!({"running": {}});
@@ -1193,7 +1228,9 @@ async fn container_command(
                 .get(&m.name)
                 .map(|p| (m.mount_path.clone(), p.clone()))
         });
-    let files = image.images.files_of(c.image.as_deref().unwrap_or_default());
+    let files = image
+        .images
+        .files_of(c.image.as_deref().unwrap_or_default());
     let paths = PathMap::new(mounts.chain(files));
     let home = run.dir.join("home");
     std::fs::create_dir_all(&home).map_err(|e| HarnessError::io("creating HOME", e))?;
@@ -1215,6 +1252,11 @@ async fn container_command(
     ];
     if let Some(kubeconfig) = run.kubeconfig {
         env.push(("KUBECONFIG".into(), kubeconfig.display().to_string()));
+    }
+    if let Some(bundle) = &image.ca_bundle {
+        for name in ["SSL_CERT_FILE", "GIT_SSL_CAINFO"] {
+            env.push((name.into(), bundle.display().to_string()));
+        }
     }
     let set = |env: &mut Vec<(String, String)>, k: String, v: String| {
         env.retain(|(name, _)| *name != k);
@@ -1374,7 +1416,10 @@ mod tests {
                 },
             )
         };
-        assert_eq!(field("pulumi", "requests.memory").as_deref(), Some("67108864"));
+        assert_eq!(
+            field("pulumi", "requests.memory").as_deref(),
+            Some("67108864")
+        );
         assert_eq!(field("pulumi", "requests.cpu").as_deref(), Some("1"));
         assert_eq!(field("pulumi", "limits.memory"), None);
         assert_eq!(field("other", "requests.memory"), None);

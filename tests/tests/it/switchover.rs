@@ -22,8 +22,7 @@ use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::{Event, Pod, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{
-    Api, ApiResource, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams,
-    PostParams,
+    Api, ApiResource, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams, PostParams,
 };
 use kube::{Client, Resource, ResourceExt};
 use pko_api::program::Program;
@@ -69,8 +68,13 @@ fn pkos_managers(meta: &ObjectMeta) -> Vec<String> {
         .collect()
 }
 
-fn is_true(conditions: &[k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition], t: &str) -> bool {
-    conditions.iter().any(|c| c.type_ == t && c.status == "True")
+fn is_true(
+    conditions: &[k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition],
+    t: &str,
+) -> bool {
+    conditions
+        .iter()
+        .any(|c| c.type_ == t && c.status == "True")
 }
 
 /// Everything one run needs.
@@ -97,7 +101,10 @@ impl Scene {
         .expect("control plane with PKO's CRDs");
         let client = plane.client();
         let ns = plane.namespace("switch").await.expect("namespace");
-        let system = plane.namespace("pko-system").await.expect("system namespace");
+        let system = plane
+            .namespace("pko-system")
+            .await
+            .expect("system namespace");
         pko_peer::install_manager_identity(&client, &system)
             .await
             .expect("PKO's service account");
@@ -109,6 +116,10 @@ impl Scene {
             .expect("Flux CRDs");
         let tmp = tempfile::tempdir().expect("tmp");
         std::fs::create_dir_all(tmp.path().join("backend")).expect("backend");
+        // PKO takes https (and ssh) repositories only: the workspace images trust the server.
+        let git = GitRepo::start_smart_https(&tmp.path().join("git"), None)
+            .await
+            .expect("git server");
         let kubelet = Kubelet::start_with(
             client.clone(),
             &ns,
@@ -116,13 +127,11 @@ impl Scene {
             KubeletOptions {
                 network: PodNetwork::Cluster,
                 api: Some(ApiAccess::of(&plane)),
+                trusted_certs: git.tls_cert().map(str::to_owned).into_iter().collect(),
                 ..KubeletOptions::default()
             },
         )
         .expect("kubelet");
-        let git = GitRepo::start_smart(&tmp.path().join("git"), None)
-            .await
-            .expect("git server");
         let fifo = tmp.path().join("slow.fifo");
         fifo::make(&fifo).expect("fifo");
         Self {
@@ -204,7 +213,10 @@ impl Scene {
             .expect("GitRepository");
         let commit = self
             .git
-            .commit("main", &[("Pulumi.yaml", &yaml_project("gitprog", "from-git"))])
+            .commit(
+                "main",
+                &[("Pulumi.yaml", &yaml_project("gitprog", "from-git"))],
+            )
             .expect("commit");
         let backend = self.backend();
         let stacks: Api<Stack> = self.api();
@@ -334,7 +346,12 @@ async fn a_live_pko_install_switches_to_pko_rs_with_no_unneeded_update() {
             .into_iter()
             .map(|(k, v)| (k, v.0))
             .collect();
-        let updates = scene.updates_of(name).await.iter().map(ResourceExt::name_any).collect();
+        let updates = scene
+            .updates_of(name)
+            .await
+            .iter()
+            .map(ResourceExt::name_any)
+            .collect();
         before.insert(
             name,
             Deployed {
@@ -351,9 +368,19 @@ async fn a_live_pko_install_switches_to_pko_rs_with_no_unneeded_update() {
         is_true(&status.conditions, "Progressing").then(|| update.name_any())
     })
     .await
-    .unwrap_or_else(|e| panic!("{e}\n{}\n{}", pko.log_tail(40), scene.kubelet.logs(IN_FLIGHT)));
+    .unwrap_or_else(|e| {
+        panic!(
+            "{e}\n{}\n{}",
+            pko.log_tail(40),
+            scene.kubelet.logs(IN_FLIGHT)
+        )
+    });
     let statefulsets: Api<StatefulSet> = scene.api();
-    let pkos_statefulsets = statefulsets.list(&ListParams::default()).await.expect("sts").items;
+    let pkos_statefulsets = statefulsets
+        .list(&ListParams::default())
+        .await
+        .expect("sts")
+        .items;
     assert_eq!(pkos_statefulsets.len(), 4, "one workspace per Stack");
 
     // The switch, as docs/migrating-from-pko.md says: PKO stops, pko-rs's CRDs, pko-rs starts.
@@ -366,12 +393,8 @@ async fn a_live_pko_install_switches_to_pko_rs_with_no_unneeded_update() {
     let operator = Operator::start_with_cluster_dns(&scene.plane, OperatorOptions::default())
         .await
         .expect("pko-rs");
-    let failed = |what: String| -> ! {
-        panic!(
-            "{what}\n--- pko-rs\n{}",
-            tail(&operator.log_text(), 80)
-        )
-    };
+    let failed =
+        |what: String| -> ! { panic!("{what}\n--- pko-rs\n{}", tail(&operator.log_text(), 80)) };
 
     // Every StatefulSet adopted: our agent in the pod, which runs, and its Workspace Ready.
     let workspaces: Api<Workspace> = scene.api();
@@ -454,18 +477,23 @@ async fn a_live_pko_install_switches_to_pko_rs_with_no_unneeded_update() {
     let events: Api<Event> = scene.api();
     let adopted = wait_for("RevisionAdopted events", WAIT, || async {
         let names = adopted_events(events.list(&ListParams::default()).await.ok()?.items);
-        (names.contains(&"prog".to_owned()) && names.contains(&"flux".to_owned()))
-            .then_some(names)
+        (names.contains(&"prog".to_owned()) && names.contains(&"flux".to_owned())).then_some(names)
     })
     .await
     .unwrap_or_else(|e| failed(format!("{e}")));
-    assert!(!adopted.contains(&"git".to_owned()), "a git commit needs no adoption");
+    assert!(
+        !adopted.contains(&"git".to_owned()),
+        "a git commit needs no adoption"
+    );
 
     // The Update in flight: run again by pko-rs on the adopted workspace, then completed.
     let resumed = wait_for("the in-flight Update run again by pko-rs", WAIT, || async {
         let update: Update = scene.api().get(&held).await.ok()?;
         let status = update.status?;
-        let progressing = status.conditions.iter().find(|c| c.type_ == "Progressing")?;
+        let progressing = status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Progressing")?;
         (progressing.status == "True" && progressing.message.contains("resumed")).then_some(())
     })
     .await;
@@ -477,15 +505,19 @@ async fn a_live_pko_install_switches_to_pko_rs_with_no_unneeded_update() {
         fifo::write_within(&scene.fifo, "let go", WAIT).await,
         "the resumed up never read its file"
     );
-    let slow = wait_for("the slow Stack deployed by its resumed Update", WAIT, || async {
-        let status = stacks.get(IN_FLIGHT).await.ok()?.status?;
-        let last = status.last_update.as_ref()?;
-        (is_true(&status.conditions, "Ready")
-            && last.name.as_deref() == Some(held.as_str())
-            && last.state.as_deref() == Some("succeeded")
-            && status.outputs.get("content") == Some(&json!("let go")))
-        .then_some(())
-    })
+    let slow = wait_for(
+        "the slow Stack deployed by its resumed Update",
+        WAIT,
+        || async {
+            let status = stacks.get(IN_FLIGHT).await.ok()?.status?;
+            let last = status.last_update.as_ref()?;
+            (is_true(&status.conditions, "Ready")
+                && last.name.as_deref() == Some(held.as_str())
+                && last.state.as_deref() == Some("succeeded")
+                && status.outputs.get("content") == Some(&json!("let go")))
+            .then_some(())
+        },
+    )
     .await;
     if let Err(e) = slow {
         failed(format!(
@@ -513,8 +545,15 @@ async fn a_live_pko_install_switches_to_pko_rs_with_no_unneeded_update() {
             .iter()
             .map(ResourceExt::name_any)
             .collect();
-        assert_eq!(now, kept.updates, "Stack {name}: an Update after the switch");
-        let secret: Secret = scene.api().get(&kept.secret.0).await.expect("outputs Secret");
+        assert_eq!(
+            now, kept.updates,
+            "Stack {name}: an Update after the switch"
+        );
+        let secret: Secret = scene
+            .api()
+            .get(&kept.secret.0)
+            .await
+            .expect("outputs Secret");
         let data: BTreeMap<String, Vec<u8>> = secret
             .data
             .unwrap_or_default()
@@ -532,7 +571,11 @@ async fn a_live_pko_install_switches_to_pko_rs_with_no_unneeded_update() {
             .ok()?
             .items
             .iter()
-            .filter(|u| u.finalizers().iter().any(|f| f == "finalizer.stack.pulumi.com"))
+            .filter(|u| {
+                u.finalizers()
+                    .iter()
+                    .any(|f| f == "finalizer.stack.pulumi.com")
+            })
             .map(ResourceExt::name_any)
             .collect();
         let left = scene.pkos_leftovers().await;
@@ -555,7 +598,10 @@ async fn a_live_pko_install_switches_to_pko_rs_with_no_unneeded_update() {
         .expect("edit the Program");
     let commit = scene
         .git
-        .commit("main", &[("Pulumi.yaml", &yaml_project("gitprog", "edited-git"))])
+        .commit(
+            "main",
+            &[("Pulumi.yaml", &yaml_project("gitprog", "edited-git"))],
+        )
         .expect("commit");
     stacks
         .patch(
@@ -565,8 +611,12 @@ async fn a_live_pko_install_switches_to_pko_rs_with_no_unneeded_update() {
         )
         .await
         .expect("edit the Stack");
-    scene.deployed("prog", "edited-program", "the Program edit deployed").await;
-    scene.deployed("git", "edited-git", "the Stack edit deployed").await;
+    scene
+        .deployed("prog", "edited-program", "the Program edit deployed")
+        .await;
+    scene
+        .deployed("git", "edited-git", "the Stack edit deployed")
+        .await;
     for (name, _) in DEPLOYED {
         let now = scene.updates_of(name).await.len();
         let edited = usize::from(name != "flux");
