@@ -16,6 +16,10 @@ use tokio::net::TcpListener;
 
 use crate::HarnessError;
 
+/// Where the HTTPS server serves the repository: an owner and a name, as a git host's URL
+/// has (PKO refuses a URL with a one-part path).
+const HTTPS_PATH: &str = "/pko-tests/repo.git";
+
 pub struct GitRepo {
     work: PathBuf,
     bare: PathBuf,
@@ -129,12 +133,10 @@ impl GitRepo {
 
     /// The clone URL.
     pub fn url(&self) -> String {
-        let scheme = if self.tls_cert.is_some() {
-            "https"
-        } else {
-            "http"
-        };
-        format!("{scheme}://127.0.0.1:{}/repo.git", self.port)
+        match self.tls_cert {
+            Some(_) => format!("https://127.0.0.1:{}{HTTPS_PATH}", self.port),
+            None => format!("http://127.0.0.1:{}/repo.git", self.port),
+        }
     }
 
     /// Writes `files` (path → content), commits them on `branch` and pushes; returns the SHA.
@@ -263,6 +265,11 @@ async fn answer<S>(
         if let Ok(mut l) = log.lock() {
             l.push(path.clone());
         }
+        // Over HTTPS the repository sits under an owner: the rest is the same.
+        let path = match path.strip_prefix(HTTPS_PATH.trim_end_matches("/repo.git")) {
+            Some(rest) if smart => rest.to_owned(),
+            _ => path,
+        };
         let query = target.split_once('?').map(|(_, q)| q).unwrap_or_default();
         let wants_smart = path.ends_with("/git-upload-pack")
             || (path.ends_with("/info/refs") && query.contains("service=git-upload-pack"));
