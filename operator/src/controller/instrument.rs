@@ -57,6 +57,18 @@ pub trait Observed<K: Resource<DynamicType = ()>>: Sized {
         O: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
         I: IntoIterator<Item = ObjectRef<K>> + 'static;
 
+    /// `Controller::watches_stream`: a watch the caller made (reflected into a store of its
+    /// own, say).
+    fn watches_stream_observed<O, I>(
+        self,
+        probe: &ControllerProbe,
+        stream: impl Stream<Item = Result<O, watcher::Error>> + Send + 'static,
+        mapper: impl Fn(O) -> I + Send + Sync + 'static,
+    ) -> Self
+    where
+        O: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+        I: IntoIterator<Item = ObjectRef<K>> + 'static;
+
     /// `Controller::reconcile_on`.
     fn reconcile_on_observed(
         self,
@@ -96,6 +108,19 @@ where
         I: IntoIterator<Item = ObjectRef<K>> + 'static,
     {
         self.watches_stream(watcher(api, wc).touched_objects(), mapped(probe, mapper))
+    }
+
+    fn watches_stream_observed<O, I>(
+        self,
+        probe: &ControllerProbe,
+        stream: impl Stream<Item = Result<O, watcher::Error>> + Send + 'static,
+        mapper: impl Fn(O) -> I + Send + Sync + 'static,
+    ) -> Self
+    where
+        O: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+        I: IntoIterator<Item = ObjectRef<K>> + 'static,
+    {
+        self.watches_stream(stream, mapped(probe, mapper))
     }
 
     fn reconcile_on_observed(

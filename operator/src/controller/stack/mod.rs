@@ -22,8 +22,8 @@ use std::time::Duration;
 use kube::api::Api;
 use kube::runtime::controller::{self, Action};
 use kube::runtime::events::{EventType, Recorder};
-use kube::runtime::reflector::ObjectRef;
-use kube::runtime::watcher;
+use kube::runtime::reflector::{self, ObjectRef, Store, store::Writer};
+use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
 use pko_api::program::Program;
 use pko_api::stack::Stack;
@@ -63,6 +63,12 @@ pub struct StackContext {
     pub backoff: Backoff,
     /// The Flux source kinds watched for this controller's stacks.
     pub flux: FluxWatches,
+    /// The Stacks' Workspaces as watched, holding PKO's `managedFields` entries only: a
+    /// Workspace PKO's Stack controller applied is applied again with this operator's source
+    /// after a switch-over (`reconcile.rs`).
+    pub workspaces: Store<Workspace>,
+    /// Feeds `workspaces`; taken by [`run`].
+    workspaces_writer: std::sync::Mutex<Option<Writer<Workspace>>>,
 }
 
 impl StackContext {
@@ -78,6 +84,25 @@ impl StackContext {
                 git,
             ),
             backoff: Backoff::default(),
+            ..Self::without_workspaces(kit.client.clone(), kit.recorder(CONTROLLER))
+        }
+    }
+
+    /// A context whose Workspace store nothing feeds (for tests), and the base of [`Self::new`].
+    pub(crate) fn without_workspaces(client: Client, recorder: Recorder) -> Self {
+        let (workspaces, writer) = reflector::store();
+        Self {
+            client,
+            recorder,
+            metrics: Metrics::default(),
+            git: gitremote::Resolver::new(
+                git_http_client(&Arc::new(EgressPolicy::default())),
+                Arc::new(EgressPolicy::default()),
+                GIT_REFS_TTL,
+            ),
+            backoff: Backoff::default(),
+            workspaces,
+            workspaces_writer: std::sync::Mutex::new(Some(writer)),
             flux: FluxWatches::default(),
         }
     }
@@ -153,13 +178,31 @@ pub async fn run(
             .map(|(name, ns)| ObjectRef::<Stack>::new(name).within(&ns))
     };
     let stack_selector = format!("{STACK_COMPONENT_LABEL}=stack");
+    let writer = ctx
+        .workspaces_writer
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .take()
+        .unwrap_or_else(|| reflector::store().1);
+    let workspace_changes = watcher::watcher(
+        api::<Workspace>(&client, ns),
+        watcher::Config::default().labels(&stack_selector),
+    )
+    .default_backoff()
+    // Only PKO's entries are read (to tell a Workspace PKO applied); the rest is dropped.
+    .modify(|ws| {
+        ws.managed_fields_mut().retain(|e| {
+            e.manager
+                .as_deref()
+                .is_some_and(pko_api::decode::is_pko_manager)
+        });
+    })
+    .reflect(writer)
+    .touched_objects();
     let events = controller
-        .watches_observed(
-            &probe,
-            api::<Workspace>(&client, ns),
-            watcher::Config::default().labels(&stack_selector),
-            move |ws: Workspace| by_label(ws.namespace(), ws.labels()),
-        )
+        .watches_stream_observed(&probe, workspace_changes, move |ws: Workspace| {
+            by_label(ws.namespace(), ws.labels())
+        })
         .watches_observed(
             &probe,
             api::<Update>(&client, ns),

@@ -11,6 +11,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
+use kube::runtime::reflector::ObjectRef;
 use kube::{Client, Resource, ResourceExt};
 use pko_api::decode::MAX_DOCUMENT_DEPTH;
 use pko_api::stack::{CurrentStackUpdate, Stack, StackStatus, WorkspaceReclaimPolicy};
@@ -178,6 +179,7 @@ impl<'a> Run<'a> {
 
     async fn phases(&mut self) -> Result<Outcome, Stop> {
         self.finalizer().await?;
+        self.adopt_pkos_workspace().await?;
         self.current_update().await?;
         self.let_go().await?;
         let Resolved {
@@ -251,6 +253,35 @@ impl<'a> Run<'a> {
             set_finalizer(self.ctx, self.stack, true).await?;
         }
         Err(Stop::Quiet)
+    }
+
+    /// After a switch-over, the Workspace PKO's Stack controller applied still names PKO's
+    /// source (a Program's artifact on PKO's file server, gone with PKO): applied again with
+    /// this operator's source at once, before anything waits for it (an Update PKO left in
+    /// flight runs on it). Its Workspace controller waits for this apply (one pod restart, not
+    /// two). A source not resolvable yet leaves it for a later reconcile.
+    async fn adopt_pkos_workspace(&mut self) -> Result<(), Stop> {
+        let key = ObjectRef::<Workspace>::new(&self.name).within(&self.namespace);
+        let pkos = self
+            .ctx
+            .workspaces
+            .get(&key)
+            .is_some_and(|ws| takeover::pko_owns(ws.meta(), Part::Main));
+        if !pkos || self.deleting {
+            return Ok(());
+        }
+        let Ok(resolved) = self.source().await else {
+            return Ok(());
+        };
+        let spec = workspace::spec(self.stack, &self.namespace, resolved.workspace_source)
+            .map_err(|message| Stop::from(Outcome::stalled("SpecInvalid", message)))?;
+        let ws = workspace::object(self.stack, &self.namespace, spec)?;
+        let workspaces = Api::<Workspace>::namespaced(self.ctx.client.clone(), &self.namespace);
+        if let Err(e) = takeover::apply(&workspaces, &self.name, APPLY_MANAGER, &ws).await {
+            return Err(self.refused(e, "Workspace").await);
+        }
+        info!(stack = %self.name, namespace = %self.namespace, "applied the Workspace PKO made with this operator's source");
+        Ok(())
     }
 
     /// Phase 2: the Update in flight, if any. Still running: wait for it. Finished: record it
@@ -706,34 +737,29 @@ mod tests {
     use tower_test::mock;
 
     use super::*;
-    use crate::controller::backoff::Backoff;
     use crate::egress::EgressPolicy;
     use crate::gitremote;
-    use crate::metrics::Metrics;
 
     type Handle = mock::Handle<Request<Body>, Response<Body>>;
 
     fn context() -> (StackContext, Handle) {
         let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
         let client = Client::new(service, "default");
+        let recorder = Recorder::new(
+            client.clone(),
+            Reporter {
+                controller: "test".into(),
+                instance: None,
+            },
+        );
         let ctx = StackContext {
-            recorder: Recorder::new(
-                client.clone(),
-                Reporter {
-                    controller: "test".into(),
-                    instance: None,
-                },
-            ),
-            client,
-            metrics: Metrics::default(),
             git: gitremote::Resolver::new(
                 crate::controller::stack::git_http_client(&Arc::new(EgressPolicy::default())),
                 Arc::new(EgressPolicy::default()),
                 Duration::from_secs(1),
                 crate::gitremote::RemoteOptions::default(),
             ),
-            backoff: Backoff::default(),
-            flux: crate::controller::stack::FluxWatches::default(),
+            ..StackContext::without_workspaces(client, recorder)
         };
         (ctx, handle)
     }

@@ -11,6 +11,7 @@ use pko_api::workspace::{Workspace, WorkspaceStatus};
 use tracing::{instrument, warn};
 
 use super::phases::{self, End, Run, proceed};
+use super::rules;
 use super::status::{self, write_status};
 use super::{CONTROLLER, WorkspaceContext, WorkspaceError};
 use crate::controller::keys::{APPLY_MANAGER, WORKSPACE_STATUS_MANAGER};
@@ -34,6 +35,10 @@ pub(super) async fn reconcile(
     result
 }
 
+/// How often a Workspace PKO applied looks again for its Stack's apply (which comes with an
+/// event of its own; this only covers a Stack that cannot resolve its source yet).
+const PKO_WORKSPACE_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
 pub(super) async fn reconcile_inner(
     ws: &Workspace,
     ctx: &WorkspaceContext,
@@ -46,6 +51,12 @@ pub(super) async fn reconcile_inner(
         takeover::take_over(&api, &run.name, WORKSPACE_STATUS_MANAGER, Part::Status)
             .await
             .map_err(WorkspaceError::kube("taking over PKO's Workspace status"))?;
+    }
+    // A Stack's Workspace as PKO's Stack controller applied it names PKO's source: its Stack
+    // applies it again with ours (taking PKO's fields over), which brings the next reconcile.
+    // Waiting for that keeps the pod from restarting twice (and from fetching from PKO).
+    if rules::waits_for_its_stack(ws) {
+        return Ok(Action::requeue(PKO_WORKSPACE_WAIT));
     }
     // The spec PKO's Stack controller applied is ours to apply from now on (the Stack
     // controller applies as APPLY_MANAGER), so what only PKO set goes with its next apply.

@@ -8,6 +8,20 @@ use pko_api::workspace::{ConfigItem, WorkspaceSpec};
 use serde_json::Value;
 
 use super::pod;
+use crate::controller::keys::STACK_COMPONENT_LABEL;
+use crate::controller::takeover::{self, Part};
+
+/// A Stack's Workspace whose spec PKO's Stack controller applied (a switch-over): its Stack
+/// applies it again with this operator's source, and the Workspace controller waits for that.
+pub(super) fn waits_for_its_stack(ws: &pko_api::workspace::Workspace) -> bool {
+    let stacks = ws
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(STACK_COMPONENT_LABEL))
+        .is_some_and(|v| v == "stack");
+    stacks && takeover::pko_owns(&ws.metadata, Part::Main)
+}
 
 /// Structured config (objects, arrays, JSON values) needs `config set-all --json`.
 pub(super) const STRUCTURED_CONFIG_MIN_VERSION: (u64, u64, u64) = (3, 202, 0);
@@ -167,6 +181,30 @@ mod tests {
     fn sts(status: Value) -> StatefulSet {
         serde_json::from_value(json!({"metadata": {"generation": 2}, "status": status}))
             .expect("statefulset")
+    }
+
+    #[test]
+    fn only_a_stacks_workspace_pko_applied_waits_for_its_stack() {
+        let ws = |labels: Value, manager: &str| -> pko_api::workspace::Workspace {
+            serde_json::from_value(json!({
+                "apiVersion": "auto.pulumi.com/v1alpha1", "kind": "Workspace",
+                "metadata": {"name": "w", "labels": labels,
+                    "managedFields": [{"manager": manager, "operation": "Apply"}]},
+                "spec": {},
+            }))
+            .expect("workspace")
+        };
+        let stacks = json!({"pulumi.com/component": "stack"});
+        assert!(waits_for_its_stack(&ws(
+            stacks.clone(),
+            "pulumi-kubernetes-operator"
+        )));
+        assert!(!waits_for_its_stack(&ws(stacks, "pko-rs")));
+        // A Workspace of its own (no Stack) is taken over by the Workspace controller.
+        assert!(!waits_for_its_stack(&ws(
+            json!({}),
+            "pulumi-kubernetes-operator"
+        )));
     }
 
     #[test]
