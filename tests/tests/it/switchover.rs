@@ -489,12 +489,9 @@ async fn a_live_pko_install_switches_to_pko_rs_with_no_unneeded_update() {
     // The Update in flight: run again by pko-rs on the adopted workspace, then completed.
     let resumed = wait_for("the in-flight Update run again by pko-rs", WAIT, || async {
         let update: Update = scene.api().get(&held).await.ok()?;
+        let ours = pkos_managers(update.meta()).is_empty();
         let status = update.status?;
-        let progressing = status
-            .conditions
-            .iter()
-            .find(|c| c.type_ == "Progressing")?;
-        (progressing.status == "True" && progressing.message.contains("resumed")).then_some(())
+        (ours && is_true(&status.conditions, "Progressing")).then_some(())
     })
     .await;
     if let Err(e) = resumed {
