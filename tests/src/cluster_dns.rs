@@ -64,8 +64,11 @@ impl ClusterDns {
                 last.unwrap_or_else(|| std::io::Error::other("no address left")),
             ));
         };
+        // The server lives as long as the process, and a static is never dropped: the folders
+        // of processes that are gone are removed here instead.
+        remove_stale_folders(&std::env::temp_dir());
         let dir = tempfile::Builder::new()
-            .prefix("pko-tests-dns-")
+            .prefix(&format!("{FOLDER_PREFIX}{}-", std::process::id()))
             .tempdir()
             .map_err(|e| HarnessError::io("creating the DNS folder", e))?;
         let resolv_conf = dir.path().join("resolv.conf");
@@ -161,6 +164,29 @@ pub fn private_mounts(
         cmd.env("PKO_TESTS_POD_NAMESPACE", ns);
     }
     cmd
+}
+
+/// `<temp>/pko-tests-dns-<pid>-…`: the folder of one test process's server.
+const FOLDER_PREFIX: &str = "pko-tests-dns-";
+
+/// Removes the folders of servers whose process is gone.
+fn remove_stale_folders(temp: &std::path::Path) {
+    let Ok(entries) = std::fs::read_dir(temp) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let pid = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(FOLDER_PREFIX))
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|pid| pid.parse::<u32>().ok());
+        if let Some(pid) = pid
+            && !std::path::Path::new(&format!("/proc/{pid}")).exists()
+        {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
 }
 
 fn service_names(service: &str, namespace: &str) -> [String; 3] {
