@@ -624,6 +624,114 @@ async fn a_live_pko_install_switches_to_pko_rs_with_no_unneeded_update() {
         );
     }
     drop(operator);
+    roll_back_to_pko(&scene, &before_rollback(&scene).await).await;
+}
+
+/// Updates per Stack, before the rollback.
+async fn before_rollback(scene: &Scene) -> BTreeMap<&'static str, usize> {
+    let mut counts = BTreeMap::new();
+    for name in DEPLOYED.iter().map(|(n, _)| *n).chain([IN_FLIGHT]) {
+        counts.insert(name, scene.updates_of(name).await.len());
+    }
+    counts
+}
+
+/// The rollback of `docs/migrating-from-pko.md`, with pko-rs stopped: its Workspaces deleted
+/// (PKO applies its own without forcing, and pko-rs's fields would conflict), PKO's CRDs, PKO
+/// started. PKO makes every workspace again; the Stacks whose source is a Program or a Flux
+/// source run `up` once (pko-rs recorded the artifact digest, PKO compares the revision), a git
+/// Stack none.
+async fn roll_back_to_pko(scene: &Scene, before: &BTreeMap<&'static str, usize>) {
+    let workspaces: Api<Workspace> = scene.api();
+    workspaces
+        .delete_collection(
+            &kube::api::DeleteParams::default(),
+            &ListParams::default().labels("pulumi.com/component=stack"),
+        )
+        .await
+        .expect("delete the Workspaces");
+    let statefulsets: Api<StatefulSet> = scene.api();
+    wait_for("the workspace StatefulSets gone", WAIT, || async {
+        statefulsets
+            .list(&ListParams::default())
+            .await
+            .ok()?
+            .items
+            .is_empty()
+            .then_some(())
+    })
+    .await
+    .expect("StatefulSets deleted with their Workspaces");
+    let pko_crds = pko_tests::tool_dir("pko").expect("PKO").join("crds");
+    scene
+        .plane
+        .install_crds(&pko_crds)
+        .await
+        .expect("PKO's CRDs");
+    let pko = scene.start_pko().await;
+    // The slow Stack runs again under PKO: its program reads the pipe once more.
+    let fifo = scene.fifo.clone();
+    let feeder = tokio::spawn(async move { fifo::write_within(&fifo, "let go", WAIT).await });
+    let stacks: Api<Stack> = scene.api();
+    let expected = [
+        ("prog", "message", "edited-program"),
+        ("flux", "message", "from-flux"),
+        ("git", "message", "edited-git"),
+        (IN_FLIGHT, "content", "let go"),
+    ];
+    for (name, key, value) in expected {
+        let back = wait_for(
+            &format!("Stack {name} Ready under PKO again"),
+            WAIT,
+            || async {
+                let stack = stacks.get(name).await.ok()?;
+                let status = stack.status.as_ref()?;
+                let pkos = !pkos_managers(stack.meta()).is_empty();
+                let succeeded = status
+                    .last_update
+                    .as_ref()
+                    .is_some_and(|l| l.state.as_deref() == Some("succeeded"));
+                let current = status.observed_generation == stack.metadata.generation;
+                (pkos
+                    && current
+                    && succeeded
+                    && is_true(&status.conditions, "Ready")
+                    && status.outputs.get(key) == Some(&json!(value)))
+                .then_some(())
+            },
+        )
+        .await;
+        if let Err(e) = back {
+            panic!(
+                "{e}: {:?}\n--- PKO\n{}\n{}",
+                stacks.get(name).await.ok().and_then(|s| s.status),
+                pko.log_tail(40),
+                scene.kubelet.logs(name)
+            );
+        }
+        let runs = usize::from(name != "git");
+        assert_eq!(
+            scene.updates_of(name).await.len(),
+            before[name] + runs,
+            "Stack {name}: Updates PKO ran after the rollback"
+        );
+    }
+    assert!(feeder.await.unwrap_or(false), "PKO's up of the slow Stack");
+    // Every workspace is PKO's again: its pod runs PKO's agent.
+    for sts in statefulsets
+        .list(&ListParams::default())
+        .await
+        .expect("sts")
+        .items
+    {
+        let command = sts
+            .spec
+            .and_then(|s| s.template.spec)
+            .and_then(|p| p.containers.into_iter().find(|c| c.name == "pulumi"))
+            .and_then(|c| c.command)
+            .unwrap_or_default();
+        assert_eq!(command.first().map(String::as_str), Some("/share/tini"));
+    }
 }
 
 fn tail(text: &str, lines: usize) -> String {
