@@ -637,8 +637,8 @@ async fn before_rollback(scene: &Scene) -> BTreeMap<&'static str, usize> {
 }
 
 /// The rollback of `docs/migrating-from-pko.md`, with pko-rs stopped: its Workspaces deleted
-/// (PKO applies its own without forcing, and pko-rs's fields would conflict), PKO's CRDs, PKO
-/// started. PKO makes every workspace again; the Stacks whose source is a Program or a Flux
+/// (PKO applies its own without forcing, and pko-rs's fields would conflict), the Programs'
+/// artifacts cleared, PKO's CRDs, PKO started. PKO makes every workspace again; the Stacks whose source is a Program or a Flux
 /// source run `up` once (pko-rs recorded the artifact digest, PKO compares the revision), a git
 /// Stack none.
 async fn roll_back_to_pko(scene: &Scene, before: &BTreeMap<&'static str, usize>) {
@@ -662,6 +662,25 @@ async fn roll_back_to_pko(scene: &Scene, before: &BTreeMap<&'static str, usize>)
     })
     .await
     .expect("StatefulSets deleted with their Workspaces");
+    // The Programs' artifacts name pko-rs's file server, gone with it: PKO's Stack controller
+    // could build a workspace from one before PKO's Program controller writes its own, and
+    // then waits on that workspace forever. Cleared, a Stack waits for PKO's artifact.
+    let programs: Api<Program> = scene.api();
+    for program in programs
+        .list(&ListParams::default())
+        .await
+        .expect("programs")
+        .items
+    {
+        programs
+            .patch_status(
+                &program.name_any(),
+                &PatchParams::default(),
+                &Patch::Merge(json!({"status": {"artifact": null}})),
+            )
+            .await
+            .expect("clear the artifact");
+    }
     let pko_crds = pko_tests::tool_dir("pko").expect("PKO").join("crds");
     scene
         .plane
