@@ -178,27 +178,11 @@ pub async fn run(
             .map(|(name, ns)| ObjectRef::<Stack>::new(name).within(&ns))
     };
     let stack_selector = format!("{STACK_COMPONENT_LABEL}=stack");
-    let writer = ctx
-        .workspaces_writer
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .take()
-        .unwrap_or_else(|| reflector::store().1);
-    let workspace_changes = watcher::watcher(
+    let workspace_changes = workspace_changes(
+        &ctx,
         api::<Workspace>(&client, ns),
         watcher::Config::default().labels(&stack_selector),
-    )
-    .default_backoff()
-    // Only PKO's entries are read (to tell a Workspace PKO applied); the rest is dropped.
-    .modify(|ws| {
-        ws.managed_fields_mut().retain(|e| {
-            e.manager
-                .as_deref()
-                .is_some_and(pko_api::decode::is_pko_manager)
-        });
-    })
-    .reflect(writer)
-    .touched_objects();
+    );
     let events = controller
         .watches_stream_observed(&probe, workspace_changes, move |ws: Workspace| {
             by_label(ws.namespace(), ws.labels())
@@ -258,6 +242,32 @@ pub async fn run(
         () = instrument::drive(CONTROLLER, &probe, events) => {}
         () = flux::drive(&ctx.flux, flux_scope) => {}
     }
+}
+
+/// The Stacks' Workspaces, watched into the context's store with PKO's `managedFields`
+/// entries only (to tell a Workspace PKO applied; the rest is dropped).
+fn workspace_changes(
+    ctx: &StackContext,
+    api: Api<Workspace>,
+    config: watcher::Config,
+) -> impl futures::Stream<Item = Result<Workspace, watcher::Error>> + Send + 'static {
+    let writer = ctx
+        .workspaces_writer
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .take()
+        .unwrap_or_else(|| reflector::store().1);
+    watcher::watcher(api, config)
+        .default_backoff()
+        .modify(|ws| {
+            ws.managed_fields_mut().retain(|e| {
+                e.manager
+                    .as_deref()
+                    .is_some_and(pko_api::decode::is_pko_manager)
+            });
+        })
+        .reflect(writer)
+        .touched_objects()
 }
 
 fn error_policy(stack: Arc<Stack>, err: &StackError, ctx: Arc<StackContext>) -> Action {
