@@ -658,7 +658,13 @@ async fn launch(
     }
 
     let kubeconfig_path = dir.join("kubeconfig");
-    write_kubeconfig(&kubeconfig_path, &server_url, &pki.join("ca.crt"), token)?;
+    write_kubeconfig(
+        &kubeconfig_path,
+        &server_url,
+        &pki.join("ca.crt"),
+        token,
+        "default",
+    )?;
     let kubeconfig =
         Kubeconfig::read_from(&kubeconfig_path).map_err(|source| HarnessError::Kubeconfig {
             path: kubeconfig_path.clone(),
@@ -859,6 +865,7 @@ pub(crate) fn write_kubeconfig(
     server: &str,
     ca: &Path,
     token: &str,
+    namespace: &str,
 ) -> Result<(), HarnessError> {
     // JSON strings are valid YAML scalars and need no further escaping.
     let quote = |s: &str| serde_json::Value::String(s.to_string()).to_string();
@@ -879,13 +886,14 @@ contexts:
   context:
     cluster: pko-tests
     user: admin
-    namespace: default
+    namespace: {namespace}
 current-context: pko-tests
 preferences: {{}}
 ",
         server = quote(server),
         ca = quote(&ca.to_string_lossy()),
         token = quote(token),
+        namespace = quote(namespace),
     );
     write_file(path, &text, true)
 }

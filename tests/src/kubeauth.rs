@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::ServiceAccount;
-use k8s_openapi::api::rbac::v1::{ClusterRoleBinding, Role, RoleBinding};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use kube::api::{Api, PostParams};
 use kube::{Client, Resource};
 use serde_json::json;
@@ -84,18 +84,53 @@ pub async fn grant_workspace_rpc(
     create(&bindings, &binding, "the workspaces/rpc binding").await
 }
 
-/// A token of `namespace/name` for `audience` (the apiserver's own when `None`).
+/// Lets `sa_namespace/sa` `use` `workspaces/rpc` in every namespace, as PKO's manager
+/// ClusterRole does for its own service account.
+pub async fn grant_workspace_rpc_everywhere(
+    client: &Client,
+    sa_namespace: &str,
+    sa: &str,
+) -> Result<(), HarnessError> {
+    let name = format!("workspace-rpc:{sa_namespace}:{sa}");
+    let roles: Api<ClusterRole> = Api::all(client.clone());
+    let role = object(json!({
+        "metadata": {"name": name},
+        "rules": [{"apiGroups": ["auto.pulumi.com"], "resources": ["workspaces/rpc"], "verbs": ["use"]}],
+    }))?;
+    create(&roles, &role, "the workspaces/rpc cluster role").await?;
+    let bindings: Api<ClusterRoleBinding> = Api::all(client.clone());
+    let binding = object(json!({
+        "metadata": {"name": name},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "namespace": sa_namespace, "name": sa}],
+    }))?;
+    create(&bindings, &binding, "the workspaces/rpc cluster binding").await
+}
+
+/// A token of `namespace/name` for `audience` (the apiserver's own when `None`), valid for an
+/// hour.
 pub async fn token(
     client: &Client,
     namespace: &str,
     name: &str,
     audience: Option<&str>,
 ) -> Result<String, HarnessError> {
+    token_for(client, namespace, name, audience, 3600).await
+}
+
+/// [`token`] valid for `seconds`.
+pub async fn token_for(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+    audience: Option<&str>,
+    seconds: i64,
+) -> Result<String, HarnessError> {
     let api: Api<ServiceAccount> = Api::namespaced(client.clone(), namespace);
     let request = TokenRequest {
         spec: TokenRequestSpec {
             audiences: audience.map(|a| vec![a.to_owned()]).unwrap_or_default(),
-            expiration_seconds: Some(3600),
+            expiration_seconds: Some(seconds),
             bound_object_ref: None,
         },
         ..TokenRequest::default()
@@ -114,6 +149,12 @@ pub fn kubeconfig_with_token(
     token: &str,
     path: &Path,
 ) -> Result<PathBuf, HarnessError> {
-    crate::control_plane::write_kubeconfig(path, &plane.server_url(), &plane.ca_path(), token)?;
+    crate::control_plane::write_kubeconfig(
+        path,
+        &plane.server_url(),
+        &plane.ca_path(),
+        token,
+        "default",
+    )?;
     Ok(path.to_path_buf())
 }

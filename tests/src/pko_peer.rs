@@ -162,6 +162,9 @@ pub struct PeerOptions {
     /// Names resolve with the [`ClusterDns`] (PKO's manager dials
     /// `<ws>-workspace.<ns>:50051`, served by a kubelet with the cluster network).
     pub cluster_dns: bool,
+    /// PKO's manager lays its workspace pods out with this agent image (`AGENT_IMAGE`); its
+    /// own image when `None`.
+    pub agent_image: Option<String>,
 }
 
 /// PKO's manager names no leader-election namespace, so controller-runtime reads it from the
@@ -246,7 +249,10 @@ pub async fn start_with(
                 .args(&election)
                 .arg("--zap-log-level=error")
                 .env("POD_NAMESPACE", system_ns)
-                .env("POD_SA_NAME", "controller-manager");
+                .env("POD_SA_NAME", PKO_MANAGER_ACCOUNT);
+            if let Some(image) = &opts.agent_image {
+                cmd.env("AGENT_IMAGE", image);
+            }
             cmd
         }
     };
@@ -380,72 +386,6 @@ pub async fn install_manager_identity(
     client: &kube::Client,
     system_ns: &str,
 ) -> Result<(), HarnessError> {
-    use k8s_openapi::api::core::v1::ServiceAccount;
-    use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
-    use kube::api::{Api, Patch, PatchParams};
-    let params = PatchParams::apply(crate::FIELD_MANAGER).force();
-    let account = serde_json::json!({
-        "apiVersion": "v1", "kind": "ServiceAccount",
-        "metadata": {"name": PKO_MANAGER_ACCOUNT, "namespace": system_ns},
-    });
-    Api::<ServiceAccount>::namespaced(client.clone(), system_ns)
-        .patch(PKO_MANAGER_ACCOUNT, &params, &Patch::Apply(&account))
-        .await
-        .map_err(|e| HarnessError::kube("applying PKO's service account", e))?;
-    let role = "pko-tests:pulumi-kubernetes-operator:workspaces-rpc";
-    let cluster_role = serde_json::json!({
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
-        "metadata": {"name": role},
-        "rules": [{"apiGroups": ["auto.pulumi.com"], "resources": ["workspaces/rpc"], "verbs": ["use"]}],
-    });
-    Api::<ClusterRole>::all(client.clone())
-        .patch(role, &params, &Patch::Apply(&cluster_role))
-        .await
-        .map_err(|e| HarnessError::kube("applying PKO's workspaces/rpc role", e))?;
-    let binding = format!("{role}:{system_ns}");
-    let cluster_binding = serde_json::json!({
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-        "metadata": {"name": binding},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
-        "subjects": [{"kind": "ServiceAccount", "name": PKO_MANAGER_ACCOUNT, "namespace": system_ns}],
-    });
-    Api::<ClusterRoleBinding>::all(client.clone())
-        .patch(&binding, &params, &Patch::Apply(&cluster_binding))
-        .await
-        .map_err(|e| HarnessError::kube("binding PKO's workspaces/rpc role", e))?;
-    Ok(())
-}
-
-/// A workspace service account as PKO's documentation asks for one: `name` in `namespace`,
-/// bound to `system:auth-delegator` so the agent running as it may ask the apiserver to review
-/// its callers' tokens (TokenReview, SubjectAccessReview).
-pub async fn workspace_service_account(
-    client: &kube::Client,
-    namespace: &str,
-    name: &str,
-) -> Result<(), HarnessError> {
-    use k8s_openapi::api::core::v1::ServiceAccount;
-    use k8s_openapi::api::rbac::v1::ClusterRoleBinding;
-    use kube::api::{Api, Patch, PatchParams};
-    let params = PatchParams::apply(crate::FIELD_MANAGER).force();
-    let account = serde_json::json!({
-        "apiVersion": "v1", "kind": "ServiceAccount",
-        "metadata": {"name": name, "namespace": namespace},
-    });
-    Api::<ServiceAccount>::namespaced(client.clone(), namespace)
-        .patch(name, &params, &Patch::Apply(&account))
-        .await
-        .map_err(|e| HarnessError::kube("applying the workspace service account", e))?;
-    let binding = format!("{namespace}:{name}:system:auth-delegator");
-    let cluster_binding = serde_json::json!({
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-        "metadata": {"name": binding},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "system:auth-delegator"},
-        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
-    });
-    Api::<ClusterRoleBinding>::all(client.clone())
-        .patch(&binding, &params, &Patch::Apply(&cluster_binding))
-        .await
-        .map_err(|e| HarnessError::kube("binding system:auth-delegator", e))?;
-    Ok(())
+    crate::kubeauth::service_account(client, system_ns, PKO_MANAGER_ACCOUNT).await?;
+    crate::kubeauth::grant_workspace_rpc_everywhere(client, system_ns, PKO_MANAGER_ACCOUNT).await
 }

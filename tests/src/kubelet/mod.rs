@@ -35,8 +35,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::apps::v1::StatefulSet;
-use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
-use k8s_openapi::api::core::v1::{ConfigMap, Container, Pod, Secret, Service, ServiceAccount};
+use k8s_openapi::api::core::v1::{ConfigMap, Container, Pod, Secret, Service};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use pko_api::workspace::Workspace;
@@ -774,35 +773,24 @@ async fn pod_kubeconfig(
         .clone()
         .filter(|s| !s.is_empty())
         .unwrap_or_else(|| "default".into());
-    let accounts: Api<ServiceAccount> = Api::namespaced(node.client.clone(), &node.namespace);
-    let request = TokenRequest {
-        spec: TokenRequestSpec {
-            audiences: vec![],
-            expiration_seconds: Some(TOKEN_SECONDS),
-            bound_object_ref: None,
-        },
-        ..TokenRequest::default()
-    };
-    let minted = match accounts
-        .create_token_request(&account, &PostParams::default(), &request)
-        .await
-    {
-        Err(kube::Error::Api(e)) if e.code == 404 && account == "default" => return Ok(None),
+    let minted = crate::kubeauth::token_for(
+        &node.client,
+        &node.namespace,
+        &account,
+        None,
+        TOKEN_SECONDS,
+    )
+    .await;
+    let token = match minted {
+        Err(HarnessError::Kube {
+            source: kube::Error::Api(e),
+            ..
+        }) if e.code == 404 && account == "default" => return Ok(None),
         minted => minted.map_err(|e| format!("serviceaccount {account:?}: {e}"))?,
     };
-    let token = minted
-        .status
-        .map(|s| s.token)
-        .ok_or_else(|| format!("serviceaccount {account:?}: no token in the answer"))?;
     let path = dir.join("kubeconfig");
-    let text = format!(
-        "apiVersion: v1\nkind: Config\nclusters:\n- name: cluster\n  cluster:\n    server: {server}\n    certificate-authority: {ca}\ncontexts:\n- name: pod\n  context:\n    cluster: cluster\n    user: pod\n    namespace: {ns}\ncurrent-context: pod\nusers:\n- name: pod\n  user:\n    token: {token}\n",
-        server = json!(api.server),
-        ca = json!(api.ca.display().to_string()),
-        ns = json!(node.namespace),
-        token = json!(token),
-    );
-    std::fs::write(&path, text).map_err(|e| format!("writing {}: {e}", path.display()))?;
+    crate::control_plane::write_kubeconfig(&path, &api.server, &api.ca, &token, &node.namespace)
+        .map_err(|e| e.to_string())?;
     Ok(Some(path))
 }
 

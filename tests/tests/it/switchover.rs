@@ -34,7 +34,7 @@ use pko_tests::gitrepo::GitRepo;
 use pko_tests::kubelet::{ApiAccess, Kubelet, KubeletOptions, PodNetwork};
 use pko_tests::operator::{Operator, OperatorOptions, operator_binary};
 use pko_tests::pko_peer::{self, Peer, PeerBinaries, PeerOptions, RunningPeer};
-use pko_tests::{ControlPlane, StartOptions, fifo, fixtures, repo_root, wait_for};
+use pko_tests::{ControlPlane, StartOptions, fifo, fixtures, kubeauth, repo_root, wait_for};
 use serde_json::json;
 
 const WAIT: Duration = Duration::from_secs(180);
@@ -108,9 +108,13 @@ impl Scene {
         pko_peer::install_manager_identity(&client, &system)
             .await
             .expect("PKO's service account");
-        pko_peer::workspace_service_account(&client, &ns, "default")
+        // PKO's docs: the workspace's account may review its callers' tokens.
+        kubeauth::service_account(&client, &ns, "default")
             .await
             .expect("workspace service account");
+        kubeauth::bind_auth_delegator(&client, &ns, "default")
+            .await
+            .expect("workspace service account's auth-delegator binding");
         flux::install_crds(client.clone(), WAIT)
             .await
             .expect("Flux CRDs");
