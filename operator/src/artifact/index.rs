@@ -436,14 +436,39 @@ fn oldest_first(mut programs: Vec<Arc<StoredProgram>>) -> Vec<Arc<StoredProgram>
 
 /// Whether a change of a Program, from `old` (as the store held it) to `new`, can change what the
 /// controller writes: another object under the same name, a new generation (the spec), labels
-/// (they select transforms), or deletion. Status and other metadata are left out, so the
-/// controller's own status writes never re-queue their Program.
+/// (they select transforms), deletion, or a write by one of PKO's field managers (its fields
+/// are the controller's to take over, `controller/takeover.rs`). Status and other metadata are
+/// left out, so the controller's own status writes never re-queue their Program.
 pub(crate) fn reconcile_needed(old: Option<&StoredProgram>, new: &StoredProgram) -> bool {
     let Some(old) = old else { return true };
     old.metadata.uid != new.metadata.uid
         || old.metadata.generation != new.metadata.generation
         || old.metadata.labels != new.metadata.labels
         || old.metadata.deletion_timestamp != new.metadata.deletion_timestamp
+        || pko_wrote(&old.metadata, &new.metadata)
+}
+
+/// Whether `new` carries an entry of PKO's managers that `old` did not have as it is (a write
+/// of PKO's since: its entry's time moves with each write). Entries that only went away (taken
+/// over) need nothing, so a takeover never re-queues its own Program.
+fn pko_wrote(old: &ObjectMeta, new: &ObjectMeta) -> bool {
+    let pkos = |meta: &ObjectMeta| {
+        meta.managed_fields
+            .iter()
+            .flatten()
+            .filter(|e| e.manager.as_deref().is_some_and(is_pko_manager))
+            .map(|e| {
+                (
+                    e.manager.clone(),
+                    e.operation.clone(),
+                    e.subresource.clone(),
+                    e.time.clone(),
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    let before = pkos(old);
+    pkos(new).iter().any(|entry| !before.contains(entry))
 }
 
 /// Builds the artifact of a stored Program: its spec is parsed from the stored text here, once
@@ -657,6 +682,41 @@ mod tests {
         let mut deleted = old.clone();
         deleted.metadata.deletion_timestamp = Some(Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH));
         assert!(reconcile_needed(Some(&old), &deleted));
+    }
+
+    fn pko_entry(time: i64) -> k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry {
+        k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry {
+            manager: Some("pulumi-kubernetes-operator/program-status".into()),
+            operation: Some("Apply".into()),
+            subresource: Some("status".into()),
+            time: Some(Time(
+                k8s_openapi::jiff::Timestamp::from_second(time).unwrap(),
+            )),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_write_of_pkos_needs_a_reconcile_and_its_takeover_does_not() {
+        let old = program(3);
+        // PKO's status writer applies after the store had the Program (PKO still stopping
+        // while pko-rs starts): its entry is to be taken over.
+        let mut written = old.clone();
+        written.metadata.managed_fields = Some(vec![pko_entry(1)]);
+        assert!(reconcile_needed(Some(&old), &written));
+        // It writes again: a new time.
+        let mut again = written.clone();
+        again.metadata.managed_fields = Some(vec![pko_entry(2)]);
+        assert!(reconcile_needed(Some(&written), &again));
+        // Our own status write leaves PKO's entry as it was; the takeover removes it.
+        assert!(!reconcile_needed(Some(&again), &again.clone()));
+        assert!(!reconcile_needed(Some(&again), &old));
+        // Anyone else's entry is no reason (the store keeps PKO's only, but the rule says so).
+        let mut kubectl = old.clone();
+        let mut entry = pko_entry(3);
+        entry.manager = Some("kubectl".into());
+        kubectl.metadata.managed_fields = Some(vec![entry]);
+        assert!(!reconcile_needed(Some(&old), &kubectl));
     }
 
     #[test]

@@ -773,14 +773,9 @@ async fn pod_kubeconfig(
         .clone()
         .filter(|s| !s.is_empty())
         .unwrap_or_else(|| "default".into());
-    let minted = crate::kubeauth::token_for(
-        &node.client,
-        &node.namespace,
-        &account,
-        None,
-        TOKEN_SECONDS,
-    )
-    .await;
+    let minted =
+        crate::kubeauth::token_for(&node.client, &node.namespace, &account, None, TOKEN_SECONDS)
+            .await;
     let token = match minted {
         Err(HarnessError::Kube {
             source: kube::Error::Api(e),

@@ -46,6 +46,9 @@ const DEPLOYED: [(&str, &str); 3] = [
 ];
 /// The Stack whose `up` is in flight at the switch.
 const IN_FLIGHT: &str = "slow";
+/// pko-rs's agent image, as a user names it in PKO's `AGENT_IMAGE` (any name without
+/// `pulumi-kubernetes-operator` is an image of ours to the harness kubelet).
+const OUR_AGENT_IMAGE: &str = "pko-rs:latest";
 
 /// Reads the file named by config `file`: a named pipe holds the `up` until written to.
 const SLOW_PROGRAM: &str = r#"{
@@ -164,6 +167,11 @@ impl Scene {
     }
 
     async fn start_pko(&self) -> RunningPeer {
+        self.start_pko_with(None).await
+    }
+
+    /// PKO's manager, laying its workspace pods out with `agent_image` (its own when `None`).
+    async fn start_pko_with(&self, agent_image: Option<&str>) -> RunningPeer {
         let pko = pko_tests::tool_dir("pko").expect("PKO");
         let bins = PeerBinaries {
             pko_rs: operator_binary().expect("pko-operator"),
@@ -179,6 +187,7 @@ impl Scene {
             &self.tmp.path().join("pko.log"),
             &PeerOptions {
                 cluster_dns: true,
+                agent_image: agent_image.map(str::to_owned),
                 ..PeerOptions::default()
             },
         )
@@ -760,4 +769,246 @@ async fn roll_back_to_pko(scene: &Scene, before: &BTreeMap<&'static str, usize>)
 fn tail(text: &str, lines: usize) -> String {
     let all: Vec<&str> = text.lines().collect();
     all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+/// The processes whose parent is `pid`.
+fn children(pid: u32) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|child| {
+            // `pid (comm) state ppid …`: comm may hold spaces, so read after its `)`.
+            std::fs::read_to_string(format!("/proc/{child}/stat"))
+                .ok()
+                .and_then(|stat| {
+                    let rest = stat.rsplit_once(')')?.1;
+                    rest.split_whitespace().nth(1)?.parse::<u32>().ok()
+                })
+                == Some(pid)
+        })
+        .collect()
+}
+
+/// The other direction of agent driving: PKO v2.9's real manager, its `AGENT_IMAGE` set to
+/// pko-rs's agent image, lays out its own workspace pod (`cp /agent /tini /share/`, `agent
+/// init` in `sh -c`, `tini agent -- serve --auth-mode kube`) and drives pko-rs's agent binary
+/// through an `up` to success with outputs, calling it with its service account's tokens,
+/// which our agent reviews with the apiserver. Then an Update of type refresh with
+/// `runProgram`: PKO sends that in `RefreshRequest` field 5, and our agent must run the
+/// program (the program reads a named pipe, which a refresh that does not run it never opens).
+#[tokio::test]
+async fn pkos_real_manager_drives_our_agent_through_one_up() {
+    let _machine = pko_tests::serial::shared().await;
+    let scene = Scene::new().await;
+    let pko = scene.start_pko_with(Some(OUR_AGENT_IMAGE)).await;
+    let name = "ours";
+    let programs: Api<Program> = scene.api();
+    let pp = PostParams::default();
+    programs
+        .create(
+            &pp,
+            &fixtures::program(name, serde_json::from_str(SLOW_PROGRAM).expect("json")),
+        )
+        .await
+        .expect("program");
+    let stacks: Api<Stack> = scene.api();
+    let stack = fixtures::file_backend_stack(
+        name,
+        &scene.backend(),
+        json!({"programRef": {"name": name}, "config": {"file": scene.fifo.display().to_string()}}),
+    );
+    stacks.create(&pp, &stack).await.expect("stack");
+    let fail = |what: String| -> ! {
+        panic!(
+            "{what}\n--- PKO\n{}\n--- pod\n{}",
+            pko.log_tail(40),
+            scene.kubelet.logs(name)
+        )
+    };
+
+    // The up: our agent runs the program, which reads the pipe once.
+    if !fifo::write_within(&scene.fifo, "from our agent", WAIT).await {
+        fail("the up never ran the program".into());
+    }
+    let deployed = wait_for(
+        "the Stack deployed by PKO through our agent",
+        WAIT,
+        || async {
+            let status = stacks.get(name).await.ok()?.status?;
+            let last = status.last_update.as_ref()?;
+            (is_true(&status.conditions, "Ready")
+                && last.state.as_deref() == Some("succeeded")
+                && status.outputs.get("content") == Some(&json!("from our agent")))
+            .then_some(())
+        },
+    )
+    .await;
+    if let Err(e) = deployed {
+        fail(format!(
+            "{e}: {:?}",
+            stacks.get(name).await.ok().and_then(|s| s.status)
+        ));
+    }
+    let updates = scene.updates_of(name).await;
+    assert_eq!(updates.len(), 1, "one Update: {updates:?}");
+    let up = &updates[0];
+    assert_eq!(
+        up.spec.type_.as_ref().map(|t| json!(t)),
+        Some(json!("up")),
+        "{up:?}"
+    );
+    let status = up.status.as_ref().expect("the Update's status");
+    assert!(is_true(&status.conditions, "Complete"), "{status:?}");
+    assert!(!is_true(&status.conditions, "Failed"), "{status:?}");
+    let secret: Secret = scene
+        .api()
+        .get(status.outputs.as_deref().expect("an outputs Secret"))
+        .await
+        .expect("the outputs Secret");
+    let content = secret
+        .data
+        .unwrap_or_default()
+        .remove("content")
+        .map(|v| String::from_utf8_lossy(&v.0).into_owned());
+    assert_eq!(content.as_deref(), Some(r#""from our agent""#));
+
+    // The pod is PKO's layout with our image, and the process serving is our agent's binary.
+    let statefulsets: Api<StatefulSet> = scene.api();
+    let sts = statefulsets
+        .get(&format!("{name}-workspace"))
+        .await
+        .expect("PKO's StatefulSet");
+    let pod = sts.spec.and_then(|s| s.template.spec).expect("pod spec");
+    let images: Vec<&str> = pod
+        .init_containers
+        .iter()
+        .flatten()
+        .filter_map(|c| c.image.as_deref())
+        .collect();
+    assert_eq!(images, [OUR_AGENT_IMAGE, OUR_AGENT_IMAGE], "{pod:?}");
+    let pulumi = pod
+        .containers
+        .iter()
+        .find(|c| c.name == "pulumi")
+        .expect("pulumi container");
+    let argv: Vec<String> = pulumi
+        .command
+        .iter()
+        .flatten()
+        .chain(pulumi.args.iter().flatten())
+        .cloned()
+        .collect();
+    assert!(
+        argv.windows(2).any(|w| w == ["--auth-mode", "kube"]),
+        "{argv:?}"
+    );
+    let ours = std::fs::canonicalize(pko_tests::agent::agent_binary().expect("agent"))
+        .expect("our agent binary");
+    let tini = scene.kubelet.agent_pid(name).expect("the pod's PID 1");
+    let served_by: Vec<std::path::PathBuf> = children(tini)
+        .into_iter()
+        .filter_map(|pid| std::fs::read_link(format!("/proc/{pid}/exe")).ok())
+        .collect();
+    assert!(
+        served_by.contains(&ours),
+        "tini's children {served_by:?}: none is our agent {ours:?}"
+    );
+
+    // A refresh with runProgram, as PKO sends it.
+    let workspace: Workspace = scene.api().get(name).await.expect("PKO's Workspace");
+    let refresh = fixtures::update(
+        "refresh-run-program",
+        name,
+        &workspace.uid().expect("uid"),
+        json!({"workspaceName": name, "stackName": "dev", "type": "refresh", "runProgram": true}),
+    );
+    let updates: Api<Update> = scene.api();
+    updates.create(&pp, &refresh).await.expect("the refresh");
+    if !fifo::write_within(&scene.fifo, "from our agent", WAIT).await {
+        fail("the refresh with runProgram never ran the program".into());
+    }
+    let done = wait_for("the refresh complete", WAIT, || async {
+        let status = updates.get("refresh-run-program").await.ok()?.status?;
+        is_true(&status.conditions, "Complete").then_some(status)
+    })
+    .await
+    .unwrap_or_else(|e| fail(format!("{e}")));
+    assert!(!is_true(&done.conditions, "Failed"), "{done:?}");
+}
+
+/// PKO's Program status writer landing after pko-rs has the Program in its store (PKO's
+/// manager still stopping while pko-rs starts, as in a rolling switch, or PKO's last write
+/// reaching pko-rs's watch after its list): pko-rs takes that entry over too, though the write
+/// changes nothing but status, which on its own never brings a Program reconcile.
+#[tokio::test]
+async fn a_program_status_pko_writes_after_pko_rs_started_is_taken_over() {
+    let plane = ControlPlane::start(StartOptions::default())
+        .await
+        .expect("control plane");
+    let ns = plane.namespace("late-pko").await.expect("namespace");
+    let operator = Operator::start(
+        &plane,
+        OperatorOptions {
+            advertised: None,
+            args: vec![format!("--watch-namespace={ns}")],
+        },
+    )
+    .await
+    .expect("pko-rs");
+    let programs: Api<Program> = Api::namespaced(plane.client(), &ns);
+    programs
+        .create(
+            &PostParams::default(),
+            &fixtures::program("late", json!({"outputs": {"message": "late"}})),
+        )
+        .await
+        .expect("program");
+    let ours = wait_for("pko-rs's artifact", WAIT, || async {
+        let program = programs.get("late").await.ok()?;
+        let artifact = program.status?.artifact?;
+        artifact.digest.is_some().then_some(artifact)
+    })
+    .await
+    .expect("artifact");
+    // What PKO's Program controller applies: its own artifact, as its status writer.
+    let pkos = json!({
+        "apiVersion": "pulumi.com/v1", "kind": "Program",
+        "status": {
+            "observedGeneration": 1,
+            "artifact": {
+                "path": "programs/late/1", "revision": "1",
+                "url": "http://pulumi-kubernetes-operator.pulumi-kubernetes-operator/programs/late/1.tar.gz",
+                "digest": "sha256:0000000000000000000000000000000000000000000000000000000000000000",
+                "lastUpdateTime": "2026-01-01T00:00:00Z",
+            },
+        },
+    });
+    programs
+        .patch_status(
+            "late",
+            &PatchParams::apply("pulumi-kubernetes-operator/program-status").force(),
+            &Patch::Apply(&pkos),
+        )
+        .await
+        .expect("PKO's status write");
+    let taken = wait_for("PKO's status writer taken over", WAIT, || async {
+        let program = programs.get("late").await.ok()?;
+        let artifact = program.status.as_ref()?.artifact.as_ref()?;
+        (pkos_managers(program.meta()).is_empty() && artifact.url == ours.url).then_some(())
+    })
+    .await;
+    if let Err(e) = taken {
+        panic!(
+            "{e}: {:?}\n{}",
+            programs
+                .get("late")
+                .await
+                .ok()
+                .map(|p| (pkos_managers(p.meta()), p.status.and_then(|s| s.artifact))),
+            tail(&operator.log_text(), 40)
+        );
+    }
 }
