@@ -374,6 +374,14 @@ async fn a_live_pko_install_switches_to_pko_rs_with_no_unneeded_update() {
             },
         );
     }
+    let programs: Api<Program> = scene.api();
+    let pkos_artifact = programs
+        .get("prog")
+        .await
+        .expect("Program prog")
+        .status
+        .and_then(|s| s.artifact)
+        .expect("PKO's artifact of prog");
     let held = wait_for("PKO's update of the slow Stack to run", WAIT, || async {
         let updates = scene.updates_of(IN_FLIGHT).await;
         let update = updates.first()?;
@@ -480,6 +488,21 @@ async fn a_live_pko_install_switches_to_pko_rs_with_no_unneeded_update() {
             );
         }
     }
+    // What the sync above rests on: pko-rs's artifact of the unchanged Program has other bytes
+    // than PKO's (file modes, gzip, YAML emitter), so prog was synced by PKO's revision, and
+    // not because the digests happen to agree.
+    let ours = wait_for("pko-rs's artifact of prog", WAIT, || async {
+        let program = programs.get("prog").await.ok()?;
+        let artifact = program.status?.artifact?;
+        (artifact.url != pkos_artifact.url).then_some(artifact)
+    })
+    .await
+    .unwrap_or_else(|e| failed(format!("{e}")));
+    assert_eq!(ours.revision, pkos_artifact.revision, "the same generation");
+    assert!(
+        ours.digest.is_some() && ours.digest != pkos_artifact.digest,
+        "the same bytes as PKO's: {ours:?} {pkos_artifact:?}"
+    );
     let adopted_events = |events: Vec<Event>| {
         events
             .iter()
@@ -597,7 +620,6 @@ async fn a_live_pko_install_switches_to_pko_rs_with_no_unneeded_update() {
     }
 
     // Edits after the switch: a Program, and a Stack's source commit: one `up` each.
-    let programs: Api<Program> = scene.api();
     programs
         .patch(
             "prog",
