@@ -99,6 +99,7 @@ impl StackContext {
                 git_http_client(&Arc::new(EgressPolicy::default())),
                 Arc::new(EgressPolicy::default()),
                 GIT_REFS_TTL,
+                gitremote::RemoteOptions::default(),
             ),
             backoff: Backoff::default(),
             workspaces,
