@@ -48,5 +48,6 @@ mod stall;
 mod switchover;
 mod transforms;
 mod update;
+mod update_fields;
 mod wire;
 mod workspace;
