@@ -5,11 +5,12 @@
 //! `Controller::new`, `owns` and `watches` would make; nothing about scheduling changes.
 
 use std::panic::AssertUnwindSafe;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use std::fmt::Debug;
 
+use futures::channel::mpsc::{UnboundedReceiver, UnboundedSender, unbounded};
 use futures::future::BoxFuture;
 use futures::{FutureExt, Stream, StreamExt, TryStreamExt};
 use kube::Resource;
@@ -75,6 +76,45 @@ pub trait Observed<K: Resource<DynamicType = ()>>: Sized {
         probe: &ControllerProbe,
         trigger: impl Stream<Item = ObjectRef<K>> + Send + 'static,
     ) -> Self;
+
+    /// Reconciles what is sent to `wakeup`, when this is the first controller to take it.
+    fn woken_by(self, probe: &ControllerProbe, wakeup: &Wakeup<K>) -> Self;
+}
+
+/// Where other parts of the operator ask a controller to reconcile an object now (a slot
+/// freed, an agent found restarted): senders anyone may clone, and one receiver the
+/// controller's `run` takes ([`Observed::woken_by`]).
+pub struct Wakeup<K: Resource> {
+    sender: UnboundedSender<ObjectRef<K>>,
+    receiver: Mutex<Option<UnboundedReceiver<ObjectRef<K>>>>,
+}
+
+impl<K: Resource> Wakeup<K> {
+    pub fn new() -> Self {
+        let (sender, receiver) = unbounded();
+        Self {
+            sender,
+            receiver: Mutex::new(Some(receiver)),
+        }
+    }
+
+    /// A sender of objects to reconcile now.
+    pub fn sender(&self) -> UnboundedSender<ObjectRef<K>> {
+        self.sender.clone()
+    }
+
+    fn take(&self) -> Option<UnboundedReceiver<ObjectRef<K>>> {
+        self.receiver
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+    }
+}
+
+impl<K: Resource> Default for Wakeup<K> {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl<K> Observed<K> for Controller<K>
@@ -129,6 +169,13 @@ where
         trigger: impl Stream<Item = ObjectRef<K>> + Send + 'static,
     ) -> Self {
         self.reconcile_on(refs(probe, trigger))
+    }
+
+    fn woken_by(self, probe: &ControllerProbe, wakeup: &Wakeup<K>) -> Self {
+        match wakeup.take() {
+            Some(woken) => self.reconcile_on_observed(probe, woken),
+            None => self,
+        }
     }
 }
 

@@ -8,10 +8,10 @@
 //! first run when the connection went away) instead of being marked `Aborted`; a lost agent
 //! connection fails the Update with a reason that says so.
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
-use futures::channel::mpsc::{UnboundedReceiver, UnboundedSender, unbounded};
+use futures::channel::mpsc::UnboundedSender;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::Api;
@@ -29,7 +29,7 @@ use tracing::warn;
 use crate::agent_client::Agents;
 use crate::controller::backoff::{self, Backoff, Verdict};
 use crate::controller::conditions;
-use crate::controller::instrument::{self, Observed};
+use crate::controller::instrument::{self, Observed, Wakeup};
 use crate::controller::kit::{self, FromKube, Kit};
 use crate::metrics::Metrics;
 use crate::runtime_metrics::names;
@@ -149,9 +149,7 @@ pub struct UpdateContext {
     /// Longest an operation may run (`--operation-timeout`; `None`: no bound).
     operation_timeout: Option<Duration>,
     /// Where the slots send this controller's Updates when a slot frees.
-    wake: UnboundedSender<ObjectRef<Update>>,
-    /// Taken by [`run`], which reconciles what is sent on `wake`.
-    woken: Mutex<Option<UnboundedReceiver<ObjectRef<Update>>>>,
+    wakeup: Wakeup<Update>,
     /// Asks the Workspace controller to reconcile a Workspace now.
     workspace_wake: UnboundedSender<ObjectRef<Workspace>>,
 }
@@ -171,7 +169,6 @@ pub struct UpdateSettings {
 
 impl UpdateContext {
     pub fn new(kit: &Kit, agents: Arc<Agents>, settings: UpdateSettings) -> Self {
-        let (wake, woken) = unbounded();
         Self {
             client: kit.client.clone(),
             recorder: kit.recorder(CONTROLLER),
@@ -181,8 +178,7 @@ impl UpdateContext {
             slots: settings.slots,
             max_event_bytes: settings.max_event_bytes,
             operation_timeout: settings.operation_timeout,
-            wake,
-            woken: Mutex::new(Some(woken)),
+            wakeup: Wakeup::new(),
             workspace_wake: settings.workspace_wake,
         }
     }
@@ -207,15 +203,7 @@ pub async fn run(
         .controller(names::UPDATE, concurrency.max(1));
     let controller = instrument::controller(&probe, api, watcher::Config::default().any_semantic());
     let store = controller.store();
-    let woken = ctx
-        .woken
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .take();
-    let controller = match woken {
-        Some(woken) => controller.reconcile_on_observed(&probe, woken),
-        None => controller,
-    };
+    let controller = controller.woken_by(&probe, &ctx.wakeup);
     let events = controller
         // A Workspace becoming ready starts the Updates waiting for it.
         .watches_observed(
@@ -403,10 +391,12 @@ async fn reconcile_inner(
             return Ok(Action::await_change());
         }
     };
-    let slot = match ctx
-        .slots
-        .acquire(&current.uid, &current.namespace, &update, &ctx.wake)
-    {
+    let slot = match ctx.slots.acquire(
+        &current.uid,
+        &current.namespace,
+        &update,
+        &ctx.wakeup.sender(),
+    ) {
         Ok(slot) => slot,
         Err(refused) => {
             let message = queued_message(refused, ctx.slots.limits(), &current.namespace);

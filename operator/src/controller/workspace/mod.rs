@@ -27,7 +27,7 @@ mod tests;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use futures::channel::mpsc::{UnboundedReceiver, UnboundedSender, unbounded};
+use futures::channel::mpsc::UnboundedSender;
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, PartialObjectMeta};
@@ -41,7 +41,7 @@ use pko_api::workspace::{ConfigItem, Workspace};
 
 use crate::agent_client::{AgentAuth, AgentError, Agents};
 use crate::controller::backoff::{self, Backoff, Verdict};
-use crate::controller::instrument::{self, Observed};
+use crate::controller::instrument::{self, Observed, Wakeup};
 use crate::controller::keys::{INITIALIZED_ANNOTATION, WORKSPACE_COMPONENT_LABEL};
 use crate::controller::kit::{self, Kit};
 use crate::metrics::Metrics;
@@ -134,9 +134,7 @@ pub struct WorkspaceContext {
     facts: Mutex<HashMap<String, AgentFacts>>,
     /// Where others (the Update controller, finding an agent not initialized) ask for a
     /// Workspace to be reconciled now.
-    wake: UnboundedSender<ObjectRef<Workspace>>,
-    /// Taken by [`run`], which reconciles what is sent on `wake`.
-    woken: Mutex<Option<UnboundedReceiver<ObjectRef<Workspace>>>>,
+    wakeup: Wakeup<Workspace>,
 }
 
 /// What one workspace pod's agent can do, and the image it came from.
@@ -149,7 +147,6 @@ pub(crate) struct AgentFacts {
 
 impl WorkspaceContext {
     pub fn new(kit: &Kit, agents: Arc<Agents>, settings: PodSettings) -> Self {
-        let (wake, woken) = unbounded();
         Self {
             client: kit.client.clone(),
             recorder: kit.recorder(CONTROLLER),
@@ -159,14 +156,13 @@ impl WorkspaceContext {
             backoff: Backoff::default(),
             initialized: Mutex::new(HashMap::new()),
             facts: Mutex::new(HashMap::new()),
-            wake,
-            woken: Mutex::new(Some(woken)),
+            wakeup: Wakeup::new(),
         }
     }
 
-    /// Sends a Workspace to be reconciled now (see [`Self::wake`]).
+    /// Sends a Workspace to be reconciled now (see [`Self::wakeup`]).
     pub fn waker(&self) -> UnboundedSender<ObjectRef<Workspace>> {
-        self.wake.clone()
+        self.wakeup.sender()
     }
 
     fn facts_for(&self, uid: &str) -> Option<AgentFacts> {
@@ -225,15 +221,7 @@ pub async fn run(
     let owned =
         watcher::Config::default().labels(&format!("{}=workspace", WORKSPACE_COMPONENT_LABEL));
     let controller = instrument::controller(&probe, api, watcher::Config::default().any_semantic());
-    let woken = ctx
-        .woken
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .take();
-    let controller = match woken {
-        Some(woken) => controller.reconcile_on_observed(&probe, woken),
-        None => controller,
-    };
+    let controller = controller.woken_by(&probe, &ctx.wakeup);
     let events = controller
         .owns_observed(&probe, statefulsets, owned)
         .with_config(controller::Config::default().concurrency(concurrency))
