@@ -14,6 +14,8 @@
 # The Dockerfile's last two stages copy the same files to the same paths.
 set -euo pipefail
 umask 022
+# shellcheck source=tools/apt.sh
+. "$(dirname "$0")/apt.sh"
 
 NONROOT=65532
 TAG=latest
@@ -23,14 +25,7 @@ deps() {
   command -v umoci >/dev/null || missing+=(umoci)
   command -v runc >/dev/null || missing+=(runc)
   [[ -f /etc/ssl/certs/ca-certificates.crt ]] || missing+=(ca-certificates)
-  if ((${#missing[@]} == 0)); then return; fi
-  echo "installing ${missing[*]} (apt-get)" >&2
-  if [[ $(id -u) != 0 ]]; then
-    echo "${missing[*]} missing and not root: install them with apt-get" >&2
-    exit 1
-  fi
-  DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}" ||
-    { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}"; }
+  apt_install "${missing[@]}"
 }
 
 # Debian's busybox-static: one static binary, so it runs in an image with no libc.
@@ -38,13 +33,8 @@ busybox() {
   if [[ -x /bin/busybox ]] && ! LC_ALL=C readelf -l /bin/busybox 2>/dev/null | grep -q 'program interpreter'; then
     return
   fi
-  echo "installing busybox-static (apt-get): the agent image's sh, cp and ln" >&2
-  if [[ $(id -u) != 0 ]]; then
-    echo "busybox-static missing and not root: install it with apt-get" >&2
-    exit 1
-  fi
-  DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends busybox-static ||
-    { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends busybox-static; }
+  # the agent image's sh, cp and ln
+  apt_install busybox-static
 }
 
 # The files both images carry.
