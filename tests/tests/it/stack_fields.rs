@@ -96,31 +96,36 @@ impl Env {
             .expect("patch stack");
     }
 
-    /// Waits for Stack `name`'s last update to be for its current generation and finished
-    /// (`succeeded` or `failed`, as `state`); its status.
+    /// Waits for Stack `name`'s last update to be for its current generation and finished, and
+    /// checks it ended in `state` (`succeeded` or `failed`); its status.
     async fn settled(&self, name: &str, state: &str) -> StackStatus {
-        let done = wait_for(
-            &format!("stack {name}'s update to have {state}"),
-            WAIT,
-            || async {
-                let stack = self.stacks.get(name).await.ok()?;
-                let status = stack.status?;
-                let last = status.last_update.as_ref()?;
-                (last.generation == stack.metadata.generation
-                    && status.current_update.is_none()
-                    && last.state.as_deref() == Some(state))
-                .then_some(status)
-            },
-        )
+        let done = wait_for(&format!("stack {name}'s update to end"), WAIT, || async {
+            let stack = self.stacks.get(name).await.ok()?;
+            let status = stack.status?;
+            let last = status.last_update.as_ref()?;
+            (last.generation == stack.metadata.generation
+                && status.current_update.is_none()
+                && matches!(last.state.as_deref(), Some("succeeded" | "failed")))
+            .then_some(status)
+        })
         .await;
-        match done {
+        let status = match done {
             Ok(status) => status,
             Err(e) => panic!(
                 "{e}: {:?}\n{}",
                 self.stacks.get(name).await.ok().and_then(|s| s.status),
                 self.e.kubelet.logs(name)
             ),
-        }
+        };
+        let last = status.last_update.as_ref().and_then(|l| l.state.as_deref());
+        assert_eq!(
+            last,
+            Some(state),
+            "{:?}\n{}",
+            status.last_update,
+            self.e.kubelet.logs(name)
+        );
+        status
     }
 
     async fn labelled(&self, label: &str) -> Vec<ConfigMap> {
@@ -238,15 +243,26 @@ async fn config_refs_secrets_and_envs_reach_the_program() {
         Some(&json!("from-a-config-map")),
         "configRef is plain config"
     );
+    // The config the update ran with, as the backend's history records it: Pulumi YAML reads
+    // a JSON text as structured anyway, the stack's config tells them apart.
+    let config = fixtures::files_under(&env.backend().join(".pulumi/history"))
+        .into_iter()
+        .filter(|f| f.to_string_lossy().ends_with(".history.json"))
+        .filter_map(|f| std::fs::read_to_string(f).ok())
+        .filter_map(|text| serde_json::from_str::<Value>(&text).ok())
+        .find_map(|h| h.get("config").cloned())
+        .expect("a history entry with config");
+    // Plain values are strings, structured ones objects, secrets `{"secure": ...}`.
     assert_eq!(
-        status.outputs.get("token"),
-        Some(&json!("[secret]")),
-        "secrets are secret config"
+        config["config:structured"],
+        json!({"greeting": "hola", "count": 2}),
+        "{config}"
     );
-    assert_eq!(
-        status.outputs.get("apiKey"),
-        Some(&json!("[secret]")),
-        "secretsRef is secret config"
+    assert_eq!(config["config:plain"], json!("from-a-config-map"));
+    assert!(
+        config["config:token"].get("secure").is_some()
+            && config["config:apiKey"].get("secure").is_some(),
+        "{config}"
     );
 }
 
