@@ -2,7 +2,7 @@
 //! own, the harness's kubelet running agents there, and an operator watching it.
 
 use crate::ControlPlane;
-use crate::kubelet::Kubelet;
+use crate::kubelet::{ApiAccess, Kubelet, KubeletOptions};
 use crate::operator::{Operator, OperatorOptions};
 
 /// A started execution environment.
@@ -37,11 +37,39 @@ impl Execution {
         operator_args: impl FnOnce(&str) -> Vec<String>,
         env: &[(&str, &str)],
     ) -> Self {
+        Self::start_full(prefix, operator_args, env, None).await
+    }
+
+    /// [`Self::start`] with `cert` (PEM, e.g. a test git server's) trusted by the operator
+    /// (`SSL_CERT_FILE`) and by every pod's images.
+    pub async fn start_trusting(prefix: &str, cert: &str) -> Self {
+        Self::start_full(prefix, |_| Vec::new(), &[], Some(cert)).await
+    }
+
+    async fn start_full(
+        prefix: &str,
+        operator_args: impl FnOnce(&str) -> Vec<String>,
+        env: &[(&str, &str)],
+        cert: Option<&str>,
+    ) -> Self {
         let plane = ControlPlane::shared().await;
         let ns = plane.namespace(prefix).await.expect("namespace");
         let tmp = tempfile::tempdir().expect("tmp");
         std::fs::create_dir_all(tmp.path().join("backend")).expect("backend");
-        let kubelet = Kubelet::start_on(plane, &ns, &tmp.path().join("pods")).expect("kubelet");
+        let options = KubeletOptions {
+            api: Some(ApiAccess::of(plane)),
+            trusted_certs: cert.map(str::to_owned).into_iter().collect(),
+            ..KubeletOptions::default()
+        };
+        let kubelet = Kubelet::start_with(plane.client(), &ns, &tmp.path().join("pods"), options)
+            .expect("kubelet");
+        let cert_file = tmp.path().join("trusted.pem");
+        let mut env: Vec<(&str, &str)> = env.to_vec();
+        let cert_path = cert_file.display().to_string();
+        if let Some(cert) = cert {
+            std::fs::write(&cert_file, cert).expect("trusted certificate");
+            env.push(("SSL_CERT_FILE", &cert_path));
+        }
         let operator = Operator::start_with_env(
             plane,
             OperatorOptions {
@@ -54,7 +82,7 @@ impl Execution {
                 .chain(operator_args(&ns))
                 .collect(),
             },
-            env,
+            &env,
         )
         .await
         .expect("operator");

@@ -185,3 +185,49 @@ pub async fn stalled_stack(
     .await
     .expect("stalled")
 }
+
+/// A Pulumi YAML `kubernetes:core/v1:ConfigMap` resource labelled `effect: <label>` in the
+/// namespace of config `ns`, named by Pulumi, with `data`: what the effect tests count in the
+/// test apiserver. Deleted in the background: the test plane has no garbage collector to
+/// finish a foreground deletion.
+pub fn labelled_config_map(label: &str, data: Value) -> Value {
+    json!({
+        "type": "kubernetes:core/v1:ConfigMap",
+        "properties": {
+            "metadata": {"namespace": "${ns}", "labels": {"effect": label},
+                "annotations": {"pulumi.com/deletionPropagationPolicy": "background"}},
+            "data": data,
+        },
+    })
+}
+
+/// The ConfigMaps labelled `effect: <label>` in `namespace` (see [`labelled_config_map`]).
+pub async fn labelled(
+    client: kube::Client,
+    namespace: &str,
+    label: &str,
+) -> Vec<k8s_openapi::api::core::v1::ConfigMap> {
+    let api: kube::Api<k8s_openapi::api::core::v1::ConfigMap> =
+        kube::Api::namespaced(client, namespace);
+    match api
+        .list(&kube::api::ListParams::default().labels(&format!("effect={label}")))
+        .await
+    {
+        Ok(list) => list.items,
+        Err(e) => panic!("listing the ConfigMaps labelled {label}: {e}"),
+    }
+}
+
+/// Every file under `dir`, recursively (none if it does not exist).
+pub fn files_under(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            out.extend(files_under(&path));
+        } else {
+            out.push(path);
+        }
+    }
+    out
+}

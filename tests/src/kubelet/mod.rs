@@ -6,7 +6,9 @@
 //! containers' commands to completion and then the `pulumi` container's command (the agent),
 //! with the containers' env resolved as the kubelet does (`$(VAR)` expansion, Secret/ConfigMap
 //! keys, field and resource refs) and the paths of volume mounts and image files mapped to host
-//! paths (`image.rs`: this project's agent in every image, also at `/agent` and `/tini` as its
+//! paths (and, for mounts under a host folder such as `/var/run/` whose paths the process is
+//! only told at run time, made at those paths in a private mount namespace: `mount_script`)
+//! (`image.rs`: this project's agent in every image, also at `/agent` and `/tini` as its
 //! image has it for PKO's pod layout, and PKO's agent image with PKO's agent at `/agent`, so
 //! PKO's own pod spec runs PKO's agent). A failed init container is reported in the
 //! Pod status (as `FallbackToLogsOnError` does) and retried; an agent that dies is restarted; a
@@ -1322,10 +1324,26 @@ async fn container_command(
             what: format!("a command in container {}", c.name),
         });
     };
-    let mut cmd = Command::new(program);
-    cmd.args(rest)
-        .env_clear()
-        .envs(env.iter().map(|(k, v)| (k, v)));
+    let mounted = mounts_by_path(&c.volume_mounts.clone().unwrap_or_default(), run.volumes);
+    let mut cmd = match mount_script(&mounted, &run.dir.join("mounts")) {
+        // Paths the process is told at run time (the agent reads config files at the paths
+        // the operator sends it) cannot be mapped: the mounts are made where they are named.
+        Some(script) => {
+            let mut cmd = Command::new(UNSHARE);
+            cmd.args(["--mount", "--propagation", "private", "--", "/bin/sh", "-c"])
+                .arg(script)
+                .arg("sh")
+                .arg(program)
+                .args(rest);
+            cmd
+        }
+        None => {
+            let mut cmd = Command::new(program);
+            cmd.args(rest);
+            cmd
+        }
+    };
+    cmd.env_clear().envs(env.iter().map(|(k, v)| (k, v)));
     let workdir = c
         .working_dir
         .as_deref()
@@ -1335,6 +1353,87 @@ async fn container_command(
         .unwrap_or_else(|| run.dir.to_path_buf());
     cmd.current_dir(workdir);
     Ok((cmd, env))
+}
+
+/// Where `unshare` is (util-linux).
+const UNSHARE: &str = "/usr/bin/unshare";
+
+/// A container's volume mounts as (path in the container, host folder).
+fn mounts_by_path(
+    mounts: &[k8s_openapi::api::core::v1::VolumeMount],
+    volumes: &HashMap<String, PathBuf>,
+) -> Vec<(String, PathBuf)> {
+    mounts
+        .iter()
+        .filter_map(|m| {
+            let host = volumes.get(&m.name)?;
+            let path = match &m.sub_path {
+                Some(sub) if !sub.is_empty() => host.join(sub),
+                _ => host.clone(),
+            };
+            Some((m.mount_path.clone(), path))
+        })
+        .collect()
+}
+
+/// A shell script that, in a private mount namespace, makes each mount whose path does not
+/// exist on the host under an existing folder other than `/` (`/var/run/...`, where the
+/// operator mounts config and secrets) appear at that path: the folder is overlaid (the host's
+/// content stays visible, nothing is written to it; `scratch` holds the overlay's layers) and
+/// the volume bound on the new path. Then it runs its arguments. `None` when no mount needs it
+/// (the rest are reached by path mapping).
+fn mount_script(mounts: &[(String, PathBuf)], scratch: &Path) -> Option<String> {
+    let mut overlaid: Vec<PathBuf> = Vec::new();
+    let mut lines = Vec::new();
+    for (path, host) in mounts {
+        let target = Path::new(path);
+        if !target.is_absolute() || target.exists() {
+            continue;
+        }
+        let Some(base) = target
+            .ancestors()
+            .skip(1)
+            .find(|a| a.is_dir())
+            .and_then(|a| a.canonicalize().ok())
+        else {
+            continue;
+        };
+        if base == Path::new("/") {
+            continue;
+        }
+        if !overlaid.contains(&base) {
+            let layer = scratch.join(overlaid.len().to_string());
+            let (upper, work) = (layer.join("upper"), layer.join("work"));
+            if std::fs::create_dir_all(&upper).is_err() || std::fs::create_dir_all(&work).is_err() {
+                continue;
+            }
+            let base_q = shell_words(&base.display().to_string());
+            lines.push(format!(
+                "mount -t overlay overlay -o {} {base_q}",
+                shell_words(&format!(
+                    "lowerdir={},upperdir={},workdir={}",
+                    base.display(),
+                    upper.display(),
+                    work.display()
+                ))
+            ));
+            overlaid.push(base);
+        }
+        let (target_q, host_q) = (shell_words(path), shell_words(&host.display().to_string()));
+        lines.push(format!(
+            "mkdir -p {target_q} && mount --bind {host_q} {target_q}"
+        ));
+    }
+    if lines.is_empty() {
+        return None;
+    }
+    lines.push("exec \"$@\"".into());
+    Some(lines.join(" &&\n"))
+}
+
+/// `s` quoted for `sh`.
+fn shell_words(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "'\\''"))
 }
 
 /// Kubernetes' `$(VAR)` expansion (`$$` escapes); unknown references stay as they are.
@@ -1370,6 +1469,47 @@ mod tests {
     use super::*;
     use k8s_openapi::api::core::v1::{PodSpec, ResourceFieldSelector, ResourceRequirements};
     use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+
+    #[test]
+    fn only_mounts_missing_under_a_host_folder_are_made_in_a_mount_namespace() {
+        let scratch = tempfile::tempdir().expect("tmp");
+        let none = mount_script(
+            &[
+                ("/share".into(), PathBuf::from("/pods/p/volumes/share")),
+                ("/tmp".into(), PathBuf::from("/pods/p/volumes/tmp")),
+            ],
+            scratch.path(),
+        );
+        assert_eq!(none, None, "at the root, or existing: mapped by path");
+        // A host folder, standing in for `/var/run`.
+        let run = scratch.path().join("run");
+        std::fs::create_dir_all(&run).expect("run");
+        let at = |p: &str| run.join(p).display().to_string();
+        let script = mount_script(
+            &[
+                (
+                    at("configmaps/x/cm"),
+                    PathBuf::from("/pods/p/volumes/configmap-cm"),
+                ),
+                (at("secrets/x/s"), PathBuf::from("/pods/p/volumes/secret-s")),
+            ],
+            &scratch.path().join("layers"),
+        )
+        .expect("a script");
+        assert_eq!(
+            script.matches("mount -t overlay").count(),
+            1,
+            "one overlay per host folder: {script}"
+        );
+        assert!(
+            script.contains(&format!(
+                "mount --bind '/pods/p/volumes/secret-s' '{}'",
+                at("secrets/x/s")
+            )),
+            "{script}"
+        );
+        assert!(script.ends_with("exec \"$@\""), "{script}");
+    }
 
     #[test]
     fn resource_fields_are_given_as_the_kubelet_gives_them() {

@@ -44,6 +44,7 @@ mod program;
 mod refs;
 mod restricted_crosscheck;
 mod stack;
+mod stack_fields;
 mod stall;
 mod switchover;
 mod transforms;

@@ -9,30 +9,17 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::Api;
-use kube::api::{DeleteParams, ListParams, PostParams};
+use kube::api::{DeleteParams, PostParams};
 use pko_api::program::Program;
 use pko_api::update::Update;
 use pko_api::workspace::Workspace;
 use pko_tests::execution::Execution;
+use pko_tests::fixtures::labelled_config_map as config_map;
 use pko_tests::{fixtures, wait_for};
 use serde_json::{Value, json};
 
 const WAIT: Duration = Duration::from_secs(180);
 const PROJECT: &str = "effects";
-
-/// A ConfigMap resource labelled `effect: <label>` in the test namespace (config `ns`), named
-/// by Pulumi, with `data`. Deleted in the background: this plane has no garbage collector to
-/// finish a foreground deletion.
-fn config_map(label: &str, data: Value) -> Value {
-    json!({
-        "type": "kubernetes:core/v1:ConfigMap",
-        "properties": {
-            "metadata": {"namespace": "${ns}", "labels": {"effect": label},
-                "annotations": {"pulumi.com/deletionPropagationPolicy": "background"}},
-            "data": data,
-        },
-    })
-}
 
 fn urn(resource: &str) -> String {
     format!("urn:pulumi:dev::{PROJECT}::kubernetes:core/v1:ConfigMap::{resource}")
@@ -165,11 +152,7 @@ impl Env {
 
     /// The ConfigMaps labelled `effect: <label>`.
     async fn labelled(&self, label: &str) -> Vec<ConfigMap> {
-        let api: Api<ConfigMap> = Api::namespaced(self.client(), &self.e.ns);
-        api.list(&ListParams::default().labels(&format!("effect={label}")))
-            .await
-            .expect("list config maps")
-            .items
+        fixtures::labelled(self.client(), &self.e.ns, label).await
     }
 
     async fn count(&self, label: &str) -> usize {
@@ -179,20 +162,6 @@ impl Env {
     fn backend(&self) -> PathBuf {
         self.e.tmp.path().join("backend/.pulumi")
     }
-}
-
-/// Every file under `dir`, recursively.
-fn files(dir: &Path) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-        let path = entry.path();
-        if path.is_dir() {
-            out.extend(files(&path));
-        } else {
-            out.push(path);
-        }
-    }
-    out
 }
 
 /// `a`; `b`, whose data names `a` (so it depends on it); `c`, on its own.
@@ -359,7 +328,7 @@ async fn message_and_parallel_reach_the_cli() {
         json!({"type": "up", "message": message, "parallel": 2}),
     )
     .await;
-    let history = files(&env.backend().join("history"));
+    let history = fixtures::files_under(&env.backend().join("history"));
     let recorded = history.iter().any(|f| {
         f.to_string_lossy().ends_with(".history.json")
             && std::fs::read_to_string(f).is_ok_and(|text| {
@@ -407,7 +376,7 @@ async fn destroy_runs_the_program_on_request_and_remove_removes_the_stack() {
     env.ok("destroy", json!({"type": "destroy"})).await;
     assert_eq!(env.count("a").await, 0);
     let stack_files = || {
-        files(&env.backend().join("stacks"))
+        fixtures::files_under(&env.backend().join("stacks"))
             .into_iter()
             // The checkpoint itself: pulumi keeps `.bak` and `.attrs` files beside it.
             .filter(|f| {

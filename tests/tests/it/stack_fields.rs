@@ -1,0 +1,662 @@
+//! What a Stack's own fields make its updates do, on the real control plane with the harness
+//! as kubelet, the real agent and pulumi CLI, and the Kubernetes provider creating ConfigMaps
+//! in the test apiserver: `configRef`, `secrets`, `secretsRef` and `envs`; `targets`, `targetDependents` and
+//! `refresh`; `runProgram` and `useLocalStackOnly`; `prerequisites` with
+//! `succeededWithinDuration`, and `fluxSource.dir`; `gitAuthSecret`, `shallow`,
+//! `continueResyncOnCommitMatch` and `resyncFrequencySeconds`. Each test asserts what pulumi
+//! did (objects in the apiserver, outputs, the stack in the backend, the updates run), not the
+//! Workspace's or Update's shape.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{ConfigMap, Secret};
+use kube::Api;
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use pko_api::program::Program;
+use pko_api::stack::{Stack, StackStatus};
+use pko_api::update::Update;
+use pko_tests::execution::Execution;
+use pko_tests::fixtures::{self, labelled_config_map as config_map};
+use pko_tests::gitrepo::GitRepo;
+use pko_tests::wait_for;
+use serde_json::{Value, json};
+
+const WAIT: Duration = Duration::from_secs(180);
+
+struct Env {
+    e: Execution,
+    stacks: Api<Stack>,
+}
+
+impl Env {
+    async fn start(prefix: &str) -> Self {
+        Self::with(Execution::start(prefix, &[]).await)
+    }
+
+    fn with(e: Execution) -> Self {
+        let stacks = Api::namespaced(e.plane.client(), &e.ns);
+        Self { e, stacks }
+    }
+
+    fn client(&self) -> kube::Client {
+        self.e.plane.client()
+    }
+
+    fn backend(&self) -> PathBuf {
+        self.e.tmp.path().join("backend")
+    }
+
+    /// Creates Program `name` with config `ns` (and `configuration` added) and `resources`.
+    async fn program(&self, name: &str, configuration: Value, resources: Value, outputs: Value) {
+        let mut declared = json!({"ns": {"type": "String"}});
+        if let (Some(all), Value::Object(more)) = (declared.as_object_mut(), configuration) {
+            all.extend(more);
+        }
+        let programs: Api<Program> = Api::namespaced(self.client(), &self.e.ns);
+        programs
+            .create(
+                &PostParams::default(),
+                &fixtures::program(
+                    name,
+                    json!({"configuration": declared, "resources": resources, "outputs": outputs}),
+                ),
+            )
+            .await
+            .expect("create program");
+    }
+
+    /// The environment of a Stack on the test backend whose provider reaches the test
+    /// apiserver.
+    fn env_refs(&self) -> Value {
+        let literal = |v: &str| json!({"type": "Literal", "literal": {"value": v}});
+        json!({
+            "PULUMI_CONFIG_PASSPHRASE": literal(fixtures::PASSPHRASE),
+            "KUBECONFIG": literal(&self.e.plane.kubeconfig_path().display().to_string()),
+        })
+    }
+
+    /// Creates Stack `name` for pulumi stack `dev` (unless `spec` names another) on the file
+    /// backend, with config `ns` and [`Env::env_refs`] (unless `spec` has its own) and `spec`.
+    async fn stack(&self, name: &str, spec: Value) {
+        let base = json!({"stack": "dev", "config": {"ns": self.e.ns}, "envRefs": self.env_refs()});
+        self.stacks
+            .create(
+                &PostParams::default(),
+                &fixtures::file_backend_stack(name, &self.backend(), fixtures::merged(base, spec)),
+            )
+            .await
+            .expect("create stack");
+    }
+
+    async fn patch(&self, name: &str, patch: Value) {
+        self.stacks
+            .patch(name, &PatchParams::default(), &Patch::Merge(patch))
+            .await
+            .expect("patch stack");
+    }
+
+    /// Waits for Stack `name`'s last update to be for its current generation and finished, and
+    /// checks it ended in `state` (`succeeded` or `failed`); its status.
+    async fn settled(&self, name: &str, state: &str) -> StackStatus {
+        let done = wait_for(&format!("stack {name}'s update to end"), WAIT, || async {
+            let stack = self.stacks.get(name).await.ok()?;
+            let status = stack.status?;
+            let last = status.last_update.as_ref()?;
+            (last.generation == stack.metadata.generation
+                && status.current_update.is_none()
+                && matches!(last.state.as_deref(), Some("succeeded" | "failed")))
+            .then_some(status)
+        })
+        .await;
+        let status = match done {
+            Ok(status) => status,
+            Err(e) => panic!(
+                "{e}: {:?}\n{}",
+                self.stacks.get(name).await.ok().and_then(|s| s.status),
+                self.e.kubelet.logs(name)
+            ),
+        };
+        let last = status.last_update.as_ref().and_then(|l| l.state.as_deref());
+        assert_eq!(
+            last,
+            Some(state),
+            "{:?}\n{}",
+            status.last_update,
+            self.e.kubelet.logs(name)
+        );
+        status
+    }
+
+    async fn labelled(&self, label: &str) -> Vec<ConfigMap> {
+        fixtures::labelled(self.client(), &self.e.ns, label).await
+    }
+
+    async fn count(&self, label: &str) -> usize {
+        self.labelled(label).await.len()
+    }
+
+    /// The Updates the operator made for Stack `name`.
+    async fn updates(&self, name: &str) -> Vec<Update> {
+        let api: Api<Update> = Api::namespaced(self.client(), &self.e.ns);
+        api.list(&ListParams::default().labels(&format!("pulumi.com/stack-name={name}")))
+            .await
+            .expect("list updates")
+            .items
+    }
+
+    async fn config_map_object(&self, name: &str, data: Value) {
+        let api: Api<ConfigMap> = Api::namespaced(self.client(), &self.e.ns);
+        let cm: ConfigMap = serde_json::from_value(
+            json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name}, "data": data}),
+        )
+        .expect("config map");
+        api.create(&PostParams::default(), &cm)
+            .await
+            .expect("create config map");
+    }
+
+    async fn secret_object(&self, name: &str, data: Value) {
+        let api: Api<Secret> = Api::namespaced(self.client(), &self.e.ns);
+        let secret: Secret = serde_json::from_value(
+            json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name}, "stringData": data}),
+        )
+        .expect("secret");
+        api.create(&PostParams::default(), &secret)
+            .await
+            .expect("create secret");
+    }
+}
+
+fn ready(status: &StackStatus) -> bool {
+    status
+        .conditions
+        .iter()
+        .any(|c| c.type_ == "Ready" && c.status == "True")
+}
+
+/// `configRef` reads config from a ConfigMap's key (`name`, `key`), as plain config, and
+/// parsed as JSON with `json`; `secrets` and `secretsRef` (a Secret's key) are secret config; `envs` puts a ConfigMap's keys in
+/// the environment (here `KUBECONFIG`, without which the provider reaches no cluster).
+#[tokio::test]
+async fn config_refs_secrets_and_envs_reach_the_program() {
+    let _machine = pko_tests::serial::shared().await;
+    let env = Env::start("stf-config").await;
+    env.config_map_object(
+        "settings",
+        json!({"plain": "from-a-config-map", "structured": r#"{"greeting": "hola", "count": 2}"#}),
+    )
+    .await;
+    env.config_map_object(
+        "stack-env",
+        json!({"KUBECONFIG": env.e.plane.kubeconfig_path().display().to_string()}),
+    )
+    .await;
+    env.program(
+        "config",
+        json!({"plain": {"type": "String"}, "token": {"type": "String"}, "apiKey": {"type": "String"}}),
+        json!({"made": config_map("made", json!({
+            "plain": "${plain}",
+            "greeting": "${structured.greeting}",
+            "token": "${token}",
+            "apiKey": "${apiKey}",
+        }))}),
+        json!({"plain": "${plain}", "token": "${token}", "apiKey": "${apiKey}"}),
+    )
+    .await;
+    env.secret_object("stack-secrets", json!({"apiKey": "k3y"}))
+        .await;
+    let literal = |v: &str| json!({"type": "Literal", "literal": {"value": v}});
+    env.stack(
+        "config",
+        json!({
+            "programRef": {"name": "config"},
+            "configRef": {
+                "plain": {"name": "settings", "key": "plain"},
+                "structured": {"name": "settings", "key": "structured", "json": true},
+            },
+            "secrets": {"token": "s3cret-token"},
+            "secretsRef": {"apiKey": {"type": "Secret", "secret": {"name": "stack-secrets", "key": "apiKey"}}},
+            "envs": ["stack-env"],
+            // No KUBECONFIG here: it comes from `envs`.
+            "envRefs": {"PULUMI_CONFIG_PASSPHRASE": literal(fixtures::PASSPHRASE)},
+        }),
+    )
+    .await;
+    let status = env.settled("config", "succeeded").await;
+    let made = env.labelled("made").await;
+    assert_eq!(made.len(), 1, "the provider reached the cluster: {made:?}");
+    let data = made[0].data.clone().unwrap_or_default();
+    assert_eq!(
+        data.get("plain").map(String::as_str),
+        Some("from-a-config-map")
+    );
+    assert_eq!(
+        data.get("greeting").map(String::as_str),
+        Some("hola"),
+        "the JSON value is structured config"
+    );
+    assert_eq!(data.get("token").map(String::as_str), Some("s3cret-token"));
+    assert_eq!(data.get("apiKey").map(String::as_str), Some("k3y"));
+    assert_eq!(
+        status.outputs.get("plain"),
+        Some(&json!("from-a-config-map")),
+        "configRef is plain config"
+    );
+    // The config the update ran with, as the backend's history records it: Pulumi YAML reads
+    // a JSON text as structured anyway, the stack's config tells them apart.
+    let config = fixtures::files_under(&env.backend().join(".pulumi/history"))
+        .into_iter()
+        .filter(|f| f.to_string_lossy().ends_with(".history.json"))
+        .filter_map(|f| std::fs::read_to_string(f).ok())
+        .filter_map(|text| serde_json::from_str::<Value>(&text).ok())
+        .find_map(|h| h.get("config").cloned())
+        .expect("a history entry with config");
+    // Plain values are strings, structured ones objects, secrets `{"secure": ...}`.
+    assert_eq!(
+        config["config:structured"],
+        json!({"greeting": "hola", "count": 2}),
+        "{config}"
+    );
+    assert_eq!(config["config:plain"], json!("from-a-config-map"));
+    assert!(
+        config["config:token"].get("secure").is_some()
+            && config["config:apiKey"].get("secure").is_some(),
+        "{config}"
+    );
+}
+
+/// `targets` deploys only the targeted resources; `targetDependents` adds what depends on them;
+/// `refresh` finds a deletion made behind Pulumi's back, which an update without it misses.
+#[tokio::test]
+async fn targets_dependents_and_refresh_shape_the_stacks_updates() {
+    let _machine = pko_tests::serial::shared().await;
+    let env = Env::start("stf-target").await;
+    env.program(
+        "targets",
+        json!({"round": {"type": "String", "default": "0"}}),
+        json!({
+            "a": config_map("a", json!({"v": "a"})),
+            "b": config_map("b", json!({"a": "${a.metadata.name}"})),
+            "c": config_map("c", json!({"v": "c"})),
+        }),
+        json!({"round": "${round}"}),
+    )
+    .await;
+    let urn = |r: &str| format!("urn:pulumi:dev::targets::kubernetes:core/v1:ConfigMap::{r}");
+    env.stack(
+        "targets",
+        json!({"programRef": {"name": "targets"}, "targets": [urn("a")]}),
+    )
+    .await;
+    env.settled("targets", "succeeded").await;
+    let counts = || async {
+        (
+            env.count("a").await,
+            env.count("b").await,
+            env.count("c").await,
+        )
+    };
+    assert_eq!(counts().await, (1, 0, 0), "only the target is deployed");
+
+    env.patch("targets", json!({"spec": {"targetDependents": true}}))
+        .await;
+    env.settled("targets", "succeeded").await;
+    assert_eq!(
+        counts().await,
+        (1, 1, 0),
+        "the target's dependent is deployed too, nothing else"
+    );
+
+    env.patch(
+        "targets",
+        json!({"spec": {"targets": null, "targetDependents": null}}),
+    )
+    .await;
+    env.settled("targets", "succeeded").await;
+    assert_eq!(counts().await, (1, 1, 1));
+
+    let api: Api<ConfigMap> = Api::namespaced(env.client(), &env.e.ns);
+    let name = env.labelled("c").await[0]
+        .metadata
+        .name
+        .clone()
+        .expect("name");
+    api.delete(&name, &DeleteParams::background())
+        .await
+        .expect("delete c behind Pulumi's back");
+    wait_for("c to be gone", WAIT, || async {
+        api.get_opt(&name).await.ok()?.is_none().then_some(())
+    })
+    .await
+    .expect("gone");
+
+    // A new update (a config change) without refresh: the state says c exists.
+    let config = |round: &str| json!({"spec": {"config": {"ns": env.e.ns, "round": round}}});
+    env.patch("targets", config("1")).await;
+    env.settled("targets", "succeeded").await;
+    assert_eq!(
+        env.count("c").await,
+        0,
+        "without refresh, c is not seen gone"
+    );
+
+    env.patch("targets", json!({"spec": {"refresh": true}}))
+        .await;
+    env.settled("targets", "succeeded").await;
+    assert_eq!(
+        env.count("c").await,
+        1,
+        "the refresh found c gone: made again"
+    );
+}
+
+/// `runProgram` makes the destroy on deletion run the program: with the file it reads gone,
+/// that destroy fails and nothing is destroyed; without it the destroy works from the state.
+/// `useLocalStackOnly` never creates the stack: a Stack naming one the backend has runs on it,
+/// one naming a stack the backend lacks does not run and creates none.
+#[tokio::test]
+async fn run_program_destroys_with_the_program_and_use_local_stack_only_creates_no_stack() {
+    let _machine = pko_tests::serial::shared().await;
+    let env = Env::start("stf-destroy").await;
+    let file = env.e.tmp.path().join("content.txt");
+    std::fs::write(&file, "hello\n").expect("file");
+    let programs: Api<Program> = Api::namespaced(env.client(), &env.e.ns);
+    programs
+        .create(
+            &PostParams::default(),
+            &fixtures::program(
+                "reads",
+                json!({
+                    "configuration": {"ns": {"type": "String"}, "file": {"type": "String"}},
+                    "variables": {"content": {"fn::readFile": "${file}"}},
+                    "resources": {"a": config_map("a", json!({"content": "${content}"}))},
+                }),
+            ),
+        )
+        .await
+        .expect("program");
+    let config = json!({"ns": env.e.ns, "file": file.display().to_string()});
+    env.stack(
+        "reads",
+        json!({
+            "programRef": {"name": "reads"}, "config": config,
+            "destroyOnFinalize": true, "runProgram": true,
+        }),
+    )
+    .await;
+    env.settled("reads", "succeeded").await;
+    assert_eq!(env.count("a").await, 1);
+
+    std::fs::remove_file(&file).expect("remove the file");
+    env.stacks
+        .delete("reads", &DeleteParams::default())
+        .await
+        .expect("delete the stack");
+    let failed = wait_for("the destroy to fail", WAIT, || async {
+        let last = env.stacks.get("reads").await.ok()?.status?.last_update?;
+        (last.type_.as_deref() == Some("destroy") && last.state.as_deref() == Some("failed"))
+            .then_some(last)
+    })
+    .await;
+    if let Err(e) = failed {
+        panic!(
+            "{e}: {:?}\n{}",
+            env.stacks.get("reads").await.ok().and_then(|s| s.status),
+            env.e.kubelet.logs("reads")
+        );
+    }
+    assert_eq!(env.count("a").await, 1, "nothing destroyed");
+
+    env.patch("reads", json!({"spec": {"runProgram": false}}))
+        .await;
+    wait_for("the stack to be destroyed and gone", WAIT, || async {
+        env.stacks
+            .get_opt("reads")
+            .await
+            .ok()?
+            .is_none()
+            .then_some(())
+    })
+    .await
+    .expect("gone");
+    assert_eq!(env.count("a").await, 0, "destroyed from the state");
+
+    // The destroy keeps pulumi stack `dev` in the backend, with its config.
+    let checkpoints = |stack: &str| {
+        fixtures::files_under(&env.backend().join(".pulumi/stacks"))
+            .into_iter()
+            .filter(|f| {
+                f.file_name().is_some_and(|n| {
+                    n.to_string_lossy() == format!("{stack}.json")
+                        || n.to_string_lossy() == format!("{stack}.json.gz")
+                })
+            })
+            .count()
+    };
+    assert_eq!(checkpoints("dev"), 1);
+    std::fs::write(&file, "again\n").expect("file");
+    env.stack(
+        "local",
+        json!({"programRef": {"name": "reads"}, "config": config, "useLocalStackOnly": true}),
+    )
+    .await;
+    env.settled("local", "succeeded").await;
+    assert_eq!(
+        env.labelled("a").await[0]
+            .data
+            .clone()
+            .unwrap_or_default()
+            .get("content")
+            .map(String::as_str),
+        Some("again\n"),
+        "the existing stack ran"
+    );
+    env.stack(
+        "absent",
+        json!({
+            "stack": "absent", "programRef": {"name": "reads"}, "config": config,
+            "useLocalStackOnly": true,
+        }),
+    )
+    .await;
+    let workspaces: Api<pko_api::workspace::Workspace> = Api::namespaced(env.client(), &env.e.ns);
+    let message = wait_for("the absent stack's workspace to stall", WAIT, || async {
+        let status = workspaces.get("absent").await.ok()?.status?;
+        status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Stalled" && c.status == "True")
+            .map(|c| c.message.clone())
+    })
+    .await;
+    let message = match message {
+        Ok(m) => m,
+        Err(e) => panic!("{e}\n{}", env.e.kubelet.logs("absent")),
+    };
+    assert!(message.contains("absent"), "{message}");
+    assert_eq!(checkpoints("absent"), 0, "no stack created");
+    assert!(env.updates("absent").await.is_empty(), "nothing ran");
+}
+
+/// A Flux source's `dir` is where the program is in its artifact. A prerequisite that
+/// succeeded within `succeededWithinDuration` lets its dependent run as it is; one that
+/// succeeded longer ago is run again first.
+#[tokio::test]
+async fn flux_dir_and_a_stale_prerequisite_run_again() {
+    let _machine = pko_tests::serial::shared().await;
+    pko_tests::flux::install_crds(pko_tests::ControlPlane::shared().await.client(), WAIT)
+        .await
+        .expect("Flux CRDs");
+    let env = Env::start("stf-prereq").await;
+    let mut source = pko_tests::flux::FluxSource::new();
+    let project = "name: nested\nruntime: yaml\nconfiguration:\n  ns:\n    type: String\noutputs:\n  where: in-app\n";
+    let artifact = source
+        .publish(
+            "main@sha1:1111111111111111111111111111111111111111",
+            &[
+                ("app/Pulumi.yaml", project),
+                (
+                    "Pulumi.yaml",
+                    "name: root\nruntime: yaml\noutputs:\n  where: at-root\n",
+                ),
+            ],
+        )
+        .await
+        .expect("artifact");
+    pko_tests::flux::set_git_repository(env.client(), &env.e.ns, "repo", &artifact)
+        .await
+        .expect("GitRepository");
+    env.stack(
+        "first",
+        json!({"fluxSource": {
+            "sourceRef": {"apiVersion": "source.toolkit.fluxcd.io/v1", "kind": "GitRepository", "name": "repo"},
+            "dir": "app",
+        }}),
+    )
+    .await;
+    let status = env.settled("first", "succeeded").await;
+    assert_eq!(
+        status.outputs.get("where"),
+        Some(&json!("in-app")),
+        "the program in dir ran"
+    );
+    let first_update = status.last_update.and_then(|l| l.name).expect("name");
+
+    env.program("second", json!({}), json!({}), json!({"ran": "yes"}))
+        .await;
+    let within = |duration: &str| json!([{"name": "first", "requirement": {"succeededWithinDuration": duration}}]);
+    env.stack(
+        "second",
+        json!({
+            "stack": "second", "programRef": {"name": "second"},
+            "prerequisites": within("1h"),
+        }),
+    )
+    .await;
+    env.settled("second", "succeeded").await;
+    assert_eq!(
+        env.stacks
+            .get("first")
+            .await
+            .expect("first")
+            .status
+            .and_then(|s| s.last_update)
+            .and_then(|l| l.name),
+        Some(first_update.clone()),
+        "a recent enough prerequisite is not run again"
+    );
+    assert_eq!(env.updates("first").await.len(), 1);
+
+    // Once the prerequisite's success is more than a second old, a requirement of one second
+    // runs it again.
+    wait_for(
+        "the first stack's success to be a second old",
+        WAIT,
+        || async {
+            let last = env.stacks.get("first").await.ok()?.status?.last_update?;
+            let at = last.last_resync_time?.0;
+            let age = jiff::Timestamp::now().duration_since(at);
+            (age > jiff::SignedDuration::from_secs(1)).then_some(())
+        },
+    )
+    .await
+    .expect("old enough");
+    env.patch("second", json!({"spec": {"prerequisites": within("1s")}}))
+        .await;
+    let rerun = wait_for("the prerequisite to run again", WAIT, || async {
+        let last = env.stacks.get("first").await.ok()?.status?.last_update?;
+        (last.name.as_deref() != Some(first_update.as_str())
+            && last.state.as_deref() == Some("succeeded"))
+        .then_some(())
+    })
+    .await;
+    if let Err(e) = rerun {
+        panic!(
+            "{e}: {:?}",
+            env.stacks.get("second").await.ok().and_then(|s| s.status)
+        );
+    }
+    assert!(env.updates("first").await.len() >= 2);
+}
+
+fn git_program(message: &str) -> String {
+    format!(
+        "name: from-git\nruntime: yaml\nconfiguration:\n  ns:\n    type: String\noutputs:\n  message: {message}\n"
+    )
+}
+
+/// `gitAuthSecret` (a Secret's `username`/`password`) authenticates the clone; `shallow`
+/// fetches one commit of the two; `continueResyncOnCommitMatch` runs the stack again at the
+/// same commit, `resyncFrequencySeconds` after the last run.
+#[tokio::test]
+async fn git_auth_secret_shallow_and_resync_at_the_same_commit() {
+    let _machine = pko_tests::serial::shared().await;
+    // Smart HTTP (a dumb server cannot serve a shallow fetch), over HTTPS.
+    let git_dir = tempfile::tempdir().expect("tmp");
+    let repo = GitRepo::start_smart_https(git_dir.path(), Some(("pko", "s3cret")))
+        .await
+        .expect("git repo");
+    let env = Env::with(
+        Execution::start_trusting("stf-git", repo.tls_cert().expect("a certificate")).await,
+    );
+    repo.commit("main", &[("app/Pulumi.yaml", &git_program("one"))])
+        .expect("first commit");
+    let commit = repo
+        .commit("main", &[("app/Pulumi.yaml", &git_program("two"))])
+        .expect("second commit");
+    env.secret_object(
+        "git-creds",
+        json!({"username": "pko", "password": "s3cret"}),
+    )
+    .await;
+    // Well above the 60s floor, so the default could not pass for it.
+    const RESYNC: u64 = 100;
+    env.stack(
+        "tracked",
+        json!({
+            "projectRepo": repo.url(), "branch": "main", "repoDir": "app",
+            "gitAuthSecret": "git-creds", "shallow": true,
+            "continueResyncOnCommitMatch": true, "resyncFrequencySeconds": RESYNC,
+        }),
+    )
+    .await;
+    let status = env.settled("tracked", "succeeded").await;
+    assert!(ready(&status));
+    assert_eq!(status.outputs.get("message"), Some(&json!("two")));
+    let first = status.last_update.expect("last update");
+    assert_eq!(
+        first.last_successful_commit.as_deref(),
+        Some(commit.as_str())
+    );
+
+    let shallow: Vec<_> = fixtures::files_under(&env.e.tmp.path().join("pods"))
+        .into_iter()
+        .filter(|f| f.ends_with(".git/shallow"))
+        .collect();
+    assert!(!shallow.is_empty(), "the clone is shallow");
+
+    let again = wait_for(
+        "the stack to run again at the same commit",
+        Duration::from_secs(RESYNC) + WAIT,
+        || async {
+            let last = env.stacks.get("tracked").await.ok()?.status?.last_update?;
+            (last.name != first.name && last.state.as_deref() == Some("succeeded")).then_some(last)
+        },
+    )
+    .await
+    .expect("a resync");
+    assert_eq!(
+        again.last_successful_commit.as_deref(),
+        Some(commit.as_str())
+    );
+    let (before, after) = (
+        first.last_resync_time.expect("time").0,
+        again.last_resync_time.expect("time").0,
+    );
+    assert!(
+        after.duration_since(before) >= jiff::SignedDuration::from_secs(RESYNC as i64),
+        "resynced after {:?}, not before {RESYNC}s",
+        after.duration_since(before)
+    );
+}
