@@ -8,8 +8,8 @@
 # repository. Its folder is keyed by the version and the tarball's sha256. `all` leaves it out.
 #
 # `node` builds the test node the end-to-end tests run (kubelet, containerd, CNI plugins,
-# kube-proxy, CoreDNS, kube-controller-manager, kube-scheduler, kube-network-policies, crictl)
-# and installs runc and nftables from Debian when missing.
+# kube-proxy, CoreDNS, kube-controller-manager, kube-scheduler, kube-router's NetworkPolicy
+# controller, crictl) and installs runc, nftables, iptables and ipset from Debian when missing.
 #
 #   tools/build.sh kube|opa|pulumi|pko|helm|oci|promtool|node|all  prints nothing but progress; exits non-zero on failure
 #   tools/build.sh dir kube|opa|pulumi|pko|helm|oci|promtool|node  prints the bin folder of a component
@@ -48,7 +48,11 @@ CONTAINERD_VERSION=2.4.2
 CNI_PLUGINS_VERSION=1.10.0
 # CoreDNS is built from tools/node/coredns (its own main with only the plugins the node uses).
 COREDNS_VERSION=1.15.0
-KNP_VERSION=0.8.0
+# NetworkPolicies are enforced by kube-router's firewall (iptables filter rules and ipsets): the
+# only enforcer the module proxy serves that needs no nftables `queue` statement, which kernels
+# built without CONFIG_NFT_QUEUE lack (kube-network-policies needs it). v2.1.0 is the only
+# version served; it runs in the test node's private namespaces only.
+KUBE_ROUTER_VERSION=2.1.0
 CRICTL_VERSION=1.37.0
 PKO_SRC_TARBALL=${PKO_SRC_TARBALL:-$here/../../shared/reference/pko-v$PKO_VERSION-src.tar.gz}
 
@@ -68,7 +72,7 @@ dir_for() {
     oci) echo "$cache/registry-v$REGISTRY_VERSION-cosign-v$COSIGN_VERSION" ;;
     helm) echo "$cache/helm-v$HELM_VERSION-k$HELM_KUBE_VERSION-$(key helm)" ;;
     promtool) echo "$cache/promtool-v$PROMETHEUS_VERSION" ;;
-    node) echo "$cache/node-k$K8S_VERSION-c$CONTAINERD_VERSION-cni$CNI_PLUGINS_VERSION-dns$COREDNS_VERSION-np$KNP_VERSION-cri$CRICTL_VERSION-$(node_key)" ;;
+    node) echo "$cache/node-k$K8S_VERSION-c$CONTAINERD_VERSION-cni$CNI_PLUGINS_VERSION-dns$COREDNS_VERSION-kr$KUBE_ROUTER_VERSION-cri$CRICTL_VERSION-$(node_key)" ;;
     *) echo "unknown component: $1" >&2; exit 2 ;;
   esac
 }
@@ -222,12 +226,14 @@ build_helm() {
 }
 
 # Debian packages the test node runs: runc (containerd's runtime; crun does not run on this
-# kind of machine's hybrid cgroups) and nftables (the `nft` CLI kube-proxy's nftables mode
-# drives).
+# kind of machine's hybrid cgroups), nftables (the `nft` CLI kube-proxy's nftables mode
+# drives), iptables and ipset (the CLIs kube-router's firewall drives).
 node_deps() {
   local missing=()
   command -v runc >/dev/null || missing+=(runc)
   command -v nft >/dev/null || missing+=(nftables)
+  command -v iptables >/dev/null || missing+=(iptables)
+  command -v ipset >/dev/null || missing+=(ipset)
   if ((${#missing[@]} == 0)); then return; fi
   echo "installing ${missing[*]} (apt-get)" >&2
   if [[ $(id -u) != 0 ]]; then
@@ -253,7 +259,7 @@ build_node() {
   node_deps
   local out; out=$(dir_for node)
   if [[ -x $out/crictl ]]; then return; fi
-  echo "building the test node (kubelet, kube-proxy, kube-controller-manager, kube-scheduler v$K8S_VERSION, containerd v$CONTAINERD_VERSION, CNI plugins v$CNI_PLUGINS_VERSION, CoreDNS v$COREDNS_VERSION, kube-network-policies v$KNP_VERSION, crictl v$CRICTL_VERSION) into $out" >&2
+  echo "building the test node (kubelet, kube-proxy, kube-controller-manager, kube-scheduler v$K8S_VERSION, containerd v$CONTAINERD_VERSION, CNI plugins v$CNI_PLUGINS_VERSION, CoreDNS v$COREDNS_VERSION, kube-router v$KUBE_ROUTER_VERSION, crictl v$CRICTL_VERSION) into $out" >&2
   node_tmp=$out.tmp
   mkdir -p "$node_tmp"
   local flags=(-trimpath -ldflags "-s -w")
@@ -276,7 +282,7 @@ build_node() {
     node_bin "cni/${c#*/}" env GOBIN="$node_tmp/cni" go install "${flags[@]}" "$cni/$c@v$CNI_PLUGINS_VERSION"
   done
   node_bin coredns bash -c 'cd "$1/node/coredns" && go build -trimpath -ldflags "-s -w" -o "$2/coredns" .' _ "$here" "$node_tmp"
-  node_bin kube-network-policies bash -c 'GOBIN="$1" go install -trimpath -ldflags "-s -w" "sigs.k8s.io/kube-network-policies/cmd@v$2" && mv "$1/cmd" "$1/kube-network-policies"' _ "$node_tmp" "$KNP_VERSION"
+  node_bin kube-router env GOBIN="$node_tmp" go install "${flags[@]}" "github.com/cloudnativelabs/kube-router/v2/cmd/kube-router@v$KUBE_ROUTER_VERSION"
   # The pod sandbox's process; the harness puts it in an image of its own.
   node_bin pause bash -c 'cd "$1/node" && go build -trimpath -ldflags "-s -w" -o "$2/pause" ./pause' _ "$here" "$node_tmp"
   node_bin crictl env GOBIN="$node_tmp" go install "${flags[@]}" "sigs.k8s.io/cri-tools/cmd/crictl@v$CRICTL_VERSION"

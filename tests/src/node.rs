@@ -1,6 +1,6 @@
 //! A real Kubernetes node for the end-to-end tests: on a private control plane, a kubelet,
 //! containerd (runc, overlayfs), the bridge CNI, kube-proxy (nftables), CoreDNS,
-//! kube-controller-manager, kube-scheduler and kube-network-policies, all built by
+//! kube-controller-manager, kube-scheduler and kube-router's NetworkPolicy controller, all built by
 //! `tools/build.sh node`, with images pulled from a private registry.
 //!
 //! The fast tests keep the harness kubelet (`crate::kubelet`); this node backs the tests that
@@ -55,7 +55,7 @@ const LOG_LINES: usize = 30;
 /// A running node; everything stops on drop.
 pub struct Node {
     /// kube-controller-manager, kube-scheduler, containerd, kubelet, kube-proxy, CoreDNS,
-    /// kube-network-policies: stopped in reverse order.
+    /// kube-router: stopped in reverse order.
     processes: Mutex<Vec<ChildGuard>>,
     plane: ControlPlane,
     registry: Registry,
@@ -129,7 +129,7 @@ impl Node {
         node.start_containerd(&pause).await?;
         node.start_kubelet().await?;
         node.start_proxy_and_dns().await?;
-        node.start_network_policies()?;
+        node.start_network_policies().await?;
         node.wait_ready().await?;
         Ok(node)
     }
@@ -182,7 +182,51 @@ impl Node {
         target: SocketAddr,
         path: &str,
     ) -> Result<String, HarnessError> {
-        let id = self.crictl(["pods", "-q", "--namespace", namespace, "--name", pod])?;
+        let script = format!(
+            "exec 3<>/dev/tcp/{ip}/{port} || exit 0; printf 'GET {path} HTTP/1.0\r\nHost: {ip}\r\n\r\n' >&3; head -n 1 <&3",
+            ip = target.ip(),
+            port = target.port(),
+        );
+        let out = self.in_pod_network(namespace, pod, &script)?;
+        Ok(out.trim().to_owned())
+    }
+
+    /// Whether a TCP connection from the pod `namespace/pod` to `target` is accepted (within
+    /// 10 s): NetworkPolicies included, whatever protocol the port speaks.
+    pub fn connects_from_pod(
+        &self,
+        namespace: &str,
+        pod: &str,
+        target: SocketAddr,
+    ) -> Result<bool, HarnessError> {
+        let script = format!(
+            "timeout 10 bash -c 'exec 3<>/dev/tcp/{ip}/{port}' 2>/dev/null && echo connected; exit 0",
+            ip = target.ip(),
+            port = target.port(),
+        );
+        Ok(self.in_pod_network(namespace, pod, &script)?.trim() == "connected")
+    }
+
+    /// Runs a bash `script` in the node's namespaces, inside the network namespace of the
+    /// pod's sandbox; its output.
+    fn in_pod_network(
+        &self,
+        namespace: &str,
+        pod: &str,
+        script: &str,
+    ) -> Result<String, HarnessError> {
+        // --name is a regular expression.
+        let name = format!("^{pod}$");
+        let id = self.crictl([
+            "pods",
+            "-q",
+            "--state",
+            "ready",
+            "--namespace",
+            namespace,
+            "--name",
+            &name,
+        ])?;
         let id = id.lines().next().unwrap_or_default().trim().to_owned();
         if id.is_empty() {
             return Err(missing(format!("a sandbox of pod {namespace}/{pod}")));
@@ -192,12 +236,7 @@ impl Node {
         let pid = inspect["info"]["pid"]
             .as_u64()
             .ok_or_else(|| missing(format!("the sandbox pid of {namespace}/{pod}")))?;
-        let script = format!(
-            "exec 3<>/dev/tcp/{ip}/{port} || exit 0; printf 'GET {path} HTTP/1.0\r\nHost: {ip}\r\n\r\n' >&3; head -n 1 <&3",
-            ip = target.ip(),
-            port = target.port(),
-        );
-        let out = self.netns.run([
+        self.netns.run([
             "nsenter",
             &format!("--net=/proc/{pid}/ns/net"),
             "--",
@@ -205,9 +244,8 @@ impl Node {
             "20",
             "bash",
             "-c",
-            &script,
-        ])?;
-        Ok(out.trim().to_owned())
+            script,
+        ])
     }
 
     /// The last lines of a component's log (`kubelet`, `containerd`, …), for failure messages.
@@ -653,48 +691,39 @@ conntrack:
         Ok(())
     }
 
-    /// kube-network-policies reads only the in-cluster configuration: the admin token and CA
-    /// in the node's own `/run/secrets/…` (its `/run` is a tmpfs of its own).
-    fn start_network_policies(&self) -> Result<(), HarnessError> {
-        let tokens = std::fs::read_to_string(self.plane.dir().join("tokens.csv"))
-            .map_err(|e| HarnessError::io("reading the admin token", e))?;
-        let token = tokens.split(',').next().unwrap_or_default().to_owned();
-        let sa = "/run/secrets/kubernetes.io/serviceaccount";
-        self.netns.run(["mkdir", "-p", sa])?;
-        let ca = self.pki("ca.crt");
-        self.netns
-            .run(["cp", ca.as_str(), &format!("{sa}/ca.crt")])?;
-        let token_file = self.dir.join("knp-token");
-        write(&token_file, &token)?;
-        let token_path = token_file.display().to_string();
-        self.netns
-            .run(["cp", token_path.as_str(), &format!("{sa}/token")])?;
-        let port = self
-            .plane
-            .server_url()
-            .rsplit(':')
-            .next()
-            .unwrap_or_default()
-            .to_owned();
-        let mut cmd = self.netns.command(self.bins.join("kube-network-policies"));
-        cmd.env("KUBERNETES_SERVICE_HOST", "127.0.0.1")
-            .env("KUBERNETES_SERVICE_PORT", port)
-            .args([
+    /// kube-router's NetworkPolicy controller alone (no routing, no service proxy: the bridge
+    /// and kube-proxy do those): iptables filter rules and ipsets, so it needs no nftables
+    /// `queue` statement. Started once its top-level chains exist, so a policy created after
+    /// the node is Ready is enforced as soon as kube-router has synced it.
+    async fn start_network_policies(&self) -> Result<(), HarnessError> {
+        self.spawn(
+            "kube-router",
+            &self.bins.join("kube-router"),
+            &[
+                format!("--kubeconfig={}", self.admin_kubeconfig()),
                 format!("--hostname-override={NODE_NAME}"),
-                "--disable-nri".into(),
-                "--metrics-bind-address=127.0.0.1:9080".into(),
+                "--run-firewall=true".into(),
+                "--run-router=false".into(),
+                "--run-service-proxy=false".into(),
+                "--run-loadbalancer=false".into(),
+                format!("--service-cluster-ip-range={SERVICE_CIDR}"),
+                "--health-port=0".into(),
+                "--metrics-port=0".into(),
                 "--v=2".into(),
-            ]);
-        let guard = spawn_guarded(
-            cmd,
-            "kube-network-policies",
-            &self.dir.join("logs/kube-network-policies.log"),
+            ],
         )?;
-        self.processes
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push(guard);
-        Ok(())
+        let netns = self.netns.clone();
+        wait_for("kube-router's firewall chains", READY_TIMEOUT, || {
+            let netns = netns.clone();
+            async move {
+                netns
+                    .run(["iptables", "-S", "KUBE-ROUTER-FORWARD"])
+                    .ok()
+                    .map(|_| ())
+            }
+        })
+        .await
+        .map_err(|e| self.failed(e, "kube-router"))
     }
 
     async fn wait_ready(&self) -> Result<(), HarnessError> {
