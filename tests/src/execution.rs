@@ -2,7 +2,7 @@
 //! own, the harness's kubelet running agents there, and an operator watching it.
 
 use crate::ControlPlane;
-use crate::kubelet::Kubelet;
+use crate::kubelet::{ApiAccess, Kubelet, KubeletOptions};
 use crate::operator::{Operator, OperatorOptions};
 
 /// A started execution environment.
@@ -42,6 +42,34 @@ impl Execution {
         let tmp = tempfile::tempdir().expect("tmp");
         std::fs::create_dir_all(tmp.path().join("backend")).expect("backend");
         let kubelet = Kubelet::start_on(plane, &ns, &tmp.path().join("pods")).expect("kubelet");
+        Self::with_kubelet(plane, ns, tmp, kubelet, operator_args, env).await
+    }
+
+    /// [`Self::start`] whose pods' images trust `certs` (PEM) beside the host's CAs, as an
+    /// image built with a company CA does (a test HTTPS server's certificate).
+    pub async fn start_trusting(prefix: &str, certs: Vec<String>) -> Self {
+        let plane = ControlPlane::shared().await;
+        let ns = plane.namespace(prefix).await.expect("namespace");
+        let tmp = tempfile::tempdir().expect("tmp");
+        std::fs::create_dir_all(tmp.path().join("backend")).expect("backend");
+        let options = KubeletOptions {
+            api: Some(ApiAccess::of(plane)),
+            trusted_certs: certs,
+            ..KubeletOptions::default()
+        };
+        let kubelet = Kubelet::start_with(plane.client(), &ns, &tmp.path().join("pods"), options)
+            .expect("kubelet");
+        Self::with_kubelet(plane, ns, tmp, kubelet, |_| Vec::new(), &[]).await
+    }
+
+    async fn with_kubelet(
+        plane: &'static ControlPlane,
+        ns: String,
+        tmp: tempfile::TempDir,
+        kubelet: Kubelet,
+        operator_args: impl FnOnce(&str) -> Vec<String>,
+        env: &[(&str, &str)],
+    ) -> Self {
         let operator = Operator::start_with_env(
             plane,
             OperatorOptions {
