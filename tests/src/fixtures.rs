@@ -233,7 +233,10 @@ pub async fn completed_update(
         .metadata
         .uid
         .expect("uid");
-    let spec = merged(json!({"workspaceName": workspace, "stackName": stack}), spec);
+    let spec = merged(
+        json!({"workspaceName": workspace, "stackName": stack}),
+        spec,
+    );
     let updates: kube::Api<Update> = kube::Api::namespaced(client, ns);
     updates
         .create(
