@@ -231,3 +231,102 @@ pub fn files_under(dir: &Path) -> Vec<std::path::PathBuf> {
     }
     out
 }
+
+/// Waits up to `wait` for Workspace `name` to be `Ready=True`; it, or a panic with its status
+/// and `logs()` (the pod's logs, read only then).
+pub async fn ready_workspace(
+    api: &kube::Api<Workspace>,
+    name: &str,
+    wait: std::time::Duration,
+    logs: impl FnOnce() -> String,
+) -> Workspace {
+    let ready = crate::wait_for(&format!("workspace {name} to be ready"), wait, || async {
+        let ws = api.get(name).await.ok()?;
+        ws.status
+            .as_ref()?
+            .conditions
+            .iter()
+            .any(|c| c.type_ == "Ready" && c.status == "True")
+            .then_some(ws)
+    })
+    .await;
+    match ready {
+        Ok(ws) => ws,
+        Err(e) => {
+            let status = api.get(name).await.ok().and_then(|w| w.status);
+            panic!("{e}; status: {status:?}\n{}", logs())
+        }
+    }
+}
+
+/// Creates Update `name` with `spec` (`workspaceName` and `stackName` added) under Workspace
+/// `workspace` (its controller) and waits up to `wait` for it to complete: its status, or a
+/// panic with `logs()`.
+pub async fn completed_update(
+    client: kube::Client,
+    ns: &str,
+    (workspace, stack): (&str, &str),
+    name: &str,
+    spec: Value,
+    wait: std::time::Duration,
+    logs: impl FnOnce() -> String,
+) -> pko_api::update::UpdateStatus {
+    let workspaces: kube::Api<Workspace> = kube::Api::namespaced(client.clone(), ns);
+    let uid = workspaces
+        .get(workspace)
+        .await
+        .expect("workspace")
+        .metadata
+        .uid
+        .expect("uid");
+    let spec = merged(
+        json!({"workspaceName": workspace, "stackName": stack}),
+        spec,
+    );
+    let updates: kube::Api<Update> = kube::Api::namespaced(client, ns);
+    updates
+        .create(
+            &kube::api::PostParams::default(),
+            &update(name, workspace, &uid, spec),
+        )
+        .await
+        .expect("create update");
+    let done = crate::wait_for(&format!("update {name} to complete"), wait, || async {
+        let status = updates.get(name).await.ok()?.status?;
+        status
+            .conditions
+            .iter()
+            .any(|c| c.type_ == "Complete" && c.status == "True")
+            .then_some(status)
+    })
+    .await;
+    match done {
+        Ok(status) => status,
+        Err(e) => {
+            let status = updates.get(name).await.ok().and_then(|u| u.status);
+            panic!("{e}: {status:?}\n{}", logs())
+        }
+    }
+}
+
+/// The outputs of a completed Update (its outputs Secret, each value JSON); empty without one.
+pub async fn update_outputs(
+    client: kube::Client,
+    ns: &str,
+    status: &pko_api::update::UpdateStatus,
+) -> BTreeMap<String, Value> {
+    let Some(name) = status.outputs.as_deref() else {
+        return BTreeMap::new();
+    };
+    let secrets: kube::Api<k8s_openapi::api::core::v1::Secret> = kube::Api::namespaced(client, ns);
+    let secret = secrets.get(name).await.expect("outputs secret");
+    secret
+        .data
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(k, v)| {
+            let value = serde_json::from_slice(&v.0).unwrap_or(Value::Null);
+            (k, value)
+        })
+        .collect()
+}

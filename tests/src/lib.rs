@@ -46,6 +46,7 @@ pub mod refusal;
 pub mod registry;
 pub mod serial;
 pub mod sshgit;
+pub mod vault;
 pub mod webhook;
 
 use std::future::Future;

@@ -52,3 +52,4 @@ mod update;
 mod update_fields;
 mod wire;
 mod workspace;
+mod workspace_fields;
