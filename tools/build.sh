@@ -14,6 +14,8 @@
 #   tools/build.sh kube|opa|pulumi|pko|helm|oci|promtool|node|all  prints nothing but progress; exits non-zero on failure
 #   tools/build.sh dir kube|opa|pulumi|pko|helm|oci|promtool|node  prints the bin folder of a component
 set -euo pipefail
+# shellcheck source=tools/apt.sh
+. "$(dirname "$0")/apt.sh"
 
 here=$(cd "$(dirname "$0")" && pwd)
 export GOTOOLCHAIN=local CGO_ENABLED=0
@@ -234,14 +236,7 @@ node_deps() {
   command -v nft >/dev/null || missing+=(nftables)
   command -v iptables >/dev/null || missing+=(iptables)
   command -v ipset >/dev/null || missing+=(ipset)
-  if ((${#missing[@]} == 0)); then return; fi
-  echo "installing ${missing[*]} (apt-get)" >&2
-  if [[ $(id -u) != 0 ]]; then
-    echo "${missing[*]} missing and not root: install them with apt-get" >&2
-    exit 1
-  fi
-  DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}" ||
-    { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}"; }
+  apt_install "${missing[@]}"
 }
 
 # One binary of the node into $out.tmp, skipped when an interrupted build already made it.
