@@ -7,7 +7,11 @@ SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
 CACHE_DIR ?= $(HOME)/.cache/pko-rs
-export CARGO_TARGET_DIR ?= $(CACHE_DIR)/target
+# One Rust target dir per checkout: cargo names a workspace crate's artifacts by its path relative
+# to the workspace, so a second checkout would reuse the first one's test binaries, whose
+# env!("CARGO_MANIFEST_DIR") still names the first checkout's files.
+CHECKOUT_KEY := $(shell printf '%s' '$(CURDIR)' | sha256sum | cut -c1-12)
+export CARGO_TARGET_DIR ?= $(CACHE_DIR)/target-$(CHECKOUT_KEY)
 export PKO_TOOLS_CACHE ?= $(CACHE_DIR)/tools
 export GOTOOLCHAIN := local
 export CGO_ENABLED := 0
@@ -108,7 +112,7 @@ pko: go-toolchain ## build PKO v2.9.0's manager and agent (the peer `make bench`
 	tools/build.sh pko
 
 # The bench's release build has a target dir of its own, so it never waits on a debug build.
-BENCH_TARGET_DIR ?= $(CACHE_DIR)/target-release
+BENCH_TARGET_DIR ?= $(CACHE_DIR)/target-release-$(CHECKOUT_KEY)
 BENCH_BIN := $(BENCH_TARGET_DIR)/release
 # PKO v2.9.0 next to pko-rs at 1,000, 5,000 and 10,000 Programs; BENCH_FLAGS adds or overrides.
 BENCH_FLAGS ?= --with-10k
@@ -203,5 +207,5 @@ image: image-deps dist dist-policies dist-plugins dist-pulumi dist-rootfs ## ope
 	tools/image.sh build $(DIST_DIR) $(PKO_IMAGE_DIR)
 
 .PHONY: clean-cache
-clean-cache: ## remove built tools and the Rust target dir
+clean-cache: ## remove built tools and the Rust target dirs
 	rm -rf $(CACHE_DIR)
