@@ -9,6 +9,7 @@ use crate::proto::{self as pb, config_item, config_value_from};
 use crate::values;
 
 /// A config item resolved to a value inside the agent.
+#[derive(Clone)]
 pub(super) struct Resolved {
     key: String,
     path: bool,
@@ -69,52 +70,59 @@ pub(super) fn resolve_item(
     })
 }
 
-/// `config set-all` arguments for `items` in project `project`.
+/// The `pulumi config set-all` invocations for `items` in project `project`, run in order.
 ///
-/// Structured values (objects, arrays, JSON from a file/env) need `--json` (CLI ≥ 3.202), which
-/// cannot express property paths; plain values use `--path` with non-path keys quoted so a dot
-/// in a key is not read as a path separator.
-pub(super) fn set_all_args(project: &str, items: &[Resolved]) -> Result<Vec<String>, Status> {
-    let namespaced = |key: &str| {
-        if key.contains(':') {
-            key.to_owned()
-        } else {
-            format!("{project}:{key}")
-        }
-    };
+/// Plain values use `--path`, with non-path keys quoted so a dot in a key is not read as a path
+/// separator. Structured values (objects, arrays, JSON from a file/env) need `--json` (CLI ≥
+/// 3.202), which cannot express property paths, so path items then go in a second `--path`
+/// call after it (PKO drops their `path` there, setting a literal key instead).
+pub(super) fn set_all_commands(project: &str, items: &[Resolved]) -> Vec<Vec<String>> {
     let structured = items
         .iter()
         .any(|i| matches!(i.value, Value::Object(_) | Value::Array(_)));
-    let mut out = args(["config", "set-all"]);
-    if structured {
-        if let Some(i) = items.iter().find(|i| i.path) {
-            return Err(Status::invalid_argument(format!(
-                "config {}: path keys cannot be combined with structured values",
-                i.key
-            )));
-        }
-        let mut doc = Map::new();
-        for i in items {
-            let entry = match &i.value {
-                Value::Object(_) | Value::Array(_) => json!({
-                    "value": i.value.to_string(),
-                    "objectValue": i.value,
-                    "secret": i.secret,
-                }),
-                scalar => json!({
-                    "value": values::scalar_text(scalar).unwrap_or_default(),
-                    "secret": i.secret,
-                }),
-            };
-            doc.insert(namespaced(&i.key), entry);
-        }
-        out.push(format!("--json={}", Value::Object(doc)));
-        return Ok(out);
+    if !structured {
+        return vec![path_command(project, items)];
     }
-    out.push("--path".into());
+    let (paths, literal): (Vec<_>, Vec<_>) = items.iter().cloned().partition(|i| i.path);
+    let mut doc = Map::new();
+    for i in &literal {
+        let entry = match &i.value {
+            Value::Object(_) | Value::Array(_) => json!({
+                "value": i.value.to_string(),
+                "objectValue": i.value,
+                "secret": i.secret,
+            }),
+            scalar => json!({
+                "value": values::scalar_text(scalar).unwrap_or_default(),
+                "secret": i.secret,
+            }),
+        };
+        doc.insert(namespaced(project, &i.key), entry);
+    }
+    let mut json_command = args(["config", "set-all"]);
+    json_command.push(format!("--json={}", Value::Object(doc)));
+    let mut commands = vec![json_command];
+    if !paths.is_empty() {
+        commands.push(path_command(project, &paths));
+    }
+    commands
+}
+
+/// A key in the project's namespace unless it names its own (`aws:region`).
+fn namespaced(project: &str, key: &str) -> String {
+    if key.contains(':') {
+        key.to_owned()
+    } else {
+        format!("{project}:{key}")
+    }
+}
+
+/// One `set-all --path` call: path items as property paths, the others quoted as literal keys.
+fn path_command(project: &str, items: &[Resolved]) -> Vec<String> {
+    let mut out = args(["config", "set-all", "--path"]);
     for i in items {
         let key = if i.path {
-            namespaced(&i.key)
+            namespaced(project, &i.key)
         } else {
             let (ns, name) = match i.key.split_once(':') {
                 Some((ns, name)) => (ns.to_owned(), name.to_owned()),
@@ -127,13 +135,11 @@ pub(super) fn set_all_args(project: &str, items: &[Resolved]) -> Result<Vec<Stri
         out.push(flag.into());
         out.push(format!("{key}={text}"));
     }
-    Ok(out)
+    out
 }
 
 #[cfg(test)]
 mod tests {
-    use tonic::Code;
-
     use super::*;
 
     fn item(key: &str, path: bool, secret: bool, value: Value) -> Resolved {
@@ -147,18 +153,17 @@ mod tests {
 
     #[test]
     fn plain_config_uses_path_mode_with_quoted_keys() {
-        let a = set_all_args(
+        let a = set_all_commands(
             "proj",
             &[
                 item("a.b", false, false, json!("x")),
                 item("list[0]", true, false, json!(1)),
                 item("aws:region", false, true, json!("eu")),
             ],
-        )
-        .expect("args");
+        );
         assert_eq!(
             a,
-            vec![
+            vec![vec![
                 "config",
                 "set-all",
                 "--path",
@@ -168,31 +173,48 @@ mod tests {
                 "proj:list[0]=1",
                 "--secret",
                 "aws:[\"region\"]=eu",
-            ]
+            ]]
         );
     }
 
     #[test]
     fn structured_config_uses_json_mode() {
-        let a = set_all_args(
+        let commands = set_all_commands(
             "proj",
             &[
                 item("obj", false, false, json!({"k": [1, 2]})),
                 item("n", false, true, json!(3)),
             ],
-        )
-        .expect("args");
+        );
+        let [a] = commands.as_slice() else {
+            panic!("one call: {commands:?}")
+        };
         let doc: Value = serde_json::from_str(a[2].trim_start_matches("--json=")).expect("json");
         assert_eq!(doc["proj:obj"]["objectValue"], json!({"k": [1, 2]}));
         assert_eq!(doc["proj:n"], json!({"value": "3", "secret": true}));
-        let err = set_all_args(
+    }
+
+    #[test]
+    fn path_items_beside_structured_values_follow_in_a_path_call() {
+        let commands = set_all_commands(
             "proj",
             &[
-                item("obj", false, false, json!([1])),
                 item("p.q", true, false, json!("x")),
+                item("obj", false, false, json!([1])),
+                item("a.b", false, true, json!("y")),
             ],
-        )
-        .expect_err("path + structured");
-        assert_eq!(err.code(), Code::InvalidArgument);
+        );
+        assert_eq!(commands.len(), 2, "{commands:?}");
+        let doc: Value =
+            serde_json::from_str(commands[0][2].trim_start_matches("--json=")).expect("json");
+        assert_eq!(
+            doc,
+            json!({"proj:obj": {"value": "[1]", "objectValue": [1], "secret": false},
+                   "proj:a.b": {"value": "y", "secret": true}})
+        );
+        assert_eq!(
+            commands[1],
+            vec!["config", "set-all", "--path", "--plaintext", "proj:p.q=x"]
+        );
     }
 }

@@ -5,7 +5,7 @@ use serde_json::Value;
 use tonic::{Request, Response, Status};
 use tracing::info;
 
-use super::config::{resolve_item, set_all_args};
+use super::config::{resolve_item, set_all_commands};
 use super::operation::RpcStream;
 use super::status::{local_summary, permalink, to_status};
 use super::{Agent, args, check_name};
@@ -89,14 +89,15 @@ impl AutomationService for Agent {
             return Ok(self.respond(pb::SetAllConfigResult {}));
         }
         let project = self.project()?;
-        let mut cli_args = set_all_args(&project.name, &items)?;
-        cli_args.push(format!("--stack={stack}"));
         let _guard = self.inner.lock.lock().await;
-        self.inner
-            .cli
-            .run(&cli_args)
-            .await
-            .map_err(|e| to_status("config set-all", e))?;
+        for mut cli_args in set_all_commands(&project.name, &items) {
+            cli_args.push(format!("--stack={stack}"));
+            self.inner
+                .cli
+                .run(&cli_args)
+                .await
+                .map_err(|e| to_status("config set-all", e))?;
+        }
         Ok(self.respond(pb::SetAllConfigResult {}))
     }
 
