@@ -18,7 +18,7 @@ use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 use tonic::metadata::MetadataValue;
 use tonic::{Response, Status};
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::limits::Limits;
 use crate::proto as pb;
@@ -102,8 +102,22 @@ impl Agent {
             .ok_or_else(|| Status::failed_precondition("no stack is selected"))
     }
 
-    /// Selects `name`, creating it when asked. Used by the RPC and by `serve --stack`.
+    /// Selects `name`, creating it when asked. Used by the RPC and by `serve --stack`. A
+    /// failure is logged too: the operator retries it, and on-call reads the pod's log.
     pub async fn select(
+        &self,
+        name: &str,
+        create: bool,
+        secrets_provider: Option<&str>,
+    ) -> Result<(), Status> {
+        let selected = self.select_or_create(name, create, secrets_provider).await;
+        if let Err(s) = &selected {
+            warn!(stack = name, message = s.message(), "stack not selected");
+        }
+        selected
+    }
+
+    async fn select_or_create(
         &self,
         name: &str,
         create: bool,
