@@ -2,8 +2,10 @@
 //! schedules is seen on the way in, and its reconciler and error policy wrapped, so every
 //! run and requeue is seen: what PKO's controller-runtime and work-queue series are made of
 //! ([`crate::runtime_metrics`]). The requests themselves are exactly those
-//! `Controller::new`, `owns` and `watches` would make; nothing about scheduling changes.
+//! `Controller::new`, `owns` and `watches` would make, and nothing about scheduling changes,
+//! except that [`controller_of_changes`] leaves out changes of status alone.
 
+use std::hash::{DefaultHasher, Hash, Hasher};
 use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -17,7 +19,7 @@ use kube::Resource;
 use kube::api::{Api, PartialObjectMeta};
 use kube::runtime::controller::{Action, Controller, Error as ControllerError};
 use kube::runtime::reflector::{self, ObjectRef};
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::{PredicateConfig, WatchStreamExt, watcher};
 use serde::de::DeserializeOwned;
 use tracing::warn;
 
@@ -31,6 +33,43 @@ where
     let (reader, writer) = reflector::store();
     let objects_of = watcher(api, wc).reflect(writer).applied_objects();
     Controller::for_stream(objects(probe, objects_of), reader)
+}
+
+/// [`controller`] for a kind whose reconciles write its status: a change of the status alone
+/// queues nothing. The reconcile that wrote it has acted already, and a reconcile its own write
+/// queued may start before the write reaches the cache: it would redo the attempt from the
+/// status before (a failed step retried at once and in a loop, not after its wait).
+pub fn controller_of_changes<K>(
+    probe: &ControllerProbe,
+    api: Api<K>,
+    wc: watcher::Config,
+) -> Controller<K>
+where
+    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+{
+    let (reader, writer) = reflector::store();
+    let objects_of = watcher(api, wc)
+        .reflect(writer)
+        .applied_objects()
+        .predicate_filter(not_status, PredicateConfig::default());
+    Controller::for_stream(objects(probe, objects_of), reader)
+}
+
+/// What of an object a status write leaves as it is: the spec (its generation), labels,
+/// annotations, finalizers and deletion.
+fn not_status<K: Resource>(object: &K) -> Option<u64> {
+    let meta = object.meta();
+    let mut hasher = DefaultHasher::new();
+    (
+        &meta.uid,
+        meta.generation,
+        &meta.labels,
+        &meta.annotations,
+        &meta.finalizers,
+        meta.deletion_timestamp.is_some(),
+    )
+        .hash(&mut hasher);
+    Some(hasher.finish())
 }
 
 /// `owns`, `watches` and `reconcile_on`, their requests seen as queued.

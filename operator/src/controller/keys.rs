@@ -46,6 +46,9 @@ pub const INITIALIZED_ANNOTATION: &str = "pko-rs.dev/initialized";
 /// and plugins, then selects and configures the stacks (PKO's).
 pub const INSTALLING: &str = "Installing";
 pub const INITIALIZING: &str = "Initializing";
+/// Workspace `Stalled=True` reasons when those steps failed; they are retried.
+pub const INSTALLATION_FAILED: &str = "InstallationFailed";
+pub const INITIALIZATION_FAILED: &str = "InitializationFailed";
 /// On a Workspace (a Stack sets it through `workspaceTemplate.metadata.annotations`): the agent
 /// contract of its pod. `pko` lays the pod out as PKO's manager does (agent and tini copied
 /// from `--pko-agent-image`, `serve --auth-mode kube`) and calls the agent over plaintext with

@@ -220,7 +220,8 @@ pub async fn run(
         .controller(names::WORKSPACE, concurrency.max(1));
     let owned =
         watcher::Config::default().labels(&format!("{}=workspace", WORKSPACE_COMPONENT_LABEL));
-    let controller = instrument::controller(&probe, api, watcher::Config::default().any_semantic());
+    let controller =
+        instrument::controller_of_changes(&probe, api, watcher::Config::default().any_semantic());
     let controller = controller.woken_by(&probe, &ctx.wakeup);
     let events = controller
         .owns_observed(&probe, statefulsets, owned)

@@ -24,7 +24,8 @@ use super::{AgentFacts, WorkspaceContext, WorkspaceError, env, pod, to_pb_item};
 use crate::agent_client::{AgentAuth, AgentError};
 use crate::controller::conditions;
 use crate::controller::keys::{
-    APPLY_MANAGER, ENV_IN_POD_ANNOTATION, INITIALIZED_ANNOTATION, INITIALIZING, INSTALLING,
+    APPLY_MANAGER, ENV_IN_POD_ANNOTATION, INITIALIZATION_FAILED, INITIALIZED_ANNOTATION,
+    INITIALIZING, INSTALLATION_FAILED, INSTALLING,
 };
 use crate::controller::kit::FromKube;
 use crate::controller::takeover;
@@ -119,8 +120,12 @@ impl<'a> Run<'a> {
     }
 
     /// Reports a step as PKO does while it runs (`Installing`, `Initializing`): `Ready=False`
-    /// with `reason`, nothing stalled (an earlier failure is being retried), written now.
+    /// with `reason`, nothing stalled, written now. Not while a failed step of this generation
+    /// is retried: its stall stays, rather than flip to the step and back on every retry.
     async fn report_step(&mut self, reason: &str, message: &str) -> Result<(), WorkspaceError> {
+        if status::retrying_a_failed_step(&self.status, self.generation) {
+            return Ok(());
+        }
         conditions::remove(&mut self.status.conditions, STALLED);
         status::mark_not_ready(&mut self.status, false, reason, message, self.generation);
         status::write_status(
@@ -135,10 +140,14 @@ impl<'a> Run<'a> {
         Ok(())
     }
 
-    /// Ends the reconcile `Stalled=True`/`Ready=False` after a failed agent call, always
-    /// with a Warning Event, retried after [`INITIALIZATION_RETRY`].
+    /// Ends the reconcile `Stalled=True`/`Ready=False` after a failed agent call, retried
+    /// after [`INITIALIZATION_RETRY`]; a Warning Event unless the same stall is reported.
     async fn stall_on_agent(&mut self, event_reason: &str, reason: &str, message: String) -> End {
-        self.warn(event_reason, message.clone()).await;
+        let known = conditions::get(&self.status.conditions, STALLED)
+            .is_some_and(|c| c.status == "True" && c.reason == reason && c.message == message);
+        if !known {
+            self.warn(event_reason, message.clone()).await;
+        }
         status::mark_not_ready(&mut self.status, true, reason, &message, self.generation);
         End::Report(Action::requeue(INITIALIZATION_RETRY))
     }
@@ -569,7 +578,7 @@ pub(super) async fn initialise(
             if let Err(s) = agent.client.set_environment_variables(request).await {
                 run.ctx.agents.forget(&run.name, &run.namespace);
                 return Err(WorkspaceError::AgentUnavailable {
-                    reason: "InitializationFailed".into(),
+                    reason: INITIALIZATION_FAILED.into(),
                     message: format!("Failed to set the environment: {}", s.message()),
                 });
             }
@@ -587,7 +596,7 @@ pub(super) async fn initialise(
     if fresh && let Err(s) = agent.client.install(pb::InstallRequest {}).await {
         let message = format!("Installation failed: {}", s.message());
         let end = run
-            .stall_on_agent("InstallationFailure", "InstallationFailed", message)
+            .stall_on_agent("InstallationFailure", INSTALLATION_FAILED, message)
             .await;
         return Ok(Phase::Done(end));
     }
@@ -629,11 +638,7 @@ pub(super) async fn stacks(
         .await?;
     if let Err(message) = initialize_stacks(&mut agent.client, run.ws).await {
         let end = run
-            .stall_on_agent(
-                "StackInitializationFailure",
-                "InitializationFailed",
-                message,
-            )
+            .stall_on_agent("StackInitializationFailure", INITIALIZATION_FAILED, message)
             .await;
         return Ok(Phase::Done(end));
     }

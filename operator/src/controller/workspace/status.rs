@@ -6,7 +6,9 @@ use kube::api::{Api, Patch, PatchParams};
 use pko_api::workspace::{Workspace, WorkspaceStatus};
 
 use super::WorkspaceError;
-use crate::controller::keys::WORKSPACE_STATUS_MANAGER;
+use crate::controller::keys::{
+    INITIALIZATION_FAILED, INSTALLATION_FAILED, WORKSPACE_STATUS_MANAGER,
+};
 use crate::controller::kit;
 use crate::controller::kit::FromKube;
 use crate::controller::{backoff, conditions};
@@ -27,6 +29,16 @@ pub(super) fn clear_failure_stall(status: &mut WorkspaceStatus) {
     if conditions::get(&status.conditions, STALLED).is_some_and(|c| c.reason == backoff::REASON) {
         conditions::remove(&mut status.conditions, STALLED);
     }
+}
+
+/// Whether the last attempt at an agent step (install, stack initialization) of `generation`
+/// failed, so the running attempt is a retry of it.
+pub(super) fn retrying_a_failed_step(status: &WorkspaceStatus, generation: Option<i64>) -> bool {
+    conditions::get(&status.conditions, STALLED).is_some_and(|c| {
+        c.status == "True"
+            && [INSTALLATION_FAILED, INITIALIZATION_FAILED].contains(&c.reason.as_str())
+            && c.observed_generation == generation
+    })
 }
 
 /// `Ready=False` for `reason`; with `stalled`, also `Stalled=True` (a state that retrying soon
@@ -219,6 +231,21 @@ mod tests {
     }
 
     #[test]
+    fn only_a_failed_step_of_the_same_generation_is_a_retry() {
+        let mut status = WorkspaceStatus::default();
+        assert!(!retrying_a_failed_step(&status, Some(1)));
+        mark_not_ready(&mut status, true, INITIALIZATION_FAILED, "no", Some(1));
+        assert!(retrying_a_failed_step(&status, Some(1)));
+        assert!(!retrying_a_failed_step(&status, Some(2)), "a new spec");
+        mark_not_ready(&mut status, true, INSTALLATION_FAILED, "no", Some(2));
+        assert!(retrying_a_failed_step(&status, Some(2)));
+        mark_not_ready(&mut status, true, "SpecInvalid", "bad", Some(2));
+        assert!(!retrying_a_failed_step(&status, Some(2)), "not a step");
+        mark_ready(&mut status, Some(2));
+        assert!(!retrying_a_failed_step(&status, Some(2)));
+    }
+
+    #[test]
     fn a_pod_not_ready_and_a_ready_workspace_are_not_stalled() {
         let mut status = WorkspaceStatus::default();
         mark_not_ready(&mut status, true, "SpecInvalid", "bad", Some(1));
@@ -226,7 +253,7 @@ mod tests {
         mark_pod_not_ready(&mut status, "WaitingForReplicas", "waiting", Some(1));
         assert_eq!(status.address, None);
         assert!(conditions::get(&status.conditions, STALLED).is_none());
-        mark_not_ready(&mut status, true, "InstallationFailed", "no", Some(1));
+        mark_not_ready(&mut status, true, INSTALLATION_FAILED, "no", Some(1));
         mark_ready(&mut status, Some(1));
         assert!(conditions::get(&status.conditions, STALLED).is_none());
         assert_eq!(
