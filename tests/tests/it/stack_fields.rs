@@ -660,3 +660,51 @@ async fn git_auth_secret_shallow_and_resync_at_the_same_commit() {
         after.duration_since(before)
     );
 }
+
+/// A file backend's stack without `PULUMI_CONFIG_PASSPHRASE`: pulumi cannot make or open the
+/// stack, and the Stack says so, stalled, instead of waiting forever.
+#[tokio::test]
+async fn a_stack_without_its_passphrase_stalls_saying_so() {
+    let _machine = pko_tests::serial::shared().await;
+    let env = Env::start("stf-nopass").await;
+    env.program(
+        "plain",
+        json!({}),
+        json!({"made": config_map("nopass", json!({"k": "v"}))}),
+        json!({}),
+    )
+    .await;
+    let kubeconfig = env.e.plane.kubeconfig_path().display().to_string();
+    env.stack(
+        "nopass",
+        json!({"programRef": {"name": "plain"},
+            "envRefs": {"KUBECONFIG": {"type": "Literal", "literal": {"value": kubeconfig}}}}),
+    )
+    .await;
+    let stalled = wait_for("the stack to stall", WAIT, || async {
+        let status = env.stacks.get("nopass").await.ok()?.status?;
+        status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Stalled" && c.status == "True")
+            .map(|c| (c.reason.clone(), c.message.clone()))
+    })
+    .await;
+    let (reason, message) = match stalled {
+        Ok(s) => s,
+        Err(e) => panic!(
+            "{e}: {:?}\n{}",
+            env.stacks.get("nopass").await.ok().and_then(|s| s.status),
+            env.e.kubelet.logs("nopass")
+        ),
+    };
+    assert!(
+        message.contains("PULUMI_CONFIG_PASSPHRASE"),
+        "{reason}: {message}"
+    );
+    assert_eq!(env.count("nopass").await, 0);
+    eprintln!(
+        "STALLED {reason}: {message}\n{}",
+        env.e.kubelet.logs("nopass")
+    );
+}

@@ -12,7 +12,7 @@ use std::time::Duration;
 use base64::Engine;
 use k8s_openapi::api::core::v1::{Secret, Service};
 use kube::Api;
-use kube::api::PostParams;
+use kube::api::{Patch, PatchParams, PostParams};
 use pko_api::program::Program;
 use pko_api::stack::Stack;
 use pko_api::workspace::Workspace;
@@ -82,9 +82,9 @@ async fn create_secret(e: &Execution, name: &str, key: &str, value: &str) {
 }
 
 /// `flux.dir` picks the program in the artifact's folder; a config item with `path` sets a
-/// nested value, `valueFrom.path` reads a file, `valueFrom.json` makes an object of it (stack
-/// `structured`: pulumi takes JSON values and property paths in separate calls); the outputs
-/// say so. `pulumiLogLevel` 3 makes pulumi log at verbosity 3 (lines tagged `"v":3` in the
+/// nested value, `valueFrom.path` reads a file, `valueFrom.json` makes an object of it, all in
+/// one stack (pulumi takes JSON values and property paths in separate calls); the outputs say
+/// so. `pulumiLogLevel` 3 makes pulumi log at verbosity 3 (lines tagged `"v":3` in the
 /// agent's log of pulumi's stderr, none without it); `serviceTemplate.metadata`'s labels and
 /// annotations are on the Service.
 #[tokio::test]
@@ -123,8 +123,6 @@ async fn flux_dir_config_paths_files_json_log_level_and_service_metadata_take_ef
                 {"name": "dev", "create": true, "config": [
                     {"key": "nested.inner", "path": true, "value": "deep"},
                     {"key": "fromFile", "valueFrom": {"path": value_file.display().to_string()}},
-                ]},
-                {"name": "structured", "create": true, "config": [
                     {"key": "doc", "valueFrom": {"path": doc_file.display().to_string(), "json": true}},
                 ]},
             ],
@@ -163,11 +161,10 @@ async fn flux_dir_config_paths_files_json_log_level_and_service_metadata_take_ef
     assert_eq!(dev.get("which"), Some(&json!("app")), "{dev:?}");
     assert_eq!(dev.get("inner"), Some(&json!("deep")), "{dev:?}");
     assert_eq!(dev.get("fromFile"), Some(&json!("from a file")), "{dev:?}");
-    let structured = up("structured").await;
     assert_eq!(
-        structured.get("doc"),
+        dev.get("doc"),
         Some(&json!({"name": "json-doc", "replicas": 2})),
-        "{structured:?}"
+        "{dev:?}"
     );
 
     let agent_log = std::fs::read_to_string(e.tmp.path().join("pods/fields-workspace/agent.log"))
@@ -406,5 +403,76 @@ async fn a_stack_keeps_its_secrets_with_a_hashivault_secrets_provider() {
     assert!(
         issued.contains(&key.as_str()),
         "the data key's ciphertext is one the server issued: {key} not in {issued:?}"
+    );
+}
+
+/// A stack that cannot be initialized (a file backend without its passphrase) stalls the
+/// Workspace `InitializationFailed`, naming the cause. A retry of the same failure keeps that
+/// stall and writes nothing, rather than flip to `Initializing` and back on every retry.
+#[tokio::test]
+async fn a_failed_stack_initialization_stays_stalled_while_it_is_retried() {
+    let _machine = pko_tests::serial::shared().await;
+    let e = &Execution::start("wsf-nopass", &[]).await;
+    let mut flux = FluxSource::new();
+    let artifact = flux
+        .publish(
+            "main@sha1:89abcdef0123456789abcdef0123456789abcdef",
+            &[("Pulumi.yaml", ROOT_PROGRAM)],
+        )
+        .await
+        .expect("artifact");
+    let backend = format!("file://{}", e.tmp.path().join("backend").display());
+    create_workspace(
+        e,
+        "nopass",
+        json!({
+            "flux": {"url": artifact.url, "digest": artifact.digest},
+            "env": [env_var("PULUMI_BACKEND_URL", &backend)],
+            "stacks": [{"name": "dev", "create": true}],
+        }),
+    )
+    .await;
+    let workspaces: Api<Workspace> = Api::namespaced(e.plane.client(), &e.ns);
+    let stalled = wait_for("the workspace to stall", WAIT, || async {
+        let status = workspaces.get("nopass").await.ok()?.status?;
+        status
+            .conditions
+            .into_iter()
+            .find(|c| c.type_ == "Stalled" && c.status == "True")
+    })
+    .await
+    .unwrap_or_else(|err| panic!("{err}\n{}", e.kubelet.logs("nopass")));
+    assert_eq!(stalled.reason, "InitializationFailed", "{stalled:?}");
+    assert!(
+        stalled.message.contains("PULUMI_CONFIG_PASSPHRASE"),
+        "{stalled:?}"
+    );
+
+    let failures = || {
+        e.kubelet
+            .logs("nopass")
+            .matches("stack not selected")
+            .count()
+    };
+    let before = failures();
+    // Any change to the object wakes the controller, which tries again at once.
+    let poked = workspaces
+        .patch(
+            "nopass",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"annotations": {"example.com/poke": "1"}}})),
+        )
+        .await
+        .expect("poke");
+    wait_for("the retry to fail too", WAIT, || async {
+        (failures() > before).then_some(())
+    })
+    .await
+    .unwrap_or_else(|err| panic!("{err}\n{}", e.kubelet.logs("nopass")));
+    let after = workspaces.get("nopass").await.expect("get");
+    assert_eq!(
+        after.metadata.resource_version, poked.metadata.resource_version,
+        "the retry wrote the Workspace: {:?}",
+        after.status
     );
 }
