@@ -221,10 +221,12 @@ fn every_example_is_classified_and_documented() {
             .lines()
             .find(|l| l.starts_with(&format!("| `{file}`")))
             .unwrap_or_else(|| panic!("no row for {file} in docs/execution.md"));
-        let expected = match outcome {
-            Runs(test) | ProgramOnly(test, _) => format!("`pko_examples::{test}`"),
-            Offline(_) => "cannot run offline".to_owned(),
+        let (expected, why) = match outcome {
+            Runs(test) => (format!("`pko_examples::{test}`"), "runs"),
+            ProgramOnly(test, why) => (format!("`pko_examples::{test}`"), *why),
+            Offline(why) => ("cannot run offline".to_owned(), *why),
         };
+        assert!(!why.is_empty(), "{file}: say why it cannot run");
         assert!(
             row.contains(&expected),
             "{file}: {row:?} lacks {expected:?}"
