@@ -330,3 +330,153 @@ pub async fn update_outputs(
         })
         .collect()
 }
+
+/// The objects of a multi-document YAML manifest at `path`, in order (documents that are empty
+/// or not objects with an `apiVersion` are left out).
+pub fn manifest(path: &Path) -> Result<Vec<Value>, crate::HarnessError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| crate::HarnessError::io(format!("reading {}", path.display()), e))?;
+    Ok(text
+        .split("\n---")
+        .filter_map(|doc| yaml_serde::from_str::<Value>(doc).ok())
+        .filter(|doc| doc.get("apiVersion").is_some_and(Value::is_string))
+        .collect())
+}
+
+/// The kinds of a manifest that are not namespaced (the rest are).
+const CLUSTER_KINDS: &[&str] = &["Namespace", "ClusterRole", "ClusterRoleBinding"];
+
+/// `object` of a PKO manifest made to run in the test namespace `ns` with its file state in
+/// `backend`, or `None` for a Namespace (the test's own stands in for it). Only what the test
+/// plane forces is changed:
+/// - every namespaced object, and every ServiceAccount a binding names, moves to `ns` (the
+///   harness kubelet and operator serve one namespace each);
+/// - a cluster-scoped object gets `-<ns>` on its name, so two runs never share one;
+/// - a Stack's `file:///...` `PULUMI_BACKEND_URL` literal points at `backend`: the harness runs
+///   pods as host processes and maps a volume's path only where a word starts with it, so a
+///   `file://` URL naming the volume's mount path would be the host's own folder.
+pub fn localized(mut object: Value, ns: &str, backend: &Path) -> Option<Value> {
+    let kind = object["kind"].as_str().unwrap_or_default().to_owned();
+    if kind == "Namespace" {
+        return None;
+    }
+    if CLUSTER_KINDS.contains(&kind.as_str()) {
+        let name = object["metadata"]["name"].as_str().unwrap_or_default();
+        object["metadata"]["name"] = json!(format!("{name}-{ns}"));
+    } else {
+        object["metadata"]["namespace"] = json!(ns);
+    }
+    if let Some(subjects) = object.get_mut("subjects").and_then(Value::as_array_mut) {
+        for subject in subjects {
+            if subject["kind"] == "ServiceAccount" {
+                subject["namespace"] = json!(ns);
+            }
+        }
+    }
+    if kind == "Stack"
+        && let Some(url) = object
+            .pointer_mut("/spec/envRefs/PULUMI_BACKEND_URL/literal/value")
+            .filter(|v| v.as_str().is_some_and(|s| s.starts_with("file:///")))
+    {
+        *url = json!(format!("file://{}", backend.display()));
+    }
+    Some(object)
+}
+
+/// Applies `objects` (server-side, as `kubectl apply --server-side --force-conflicts` would):
+/// each namespaced one in `ns`, the others cluster-wide.
+pub async fn apply_all(
+    client: kube::Client,
+    ns: &str,
+    objects: &[Value],
+) -> Result<(), crate::HarnessError> {
+    use kube::api::{ApiResource, DynamicObject, Patch, PatchParams};
+    use kube::core::GroupVersionKind;
+    for object in objects {
+        let (api_version, kind) = (
+            object["apiVersion"].as_str().unwrap_or_default(),
+            object["kind"].as_str().unwrap_or_default(),
+        );
+        let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));
+        let resource = ApiResource::from_gvk(&GroupVersionKind::gvk(group, version, kind));
+        let api: kube::Api<DynamicObject> = if CLUSTER_KINDS.contains(&kind) {
+            kube::Api::all_with(client.clone(), &resource)
+        } else {
+            kube::Api::namespaced_with(client.clone(), ns, &resource)
+        };
+        let name = object["metadata"]["name"].as_str().unwrap_or_default();
+        api.patch(
+            name,
+            &PatchParams::apply("pko-tests").force(),
+            &Patch::Apply(object),
+        )
+        .await
+        .map_err(|e| crate::HarnessError::kube(format!("applying {kind} {name}"), e))?;
+    }
+    Ok(())
+}
+
+/// Waits up to `wait` for Stack `name` to be `Ready=True` at generation `generation` or later;
+/// its status.
+pub async fn ready_stack(
+    stacks: &kube::Api<Stack>,
+    name: &str,
+    generation: i64,
+    wait: std::time::Duration,
+) -> Result<pko_api::stack::StackStatus, crate::HarnessError> {
+    crate::wait_for(&format!("stack {name} to be ready"), wait, || async {
+        let status = stacks.get(name).await.ok()?.status?;
+        let ready = status.observed_generation.is_some_and(|g| g >= generation)
+            && status
+                .conditions
+                .iter()
+                .any(|c| c.type_ == "Ready" && c.status == "True");
+        ready.then_some(status)
+    })
+    .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_manifest_moves_to_the_test_namespace_and_backend() {
+        let backend = Path::new("/tmp/t/backend");
+        assert_eq!(
+            localized(
+                json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "a"}}),
+                "t",
+                backend
+            ),
+            None
+        );
+        let binding = json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+            "metadata": {"name": "a:system:auth-delegator"},
+            "subjects": [{"kind": "ServiceAccount", "name": "a", "namespace": "a"}],
+        });
+        let binding = localized(binding, "t", backend).expect("kept");
+        assert_eq!(binding["metadata"]["name"], "a:system:auth-delegator-t");
+        assert_eq!(binding["metadata"].get("namespace"), None);
+        assert_eq!(binding["subjects"][0]["namespace"], "t");
+        let stack = json!({
+            "apiVersion": "pulumi.com/v1", "kind": "Stack",
+            "metadata": {"name": "s", "namespace": "a"},
+            "spec": {"envRefs": {
+                "PULUMI_BACKEND_URL": {"type": "Literal", "literal": {"value": "file:///state/"}},
+                "PULUMI_CONFIG_PASSPHRASE": {"type": "Literal", "literal": {"value": "test"}},
+            }},
+        });
+        let stack = localized(stack, "t", backend).expect("kept");
+        assert_eq!(stack["metadata"]["namespace"], "t");
+        assert_eq!(
+            stack["spec"]["envRefs"]["PULUMI_BACKEND_URL"]["literal"]["value"],
+            "file:///tmp/t/backend"
+        );
+        assert_eq!(
+            stack["spec"]["envRefs"]["PULUMI_CONFIG_PASSPHRASE"]["literal"]["value"],
+            "test"
+        );
+    }
+}

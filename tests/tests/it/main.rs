@@ -39,6 +39,7 @@ mod interop;
 mod leader;
 mod logs;
 mod metrics;
+mod pko_examples;
 mod plugin_cli;
 mod program;
 mod refs;
