@@ -681,23 +681,7 @@ async fn a_stack_without_its_passphrase_stalls_saying_so() {
             "envRefs": {"KUBECONFIG": {"type": "Literal", "literal": {"value": kubeconfig}}}}),
     )
     .await;
-    let stalled = wait_for("the stack to stall", WAIT, || async {
-        let status = env.stacks.get("nopass").await.ok()?.status?;
-        status
-            .conditions
-            .iter()
-            .find(|c| c.type_ == "Stalled" && c.status == "True")
-            .map(|c| (c.reason.clone(), c.message.clone()))
-    })
-    .await;
-    let (reason, message) = match stalled {
-        Ok(s) => s,
-        Err(e) => panic!(
-            "{e}: {:?}\n{}",
-            env.stacks.get("nopass").await.ok().and_then(|s| s.status),
-            env.e.kubelet.logs("nopass")
-        ),
-    };
+    let (reason, message) = fixtures::stalled_stack(&env.stacks, "nopass", WAIT).await;
     assert!(
         message.contains("PULUMI_CONFIG_PASSPHRASE"),
         "{reason}: {message}"
