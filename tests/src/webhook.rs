@@ -140,6 +140,28 @@ impl Registration {
                 "sideEffects": "None",
                 "admissionReviewVersions": ["v1"],
                 "timeoutSeconds": options.timeout_seconds,
+            }, {
+                // As deploy/webhook/validating.yaml: the registration's namespaces (the
+                // selector matches a Namespace's own labels) are not deleted under Stacks
+                // still to be destroyed.
+                "name": "namespaces.pko-rs.dev",
+                "clientConfig": {"url": format!("https://127.0.0.1:{port}/namespaces")},
+                "rules": [{
+                    "operations": ["DELETE"],
+                    "apiGroups": [""],
+                    "apiVersions": ["v1"],
+                    "resources": ["namespaces"],
+                    "scope": "Cluster",
+                }],
+                "namespaceSelector": selector,
+                "matchConditions": [{
+                    "name": "not-letting-go-of-a-deleted-object",
+                    "expression": pko_admission::MATCH_CONDITION,
+                }],
+                "failurePolicy": "Ignore",
+                "sideEffects": "None",
+                "admissionReviewVersions": ["v1"],
+                "timeoutSeconds": options.timeout_seconds,
             }],
         }))
         .map_err(|e| HarnessError::Missing {

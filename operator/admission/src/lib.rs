@@ -6,7 +6,8 @@
 //!   each evaluation from the same heap state, with a timeout and a memory cap.
 //! - [`tenancy`]: the `data.tenancy` document, from watched TenancyPolicies and namespace
 //!   labels.
-//! - [`webhook`]: `/validate` (deny / warn / dryrun) and `/mutate` (defaults).
+//! - [`webhook`]: `/validate` (deny / warn / dryrun), `/mutate` (defaults) and `/namespaces`.
+//! - [`namespaces`]: no namespace deleted under Stacks that still have resources to destroy.
 //! - [`tls`]: the operator-managed CA and serving certificate, and the caBundle injection.
 //! - [`server`]: the HTTPS listener.
 //! - [`conn`]: idle and write timers of one connection, shared with the operator's listeners.
@@ -19,6 +20,7 @@ pub mod conn;
 pub mod engine;
 mod errors;
 pub mod metrics;
+pub mod namespaces;
 mod review;
 pub mod server;
 pub mod tenancy;
@@ -172,13 +174,16 @@ pub async fn start(
     info!(hosts = ?settings.file_server.hosts, ports = ?settings.file_server.ports, "artifact URLs on these addresses are checked for cross-namespace Programs");
     let (tenancy, tenancy_driver) = Tenancy::watch(client.clone(), settings);
     let tenancy_synced = tenancy.synced_flag();
-    let admission = Arc::new(Admission::with_limits(
-        engine.clone(),
-        tenancy,
-        metrics.clone(),
-        config.failure_policy,
-        config.review,
-    ));
+    let admission = Arc::new(
+        Admission::with_limits(
+            engine.clone(),
+            tenancy,
+            metrics.clone(),
+            config.failure_policy,
+            config.review,
+        )
+        .with_namespace_guard(namespaces::NamespaceGuard::new(client.clone())),
+    );
     let listener = server::bind(&config.addr)?;
 
     let mut tasks: Vec<Task> = Vec::new();

@@ -18,6 +18,9 @@ use crate::errors::WebhookError;
 pub struct RequestHead {
     pub uid: String,
     pub kind: GroupVersionKind,
+    /// `CREATE`, `UPDATE`, `DELETE` or `CONNECT`.
+    #[serde(default)]
+    pub operation: String,
     #[serde(default)]
     pub name: String,
     #[serde(default)]
@@ -251,6 +254,7 @@ mod tests {
         RequestHead {
             uid: "u".into(),
             kind: GroupVersionKind::gvk("", "v1", "Pod"),
+            operation: "CREATE".into(),
             name: String::new(),
             namespace: namespace.map(str::to_owned),
             object: None,

@@ -4,7 +4,8 @@
 //! each violation into what its enforcement action asks for: `deny` refuses the request and
 //! lists every denying violation with its field path; `warn` admits it with a warning per
 //! violation; `dryrun` admits it and records the violation (metric, log, audit annotation).
-//! `/mutate` evaluates `pko/defaults/patch` and returns the JSON Patch.
+//! `/mutate` evaluates `pko/defaults/patch` and returns the JSON Patch. `/namespaces` answers
+//! namespace DELETEs with the namespace guard (see [`crate::namespaces`]).
 //!
 //! A body that is not an AdmissionReview v1 gets a 400 with the reason. A failed evaluation
 //! (timeout, trap, tenancy lookup) is logged, counted and answered according to the
@@ -35,6 +36,7 @@ use crate::engine::{EngineError, PolicyData, PolicyEngine, Slot};
 use crate::metrics::{
     AdmissionMetrics, EntrypointLabels, ErrorLabels, ProtocolLabels, ViolationLabels,
 };
+use crate::namespaces::{NamespaceGuard, Verdict};
 use crate::tenancy::{Coverage, Tenancy, TenancyError};
 
 pub use crate::errors::WebhookError;
@@ -163,6 +165,8 @@ pub struct Admission {
     body_budget: Arc<Semaphore>,
     /// The shared data document, rebuilt after the tenancy stores change.
     prepared: std::sync::Mutex<Option<Arc<Prepared>>>,
+    /// Answers `/namespaces`; without one, every namespace DELETE is allowed.
+    namespaces: Option<NamespaceGuard>,
 }
 
 /// The shared data document as of a count of tenancy changes.
@@ -213,7 +217,14 @@ impl Admission {
             limits,
             body_budget: Arc::new(Semaphore::new(units as usize)),
             prepared: std::sync::Mutex::new(None),
+            namespaces: None,
         }
+    }
+
+    /// With the namespace deletion guard on `/namespaces`.
+    pub fn with_namespace_guard(mut self, guard: NamespaceGuard) -> Self {
+        self.namespaces = Some(guard);
+        self
     }
 
     pub fn engine(&self) -> &PolicyEngine {
@@ -503,6 +514,88 @@ impl Admission {
         self.metrics.phase(webhook, "respond", began.elapsed());
         self.metrics.phase(webhook, "total", started.elapsed());
         answer
+    }
+
+    /// One `/namespaces` call: the body read with the same limits as the policies' webhooks,
+    /// then a namespace DELETE answered by the guard. Anything else is allowed: the guard
+    /// decides nothing but namespace deletions.
+    async fn handle_namespaces(&self, request: axum::extract::Request) -> Response {
+        const WEBHOOK: &str = "namespaces";
+        let started = Instant::now();
+        let (body, reservation) = match read_body(
+            &self.limits,
+            &self.body_budget,
+            &self.metrics,
+            request.into_body(),
+        )
+        .await
+        {
+            Ok(read) => read,
+            Err(BodyError::Refused(refusal)) => return self.refuse(WEBHOOK, refusal),
+            Err(BodyError::Read(e)) => {
+                return invalid(
+                    &self.metrics,
+                    WEBHOOK,
+                    WebhookError::InvalidReview(format!("cannot read the body: {e}")),
+                );
+            }
+        };
+        let max_values = self.limits.max_json_values;
+        let parsed =
+            tokio::task::spawn_blocking(move || parse_review_bounded(&body, max_values)).await;
+        drop(reservation);
+        let request = match parsed {
+            Ok(Ok(review)) => review.request,
+            Ok(Err(WebhookError::TooManyValues { max })) => {
+                return self.refuse(WEBHOOK, Refusal::TooManyValues { max });
+            }
+            Ok(Err(WebhookError::TooDeep { request, .. })) => *request,
+            Ok(Err(e)) => return invalid(&self.metrics, WEBHOOK, e),
+            Err(e) => {
+                return invalid(
+                    &self.metrics,
+                    WEBHOOK,
+                    WebhookError::InvalidReview(format!("the parse did not finish: {e}")),
+                );
+            }
+        };
+        let response = self.namespace_answer(&request).await;
+        self.metrics.phase(WEBHOOK, "total", started.elapsed());
+        axum::Json(response.into_review()).into_response()
+    }
+
+    async fn namespace_answer(&self, request: &RequestHead) -> AdmissionResponse {
+        const WEBHOOK: &str = "namespaces";
+        let response = request.response();
+        let deleting_a_namespace = request.operation == "DELETE"
+            && request.kind.group.is_empty()
+            && request.kind.kind == "Namespace";
+        let Some(guard) = self.namespaces.as_ref().filter(|_| deleting_a_namespace) else {
+            self.metrics.decision(WEBHOOK, "allowed");
+            return response;
+        };
+        let message = match guard.check(&request.name).await {
+            Ok(Verdict::Allow) => {
+                self.metrics.decision(WEBHOOK, "allowed");
+                return response;
+            }
+            Ok(Verdict::Refuse(message)) => {
+                self.metrics.decision(WEBHOOK, "denied");
+                info!(namespace = %request.name, "namespace deletion refused: {message}");
+                message
+            }
+            // Unchecked is refused: a retry costs a moment, a namespace deleted under its
+            // stacks costs their resources.
+            Err(e) => {
+                self.metrics.decision(WEBHOOK, "error");
+                warn!(namespace = %request.name, error = %e, "namespace deletion not checked");
+                format!("pko-rs could not check the namespace's Stacks before its deletion: {e}")
+            }
+        };
+        let mut response = response;
+        response.allowed = false;
+        response.result = Status::failure(&message, "Forbidden").with_code(403);
+        response
     }
 
     /// Parses the review and, when the shared document serves it, evaluates the webhook's
@@ -807,12 +900,13 @@ impl Refusal {
     }
 }
 
-/// `POST /validate` and `POST /mutate`. Body limits are the handler's own (see
+/// `POST /validate`, `POST /mutate` and `POST /namespaces`. Body limits are the handler's own (see
 /// [`ReviewLimits`]), so axum's default limit is off.
 pub fn router(admission: Arc<Admission>) -> Router {
     Router::new()
         .route("/validate", post(validate))
         .route("/mutate", post(mutate))
+        .route("/namespaces", post(namespaces))
         .layer(DefaultBodyLimit::disable())
         .with_state(admission)
 }
@@ -829,6 +923,13 @@ async fn mutate(
     request: axum::extract::Request,
 ) -> Response {
     admission.handle("mutate", request).await
+}
+
+async fn namespaces(
+    State(admission): State<Arc<Admission>>,
+    request: axum::extract::Request,
+) -> Response {
+    admission.handle_namespaces(request).await
 }
 
 fn invalid(metrics: &AdmissionMetrics, webhook: &str, e: WebhookError) -> Response {

@@ -31,6 +31,10 @@ custom_resource! {
     }
 }
 
+/// The Stack finalizer, under PKO's name, so a Stack handed over from PKO is cleaned up the
+/// same way.
+pub const STACK_FINALIZER: &str = "finalizer.stack.pulumi.com";
+
 /// CEL rule (on the spec of both versions): the controller picks one source by precedence
 /// (git > flux > program) and silently ignores the others in PKO; refusing the ambiguity at
 /// admission avoids deploying a different program than the user expects.

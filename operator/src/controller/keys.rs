@@ -16,7 +16,7 @@ pub const TRANSFORM_STATUS_MANAGER: &str = "pko-rs/transform-status";
 pub use pko_api::decode::PKO_MANAGER;
 
 /// PKO's Stack finalizer: kept so a Stack handed over from PKO is cleaned up the same way.
-pub const STACK_FINALIZER: &str = "finalizer.stack.pulumi.com";
+pub use pko_api::stack::STACK_FINALIZER;
 
 /// On the Workspace and Update a Stack makes: `stack`.
 pub const STACK_COMPONENT_LABEL: &str = "pulumi.com/component";

@@ -1432,3 +1432,92 @@ async fn deleted_objects_are_checked_until_let_go_and_let_go_without_the_operato
     }
     env.cleanup().await;
 }
+
+/// A namespace holding a Stack that still has resources to destroy (`destroyOnFinalize`, the
+/// operator's finalizer on it) is not deleted: the apiserver's DELETE is refused with what to
+/// run first, then with what to wait for while the Stack is being destroyed, and passes once
+/// the Stack is gone. The Stacks are in a namespace no controller of this operator watches,
+/// so only the test moves them along.
+#[tokio::test]
+async fn a_namespace_is_not_deleted_under_stacks_still_to_destroy() {
+    let _machine = pko_tests::serial::shared().await;
+    let env = Env::start(WebhookOptions::default(), &[]).await;
+    let b = env.b.clone();
+    let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(env.client());
+    let delete_namespace = || {
+        let namespaces = namespaces.clone();
+        let b = b.clone();
+        async move {
+            namespaces
+                .delete(&b, &DeleteParams::default())
+                .await
+                .map(|_| ())
+                .map_err(|e| match e {
+                    kube::Error::Api(status) => status.message,
+                    other => other.to_string(),
+                })
+        }
+    };
+    // Without destroyOnFinalize nothing would be lost: such a Stack holds nothing back, and
+    // neither does one the operator never took on (no finalizer).
+    env.allowed(&b, &stack("plain", json!({}))).await;
+    let destroying = with(
+        stack("destroying", json!({"destroyOnFinalize": true})),
+        "/metadata/finalizers",
+        json!([pko_api::stack::STACK_FINALIZER]),
+    );
+    env.allowed(&b, &destroying).await;
+
+    let refused = delete_namespace().await.expect_err("refused");
+    assert!(
+        refused.contains("namespaces.pko-rs.dev")
+            && refused.contains("spec.destroyOnFinalize")
+            && refused.contains(&format!("kubectl delete stacks --all -n {b}")),
+        "{refused}"
+    );
+    let live = namespaces.get(&b).await.expect("namespace");
+    assert!(
+        live.metadata.deletion_timestamp.is_none(),
+        "not terminating"
+    );
+
+    // Being destroyed: the namespace waits for it.
+    let stacks = dynamic_api(env.client(), &b, &destroying);
+    stacks
+        .delete("destroying", &DeleteParams::default())
+        .await
+        .expect("delete the stack (kept by its finalizer)");
+    let refused = delete_namespace()
+        .await
+        .expect_err("refused while destroying");
+    assert!(
+        refused.contains(&format!("kubectl wait --for=delete stacks --all -n {b}")),
+        "{refused}"
+    );
+
+    // Destroyed (the operator lets its finalizer go): the namespace goes.
+    stacks
+        .patch(
+            "destroying",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"finalizers": null}})),
+        )
+        .await
+        .expect("let the stack go");
+    wait_for("the stack gone", WAIT, || async {
+        stacks
+            .get_opt("destroying")
+            .await
+            .ok()?
+            .is_none()
+            .then_some(())
+    })
+    .await
+    .expect("gone");
+    delete_namespace()
+        .await
+        .expect("the namespace deletion passes");
+    let terminating = namespaces.get(&b).await.expect("namespace");
+    assert!(terminating.metadata.deletion_timestamp.is_some());
+    env.cleanup().await;
+}

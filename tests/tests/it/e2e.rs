@@ -628,7 +628,7 @@ async fn namespace_gone(node: &Node, ns: &str) {
 }
 
 /// A namespace holding a Ready `destroyOnFinalize` Stack whose program made a ConfigMap in
-/// another namespace, and its deletion.
+/// another namespace.
 async fn doomed_stack(node: &Node, installed: &Installed, prefix: &str) -> (String, String) {
     let ns = node.plane().namespace(prefix).await.expect("namespace");
     let keep = node
@@ -661,76 +661,60 @@ async fn doomed_stack(node: &Node, installed: &Installed, prefix: &str) -> (Stri
     let cms: Api<k8s_openapi::api::core::v1::ConfigMap> =
         Api::namespaced(node.plane().client(), &keep);
     assert!(cms.get_opt("doomed").await.expect("get").is_some());
-    let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(node.plane().client());
-    namespaces
-        .delete(&ns, &kube::api::DeleteParams::default())
-        .await
-        .expect("delete the namespace");
     (ns, keep)
 }
 
-/// Deleting a namespace that holds a `destroyOnFinalize` Stack, with the operator running: the
-/// namespace controller deletes the Workspace and the apiserver refuses a new one, so no
-/// destroy can run. The Stack stalls with `NamespaceTerminating`, its message prints a
-/// `kubectl patch`; run as printed, it lets the namespace go, and what the stack made in
-/// another namespace stays (nothing was destroyed).
+/// Deleting a namespace that holds a `destroyOnFinalize` Stack, with the operator running:
+/// the webhook refuses the DELETE (a terminating namespace could run no destroy) and prints
+/// the command to run first; run as printed, it destroys the stack's resources, and the
+/// namespace deletion then passes and the namespace is gone.
 #[tokio::test]
-async fn a_deleted_namespace_stalls_its_stack_until_the_printed_patch() {
+async fn a_namespace_holding_a_stack_to_destroy_goes_after_the_printed_command() {
     let _machine = serial::shared().await;
     let _node = NODE_LOCK.lock().await;
     let node = node().await;
     let installed = installed(node).await;
     let (ns, keep) = doomed_stack(node, installed, "e2e-nsdel").await;
-    let stacks: Api<pko_api::stack::Stack> = Api::namespaced(node.plane().client(), &ns);
-    let message = wait_for(
-        "the Stack stalled NamespaceTerminating",
-        STACK_TIMEOUT,
-        || {
-            let stacks = stacks.clone();
-            async move {
-                let stack = stacks.get_opt("hello").await.ok()??;
-                stack.status?.conditions.into_iter().find_map(|c| {
-                    (c.type_ == "Stalled"
-                        && c.status == "True"
-                        && c.reason == "NamespaceTerminating")
-                        .then_some(c.message)
-                })
-            }
-        },
-    )
-    .await
-    .expect("stalled");
-    let command = message
-        .split_once("kubectl ")
-        .map(|(_, c)| c)
-        .unwrap_or_else(|| panic!("no kubectl command in {message:?}"));
-    // The printed command, as a shell would split it.
-    let mut args = Vec::new();
-    for (i, part) in command.split('\'').enumerate() {
-        if i % 2 == 1 {
-            args.push(part.to_owned());
-        } else {
-            args.extend(part.split_whitespace().map(str::to_owned));
-        }
-    }
-    let out = node
-        .plane()
-        .kubectl()
-        .args(&args)
-        .output()
+    let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(node.plane().client());
+    let refused = match namespaces
+        .delete(&ns, &kube::api::DeleteParams::default())
+        .await
+    {
+        Err(kube::Error::Api(status)) => status.message,
+        other => panic!("the namespace deletion was not refused: {other:?}"),
+    };
+    let command = refused
+        .split_once("`kubectl ")
+        .and_then(|(_, rest)| rest.split_once('`'))
+        .map(|(command, _)| command)
+        .unwrap_or_else(|| panic!("no kubectl command in {refused:?}"));
+    let mut args: Vec<String> = command.split_whitespace().map(str::to_owned).collect();
+    // The printed command waits for the destroy; the test bounds that wait.
+    args.push(format!("--timeout={}s", STACK_TIMEOUT.as_secs()));
+    let mut kubectl = node.plane().kubectl();
+    kubectl.args(&args);
+    let out = tokio::task::spawn_blocking(move || kubectl.output())
+        .await
+        .expect("kubectl thread")
         .expect("kubectl");
     assert!(
         out.status.success(),
         "kubectl {args:?}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    namespace_gone(node, &ns).await;
     let cms: Api<k8s_openapi::api::core::v1::ConfigMap> =
         Api::namespaced(node.plane().client(), &keep);
-    assert!(
-        cms.get_opt("doomed").await.expect("get").is_some(),
-        "nothing was destroyed"
-    );
+    wait_for("the stack's ConfigMap destroyed", STACK_TIMEOUT, || {
+        let cms = cms.clone();
+        async move { cms.get_opt("doomed").await.ok()?.is_none().then_some(()) }
+    })
+    .await
+    .expect("the stack's resources destroyed");
+    namespaces
+        .delete(&ns, &kube::api::DeleteParams::default())
+        .await
+        .expect("the namespace deletion passes once its stacks are destroyed");
+    namespace_gone(node, &ns).await;
 }
 
 /// With the operator stopped, a namespace holding a Stack waits on its finalizer; the
