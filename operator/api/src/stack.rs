@@ -242,6 +242,12 @@ pub struct StackSpec {
     /// strategic merge patch on top of the underlying Update.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub update_template: Option<EmbeddedUpdateTemplateSpec>,
+    /// (pko-rs) UpdateHistoryLimit is how many finished Updates of this stack are kept, the
+    /// newest; older ones are deleted with their outputs Secrets when the next one finishes.
+    /// Defaults to 10. The Updates the status names (current and last) are always kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1000))]
+    pub update_history_limit: Option<i32>,
 }
 
 impl StackSpec {

@@ -692,3 +692,128 @@ async fn a_stack_without_its_passphrase_stalls_saying_so() {
         env.e.kubelet.logs("nopass")
     );
 }
+
+/// The finished Updates of Stack `name` (and their outputs Secrets), by name.
+async fn finished_updates(env: &Env, name: &str) -> (Vec<String>, Vec<String>) {
+    let mut updates: Vec<String> = env
+        .updates(name)
+        .await
+        .into_iter()
+        .filter(|u| u.metadata.deletion_timestamp.is_none())
+        .filter_map(|u| u.metadata.name)
+        .collect();
+    updates.sort();
+    let secrets: Api<Secret> = Api::namespaced(env.client(), &env.e.ns);
+    let mut outputs: Vec<String> = secrets
+        .list(&ListParams::default())
+        .await
+        .expect("list secrets")
+        .items
+        .into_iter()
+        .filter_map(|s| s.metadata.name)
+        .filter(|n| n.ends_with("-stack-outputs") && n.starts_with(name))
+        .collect();
+    outputs.sort();
+    (updates, outputs)
+}
+
+/// `updateHistoryLimit` (unset: 10): after 30 changes a Stack keeps exactly its 10 newest
+/// Updates and their outputs Secrets, the last one among them; with a set limit, that many. An
+/// Update past its `ttlAfterCompleted` stays while the Stack's status names it, and goes once
+/// the next one has finished.
+#[tokio::test]
+async fn update_history_is_bounded_and_the_last_update_stays() {
+    let _machine = pko_tests::serial::shared().await;
+    let env = Env::start("stf-history").await;
+    env.program(
+        "counted",
+        json!({"n": {"type": "String"}}),
+        json!({}),
+        json!({"n": "${n}"}),
+    )
+    .await;
+    env.stack(
+        "counted",
+        json!({"programRef": {"name": "counted"}, "config": {"ns": env.e.ns, "n": "0"}}),
+    )
+    .await;
+    env.settled("counted", "succeeded").await;
+    for n in 1..30 {
+        env.patch("counted", json!({"spec": {"config": {"n": n.to_string()}}}))
+            .await;
+        let status = env.settled("counted", "succeeded").await;
+        assert_eq!(status.outputs.get("n"), Some(&json!(n.to_string())));
+    }
+    let last = env
+        .stacks
+        .get("counted")
+        .await
+        .expect("stack")
+        .status
+        .and_then(|s| s.last_update)
+        .and_then(|l| l.name)
+        .expect("last update");
+    let kept = wait_for("the history at its default of 10", WAIT, || async {
+        let (updates, outputs) = finished_updates(&env, "counted").await;
+        (updates.len() == 10 && outputs.len() == 10).then_some((updates, outputs))
+    })
+    .await;
+    let (updates, outputs) = match kept {
+        Ok(kept) => kept,
+        Err(e) => panic!("{e}: {:?}", finished_updates(&env, "counted").await),
+    };
+    assert!(updates.contains(&last), "{last} kept: {updates:?}");
+    let expected: Vec<String> = updates
+        .iter()
+        .map(|u| format!("{u}-stack-outputs"))
+        .collect();
+    assert_eq!(outputs, expected, "each kept Update keeps its outputs");
+
+    // A limit of 2, and a TTL of one second on each new Update.
+    env.patch(
+        "counted",
+        json!({"spec": {"updateHistoryLimit": 2, "config": {"n": "30"},
+            "updateTemplate": {"spec": {"ttlAfterCompleted": "1s"}}}}),
+    )
+    .await;
+    env.settled("counted", "succeeded").await;
+    let (updates, _) = wait_for("the history at its limit of 2", WAIT, || async {
+        let found = finished_updates(&env, "counted").await;
+        (found.0.len() == 2 && found.1.len() == 2).then_some(found)
+    })
+    .await
+    .expect("two kept");
+    let named = env
+        .stacks
+        .get("counted")
+        .await
+        .expect("stack")
+        .status
+        .and_then(|s| s.last_update)
+        .and_then(|l| l.name)
+        .expect("last update");
+    assert!(updates.contains(&named));
+    // Its TTL has passed, and the Update controller has looked: it stays, since it is the last.
+    wait_for("the expired last Update kept", WAIT, || async {
+        env.e
+            .operator
+            .log_text()
+            .lines()
+            .any(|l| l.contains("kept past its ttlAfterCompleted") && l.contains(&named))
+            .then_some(())
+    })
+    .await
+    .expect("the TTL looked at the last Update");
+    let (updates, _) = finished_updates(&env, "counted").await;
+    assert!(updates.contains(&named), "{named} kept: {updates:?}");
+    // The next one finishes: the expired one is no longer named, and goes.
+    env.patch("counted", json!({"spec": {"config": {"n": "31"}}}))
+        .await;
+    env.settled("counted", "succeeded").await;
+    wait_for("the expired Update gone", WAIT, || async {
+        let (updates, _) = finished_updates(&env, "counted").await;
+        (!updates.contains(&named)).then_some(())
+    })
+    .await
+    .expect("gone once not named");
+}

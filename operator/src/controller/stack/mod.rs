@@ -40,6 +40,7 @@ use crate::metrics::Metrics;
 use crate::runtime_metrics::names;
 
 mod flux;
+mod history;
 mod outcome;
 mod reconcile;
 mod source;

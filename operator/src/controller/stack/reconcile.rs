@@ -23,7 +23,7 @@ use tracing::{info, warn};
 use super::outcome::{self, Outcome, StackError, Stop};
 use super::source::{self, Reader, Resolved, WorkspaceSource};
 use super::sync::{self, Prerequisite, UpdateState};
-use super::{CONTROLLER, StackContext, update, workspace};
+use super::{CONTROLLER, StackContext, history, update, workspace};
 use crate::controller::backoff;
 use crate::controller::conditions;
 use crate::controller::keys::{
@@ -312,7 +312,23 @@ impl<'a> Run<'a> {
         }
         self.record(&current, update.spec.type_, &update_status)
             .await;
+        self.prune_history(&update_name).await;
         Ok(())
+    }
+
+    /// After an Update finished: the stack's Updates beyond its history limit go. A failure
+    /// is logged and left for the next finish (the TTL still bounds them); it never holds the
+    /// stack back.
+    async fn prune_history(&self, finished: &str) {
+        let last = self
+            .status
+            .last_update
+            .as_ref()
+            .and_then(|l| l.name.as_deref());
+        let keep: Vec<&str> = [Some(finished), last].into_iter().flatten().collect();
+        if let Err(e) = history::prune(&self.ctx.client, self.stack, &self.namespace, &keep).await {
+            warn!(stack = %self.name, namespace = %self.namespace, error = %e, "the update history was not pruned");
+        }
     }
 
     /// A finished Update becomes `lastUpdate`; a success also brings its outputs and project.
