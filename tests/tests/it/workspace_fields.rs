@@ -277,7 +277,6 @@ async fn a_git_source_is_fetched_shallow_with_a_token() {
 /// the program gets the secret config's plaintext (decrypted with the key the server gives
 /// back), and the plaintext is nowhere in the state.
 #[tokio::test]
-#[ignore = "unfinished: the workspace stays Initializing after stack init with the hashivault provider (the server encrypts and decrypts the data key); see docs/execution.md"]
 async fn a_stack_keeps_its_secrets_with_a_hashivault_secrets_provider() {
     let _machine = pko_tests::serial::shared().await;
     let vault_token = format!("hvs.{}", hex::encode(rand::random::<[u8; 12]>()));
