@@ -13,8 +13,10 @@
 //!   Workspace reconciled by the new process, nothing queued or running, all Ready; installs
 //!   (each operator's own log line for a `pulumi install`) and Updates started.
 //!
-//! `--short` runs N=3 with 3 edits and prints its table only. Otherwise the section goes into
-//! `--out` (docs/benchmarks.md) between its markers, leaving the rest of the file alone.
+//! `--short` runs N=3 with 3 edits and prints its table only (`make bench-check`, with `--check`
+//! against the ratios `make bench` adds to docs/bench-baseline.json with `--write-baseline`).
+//! Otherwise the section goes into `--out` (docs/benchmarks.md) between its markers, leaving
+//! the rest of the file alone.
 #![allow(
     clippy::disallowed_methods,
     reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
@@ -34,6 +36,7 @@ use kube::{Api, Client, ResourceExt};
 use pko_api::program::Program;
 use pko_api::stack::Stack;
 use pko_api::update::Update;
+use pko_tests::bench_baseline::Baseline;
 use pko_tests::kubelet::{ApiAccess, Kubelet, KubeletOptions, PodNetwork};
 use pko_tests::measure::{self, percentile};
 use pko_tests::pko_peer::{self, Peer, PeerBinaries, PeerOptions, RunningPeer};
@@ -60,6 +63,11 @@ struct Args {
     stacks: Vec<usize>,
     edits: usize,
     short: bool,
+    /// Adds this run's ratios to a baseline file (`make bench`, after `pko-bench` wrote it).
+    write_baseline: Option<PathBuf>,
+    /// Fails when a ratio of this run falls more than `tolerance` below the baseline's.
+    check: Option<PathBuf>,
+    tolerance: f64,
 }
 
 fn parse_args() -> anyhow::Result<Args> {
@@ -68,6 +76,9 @@ fn parse_args() -> anyhow::Result<Args> {
         stacks: vec![10, 50],
         edits: 20,
         short: false,
+        write_baseline: None,
+        check: None,
+        tolerance: 0.25,
     };
     let mut out_given = false;
     let mut it = std::env::args().skip(1);
@@ -89,6 +100,9 @@ fn parse_args() -> anyhow::Result<Args> {
                     .collect::<anyhow::Result<_>>()?;
             }
             "--edits" => args.edits = value.parse().context("--edits")?,
+            "--write-baseline" => args.write_baseline = Some(PathBuf::from(value)),
+            "--check" => args.check = Some(PathBuf::from(value)),
+            "--tolerance" => args.tolerance = value.parse().context("--tolerance")?,
             other => bail!("unknown flag {other}"),
         }
     }
@@ -239,10 +253,7 @@ fn program(i: usize, edit: usize) -> Value {
 fn operator_kubeconfig(plane: &ControlPlane, out: &Path) -> anyhow::Result<PathBuf> {
     let text = std::fs::read_to_string(plane.kubeconfig_path())?;
     let mut config: Value = yaml_serde::from_str(&text)?;
-    for entry in config["users"]
-        .as_array_mut()
-        .context("kubeconfig users")?
-    {
+    for entry in config["users"].as_array_mut().context("kubeconfig users")? {
         entry["user"]["as"] = json!(OPERATOR_USER);
         entry["user"]["as-groups"] = json!(["system:masters"]);
     }
@@ -250,11 +261,12 @@ fn operator_kubeconfig(plane: &ControlPlane, out: &Path) -> anyhow::Result<PathB
     Ok(out.to_path_buf())
 }
 
-/// The operator's writes in the audit log after line `from`, by resource(/subresource); and
-/// the number of lines read.
-fn operator_writes(audit: &Path, from: usize) -> (BTreeMap<String, usize>, usize) {
+/// The operator's writes in the audit log after line `from`, by resource(/subresource); each
+/// one (time, verb, resource, name) is listed in `trace`.
+fn operator_writes(audit: &Path, from: usize, trace: &Path) -> BTreeMap<String, usize> {
     let text = std::fs::read_to_string(audit).unwrap_or_default();
     let mut by = BTreeMap::new();
+    let mut listed = String::new();
     let mut lines = 0;
     for line in text.lines() {
         lines += 1;
@@ -276,9 +288,16 @@ fn operator_writes(audit: &Path, from: usize) -> (BTreeMap<String, usize>, usize
         if let Some(sub) = r["subresource"].as_str() {
             resource = format!("{resource}/{sub}");
         }
+        let _ = writeln!(
+            listed,
+            "{} {verb} {resource} {}",
+            e["requestReceivedTimestamp"].as_str().unwrap_or_default(),
+            r["name"].as_str().unwrap_or_default()
+        );
         *by.entry(resource).or_default() += 1;
     }
-    (by, lines)
+    let _ = std::fs::write(trace, listed);
+    by
 }
 
 fn audit_lines(audit: &Path) -> usize {
@@ -418,8 +437,12 @@ async fn peer_run(
             opts.args = vec!["--workspace-localhost=127.0.0.1".into()];
         }
     }
-    let kubelet =
-        Kubelet::start_with(client.clone(), &ns, &tmp.path().join("pods"), kubelet_options)?;
+    let kubelet = Kubelet::start_with(
+        client.clone(),
+        &ns,
+        &tmp.path().join("pods"),
+        kubelet_options,
+    )?;
     let first_log = log("first");
     let mut op = pko_peer::start_with(peer, bins, &plane, &system, &first_log, &opts).await?;
     let (observer, watches) = Observer::start(&client, &ns);
@@ -498,7 +521,7 @@ async fn peer_run(
         edit_times.push(done.saturating_duration_since(at));
     }
     let edit_updates = observer.updates() - updates_before;
-    let (edit_writes, _) = operator_writes(&audit, audit_from);
+    let edit_writes = operator_writes(&audit, audit_from, &log("edit-writes"));
 
     // Idle memory, once nothing is queued or running.
     quiet(&op, n, "the operator idle after the edits").await?;
@@ -621,6 +644,68 @@ fn writes_per_up(run: &PeerRun) -> (f64, String) {
         .collect::<Vec<_>>()
         .join(", ");
     (total as f64 / ups, detail)
+}
+
+/// The ratios `make bench-check` guards, keyed `stacks-<measure>/<N>` (PKO ÷ pko-rs: more is
+/// better for pko-rs, as every ratio of the baseline).
+fn ratios(runs: &[(PeerRun, PeerRun)]) -> BTreeMap<String, f64> {
+    let mut out = BTreeMap::new();
+    for (pko, ours) in runs {
+        let n = ours.n;
+        let t = |d: Duration| d.as_secs_f64();
+        let p99 = |d: &[Duration]| t(percentile(&sorted(d), 0.99));
+        let per_ws = |r: &PeerRun| {
+            r.workspace_rss_kib.iter().sum::<u64>() as f64 / r.workspace_rss_kib.len().max(1) as f64
+        };
+        for (key, a, b) in [
+            ("all-ready", t(pko.all_ready), t(ours.all_ready)),
+            ("edit-p99", p99(&pko.edits), p99(&ours.edits)),
+            ("writes-per-up", writes_per_up(pko).0, writes_per_up(ours).0),
+            (
+                "operator-rss",
+                pko.operator_rss_kib as f64,
+                ours.operator_rss_kib as f64,
+            ),
+            ("workspace-rss", per_ws(pko), per_ws(ours)),
+        ] {
+            if a > 0.0 && b > 0.0 {
+                out.insert(format!("stacks-{key}/{n}"), a / b);
+            }
+        }
+    }
+    out
+}
+
+/// `--write-baseline` and `--check`.
+fn baseline(args: &Args, ratios: &BTreeMap<String, f64>) -> anyhow::Result<()> {
+    if let Some(path) = &args.write_baseline {
+        let mut baseline = Baseline::read(path).unwrap_or_default();
+        baseline.ratios.extend(ratios.clone());
+        baseline.write(path)?;
+        println!("added the Stack ratios to {}", path.display());
+    }
+    let Some(path) = &args.check else {
+        return Ok(());
+    };
+    let baseline = Baseline::read(path)?;
+    let outcome = baseline.check(ratios, args.tolerance);
+    println!("\nbench-check (Stacks) against {}:", path.display());
+    for (key, then, now) in &outcome.compared {
+        println!("  {key:<40} baseline {then:>7.3}×  now {now:>7.3}×");
+    }
+    for key in &outcome.unrecorded {
+        println!("  {key:<40} not in the baseline (not checked; `make bench` records it)");
+    }
+    if !outcome.regressions.is_empty() {
+        let list: Vec<String> = outcome.regressions.iter().map(|r| r.to_string()).collect();
+        bail!(
+            "bench-check: {} Stack ratio(s) fell more than {:.0}% below the baseline:\n  {}",
+            list.len(),
+            args.tolerance * 100.0,
+            list.join("\n  ")
+        );
+    }
+    Ok(())
 }
 
 fn section(args: &Args, runs: &[(PeerRun, PeerRun)]) -> anyhow::Result<String> {
@@ -773,6 +858,7 @@ async fn main() -> anyhow::Result<()> {
     let section = section(&args, &runs)?;
     print!("{section}");
     println!("whole run: {:.0} s", began.elapsed().as_secs_f64());
+    baseline(&args, &ratios(&runs))?;
     if let Some(out) = &args.out {
         let current = std::fs::read_to_string(out).unwrap_or_else(|_| "# Benchmarks\n".into());
         let updated = match (current.find(BEGIN), current.find(END)) {

@@ -164,7 +164,10 @@ async fn quiet_after(operator: &Operator, stacks: f64, workspaces: f64, what: &s
 }
 
 async fn reconciles(operator: &Operator, controller: &str) -> f64 {
-    let text = operator.metrics_text().await.expect("the operator's metrics");
+    let text = operator
+        .metrics_text()
+        .await
+        .expect("the operator's metrics");
     progress(&text, controller).reconciles
 }
 
@@ -206,10 +209,11 @@ async fn a_fleet_deploys_once_and_a_restart_or_an_idle_resync_runs_nothing() {
         Ok(first) => first,
         Err(err) => panic!(
             "{err}: {:?}\n{}\n{}",
-            stacks
-                .list(&ListParams::default())
-                .await
-                .map(|l| l.items.into_iter().map(|s| s.status).collect::<Vec<_>>()),
+            stacks.list(&ListParams::default()).await.map(|l| l
+                .items
+                .into_iter()
+                .map(|s| s.status)
+                .collect::<Vec<_>>()),
             e.kubelet.logs(&name(0)),
             tail(&e.operator.log_text(), 60)
         ),
