@@ -132,7 +132,7 @@ bench: tools plugins policies pko agent-static bench-build ## benchmarks next to
 	$(BENCH_BIN)/pko-bench-stacks --out docs/benchmarks.md --write-baseline docs/bench-baseline.json $(BENCH_STACKS_FLAGS)
 
 .PHONY: bench-check
-bench-check: tools pko bench-build ## short bench; fails when a pko-rs/PKO ratio falls >25% below docs/bench-baseline.json
+bench-check: tools pko agent-static bench-build ## short bench (Programs, and Stacks at N=3); fails when a pko-rs/PKO ratio falls >25% below docs/bench-baseline.json
 	$(BENCH_BIN)/pko-bench --check docs/bench-baseline.json --counts 1000 --starts 3 --quiet-seconds 3
 	$(BENCH_BIN)/pko-bench-stacks --short --check docs/bench-baseline.json
 
