@@ -116,6 +116,8 @@ BENCH_TARGET_DIR ?= $(CACHE_DIR)/target-release-$(CHECKOUT_KEY)
 BENCH_BIN := $(BENCH_TARGET_DIR)/release
 # PKO v2.9.0 next to pko-rs at 1,000, 5,000 and 10,000 Programs; BENCH_FLAGS adds or overrides.
 BENCH_FLAGS ?= --with-10k
+# The Stack section at 3 (the scale `bench-check`'s short run compares with), 10 and 50 Stacks.
+BENCH_STACKS_FLAGS ?= --stacks 3,10,50
 
 .PHONY: bench-build
 bench-build: toolchain
@@ -127,10 +129,12 @@ bench: tools plugins policies pko agent-static bench-build ## benchmarks next to
 	$(BENCH_BIN)/pko-bench-admission --out docs/benchmarks.md
 	$(BENCH_BIN)/pko-bench-plugins --out docs/benchmarks.md
 	$(BENCH_BIN)/pko-bench-workspaces --out docs/benchmarks.md
+	$(BENCH_BIN)/pko-bench-stacks --out docs/benchmarks.md --write-baseline docs/bench-baseline.json $(BENCH_STACKS_FLAGS)
 
 .PHONY: bench-check
-bench-check: tools pko bench-build ## short bench; fails when a pko-rs/PKO ratio falls >25% below docs/bench-baseline.json
+bench-check: tools pko agent-static bench-build ## short bench (Programs, and Stacks at N=3); fails when a pko-rs/PKO ratio falls >25% below docs/bench-baseline.json
 	$(BENCH_BIN)/pko-bench --check docs/bench-baseline.json --counts 1000 --starts 3 --quiet-seconds 3
+	$(BENCH_BIN)/pko-bench-stacks --short --check docs/bench-baseline.json
 
 .PHONY: chaos
 chaos: tools policies build ## chaos and hostile-load run (webhook storm, invented methods, hostile module server, hostile agent, kill -9, apiserver restart, leader kill): figures to docs/reliability.md

@@ -90,6 +90,8 @@ pub struct RunningPeer {
     guard: ChildGuard,
     pub fs_port: u16,
     pub probe_port: u16,
+    /// Where `/metrics` is served (pko-rs: the probe port).
+    pub metrics_port: u16,
     /// From spawn to the first 200 of `/readyz`.
     pub spawn_to_ready: Duration,
     /// When the process was spawned.
@@ -165,6 +167,14 @@ pub struct PeerOptions {
     /// PKO's manager lays its workspace pods out with this agent image (`AGENT_IMAGE`); its
     /// own image when `None`.
     pub agent_image: Option<String>,
+    /// The kubeconfig the operator runs with; the plane's own when `None` (e.g. one
+    /// impersonating a user of its own, so the apiserver's audit log tells its requests).
+    pub kubeconfig: Option<PathBuf>,
+    /// Log at `info` (what either operator logs by default in a deployment, and what a bench
+    /// counting log lines reads) instead of warnings and errors only.
+    pub info_log: bool,
+    /// More arguments, after the ones both operators get.
+    pub args: Vec<String>,
 }
 
 /// PKO's manager names no leader-election namespace, so controller-runtime reads it from the
@@ -210,6 +220,7 @@ pub async fn start_with(
         Some(lease) => lease.flags().into(),
         None => vec!["--leader-elect=false".into()],
     };
+    let mut metrics_port = probe_port;
     let mut cmd = match peer {
         Peer::PkoRs => {
             let mut cmd = Command::new(&bins.pko_rs);
@@ -223,11 +234,15 @@ pub async fn start_with(
                 .arg(format!("--artifact-keys-namespace={system_ns}"))
                 .arg(format!("--leader-election-namespace={system_ns}"))
                 .args(&election)
-                .arg("--log-level=warn");
+                .arg(if opts.info_log {
+                    "--log-level=info"
+                } else {
+                    "--log-level=warn"
+                });
             cmd
         }
         Peer::Pko => {
-            let metrics_port = free_port()?;
+            metrics_port = free_port()?;
             let dns = if opts.cluster_dns {
                 Some(ClusterDns::shared()?)
             } else {
@@ -247,7 +262,11 @@ pub async fn start_with(
                 .arg(format!("--metrics-bind-address=127.0.0.1:{metrics_port}"))
                 .arg("--metrics-secure=false")
                 .args(&election)
-                .arg("--zap-log-level=error")
+                .arg(if opts.info_log {
+                    "--zap-log-level=info"
+                } else {
+                    "--zap-log-level=error"
+                })
                 .env("POD_NAMESPACE", system_ns)
                 .env("POD_SA_NAME", PKO_MANAGER_ACCOUNT);
             if let Some(image) = &opts.agent_image {
@@ -256,7 +275,11 @@ pub async fn start_with(
             cmd
         }
     };
-    cmd.env("KUBECONFIG", plane.kubeconfig_path());
+    cmd.args(&opts.args);
+    match &opts.kubeconfig {
+        Some(path) => cmd.env("KUBECONFIG", path),
+        None => cmd.env("KUBECONFIG", plane.kubeconfig_path()),
+    };
     let spawned = Instant::now();
     let mut guard = spawn_guarded(cmd, peer.label(), log)?;
     let url = format!("http://127.0.0.1:{probe_port}/readyz");
@@ -301,6 +324,7 @@ pub async fn start_with(
         guard,
         fs_port,
         probe_port,
+        metrics_port,
     })
 }
 

@@ -46,6 +46,7 @@ mod refs;
 mod restricted_crosscheck;
 mod stack;
 mod stack_fields;
+mod stacks_at_scale;
 mod stall;
 mod switchover;
 mod transforms;

@@ -70,6 +70,8 @@ pub struct StackContext {
     pub workspaces: Store<Workspace>,
     /// Feeds `workspaces`; taken by [`run`].
     workspaces_writer: std::sync::Mutex<Option<Writer<Workspace>>>,
+    /// What this process last applied to each Stack's Workspace (see [`workspace::Applied`]).
+    applied: workspace::AppliedWorkspaces,
 }
 
 impl StackContext {
@@ -105,6 +107,7 @@ impl StackContext {
             backoff: Backoff::default(),
             workspaces,
             workspaces_writer: std::sync::Mutex::new(Some(writer)),
+            applied: workspace::AppliedWorkspaces::default(),
             flux: FluxWatches::default(),
         }
     }

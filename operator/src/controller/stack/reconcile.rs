@@ -496,11 +496,26 @@ impl<'a> Run<'a> {
             "StackProcessing",
             waiting,
         );
-        let workspaces = Api::<Workspace>::namespaced(self.ctx.client.clone(), &self.namespace);
-        let applied = takeover::apply(&workspaces, &self.name, APPLY_MANAGER, &ws).await;
-        let applied = match applied {
-            Ok(applied) => applied,
-            Err(e) => return Err(self.refused(e, "Workspace").await),
+        let key = ObjectRef::<Workspace>::new(&self.name).within(&self.namespace);
+        let last = self.ctx.applied.get(&self.namespace, &self.name);
+        let watched = self.ctx.workspaces.get(&key).filter(|observed| {
+            !takeover::pko_owns(observed.meta(), Part::Main)
+                && last.as_ref().is_some_and(|l| l.covers(&ws, observed))
+        });
+        let applied = match watched {
+            Some(observed) => (*observed).clone(),
+            None => {
+                let workspaces =
+                    Api::<Workspace>::namespaced(self.ctx.client.clone(), &self.namespace);
+                match takeover::apply(&workspaces, &self.name, APPLY_MANAGER, &ws).await {
+                    Ok(applied) => {
+                        let record = workspace::Applied::new(&ws, &applied);
+                        self.ctx.applied.set(&self.namespace, &self.name, record);
+                        applied
+                    }
+                    Err(e) => return Err(self.refused(e, "Workspace").await),
+                }
+            }
         };
         let ws_status = applied.status.clone().unwrap_or_default();
         let ready = ws_status.observed_generation == applied.metadata.generation
