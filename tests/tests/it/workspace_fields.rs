@@ -272,10 +272,12 @@ async fn a_git_source_is_fetched_shallow_with_a_token() {
 }
 
 /// A Stack with `secretsProvider: hashivault://<key>` keeps its secrets with that Vault key
-/// (here the transit stand-in, [`Vault`]): `stack init` has the server encrypt the stack's data
-/// key and the state in the file backend records the cloud provider with that very ciphertext;
-/// the program gets the secret config's plaintext (decrypted with the key the server gives
-/// back), and the plaintext is nowhere in the state.
+/// (here the transit stand-in, [`Vault`]): the field travels to the Workspace's
+/// `stacks[].secretsProvider`, from which the agent's `stack init` takes it; the server
+/// encrypts the stack's data key and the state in the file backend records the cloud provider
+/// with that very ciphertext; the program gets the secret config's plaintext (decrypted with
+/// the key the server gives back), and the plaintext is nowhere in the state. No passphrase is
+/// given: none is needed.
 #[tokio::test]
 async fn a_stack_keeps_its_secrets_with_a_hashivault_secrets_provider() {
     let _machine = pko_tests::serial::shared().await;
@@ -309,7 +311,6 @@ async fn a_stack_keeps_its_secrets_with_a_hashivault_secrets_provider() {
             "envRefs": {
                 "VAULT_ADDR": literal(&vault.url()),
                 "VAULT_TOKEN": literal(&vault_token),
-                "PULUMI_CONFIG_PASSPHRASE": literal(fixtures::PASSPHRASE),
             },
         }),
     );
@@ -344,6 +345,19 @@ async fn a_stack_keeps_its_secrets_with_a_hashivault_secrets_provider() {
         }
     };
     assert_eq!(status.outputs.get("password"), Some(&json!("[secret]")));
+
+    // The Stack's field is the Workspace's, for its one stack: the agent reads it from there.
+    let ws = Api::<Workspace>::namespaced(e.plane.client(), &e.ns)
+        .get("vaulted")
+        .await
+        .expect("workspace");
+    let ws_stacks: Vec<(&str, Option<&str>)> = ws
+        .spec
+        .stacks
+        .iter()
+        .map(|s| (s.name.as_str(), s.secrets_provider.as_deref()))
+        .collect();
+    assert_eq!(ws_stacks, [("dev", Some("hashivault://pko-stack"))]);
 
     let update = status
         .last_update
