@@ -822,3 +822,38 @@ async fn update_history_is_bounded_and_the_last_update_stays() {
     .await
     .expect("gone once not named");
 }
+
+/// `commit` pins the source: the Stack deploys that commit, not the branch head after it, and
+/// a new `commit` deploys that one.
+#[tokio::test]
+async fn a_pinned_commit_is_deployed_not_the_branch_head() {
+    let _machine = pko_tests::serial::shared().await;
+    let git_dir = tempfile::tempdir().expect("tmp");
+    let repo = GitRepo::start_smart_https(git_dir.path(), None)
+        .await
+        .expect("git repo");
+    let env = Env::with(
+        Execution::start_trusting("stf-commit", repo.tls_cert().expect("a certificate")).await,
+    );
+    let first = repo
+        .commit("main", &[("app/Pulumi.yaml", &git_program("one"))])
+        .expect("first commit");
+    let head = repo
+        .commit("main", &[("app/Pulumi.yaml", &git_program("two"))])
+        .expect("second commit");
+    env.stack(
+        "pinned",
+        json!({"projectRepo": repo.url(), "commit": first, "repoDir": "app"}),
+    )
+    .await;
+    let status = env.settled("pinned", "succeeded").await;
+    assert_eq!(status.outputs.get("message"), Some(&json!("one")));
+    let last = status.last_update.expect("last update");
+    assert_eq!(last.last_successful_commit.as_deref(), Some(first.as_str()));
+
+    env.patch("pinned", json!({"spec": {"commit": head}})).await;
+    let status = env.settled("pinned", "succeeded").await;
+    assert_eq!(status.outputs.get("message"), Some(&json!("two")));
+    let last = status.last_update.expect("last update");
+    assert_eq!(last.last_successful_commit.as_deref(), Some(head.as_str()));
+}
