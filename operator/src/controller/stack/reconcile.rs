@@ -715,6 +715,10 @@ async fn set_finalizer(ctx: &StackContext, stack: &Stack, present: bool) -> Resu
         )
         .await
         .map_err(StackError::kube("updating the Stack finalizers"))?;
+    if !present {
+        ctx.applied
+            .forget(&stack.namespace().unwrap_or_default(), &stack.name_any());
+    }
     Ok(())
 }
 

@@ -438,6 +438,11 @@ impl AppliedWorkspaces {
             .cloned()
     }
 
+    /// A Stack let go: its entry goes, so the map holds only live stacks.
+    pub(super) fn forget(&self, namespace: &str, name: &str) {
+        self.lock().remove(&(namespace.to_owned(), name.to_owned()));
+    }
+
     pub(super) fn set(&self, namespace: &str, name: &str, applied: Applied) {
         self.lock()
             .insert((namespace.to_owned(), name.to_owned()), applied);
