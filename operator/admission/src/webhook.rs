@@ -456,23 +456,9 @@ impl Admission {
                 },
             );
         }
-        let (body, _reservation) = match read_body(
-            &self.limits,
-            &self.body_budget,
-            &self.metrics,
-            request.into_body(),
-        )
-        .await
-        {
+        let (body, _reservation) = match self.body(webhook, request).await {
             Ok(read) => read,
-            Err(BodyError::Refused(refusal)) => return self.refuse(webhook, refusal),
-            Err(BodyError::Read(e)) => {
-                return invalid(
-                    &self.metrics,
-                    webhook,
-                    WebhookError::InvalidReview(format!("cannot read the body: {e}")),
-                );
-            }
+            Err(answer) => return *answer,
         };
         self.metrics.phase(webhook, "read", started.elapsed());
         let waited = Instant::now();
@@ -516,29 +502,41 @@ impl Admission {
         answer
     }
 
-    /// One `/namespaces` call: the body read with the same limits as the policies' webhooks,
-    /// then a namespace DELETE answered by the guard. Anything else is allowed: the guard
-    /// decides nothing but namespace deletions.
-    async fn handle_namespaces(&self, request: axum::extract::Request) -> Response {
-        const WEBHOOK: &str = "namespaces";
-        let started = Instant::now();
-        let (body, reservation) = match read_body(
+    /// The request's body, read with the limits and charged to the budget; or the answer
+    /// that refuses it.
+    async fn body(
+        &self,
+        webhook: &str,
+        request: axum::extract::Request,
+    ) -> Result<(bytes::Bytes, Reserved), Box<Response>> {
+        read_body(
             &self.limits,
             &self.body_budget,
             &self.metrics,
             request.into_body(),
         )
         .await
-        {
-            Ok(read) => read,
-            Err(BodyError::Refused(refusal)) => return self.refuse(WEBHOOK, refusal),
-            Err(BodyError::Read(e)) => {
-                return invalid(
+        .map_err(|e| {
+            Box::new(match e {
+                BodyError::Refused(refusal) => self.refuse(webhook, refusal),
+                BodyError::Read(e) => invalid(
                     &self.metrics,
-                    WEBHOOK,
+                    webhook,
                     WebhookError::InvalidReview(format!("cannot read the body: {e}")),
-                );
-            }
+                ),
+            })
+        })
+    }
+
+    /// One `/namespaces` call: the body read with the same limits as the policies' webhooks,
+    /// then a namespace DELETE answered by the guard. Anything else is allowed: the guard
+    /// decides nothing but namespace deletions.
+    async fn handle_namespaces(&self, request: axum::extract::Request) -> Response {
+        const WEBHOOK: &str = "namespaces";
+        let started = Instant::now();
+        let (body, reservation) = match self.body(WEBHOOK, request).await {
+            Ok(read) => read,
+            Err(answer) => return *answer,
         };
         let max_values = self.limits.max_json_values;
         let parsed =

@@ -693,6 +693,18 @@ async fn a_stack_without_its_passphrase_stalls_saying_so() {
     );
 }
 
+/// The name of Stack `name`'s last Update.
+async fn last_update_name(env: &Env, name: &str) -> String {
+    env.stacks
+        .get(name)
+        .await
+        .expect("stack")
+        .status
+        .and_then(|s| s.last_update)
+        .and_then(|l| l.name)
+        .expect("last update")
+}
+
 /// The finished Updates of Stack `name` (and their outputs Secrets), by name.
 async fn finished_updates(env: &Env, name: &str) -> (Vec<String>, Vec<String>) {
     let mut updates: Vec<String> = env
@@ -749,15 +761,7 @@ async fn update_history_is_bounded_and_the_last_update_stays() {
             .map(|v| v.to_string().replace('"', ""));
         assert_eq!(seen, Some(n.to_string()));
     }
-    let last = env
-        .stacks
-        .get("counted")
-        .await
-        .expect("stack")
-        .status
-        .and_then(|s| s.last_update)
-        .and_then(|l| l.name)
-        .expect("last update");
+    let last = last_update_name(&env, "counted").await;
     let kept = wait_for("the history at its default of 10", WAIT, || async {
         let (updates, outputs) = finished_updates(&env, "counted").await;
         (updates.len() == 10 && outputs.len() == 10).then_some((updates, outputs))
@@ -788,15 +792,7 @@ async fn update_history_is_bounded_and_the_last_update_stays() {
     })
     .await
     .expect("two kept");
-    let named = env
-        .stacks
-        .get("counted")
-        .await
-        .expect("stack")
-        .status
-        .and_then(|s| s.last_update)
-        .and_then(|l| l.name)
-        .expect("last update");
+    let named = last_update_name(&env, "counted").await;
     assert!(updates.contains(&named));
     // Its TTL has passed, and the Update controller has looked: it stays, since it is the last.
     wait_for("the expired last Update kept", WAIT, || async {
