@@ -37,9 +37,15 @@ help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
 
 .PHONY: toolchain
-toolchain: ## check the Rust toolchain (rust-toolchain.toml pins it; rustup installs it)
+toolchain: target-dirs ## check the Rust toolchain (rust-toolchain.toml pins it; rustup installs it)
 	@command -v cargo >/dev/null || { echo "cargo not found: install rustup first" >&2; exit 1; }
 	@rustup show active-toolchain >/dev/null
+
+# Each target dir records the checkout it builds; one whose checkout is gone (a CI clone, a
+# removed worktree) is deleted, so the cache does not grow by gigabytes per clone.
+.PHONY: target-dirs
+target-dirs:
+	@tools/target-dirs.sh '$(CACHE_DIR)' '$(CURDIR)' '$(CARGO_TARGET_DIR)' '$(BENCH_TARGET_DIR)'
 
 .PHONY: go-toolchain
 go-toolchain:

@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Node as NodeObject, Service};
+use k8s_openapi::api::core::v1::{Node as NodeObject, NodeCondition, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{Api, PostParams};
 use pko_operator::oci::registry::Session;
@@ -571,9 +571,9 @@ imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 evictionHard:
   memory.available: 1Mi
-  nodefs.available: 1%
+  nodefs.available: 256Mi
   nodefs.inodesFree: 1%
-  imagefs.available: 1%
+  imagefs.available: 256Mi
 "#,
                 cgroup_root = self.cgroup_root,
                 socket = self.socket().display(),
@@ -728,19 +728,21 @@ conntrack:
 
     async fn wait_ready(&self) -> Result<(), HarnessError> {
         let nodes: Api<NodeObject> = Api::all(self.plane.try_client()?);
-        wait_for("the node to be Ready", READY_TIMEOUT, || {
+        let verdict = wait_for("the node to be Ready", READY_TIMEOUT, || {
             let nodes = nodes.clone();
             async move {
                 let node = nodes.get_opt(NODE_NAME).await.ok().flatten()?;
-                node.status?
-                    .conditions?
-                    .iter()
-                    .any(|c| c.type_ == "Ready" && c.status == "True")
-                    .then_some(())
+                readiness(&node.status?.conditions?)
             }
         })
         .await
-        .map_err(|e| self.failed(e, "kubelet"))
+        .map_err(|e| self.failed(e, "kubelet"))?;
+        verdict.map_err(|pressure| {
+            missing(format!(
+                "the node reports {pressure}, so it would evict or refuse the tests' pods; free space where the node keeps its files:\n{}",
+                free_space(&self.dir)
+            ))
+        })
     }
 
     /// `e` with the end of `component`'s log.
@@ -1043,4 +1045,62 @@ fn tar_layer(entries: &[LayerEntry]) -> Result<Vec<u8>, HarnessError> {
         }
     }
     builder.into_inner().map_err(io)
+}
+
+/// A node's readiness from its conditions: `Ok` once Ready, `Err` naming a pressure condition
+/// at once (the kubelet is Ready under pressure, yet evicts and refuses pods), `None` not yet.
+fn readiness(conditions: &[NodeCondition]) -> Option<Result<(), String>> {
+    if let Some(c) = conditions
+        .iter()
+        .find(|c| c.type_.ends_with("Pressure") && c.status == "True")
+    {
+        let message = c.message.as_deref().unwrap_or_default();
+        return Some(Err(format!("{}: {message}", c.type_)));
+    }
+    conditions
+        .iter()
+        .any(|c| c.type_ == "Ready" && c.status == "True")
+        .then_some(Ok(()))
+}
+
+/// `df -h` of `dir`, or why it could not be run.
+fn free_space(dir: &Path) -> String {
+    match std::process::Command::new("df").arg("-h").arg(dir).output() {
+        Ok(out) => String::from_utf8_lossy(&out.stdout).into_owned(),
+        Err(e) => format!("df: {e}"),
+    }
+}
+
+#[cfg(test)]
+mod readiness_tests {
+    use super::*;
+
+    fn condition(type_: &str, status: &str) -> NodeCondition {
+        NodeCondition {
+            type_: type_.into(),
+            status: status.into(),
+            message: Some(format!("{type_} is {status}")),
+            ..NodeCondition::default()
+        }
+    }
+
+    #[test]
+    fn a_node_under_pressure_fails_at_once_and_a_ready_one_passes() {
+        assert_eq!(readiness(&[condition("Ready", "False")]), None);
+        assert_eq!(
+            readiness(&[
+                condition("DiskPressure", "False"),
+                condition("Ready", "True")
+            ]),
+            Some(Ok(()))
+        );
+        let pressed = readiness(&[
+            condition("Ready", "True"),
+            condition("DiskPressure", "True"),
+        ]);
+        assert_eq!(
+            pressed,
+            Some(Err("DiskPressure: DiskPressure is True".into()))
+        );
+    }
 }

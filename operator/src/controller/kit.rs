@@ -229,3 +229,91 @@ where
         .inc();
     backoff.delay(&backoff::key(meta))
 }
+
+/// The resourceVersions of a controller's own writes, per object uid. A reconcile can start
+/// from a cache the watch has not yet brought up to the last write (a reconcile queued while
+/// the previous one ran starts as soon as it ends); decisions that depend on what that write
+/// said, such as keeping a stall while a failed step is retried, read the object again then.
+#[derive(Default)]
+pub struct OwnWrites(std::sync::Mutex<std::collections::HashMap<String, u64>>);
+
+impl OwnWrites {
+    /// Remembers the version a write returned; an object being deleted is forgotten, as its
+    /// last reconciles need no fresher read and its uid would otherwise be kept forever.
+    pub fn record(&self, written: &kube::api::ObjectMeta) {
+        let Some(uid) = written.uid.clone() else {
+            return;
+        };
+        let mut map = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match (&written.deletion_timestamp, version(written)) {
+            (None, Some(v)) => map.insert(uid, v),
+            _ => map.remove(&uid),
+        };
+    }
+
+    /// Whether `cached` is older than this controller's last write of the same object.
+    pub fn behind(&self, cached: &kube::api::ObjectMeta) -> bool {
+        let Some(uid) = cached.uid.as_deref() else {
+            return false;
+        };
+        let written = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(uid)
+            .copied();
+        is_behind(version(cached), written)
+    }
+}
+
+/// The resourceVersion as the number etcd gives it; `None` for a server whose versions are not
+/// numbers, whose cache is then never taken for stale.
+fn version(meta: &kube::api::ObjectMeta) -> Option<u64> {
+    meta.resource_version.as_deref()?.parse().ok()
+}
+
+/// A cached version is behind a write only when both are known and the write is newer.
+pub fn is_behind(cached: Option<u64>, written: Option<u64>) -> bool {
+    matches!((cached, written), (Some(c), Some(w)) if c < w)
+}
+
+#[cfg(test)]
+mod own_writes_tests {
+    use super::*;
+    use kube::api::ObjectMeta;
+
+    fn meta(uid: &str, rv: &str) -> ObjectMeta {
+        ObjectMeta {
+            uid: Some(uid.into()),
+            resource_version: Some(rv.into()),
+            ..ObjectMeta::default()
+        }
+    }
+
+    #[test]
+    fn a_cache_older_than_the_last_write_is_behind() {
+        let writes = OwnWrites::default();
+        assert!(!writes.behind(&meta("a", "5")), "nothing written yet");
+        writes.record(&meta("a", "7"));
+        assert!(writes.behind(&meta("a", "5")));
+        assert!(!writes.behind(&meta("a", "7")));
+        assert!(!writes.behind(&meta("a", "9")), "someone wrote after us");
+        assert!(!writes.behind(&meta("b", "1")), "another object");
+        assert!(!writes.behind(&meta("a", "opaque")), "not a number");
+    }
+
+    #[test]
+    fn a_write_to_an_object_being_deleted_forgets_it() {
+        let writes = OwnWrites::default();
+        writes.record(&meta("a", "7"));
+        let mut deleting = meta("a", "8");
+        deleting.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+            jiff::Timestamp::UNIX_EPOCH,
+        ));
+        writes.record(&deleting);
+        assert!(!writes.behind(&meta("a", "5")));
+    }
+}

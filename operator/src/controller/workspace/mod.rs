@@ -135,6 +135,8 @@ pub struct WorkspaceContext {
     /// Where others (the Update controller, finding an agent not initialized) ask for a
     /// Workspace to be reconciled now.
     wakeup: Wakeup<Workspace>,
+    /// The status writes of this controller, so a reconcile never decides on an older view.
+    own_writes: kit::OwnWrites,
 }
 
 /// What one workspace pod's agent can do, and the image it came from.
@@ -157,12 +159,28 @@ impl WorkspaceContext {
             initialized: Mutex::new(HashMap::new()),
             facts: Mutex::new(HashMap::new()),
             wakeup: Wakeup::new(),
+            own_writes: Default::default(),
         }
     }
 
     /// Sends a Workspace to be reconciled now (see [`Self::wakeup`]).
     pub fn waker(&self) -> UnboundedSender<ObjectRef<Workspace>> {
         self.wakeup.sender()
+    }
+
+    /// Writes a drafted status (see [`status::write_status`]) and remembers the version written.
+    async fn write_status(
+        &self,
+        namespace: &str,
+        name: &str,
+        before: &pko_api::workspace::WorkspaceStatus,
+        after: &pko_api::workspace::WorkspaceStatus,
+    ) -> Result<(), WorkspaceError> {
+        let written = status::write_status(&self.client, namespace, name, before, after).await?;
+        if let Some(ws) = written {
+            self.own_writes.record(&ws.metadata);
+        }
+        Ok(())
     }
 
     fn facts_for(&self, uid: &str) -> Option<AgentFacts> {

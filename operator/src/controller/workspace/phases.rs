@@ -128,14 +128,9 @@ impl<'a> Run<'a> {
         }
         conditions::remove(&mut self.status.conditions, STALLED);
         status::mark_not_ready(&mut self.status, false, reason, message, self.generation);
-        status::write_status(
-            &self.ctx.client,
-            &self.namespace,
-            &self.name,
-            &self.before,
-            &self.status,
-        )
-        .await?;
+        self.ctx
+            .write_status(&self.namespace, &self.name, &self.before, &self.status)
+            .await?;
         self.before = self.status.clone();
         Ok(())
     }

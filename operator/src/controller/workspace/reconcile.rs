@@ -12,7 +12,7 @@ use tracing::{instrument, warn};
 
 use super::phases::{self, End, Run, proceed};
 use super::rules;
-use super::status::{self, write_status};
+use super::status;
 use super::{CONTROLLER, WorkspaceContext, WorkspaceError};
 use crate::controller::keys::{APPLY_MANAGER, WORKSPACE_STATUS_MANAGER};
 use crate::controller::kit::FromKube;
@@ -25,6 +25,9 @@ pub(super) async fn reconcile(
     ctx: Arc<WorkspaceContext>,
 ) -> Result<Action, WorkspaceError> {
     let _measure = kit::measure(&ctx.metrics, CONTROLLER);
+    let Some(ws) = fresher(ws, &ctx).await? else {
+        return Ok(Action::await_change());
+    };
     let result = reconcile_inner(&ws, &ctx).await;
     let failure = ctx
         .backoff
@@ -33,6 +36,28 @@ pub(super) async fn reconcile(
         report_failure(&ws, &ctx, err, failure.stall).await;
     }
     result
+}
+
+/// The Workspace as this reconcile must see it: read again when the cache is older than the
+/// controller's own last status write (see [`kit::OwnWrites`]); `None` once it is gone.
+async fn fresher(
+    ws: Arc<Workspace>,
+    ctx: &WorkspaceContext,
+) -> Result<Option<Arc<Workspace>>, WorkspaceError> {
+    if !ctx.own_writes.behind(&ws.metadata) {
+        return Ok(Some(ws));
+    }
+    let Some(namespace) = ws.namespace() else {
+        return Err(WorkspaceError::NoNamespace);
+    };
+    let api: Api<Workspace> = Api::namespaced(ctx.client.clone(), &namespace);
+    let fresh = api
+        .get_opt(&ws.name_any())
+        .await
+        .map_err(WorkspaceError::kube(
+            "reading the Workspace after its last status write",
+        ))?;
+    Ok(fresh.map(Arc::new))
 }
 
 /// How often a Workspace PKO applied looks again for its Stack's apply (which comes with an
@@ -70,7 +95,8 @@ pub(super) async fn reconcile_inner(
         End::Report(action) => {
             let unwritten = WorkspaceStatus::default();
             let before = if pkos { &unwritten } else { &run.before };
-            write_status(&ctx.client, &run.namespace, &run.name, before, &run.status).await?;
+            ctx.write_status(&run.namespace, &run.name, before, &run.status)
+                .await?;
             Ok(action)
         }
         End::Quiet(action) => Ok(action),
@@ -108,7 +134,7 @@ async fn report_failure(ws: &Workspace, ctx: &WorkspaceContext, err: &WorkspaceE
             .await;
     }
     let name = ws.name_any();
-    let written = write_status(&ctx.client, &namespace, &name, &before, &report.status);
+    let written = ctx.write_status(&namespace, &name, &before, &report.status);
     if let Err(e) = written.await {
         warn!(error = %e, "cannot report the stalled workspace");
     }

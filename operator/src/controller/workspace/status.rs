@@ -164,27 +164,28 @@ pub(super) fn failure_report(
 }
 
 /// Writes `after` as the Workspace status (server-side apply of the whole status), unless it
-/// says what `before` says.
+/// says what `before` says; returns the Workspace as written.
 pub(super) async fn write_status(
     client: &Client,
     namespace: &str,
     name: &str,
     before: &WorkspaceStatus,
     after: &WorkspaceStatus,
-) -> Result<(), WorkspaceError> {
+) -> Result<Option<Workspace>, WorkspaceError> {
     if unchanged(before, after) {
-        return Ok(());
+        return Ok(None);
     }
     let patch = kit::StatusPatch::new::<Workspace>(after);
     let api: Api<Workspace> = Api::namespaced(client.clone(), namespace);
-    api.patch_status(
-        name,
-        &PatchParams::apply(WORKSPACE_STATUS_MANAGER).force(),
-        &Patch::Apply(&patch),
-    )
-    .await
-    .map_err(WorkspaceError::kube("writing the Workspace status"))?;
-    Ok(())
+    let written = api
+        .patch_status(
+            name,
+            &PatchParams::apply(WORKSPACE_STATUS_MANAGER).force(),
+            &Patch::Apply(&patch),
+        )
+        .await
+        .map_err(WorkspaceError::kube("writing the Workspace status"))?;
+    Ok(Some(written))
 }
 
 #[cfg(test)]
