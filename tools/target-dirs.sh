@@ -17,3 +17,9 @@ for record in "$cache"/target-*/.checkout; do
     rm -rf "$(dirname "$record")"
   fi
 done
+# A full `make test` needs about 15 GiB of its own (target dir, images, the test node's files);
+# below that, say so now rather than through a node under DiskPressure much later.
+free_kib=$(df -Pk "$cache" | awk 'NR==2 {print $4}')
+if [ -n "$free_kib" ] && [ "$free_kib" -lt $((15 * 1024 * 1024)) ]; then
+  echo "warning: only $((free_kib / 1024 / 1024)) GiB free under $cache; a full make test needs about 15 GiB" >&2
+fi

@@ -72,6 +72,8 @@ pub struct StackContext {
     workspaces_writer: std::sync::Mutex<Option<Writer<Workspace>>>,
     /// What this process last applied to each Stack's Workspace (see [`workspace::Applied`]).
     applied: workspace::AppliedWorkspaces,
+    /// The status writes of this controller, so a reconcile never decides on an older view.
+    own_writes: kit::OwnWrites,
 }
 
 impl StackContext {
@@ -108,6 +110,7 @@ impl StackContext {
             workspaces,
             workspaces_writer: std::sync::Mutex::new(Some(writer)),
             applied: workspace::AppliedWorkspaces::default(),
+            own_writes: kit::OwnWrites::default(),
             flux: FluxWatches::default(),
         }
     }

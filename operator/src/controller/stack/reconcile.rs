@@ -46,6 +46,9 @@ pub(super) async fn reconcile(
     ctx: Arc<StackContext>,
 ) -> Result<Action, StackError> {
     let _measure = kit::measure(&ctx.metrics, CONTROLLER);
+    let Some(stack) = fresher(stack, &ctx).await? else {
+        return Ok(Action::await_change());
+    };
     let result = reconcile_inner(&stack, &ctx).await;
     let failure = ctx
         .backoff
@@ -56,6 +59,23 @@ pub(super) async fn reconcile(
         report_stalled(&stack, &ctx, err).await;
     }
     result
+}
+
+/// The Stack as this reconcile must see it: read again when the cache is older than the
+/// controller's own last status write (see [`kit::OwnWrites`]); `None` once it is gone.
+async fn fresher(stack: Arc<Stack>, ctx: &StackContext) -> Result<Option<Arc<Stack>>, StackError> {
+    if !ctx.own_writes.behind(&stack.metadata) {
+        return Ok(Some(stack));
+    }
+    let namespace = stack.namespace().ok_or(StackError::NoNamespace)?;
+    let api: Api<Stack> = Api::namespaced(ctx.client.clone(), &namespace);
+    let fresh = api
+        .get_opt(&stack.name_any())
+        .await
+        .map_err(StackError::kube(
+            "reading the Stack after its last status write",
+        ))?;
+    Ok(fresh.map(Arc::new))
 }
 
 /// `Stalled=True` ([`backoff::REASON`]) with the error's message, and a Warning Event when that
@@ -74,7 +94,7 @@ async fn report_stalled(stack: &Stack, ctx: &StackContext, err: &StackError) {
             .await;
     }
     Outcome::stalled(backoff::REASON, message).apply(&mut status, stack.metadata.generation);
-    if let Err(e) = writer.write(&status).await {
+    if let Err(e) = writer.write(&status, &ctx.own_writes).await {
         warn!(error = %e, "cannot report the stalled stack");
     }
 }
@@ -87,7 +107,7 @@ async fn reconcile_inner(stack: &Stack, ctx: &StackContext) -> Result<Action, St
         Err(Stop::Failed(err)) => return Err(err),
     };
     let action = outcome.apply(&mut run.status, run.generation);
-    run.writer.write(&run.status).await?;
+    run.writer.write(&run.status, &ctx.own_writes).await?;
     Ok(action)
 }
 
@@ -112,7 +132,8 @@ impl StatusWriter {
         }
     }
 
-    async fn write(&self, after: &StackStatus) -> Result<(), StackError> {
+    /// Writes `after` when it says something new, and remembers the version written.
+    async fn write(&self, after: &StackStatus, own: &kit::OwnWrites) -> Result<(), StackError> {
         let before = &self.before;
         let same = before.observed_generation == after.observed_generation
             && before.observed_reconcile_request == after.observed_reconcile_request
@@ -130,7 +151,8 @@ impl StatusWriter {
                 .map_err(StackError::kube("taking over PKO's Stack status"))?;
         }
         let patch = kit::StatusPatch::new::<Stack>(after);
-        self.api
+        let written = self
+            .api
             .patch_status(
                 &self.name,
                 &PatchParams::apply(STACK_STATUS_MANAGER).force(),
@@ -138,6 +160,7 @@ impl StatusWriter {
             )
             .await
             .map_err(StackError::kube("writing the Stack status"))?;
+        own.record(&written.metadata);
         Ok(())
     }
 }
@@ -655,7 +678,9 @@ impl<'a> Run<'a> {
             // readable), with the conditions as they are: were the finalizer's removal
             // refused, a write of new conditions would clear the stall that reports it, and
             // trigger the next attempt at once, on every attempt.
-            self.writer.write(&self.status).await?;
+            self.writer
+                .write(&self.status, &self.ctx.own_writes)
+                .await?;
             set_finalizer(self.ctx, self.stack, false).await?;
             return Err(Stop::Quiet);
         }
@@ -970,7 +995,7 @@ mod tests {
         let stack = stack(true, Value::Null);
         let writer = StatusWriter::new(&ctx.client, &stack, "ns");
         writer
-            .write(&StackStatus::default())
+            .write(&StackStatus::default(), &ctx.own_writes)
             .await
             .expect("nothing to write");
         // No request reached the apiserver.
