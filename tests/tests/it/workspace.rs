@@ -399,3 +399,158 @@ async fn an_operator_restart_initializes_no_workspace_again() {
         operator.log_text()
     );
 }
+
+/// The operator's PATCHes of the workspace's StatefulSet and Service (not their status) in
+/// `plane`'s audit log: its applies. Only the operator patches them; the harness kubelet writes
+/// the StatefulSet's status subresource.
+fn workload_applies(plane: &ControlPlane, ns: &str) -> (usize, usize) {
+    let text = std::fs::read_to_string(plane.audit_log()).expect("audit log");
+    let mut counts = (0, 0);
+    for e in text
+        .lines()
+        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+    {
+        let r = &e["objectRef"];
+        if e["stage"] != "ResponseComplete"
+            || e["verb"] != "patch"
+            || r["namespace"] != ns
+            || !r["subresource"].is_null()
+        {
+            continue;
+        }
+        match r["resource"].as_str() {
+            Some("statefulsets") => counts.0 += 1,
+            Some("services") => counts.1 += 1,
+            _ => {}
+        }
+    }
+    counts
+}
+
+/// A Ready workspace's reconciles read its StatefulSet and Service and write neither (the
+/// operator used to apply both on every reconcile); what is changed or deleted behind the
+/// operator's back is applied again: a StatefulSet scaled to 0 by someone else is back at 1,
+/// a deleted Service is made again.
+#[tokio::test]
+async fn a_ready_workspace_is_not_applied_again_until_its_workload_is_changed() {
+    let _machine = pko_tests::serial::shared().await;
+    let tmp = tempfile::tempdir().expect("tmp");
+    let plane = ControlPlane::start(pko_tests::StartOptions {
+        audit_log: true,
+        ..pko_tests::StartOptions::default()
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let ns = plane.namespace("ws-quiet").await.expect("namespace");
+    let kubelet = Kubelet::start_with(
+        plane.client(),
+        &ns,
+        &tmp.path().join("pods"),
+        pko_tests::kubelet::KubeletOptions {
+            api: Some(pko_tests::kubelet::ApiAccess::of(&plane)),
+            ..Default::default()
+        },
+    )
+    .expect("kubelet");
+    let operator = Operator::start(
+        &plane,
+        pko_tests::operator::OperatorOptions {
+            advertised: None,
+            args: vec![
+                format!("--watch-namespace={ns}"),
+                "--workspace-localhost=127.0.0.1".into(),
+            ],
+        },
+    )
+    .await
+    .expect("operator");
+    let programs: Api<Program> = Api::namespaced(plane.client(), &ns);
+    let (url, digest) = fixtures::published_program(
+        &programs,
+        "hello",
+        serde_json::from_str(PROGRAM).expect("json"),
+        WAIT,
+    )
+    .await
+    .expect("artifact");
+    let backend = tmp.path().join("backend");
+    std::fs::create_dir_all(&backend).expect("backend");
+    let api: Api<Workspace> = Api::namespaced(plane.client(), &ns);
+    let ws = workspace("quiet", &backend.display().to_string(), &url, &digest, "hi");
+    api.create(&PostParams::default(), &ws)
+        .await
+        .expect("create workspace");
+    wait_ready(&api, "quiet", 1, &kubelet).await;
+
+    let reconciled = "pko_reconcile_duration_seconds_count{controller=\"workspace\"}";
+    let poke = |i: usize| {
+        let api = api.clone();
+        let operator = &operator;
+        async move {
+            let before = operator.metric(reconciled).await.unwrap_or_default();
+            api.patch(
+                "quiet",
+                &PatchParams::default(),
+                &Patch::Merge(
+                    json!({"metadata": {"annotations": {"example.com/poke": i.to_string()}}}),
+                ),
+            )
+            .await
+            .expect("poke");
+            wait_for("the poke to be reconciled", WAIT, || async {
+                (operator.metric(reconciled).await? > before).then_some(())
+            })
+            .await
+            .unwrap_or_else(|e| panic!("{e}\n{}", operator.log_text()));
+        }
+    };
+    let applied = workload_applies(&plane, &ns);
+    assert!(
+        applied.0 >= 1 && applied.1 >= 1,
+        "applied once: {applied:?}"
+    );
+    for i in 0..3 {
+        poke(i).await;
+    }
+    wait_ready(&api, "quiet", 1, &kubelet).await;
+    assert_eq!(
+        workload_applies(&plane, &ns),
+        applied,
+        "reconciles of a Ready workspace applied its workload again"
+    );
+
+    let name = "quiet-workspace";
+    let statefulsets: Api<StatefulSet> = Api::namespaced(plane.client(), &ns);
+    statefulsets
+        .patch(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"replicas": 0}})),
+        )
+        .await
+        .expect("scale to 0 behind the operator's back");
+    wait_for("the StatefulSet scaled back to 1", WAIT, || async {
+        let sts = statefulsets.get(name).await.ok()?;
+        (sts.spec?.replicas == Some(1)).then_some(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", operator.log_text()));
+
+    let services: Api<Service> = Api::namespaced(plane.client(), &ns);
+    services
+        .delete(name, &Default::default())
+        .await
+        .expect("delete the Service");
+    wait_for("the Service gone", WAIT, || async {
+        services.get_opt(name).await.ok()?.is_none().then_some(())
+    })
+    .await
+    .expect("deleted");
+    poke(3).await;
+    wait_for("the Service made again", WAIT, || async {
+        services.get_opt(name).await.ok()?.map(|_| ())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", operator.log_text()));
+    wait_ready(&api, "quiet", 1, &kubelet).await;
+}

@@ -137,6 +137,8 @@ pub struct WorkspaceContext {
     wakeup: Wakeup<Workspace>,
     /// The status writes of this controller, so a reconcile never decides on an older view.
     own_writes: kit::OwnWrites,
+    /// Workspace uid → the Service and StatefulSet this process last applied for it.
+    workloads: Mutex<HashMap<String, rules::AppliedWorkload>>,
 }
 
 /// What one workspace pod's agent can do, and the image it came from.
@@ -160,6 +162,7 @@ impl WorkspaceContext {
             facts: Mutex::new(HashMap::new()),
             wakeup: Wakeup::new(),
             own_writes: Default::default(),
+            workloads: Mutex::new(HashMap::new()),
         }
     }
 
@@ -181,6 +184,25 @@ impl WorkspaceContext {
             self.own_writes.record(&ws.metadata);
         }
         Ok(())
+    }
+
+    fn workload_for(&self, uid: &str) -> Option<rules::AppliedWorkload> {
+        self.workloads
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(uid)
+            .copied()
+    }
+
+    fn set_workload(&self, uid: &str, value: Option<rules::AppliedWorkload>) {
+        let mut map = self
+            .workloads
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        match value {
+            Some(v) => map.insert(uid.to_owned(), v),
+            None => map.remove(uid),
+        };
     }
 
     fn facts_for(&self, uid: &str) -> Option<AgentFacts> {

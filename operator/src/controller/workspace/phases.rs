@@ -152,6 +152,7 @@ impl<'a> Run<'a> {
 pub(super) fn deleting(run: &mut Run<'_>) -> End {
     status::mark_deleting(&mut run.status, run.generation);
     run.ctx.set_initialized(&run.uid, None);
+    run.ctx.set_workload(&run.uid, None);
     run.ctx.set_facts(&run.uid, None);
     End::Report(Action::await_change())
 }
@@ -233,14 +234,7 @@ pub(super) async fn apply(run: &mut Run<'_>) -> Result<Phase<Applied>, Workspace
         Err(e) => return Err(e.into()),
     };
     let service = pod::desired_service(run.ws, &run.name, &run.namespace, &workload_owner);
-    let statefulset = apply_workload(
-        &run.ctx.client,
-        &run.namespace,
-        &run.name,
-        &service,
-        &desired,
-    )
-    .await?;
+    let statefulset = ensure_workload(run, &service, &desired).await?;
     Ok(Phase::Continue(Applied {
         auth,
         layout,
@@ -268,6 +262,62 @@ async fn marked_env_image(
 }
 
 /// Server-side applies the Service, then the StatefulSet (returned as the apiserver has it).
+/// The workspace's StatefulSet as it is, applied with its Service first unless this process
+/// applied the same objects and the StatefulSet's spec has not moved since: a reconcile of a
+/// running workspace reads the StatefulSet instead of writing both again.
+async fn ensure_workload(
+    run: &Run<'_>,
+    service: &Service,
+    desired: &StatefulSet,
+) -> Result<StatefulSet, WorkspaceError> {
+    let digest = workload_digest(service, desired);
+    if let Some(last) = run.ctx.workload_for(&run.uid) {
+        let name = pod::workload_name(&run.name);
+        let statefulsets: Api<StatefulSet> =
+            Api::namespaced(run.ctx.client.clone(), &run.namespace);
+        let services: Api<Service> = Api::namespaced(run.ctx.client.clone(), &run.namespace);
+        let (live, service) = futures::try_join!(
+            async {
+                statefulsets
+                    .get_opt(&name)
+                    .await
+                    .map_err(WorkspaceError::kube("reading the workspace StatefulSet"))
+            },
+            async {
+                services
+                    .get_metadata_opt(&name)
+                    .await
+                    .map_err(WorkspaceError::kube("reading the workspace Service"))
+            },
+        )?;
+        let generation = live.as_ref().and_then(|s| s.metadata.generation);
+        if let Some(live) = live
+            && !rules::must_apply(Some(&last), digest, generation, service.is_some())
+        {
+            return Ok(live);
+        }
+    }
+    let applied =
+        apply_workload(&run.ctx.client, &run.namespace, &run.name, service, desired).await?;
+    let record = rules::AppliedWorkload {
+        digest,
+        generation: applied.metadata.generation,
+    };
+    run.ctx.set_workload(&run.uid, Some(record));
+    Ok(applied)
+}
+
+/// A digest of the objects as built (stable within this process, which is all it is kept for).
+fn workload_digest(service: &Service, statefulset: &StatefulSet) -> u64 {
+    use std::hash::{DefaultHasher, Hash, Hasher};
+    let mut hasher = DefaultHasher::new();
+    // Serializing objects built here cannot fail; an empty value would only force an apply.
+    serde_json::to_vec(&(service, statefulset))
+        .unwrap_or_default()
+        .hash(&mut hasher);
+    hasher.finish()
+}
+
 async fn apply_workload(
     client: &Client,
     namespace: &str,

@@ -29,6 +29,13 @@ pub(super) async fn reconcile(
         return Ok(Action::await_change());
     };
     let result = reconcile_inner(&ws, &ctx).await;
+    if result.is_err()
+        && let Some(uid) = &ws.metadata.uid
+    {
+        // A failure (an agent not reached through its Service, …) applies the workload again
+        // next time, which restores whatever was deleted behind this process's back.
+        ctx.set_workload(uid, None);
+    }
     let failure = ctx
         .backoff
         .record(&ws.metadata, &result, WorkspaceError::verdict);

@@ -1,6 +1,6 @@
 //! The reconcile's decisions that need no apiserver and no agent: whether the StatefulSet is
 //! ready, what a failed init container says, whether the agent's Pulumi can take the config,
-//! and whether the agent must be told the workspace again.
+//! whether the agent must be told the workspace again, and whether the workload must be applied.
 
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::Pod;
@@ -21,6 +21,36 @@ pub(super) fn waits_for_its_stack(ws: &pko_api::workspace::Workspace) -> bool {
         .and_then(|l| l.get(STACK_COMPONENT_LABEL))
         .is_some_and(|v| v == "stack");
     stacks && takeover::pko_owns(&ws.metadata, Part::Main)
+}
+
+/// What this process last applied as a Workspace's Service and StatefulSet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct AppliedWorkload {
+    /// A digest of the applied Service and StatefulSet, as built.
+    pub(crate) digest: u64,
+    /// The StatefulSet's `metadata.generation` the apply returned.
+    pub(crate) generation: Option<i64>,
+}
+
+/// Whether the workload must be applied again: not when this process applied the same objects,
+/// the Service is still there and the live StatefulSet's spec has not changed since (its
+/// generation moves with any spec change, whoever made it). Status updates do not count, so a
+/// Ready pod costs no apply.
+pub(super) fn must_apply(
+    last: Option<&AppliedWorkload>,
+    digest: u64,
+    live_generation: Option<i64>,
+    service_present: bool,
+) -> bool {
+    match last {
+        Some(last) => {
+            last.digest != digest
+                || !service_present
+                || live_generation.is_none()
+                || live_generation != last.generation
+        }
+        None => true,
+    }
 }
 
 /// Structured config (objects, arrays, JSON values) needs `config set-all --json`.
@@ -177,6 +207,32 @@ pub(super) fn initialized_note(fresh: bool, workspace: &str, generation: i64) ->
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn the_workload_is_applied_again_only_when_it_or_its_live_spec_changed() {
+        let last = AppliedWorkload {
+            digest: 7,
+            generation: Some(3),
+        };
+        assert!(must_apply(None, 7, Some(3), true), "nothing applied here");
+        assert!(!must_apply(Some(&last), 7, Some(3), true), "unchanged");
+        assert!(
+            must_apply(Some(&last), 8, Some(3), true),
+            "the objects changed"
+        );
+        assert!(
+            must_apply(Some(&last), 7, Some(4), true),
+            "someone changed the spec"
+        );
+        assert!(
+            must_apply(Some(&last), 7, None, true),
+            "the StatefulSet is gone"
+        );
+        assert!(
+            must_apply(Some(&last), 7, Some(3), false),
+            "the Service is gone"
+        );
+    }
 
     fn sts(status: Value) -> StatefulSet {
         serde_json::from_value(json!({"metadata": {"generation": 2}, "status": status}))
