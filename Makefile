@@ -110,7 +110,7 @@ fuzz-long: toolchain policies ## property tests with FUZZ_CASES (100000) cases e
 	PKO_PROPTEST_CASES=$(FUZZ_CASES) $(CARGO) test -p pko-admission --test prop_review
 
 .PHONY: run
-run: tools build ## local control plane + CRDs + operator + examples/program.yaml, artifact fetched
+run: tools policies plugins build ## local control plane + CRDs + operator with its webhook: examples/program.yaml fetched, examples/stack.yaml deployed, a transform plugin, admission refusals and a warn-mode TenancyPolicy
 	$(CARGO_TARGET_DIR)/debug/pko-dev run
 
 .PHONY: pko

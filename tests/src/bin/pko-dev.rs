@@ -1,10 +1,15 @@
-//! `make run`: a local control plane, our CRDs, the operator, and the sample Program, end to end.
+//! `make run`: a local control plane, our CRDs, the operator, and the product's three parts at
+//! work, end to end.
 //!
-//! Starts etcd + kube-apiserver on loopback, installs deploy/crds, starts `pko-operator`, applies
-//! examples/program.yaml with kubectl, waits for its artifact, fetches it with curl, checks its
-//! sha256 against the status, prints the Pulumi.yaml, deploys examples/stack.yaml, then keeps
-//! running until Ctrl-C. `pko-dev check` does the same and exits: `make test` runs it, so the
-//! README's main command cannot break unseen.
+//! Starts etcd + kube-apiserver on loopback, installs deploy/crds, starts `pko-operator` with its
+//! admission webhook (the Rego policies compiled to wasm), applies examples/program.yaml with
+//! kubectl, waits for its artifact, fetches it with curl, checks its sha256 against the status,
+//! prints the Pulumi.yaml, deploys examples/stack.yaml; then runs the `default-tags` transform
+//! plugin (examples/transform.yaml) and prints the transformed Pulumi.yaml and the chain in the
+//! status; then sends examples/refused.yaml (refused, with the webhook's messages) and, under a
+//! TenancyPolicy in warn mode (examples/tenancy.yaml), examples/warned.yaml (admitted with a
+//! warning); then prints where to look next and keeps running until Ctrl-C. `pko-dev check` does
+//! the same and exits: `make test` runs it, so the README's main command cannot break unseen.
 #![allow(
     clippy::disallowed_methods,
     reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
@@ -17,8 +22,12 @@ use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
+use k8s_openapi::ByteString;
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
 use kube::Api;
+use kube::api::PostParams;
 use pko_api::program::Program;
+use pko_tests::webhook::{Registration, WebhookOptions, policy_bundle};
 use pko_tests::{ControlPlane, StartOptions, repo_root, spawn_guarded, wait_for};
 use sha2::{Digest, Sha256};
 
@@ -61,6 +70,11 @@ async fn run(mode: Mode) -> anyhow::Result<()> {
     .context("starting the local control plane")?;
     println!("    apiserver {} (CRDs installed)", plane.server_url());
 
+    // The admission webhook, registered for the namespaces `enroll`ed below.
+    let webhook = Registration::create(&plane, "run", WebhookOptions::default())
+        .await
+        .context("registering the admission webhook")?;
+    let bundle = policy_bundle().context("the admission policy bundle (make policies)")?;
     let fs_port = free_port()?;
     let probe_port = free_port()?;
     let operator = sibling_binary("pko-operator")?;
@@ -73,7 +87,8 @@ async fn run(mode: Mode) -> anyhow::Result<()> {
         ))
         // Workspace agents run as local processes (see below) on loopback ports.
         .arg("--workspace-localhost=127.0.0.1")
-        .arg("--artifact-keys-namespace=default");
+        .arg("--artifact-keys-namespace=default")
+        .args(webhook.operator_args(&bundle));
     let log = state.path().join("operator.log");
     println!("==> starting the operator (log: {})", log.display());
     let _operator = spawn_guarded(cmd, "pko-operator", &log)?;
@@ -139,18 +154,30 @@ async fn run(mode: Mode) -> anyhow::Result<()> {
     println!("    sha256 verified ({} bytes)", bytes.len());
     println!("==> Pulumi.yaml\n{}", pulumi_yaml(&bytes)?);
     let _kubelet = deploy_stack(&plane, state.path()).await?;
+    transform(&plane, &programs, state.path()).await?;
+    admission(&plane, &webhook).await?;
     if mode == Mode::Check {
         println!("==> check passed");
         return Ok(());
     }
-    println!("kubeconfig: {}", plane.kubeconfig_path().display());
-    let kubectl = plane.kubectl();
-    println!(
-        "  try: {} --kubeconfig {} get programs -A",
-        kubectl.get_program().to_string_lossy(),
+    let kubectl = format!(
+        "{} --kubeconfig {}",
+        plane.kubectl().get_program().to_string_lossy(),
         plane.kubeconfig_path().display()
     );
-    println!("file server: http://127.0.0.1:{fs_port}   probes: http://127.0.0.1:{probe_port}");
+    println!("==> where to look next");
+    println!("  kubeconfig:  {}", plane.kubeconfig_path().display());
+    println!("  {kubectl} get programs,stacks,workspaces,updates -A");
+    println!("  {kubectl} get program tagged -o jsonpath='{{.status.artifact.metadata}}'");
+    println!("  {kubectl} get programtransforms,tenancypolicies -A");
+    println!("  {kubectl} get events -n default");
+    println!("  operator log: {}", log.display());
+    println!(
+        "  file server: http://127.0.0.1:{fs_port}   probes and metrics: http://127.0.0.1:{probe_port}/metrics"
+    );
+    println!(
+        "  docs: docs/plugins.md (transforms), docs/policies.md (tenancy), docs/execution.md (Stacks)"
+    );
     println!("Running; press Ctrl-C to stop.");
     tokio::signal::ctrl_c()
         .await
@@ -248,4 +275,205 @@ async fn deploy_stack(
         serde_json::to_string(&outputs)?
     );
     Ok(kubelet)
+}
+
+/// Runs the `default-tags` plugin: its module into a ConfigMap, examples/transform.yaml applied
+/// with the module's sha256 filled in, then the `tagged` Program's artifact fetched and shown
+/// with the chain its status records.
+async fn transform(
+    plane: &ControlPlane,
+    programs: &Api<Program>,
+    state: &Path,
+) -> anyhow::Result<()> {
+    let dir = std::env::var_os("PKO_PLUGINS_DIR")
+        .map(PathBuf::from)
+        .context("PKO_PLUGINS_DIR is not set: run `make run`, which builds the plugins")?;
+    let module_path = dir.join("default_tags.wasm");
+    let module = std::fs::read(&module_path)
+        .with_context(|| format!("reading {} (make plugins)", module_path.display()))?;
+    let sha256 = hex::encode(Sha256::digest(&module));
+    println!(
+        "==> the default-tags plugin ({} bytes, sha256 {sha256}) into ConfigMap default/plugins",
+        module.len()
+    );
+    let config_map: ConfigMap = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "plugins", "namespace": "default"},
+    }))?;
+    let config_map = ConfigMap {
+        binary_data: Some([("default-tags.wasm".to_owned(), ByteString(module))].into()),
+        ..config_map
+    };
+    Api::<ConfigMap>::namespaced(plane.client(), "default")
+        .create(&PostParams::default(), &config_map)
+        .await
+        .context("creating ConfigMap default/plugins")?;
+    let example = repo_root().join("examples/transform.yaml");
+    let manifest = std::fs::read_to_string(&example)
+        .with_context(|| format!("reading {}", example.display()))?
+        .replace("SHA256_OF_DEFAULT_TAGS_WASM", &sha256);
+    println!(
+        "==> kubectl apply --server-side -f {} (sha256 filled in)",
+        example.display()
+    );
+    kubectl_stdin(plane, &["apply", "--server-side", "-f", "-"], &manifest)?;
+    let (url, metadata) = wait_for(
+        "the transformed artifact of default/tagged",
+        Duration::from_secs(60),
+        || {
+            let programs = programs.clone();
+            async move {
+                let artifact = programs.get("tagged").await.ok()?.status?.artifact?;
+                let metadata = artifact.metadata?;
+                Some((artifact.url, metadata))
+            }
+        },
+    )
+    .await?;
+    for (key, value) in &metadata {
+        println!("    status.artifact.metadata[{key}] = {value}");
+    }
+    let download = state.join("tagged.tar.gz");
+    let status = Command::new("curl")
+        .args(["-fsS", "-o"])
+        .arg(&download)
+        .arg(&url)
+        .status()
+        .context("running curl")?;
+    if !status.success() {
+        bail!("curl failed ({status})");
+    }
+    let yaml = pulumi_yaml(&std::fs::read(&download).context("reading the download")?)?;
+    println!("==> the transformed Pulumi.yaml\n{yaml}");
+    if !yaml.contains("managed-by: pko-rs") {
+        bail!("the transform's label is not in the artifact");
+    }
+    println!("    transform applied: the ConfigMap resource carries managed-by and tenant labels");
+    Ok(())
+}
+
+/// The webhook at work: team-a (no TenancyPolicy, so violations are denied) refuses
+/// examples/refused.yaml; team-b, under examples/tenancy.yaml's warn policy, admits
+/// examples/warned.yaml with a warning. Both are sent as server-side dry runs.
+async fn admission(plane: &ControlPlane, webhook: &Registration) -> anyhow::Result<()> {
+    println!("==> admission: namespaces team-a and team-b under the webhook");
+    let namespaces: Api<Namespace> = Api::all(plane.client());
+    for name in ["team-a", "team-b"] {
+        let ns: Namespace =
+            serde_json::from_value(serde_json::json!({"metadata": {"name": name}}))?;
+        namespaces
+            .create(&PostParams::default(), &ns)
+            .await
+            .with_context(|| format!("creating namespace {name}"))?;
+        webhook
+            .enroll(plane, name, &[])
+            .await
+            .with_context(|| format!("enrolling namespace {name}"))?;
+    }
+    webhook
+        .wait_ca_injected(plane, Duration::from_secs(60))
+        .await
+        .context("the webhook's CA bundle")?;
+    let refused = repo_root().join("examples/refused.yaml");
+    println!(
+        "==> kubectl apply --server-side --dry-run=server -f {}",
+        refused.display()
+    );
+    let out = kubectl_file(plane, &refused)?;
+    print!("{}", indent(&out.text));
+    if out.success {
+        bail!("examples/refused.yaml was admitted");
+    }
+    for code in ["cross-namespace-secret", "run-as-user-root"] {
+        if !out.text.contains(code) {
+            bail!("the refusal does not name {code}");
+        }
+    }
+    let policy = repo_root().join("examples/tenancy.yaml");
+    println!("==> kubectl apply --server-side -f {}", policy.display());
+    let applied = kubectl_file_as(plane, &policy, false)?;
+    if !applied.success {
+        bail!("applying the TenancyPolicy failed:\n{}", applied.text);
+    }
+    let warned = repo_root().join("examples/warned.yaml");
+    println!(
+        "==> kubectl apply --server-side --dry-run=server -f {}",
+        warned.display()
+    );
+    // The operator reads TenancyPolicies from a watch: the policy applies once it has seen it.
+    let out = wait_for(
+        "the warn policy to apply",
+        Duration::from_secs(30),
+        || async {
+            let out = kubectl_file(plane, &warned).ok()?;
+            (out.success && out.text.contains("Warning")).then_some(out)
+        },
+    )
+    .await?;
+    print!("{}", indent(&out.text));
+    Ok(())
+}
+
+/// What a kubectl run printed (stdout and stderr) and whether it succeeded.
+struct Kubectl {
+    success: bool,
+    text: String,
+}
+
+/// `kubectl apply --server-side --dry-run=server -f file`.
+fn kubectl_file(plane: &ControlPlane, file: &Path) -> anyhow::Result<Kubectl> {
+    kubectl_file_as(plane, file, true)
+}
+
+fn kubectl_file_as(plane: &ControlPlane, file: &Path, dry_run: bool) -> anyhow::Result<Kubectl> {
+    let mut cmd = plane.kubectl();
+    cmd.args(["apply", "--server-side"]);
+    if dry_run {
+        cmd.arg("--dry-run=server");
+    }
+    let out = cmd
+        .arg("-f")
+        .arg(file)
+        .output()
+        .context("running kubectl")?;
+    Ok(Kubectl {
+        success: out.status.success(),
+        text: format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    })
+}
+
+/// Runs kubectl with `input` on its stdin; fails with its output when it fails.
+fn kubectl_stdin(plane: &ControlPlane, args: &[&str], input: &str) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut child = plane
+        .kubectl()
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .context("running kubectl")?;
+    child
+        .stdin
+        .take()
+        .context("kubectl's stdin")?
+        .write_all(input.as_bytes())
+        .context("writing to kubectl")?;
+    let out = child.wait_with_output().context("waiting for kubectl")?;
+    print!("{}", indent(&String::from_utf8_lossy(&out.stdout)));
+    if !out.status.success() {
+        bail!(
+            "kubectl failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(())
+}
+
+fn indent(text: &str) -> String {
+    text.lines().map(|l| format!("    {l}\n")).collect()
 }

@@ -749,7 +749,9 @@ async fn published_artifacts_are_served_at_once_by_the_leader_and_a_standby() {
 }
 
 /// `make run`'s own code path (`pko-dev check`): its own control plane, the CRDs, the operator,
-/// examples/program.yaml fetched and verified, and examples/stack.yaml deployed to Ready.
+/// examples/program.yaml fetched and verified, examples/stack.yaml deployed to Ready, the
+/// default-tags transform in a Program's artifact and status, examples/refused.yaml refused
+/// with both rules named, and examples/warned.yaml admitted with a TenancyPolicy's warning.
 #[tokio::test]
 async fn the_make_run_path_works_end_to_end() {
     let _machine = pko_tests::serial::shared().await;
@@ -769,7 +771,16 @@ async fn the_make_run_path_works_end_to_end() {
         "pko-dev check failed ({}):\n{stdout}\n{stderr}",
         output.status
     );
-    for step in ["sha256 verified", "stack Ready", "check passed"] {
+    for step in [
+        "sha256 verified",
+        "stack Ready",
+        "transforms.pko-rs.dev/applied",
+        "transform applied",
+        "[isolation/cross-namespace-secret]",
+        "[restricted/run-as-user-root]",
+        "Warning: pko-rs policy",
+        "check passed",
+    ] {
         assert!(stdout.contains(step), "no {step:?} in:\n{stdout}");
     }
 }
