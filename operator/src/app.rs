@@ -78,6 +78,8 @@ pub(crate) enum AppError {
     #[error(transparent)]
     SecureMetrics(#[from] pko_operator::secure_metrics::SecureMetricsError),
     #[error(transparent)]
+    Admin(#[from] pko_operator::admin::AdminError),
+    #[error(transparent)]
     Election(#[from] leader::LeaderError),
     #[error("installing the SIGTERM handler")]
     SigtermHandler(#[source] std::io::Error),
@@ -475,6 +477,16 @@ async fn serve_probes(
         && args.metrics_bind_address != args.health_probe_bind_address;
     if args.metrics_secure && !separate_metrics {
         return Err(AppError::SecureMetricsAddress);
+    }
+    if let Some(addr) = pko_operator::admin::address(&args.admin_bind_address)? {
+        let listener = http::bind(&addr.to_string()).await?;
+        tasks.spawn(http::serve(
+            "admin",
+            listener,
+            pko_operator::admin::router(),
+            listener_limits(args),
+            shutdown.clone().cancelled_owned(),
+        ));
     }
     let probe_app = probes::router(readiness.clone(), metrics.clone(), !separate_metrics);
     let probe_listener = http::bind(&args.health_probe_bind_address).await?;

@@ -6,6 +6,7 @@
 //! → workspace ([`controller`], reaching agents through [`agent_client`] and the
 //! `pko-agent-api` crate).
 
+pub mod admin;
 pub mod agent_client;
 pub mod artifact;
 pub mod capability;
@@ -22,6 +23,7 @@ pub mod metrics;
 pub mod oci;
 pub mod offline;
 pub mod probes;
+pub mod process_metrics;
 pub mod rest_metrics;
 pub mod runtime_metrics;
 pub mod scope;

@@ -77,6 +77,10 @@ struct RunArgs {
     /// Extra address serving /metrics ("0" disables it).
     #[arg(long, default_value = "0")]
     metrics_bind_address: String,
+    /// Loopback address of the admin listener (`GET`/`PUT /log-level`), reached with
+    /// `kubectl port-forward`; "0" disables it. Only loopback addresses are taken.
+    #[arg(long, default_value = "0")]
+    admin_bind_address: String,
     /// Serve /metrics on --metrics-bind-address over HTTPS, to clients whose bearer token the
     /// apiserver authenticates (TokenReview) and whose user may `get` the non-resource URL
     /// /metrics (SubjectAccessReview), as PKO's flag does. Off: plain HTTP, no authentication.

@@ -209,6 +209,7 @@ impl Metrics {
     pub fn with_extra(object_labels: ObjectLabels, extra: impl FnOnce(&mut Registry)) -> Self {
         let mut registry = Registry::default();
         extra(&mut registry);
+        registry.register_collector(Box::new(crate::process_metrics::ProcessCollector));
         let plugins = match object_labels {
             ObjectLabels::Names => pko_plugin_host::PluginMetrics::new(),
             ObjectLabels::None => pko_plugin_host::PluginMetrics::without_object_labels(),

@@ -97,11 +97,13 @@ impl Operator {
             .arg(format!(
                 "--health-probe-bind-address=127.0.0.1:{probe_port}"
             ))
-            .arg("--log-level=info,pko_operator=debug")
             // The error an operator exits with is the first thing its log should show, not
             // a backtrace of where it was built (panics still print theirs).
             .env("RUST_LIB_BACKTRACE", "0")
             .args(&opts.args);
+        if !opts.args.iter().any(|a| a.starts_with("--log-level")) {
+            cmd.arg("--log-level=info,pko_operator=debug");
+        }
         // Every operator of a control plane shares one key Secret, so any replica verifies the
         // artifact URLs any other one signed (as replicas of one install do).
         if !opts

@@ -106,3 +106,83 @@ async fn json_logs_are_one_object_per_line_from_start_to_shutdown() {
         "no \"artifact ready\" line in the span of {ns}/p:\n{text}"
     );
 }
+
+/// The log filter is replaced while the operator runs, through the loopback admin listener:
+/// `PUT /log-level debug` brings the reconciles' debug lines, a filter that does not parse is
+/// refused with the parser's message and the one in force kept, and `GET` says which it is.
+/// The admin listener refuses any address but loopback at start.
+#[tokio::test]
+async fn the_log_level_is_changed_at_run_time_on_loopback_only() {
+    let _machine = pko_tests::serial::shared().await;
+    let plane = ControlPlane::shared().await;
+    let refused = Operator::start(
+        plane,
+        OperatorOptions {
+            args: vec!["--admin-bind-address=0.0.0.0:1".into()],
+            ..OperatorOptions::default()
+        },
+    )
+    .await;
+    let Err(err) = refused else {
+        panic!("an admin listener on every interface was started")
+    };
+    assert!(err.to_string().contains("not a loopback address"), "{err}");
+
+    let ns = plane.namespace("logs-level").await.expect("namespace");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let op = Operator::start(
+        plane,
+        OperatorOptions {
+            args: vec![
+                format!("--admin-bind-address=127.0.0.1:{port}"),
+                "--log-level=info".into(),
+                format!("--watch-namespace={ns}"),
+            ],
+            ..OperatorOptions::default()
+        },
+    )
+    .await
+    .expect("operator starts");
+    let url = format!("http://127.0.0.1:{port}/log-level");
+    let http = reqwest::Client::new();
+    let get = || async {
+        let resp = http.get(&url).send().await.expect("GET");
+        (resp.status().as_u16(), resp.text().await.expect("body"))
+    };
+    let put = |body: &'static str| {
+        let (http, url) = (http.clone(), url.clone());
+        async move {
+            let resp = http.put(&url).body(body).send().await.expect("PUT");
+            (resp.status().as_u16(), resp.text().await.expect("body"))
+        }
+    };
+    assert_eq!(get().await, (200, "info\n".to_owned()));
+    let api = Api::<Program>::namespaced(plane.client(), &ns);
+    api.create(&PostParams::default(), &program("before"))
+        .await
+        .expect("create");
+    wait_for("the first artifact", WAIT, || async {
+        api.get("before").await.ok()?.status?.artifact.map(|_| ())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}; log:\n{}", op.log_text()));
+    assert!(!op.log_text().contains(" DEBUG "), "debug lines at info");
+
+    assert_eq!(put("debug").await, (200, "debug\n".to_owned()));
+    api.create(&PostParams::default(), &program("after"))
+        .await
+        .expect("create");
+    wait_for("a debug line", WAIT, || async {
+        op.log_text().contains(" DEBUG ").then_some(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}; log:\n{}", op.log_text()));
+
+    let (code, body) = put("debug,=[").await;
+    assert_eq!(code, 400, "{body}");
+    assert!(body.contains("invalid log filter"), "{body}");
+    assert_eq!(get().await, (200, "debug\n".to_owned()));
+}

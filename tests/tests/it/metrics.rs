@@ -55,6 +55,13 @@ const FAMILIES: &[&str] = &[
     "rest_client_requests",
     "rest_client_request_duration_seconds",
     "resource_created_at_seconds",
+    // The process series of every Prometheus client.
+    "process_cpu_seconds",
+    "process_resident_memory_bytes",
+    "process_virtual_memory_bytes",
+    "process_open_fds",
+    "process_max_fds",
+    "process_start_time_seconds",
 ];
 
 /// A Stack `name` for stack `dev/<name>`, which no operator here ever runs.
@@ -233,6 +240,42 @@ async fn metrics_follow_programs_reconciles_and_fetches() {
     for family in FAMILIES {
         assert!(families.contains(family), "{family} missing:\n{text}");
     }
+
+    // The process series say what the kernel says of the operator's process.
+    let pid = op.pid().expect("the operator's pid");
+    let proc_text = |file: &str| {
+        std::fs::read_to_string(format!("/proc/{pid}/{file}")).expect("/proc of the operator")
+    };
+    let value = |series: &str| metric_value(&text, series).unwrap_or_else(|| panic!("{series}"));
+    let vm_rss = proc_text("status")
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok())
+        .expect("VmRSS")
+        * 1024.0;
+    let rss = value("process_resident_memory_bytes");
+    assert!(
+        rss > vm_rss / 2.0 && rss < vm_rss * 2.0,
+        "process_resident_memory_bytes {rss}, VmRSS {vm_rss}"
+    );
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("fds")
+        .count() as f64;
+    let open = value("process_open_fds");
+    assert!(
+        (open - fds).abs() <= 32.0,
+        "process_open_fds {open}, /proc {fds}"
+    );
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_secs_f64();
+    let started = value("process_start_time_seconds");
+    assert!(
+        started <= now + 1.0 && now - started < 3600.0,
+        "process_start_time_seconds {started}, now {now}"
+    );
+    assert!(value("process_cpu_seconds_total") > 0.0, "{text}");
 }
 
 /// A Lease held for an hour by someone else: an operator started with election against it
