@@ -306,8 +306,39 @@ async fn pko_dashboard_and_alert_queries_return_data_from_pko_rs() {
             ),
         ),
     ];
+    // The chart's alerts over the same scrapes: the failing Stack fires PkoRsStacksFailing;
+    // the leader, several leaders and an absent operator stay quiet (their `for` aside).
+    let mut checks = checks;
+    let alert = |name: &str| alert_expr(name);
+    checks.push((
+        "alert PkoRsStacksFailing",
+        format!("count({}) == bool 1", alert("PkoRsStacksFailing")),
+    ));
+    for quiet in [
+        "PkoRsNoLeader",
+        "PkoRsSeveralLeaders",
+        "PkoRsOperatorAbsent",
+    ] {
+        checks.push((quiet, format!("absent({})", alert(quiet))));
+    }
     dead.remove().await;
     if let Err(report) = promtool::check(&scrapes, INTERVAL, &checks) {
         panic!("{report}\nlast scrape:\n{second}");
     }
+}
+
+/// The expression of the chart's alert `name` (deploy/helm/pko-rs/files/prometheus-rules.yaml).
+fn alert_expr(name: &str) -> String {
+    let path = pko_tests::repo_root().join("deploy/helm/pko-rs/files/prometheus-rules.yaml");
+    let text = std::fs::read_to_string(&path).expect("the chart's rules");
+    let rules: serde_json::Value = yaml_serde::from_str(&text).expect("rules parse");
+    rules["groups"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|g| g["rules"].as_array().into_iter().flatten())
+        .find(|r| r["alert"] == name)
+        .and_then(|r| r["expr"].as_str())
+        .unwrap_or_else(|| panic!("no alert {name}"))
+        .to_owned()
 }

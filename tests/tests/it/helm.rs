@@ -578,3 +578,45 @@ fn a_fresh_install_denies_the_cluster_ranges_and_opening_them_needs_the_clusters
         );
     }
 }
+
+/// The chart's alert rules: `promtool check rules` takes them, `promtool test rules` shows
+/// each alert firing on the series that should fire it (after its `for`) and not on healthy
+/// ones, and `prometheusRule.enabled=true` installs exactly those groups with the given labels.
+#[test]
+fn prometheus_rules_pass_promtool_and_the_chart_installs_them() {
+    let promtool = pko_tests::promtool::promtool().unwrap_or_else(|e| panic!("{e}"));
+    let rules = chart().join("files/prometheus-rules.yaml");
+    run(
+        Command::new(&promtool).args(["check", "rules"]).arg(&rules),
+        None,
+        "promtool check rules",
+    );
+    run(
+        Command::new(&promtool)
+            .args(["test", "rules"])
+            .arg(repo_root().join("tests/fixtures/monitoring/prometheus-rules-test.yaml")),
+        None,
+        "promtool test rules",
+    );
+    let file: Value = yaml_serde::from_str(&std::fs::read_to_string(&rules).expect("rules"))
+        .expect("rules parse");
+    let rendered = parse(&template(
+        RELEASE_NAMESPACE,
+        &[
+            "prometheusRule.enabled=true",
+            "prometheusRule.labels.release=kps",
+        ],
+    ));
+    let rule = rendered
+        .iter()
+        .find(|o| o["kind"] == "PrometheusRule")
+        .expect("a PrometheusRule");
+    assert_eq!(rule["spec"]["groups"], file["groups"]);
+    assert_eq!(rule["metadata"]["namespace"], RELEASE_NAMESPACE);
+    assert_eq!(rule["metadata"]["labels"]["release"], "kps");
+    let off = parse(&template(RELEASE_NAMESPACE, &[]));
+    assert!(
+        !off.iter().any(|o| o["kind"] == "PrometheusRule"),
+        "off by default"
+    );
+}
