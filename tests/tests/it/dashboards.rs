@@ -308,6 +308,7 @@ async fn pko_dashboard_and_alert_queries_return_data_from_pko_rs() {
     ];
     // The chart's alerts over the same scrapes: the failing Stack fires PkoRsStacksFailing;
     // the leader, several leaders and an absent operator stay quiet (their `for` aside).
+    let panels = dashboard_exprs();
     let mut checks = checks;
     let alert = |name: &str| alert_expr(name);
     checks.push((
@@ -320,6 +321,13 @@ async fn pko_dashboard_and_alert_queries_return_data_from_pko_rs() {
         "PkoRsOperatorAbsent",
     ] {
         checks.push((quiet, format!("absent({})", alert(quiet))));
+    }
+    // Every panel of the chart's Grafana dashboard shows data (the admission panel aside: no
+    // webhook runs here; tests/tests/it/admission.rs covers its series).
+    for (title, expr) in &panels {
+        if !expr.contains("pko_admission_") {
+            checks.push((title.as_str(), format!("count({expr}) > bool 0")));
+        }
     }
     dead.remove().await;
     if let Err(report) = promtool::check(&scrapes, INTERVAL, &checks) {
@@ -341,4 +349,20 @@ fn alert_expr(name: &str) -> String {
         .and_then(|r| r["expr"].as_str())
         .unwrap_or_else(|| panic!("no alert {name}"))
         .to_owned()
+}
+
+/// Every `(panel title, expr)` of the chart's Grafana dashboard.
+fn dashboard_exprs() -> Vec<(String, String)> {
+    let path = pko_tests::repo_root().join("deploy/helm/pko-rs/files/grafana-dashboard.json");
+    let text = std::fs::read_to_string(&path).expect("the chart's dashboard");
+    let dashboard: serde_json::Value = serde_json::from_str(&text).expect("dashboard JSON");
+    let mut out = Vec::new();
+    for panel in dashboard["panels"].as_array().expect("panels") {
+        let title = panel["title"].as_str().unwrap_or("?");
+        for target in panel["targets"].as_array().expect("targets") {
+            let expr = target["expr"].as_str().expect("expr");
+            out.push((title.to_owned(), expr.to_owned()));
+        }
+    }
+    out
 }

@@ -620,3 +620,36 @@ fn prometheus_rules_pass_promtool_and_the_chart_installs_them() {
         "off by default"
     );
 }
+
+/// `grafanaDashboard.enabled=true` puts files/grafana-dashboard.json, unchanged, in a ConfigMap
+/// with the sidecar's label, in the namespace asked for; off by default. Its panels are
+/// evaluated over a real operator's scrapes in dashboards.rs.
+#[test]
+fn the_grafana_dashboard_is_installed_as_written() {
+    let file: Value = serde_json::from_str(
+        &std::fs::read_to_string(chart().join("files/grafana-dashboard.json")).expect("dashboard"),
+    )
+    .expect("dashboard JSON");
+    let rendered = parse(&template(
+        RELEASE_NAMESPACE,
+        &[
+            "grafanaDashboard.enabled=true",
+            "grafanaDashboard.namespace=monitoring",
+        ],
+    ));
+    let cm = rendered
+        .iter()
+        .find(|o| o["kind"] == "ConfigMap" && o["metadata"]["name"] == "pko-rs-grafana-dashboard")
+        .expect("the dashboard ConfigMap");
+    assert_eq!(cm["metadata"]["namespace"], "monitoring");
+    assert_eq!(cm["metadata"]["labels"]["grafana_dashboard"], "1");
+    let embedded: Value =
+        serde_json::from_str(cm["data"]["pko-rs.json"].as_str().expect("data")).expect("JSON");
+    assert_eq!(embedded, file);
+    let off = parse(&template(RELEASE_NAMESPACE, &[]));
+    assert!(
+        !off.iter()
+            .any(|o| o["metadata"]["name"] == "pko-rs-grafana-dashboard"),
+        "off by default"
+    );
+}
