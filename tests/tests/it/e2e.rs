@@ -535,9 +535,8 @@ async fn a_root_pod_template_is_refused() {
     assert!(text.contains("must not be 0 (root)"), "{text}");
 }
 
-/// The pulumi container of the workspace pod in `ns`, as the runtime runs it: (uid of the
-/// runtime spec, read-only root, the `Uid:` line of its process).
-fn pulumi_container(node: &Node, ns: &str) -> (u64, bool, String) {
+/// `crictl inspect` of the pulumi container of the workspace pod in `ns`.
+fn inspect_pulumi_container(node: &Node, ns: &str) -> serde_json::Value {
     let id = node
         .crictl([
             "ps",
@@ -554,9 +553,13 @@ fn pulumi_container(node: &Node, ns: &str) -> (u64, bool, String) {
         .expect("a pulumi container")
         .trim()
         .to_owned();
-    let inspect: serde_json::Value =
-        serde_json::from_str(&node.crictl(["inspect", &id]).expect("crictl inspect"))
-            .expect("json");
+    serde_json::from_str(&node.crictl(["inspect", &id]).expect("crictl inspect")).expect("json")
+}
+
+/// The pulumi container of the workspace pod in `ns`, as the runtime runs it: (uid of the
+/// runtime spec, read-only root, the `Uid:` line of its process).
+fn pulumi_container(node: &Node, ns: &str) -> (u64, bool, String) {
+    let inspect = inspect_pulumi_container(node, ns);
     let spec = &inspect["info"]["runtimeSpec"];
     let uid = spec["process"]["user"]["uid"].as_u64().expect("uid");
     let readonly = spec["root"]["readonly"].as_bool().unwrap_or(false);
@@ -573,8 +576,66 @@ fn pulumi_container(node: &Node, ns: &str) -> (u64, bool, String) {
     (uid, readonly, uid_line)
 }
 
+/// What the kubelet gave the pulumi container of the workspace pod in `ns`, read where the
+/// process lives: its memory cgroup's limit and its CPU cgroup's shares and quota (cgroup v1,
+/// the node's), and the subject of the service account token mounted in it.
+fn pulumi_container_as_run(node: &Node, ns: &str) -> (u64, u64, i64, String) {
+    let inspect = inspect_pulumi_container(node, ns);
+    let pid = inspect["info"]["pid"].as_u64().expect("pid");
+    let cat = |path: String| {
+        node.netns()
+            .run(["cat", &path])
+            .unwrap_or_else(|e| panic!("{path}: {e}"))
+            .trim()
+            .to_owned()
+    };
+    let cgroups = cat(format!("/proc/{pid}/cgroup"));
+    // `<id>:<controller>[,<controller>…]:<path>`
+    let cgroup_of = |controller: &str| {
+        cgroups
+            .lines()
+            .find_map(|l| {
+                let mut parts = l.splitn(3, ':');
+                let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+                controllers
+                    .split(',')
+                    .any(|c| c == controller)
+                    .then(|| format!("/sys/fs/cgroup/{controller}{path}"))
+            })
+            .unwrap_or_else(|| panic!("no {controller} cgroup in {cgroups}"))
+    };
+    let memory = cat(format!("{}/memory.limit_in_bytes", cgroup_of("memory")));
+    let cpu = cgroup_of("cpu");
+    let shares = cat(format!("{cpu}/cpu.shares"));
+    let quota = cat(format!("{cpu}/cpu.cfs_quota_us"));
+    let token = cat(format!(
+        "/proc/{pid}/root/var/run/secrets/kubernetes.io/serviceaccount/token"
+    ));
+    use base64::Engine;
+    let claims = token
+        .split('.')
+        .nth(1)
+        .and_then(|p| {
+            base64::engine::general_purpose::URL_SAFE_NO_PAD
+                .decode(p)
+                .ok()
+        })
+        .and_then(|p| serde_json::from_slice::<serde_json::Value>(&p).ok())
+        .expect("a JWT");
+    (
+        memory.parse().expect("a memory limit"),
+        shares.parse().expect("cpu shares"),
+        quota.parse().expect("a cpu quota"),
+        claims["sub"].as_str().unwrap_or_default().to_owned(),
+    )
+}
+
 /// A restricted workspace (the default profile) with a read-only root filesystem reaches
-/// Ready: runc runs its pulumi container as uid 1000 on a read-only root.
+/// Ready: runc runs its pulumi container as uid 1000 on a read-only root. The Workspace's
+/// `serviceAccountName`, `resources` and `imagePullPolicy` are what the kubelet ran it with:
+/// the token mounted in the container is the account's, its cgroups have the limits and the
+/// requests' CPU shares, and the image the fetch container pulled is not pulled again for it
+/// (`IfNotPresent`; the apiserver's default for this `:latest` image is `Always`).
 #[tokio::test]
 async fn a_restricted_workspace_runs_as_1000_on_a_read_only_root() {
     let _machine = serial::shared().await;
@@ -587,10 +648,22 @@ async fn a_restricted_workspace_runs_as_1000_on_a_read_only_root() {
         .await
         .expect("namespace");
     create(node, &example("program.yaml", &ns)).await;
+    create(
+        node,
+        &json!({"apiVersion": "v1", "kind": "ServiceAccount",
+            "metadata": {"name": "deployer", "namespace": ns}}),
+    )
+    .await;
+    let resources = json!({"requests": {"cpu": "150m", "memory": "200Mi"},
+        "limits": {"cpu": "2", "memory": "1Gi"}});
     let mut stack = example("stack.yaml", &ns);
     stack["spec"]["backend"] = json!("file:///share");
     stack["spec"]["workspaceTemplate"] = json!({"spec": {
         "image": installed.workspace_image,
+        "serviceAccountName": "deployer",
+        // Not the apiserver's default for a `:latest` image (`Always`).
+        "imagePullPolicy": "IfNotPresent",
+        "resources": resources,
         // On a read-only root, pulumi's home and /tmp must be volumes (pulumi writes its
         // workspace settings and login there); the Program needs no plugin from the image.
         "podTemplate": {"spec": {
@@ -605,6 +678,53 @@ async fn a_restricted_workspace_runs_as_1000_on_a_read_only_root() {
     assert_eq!(uid, 1000);
     assert!(readonly, "the root filesystem is read-only");
     assert!(status.split_whitespace().nth(1) == Some("1000"), "{status}");
+
+    // The pod as the apiserver has it.
+    let client = node.plane().client();
+    let pod = Api::<Pod>::namespaced(client.clone(), &ns)
+        .get("hello-workspace-0")
+        .await
+        .expect("the workspace pod");
+    let pod = serde_json::to_value(&pod).expect("json");
+    assert_eq!(pod["spec"]["serviceAccountName"], "deployer");
+    let containers = pod["spec"]["containers"].as_array().expect("containers");
+    let pulumi = containers
+        .iter()
+        .find(|c| c["name"] == "pulumi")
+        .expect("the pulumi container");
+    assert_eq!(pulumi["resources"], resources);
+    assert_eq!(pulumi["imagePullPolicy"], "IfNotPresent");
+    // As the kubelet ran it.
+    let (memory, shares, quota, subject) = pulumi_container_as_run(node, &ns);
+    assert_eq!(memory, 1 << 30, "the memory limit");
+    // 150m: 150 * 1024 / 1000 shares; 2 CPUs: twice the default 100ms period.
+    assert_eq!(shares, 153, "the CPU request's shares");
+    assert_eq!(quota, 200_000, "the CPU limit's quota");
+    assert_eq!(subject, format!("system:serviceaccount:{ns}:deployer"));
+    // `IfNotPresent`: the fetch container pulled the image, the pulumi container finds it
+    // there (with `Always`, the default for this `:latest` image, it is pulled again).
+    let events: Api<k8s_openapi::api::core::v1::Event> = Api::namespaced(client, &ns);
+    let pulled = wait_for("the pulumi container's Pulled event", POD_TIMEOUT, || {
+        let events = events.clone();
+        async move {
+            events
+                .list(
+                    &kube::api::ListParams::default()
+                        .fields("involvedObject.name=hello-workspace-0,reason=Pulled"),
+                )
+                .await
+                .ok()?
+                .items
+                .into_iter()
+                .find(|e| {
+                    e.involved_object.field_path.as_deref() == Some("spec.containers{pulumi}")
+                })
+                .and_then(|e| e.message)
+        }
+    })
+    .await
+    .expect("a Pulled event");
+    assert!(pulled.ends_with("already present on machine"), "{pulled}");
 }
 
 async fn namespace_gone(node: &Node, ns: &str) {

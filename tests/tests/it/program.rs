@@ -1,4 +1,6 @@
-//! Program controller and file server, on the real control plane with the real operator binary.
+//! Program controller and file server, on the real control plane with the real operator binary;
+//! and a Program's `packages` reaching the `pulumi install` of a workspace (with the harness as
+//! kubelet, the real agent and pulumi CLI).
 //!
 //! Each test gets its own namespace and its own operator process watching only that namespace.
 
@@ -15,6 +17,8 @@ use pko_tests::{ControlPlane, wait_for};
 use serde_json::{Value, json};
 
 const WAIT: Duration = Duration::from_secs(60);
+/// A workspace fetches its program and runs `pulumi install` within this.
+const STACK_WAIT: Duration = Duration::from_secs(180);
 
 fn pod_program(name: &str) -> Program {
     program(
@@ -905,4 +909,73 @@ async fn a_tenant_cannot_fetch_another_tenants_artifact_by_any_url() {
     // And so does A's own, by its URL.
     let (ok, out) = agent_init(&url_a, digest_a);
     assert!(ok, "{out}");
+}
+
+/// `packages` reaches pulumi as written: the Pulumi.yaml the workspace fetched carries the
+/// Program's packages exactly, and the workspace's `pulumi install` acts on them. The package
+/// here names a local folder (a source pulumi resolves offline) that holds no provider: the
+/// install fails naming that folder, and the Workspace stalls saying so. Without the field,
+/// nothing would be installed and the workspace would be Ready.
+#[tokio::test]
+async fn packages_reach_the_workspaces_pulumi_install() {
+    let _machine = pko_tests::serial::shared().await;
+    let e = pko_tests::execution::Execution::start("prog-packages", &[]).await;
+    let missing = e.tmp.path().join("no-provider-here");
+    let packages = json!({"kubernetes": missing.display().to_string()});
+    let client = e.plane.client();
+    Api::<Program>::namespaced(client.clone(), &e.ns)
+        .create(
+            &PostParams::default(),
+            &program(
+                "packaged",
+                json!({"packages": packages, "outputs": {"greeting": "hello"}}),
+            ),
+        )
+        .await
+        .expect("create program");
+    let backend = e.tmp.path().join("backend");
+    Api::<pko_api::stack::Stack>::namespaced(client.clone(), &e.ns)
+        .create(
+            &PostParams::default(),
+            &pko_tests::fixtures::file_backend_stack(
+                "packaged",
+                &backend,
+                json!({"programRef": {"name": "packaged"}}),
+            ),
+        )
+        .await
+        .expect("create stack");
+
+    let workspaces: Api<pko_api::workspace::Workspace> = Api::namespaced(client, &e.ns);
+    let ready = wait_for("the workspace's install to end", STACK_WAIT, || async {
+        let ws = workspaces.get("packaged").await.ok()?;
+        ws.status?.conditions.into_iter().find(|c| {
+            c.type_ == "Ready" && (c.status == "True" || c.reason == "InstallationFailed")
+        })
+    })
+    .await
+    .unwrap_or_else(|err| panic!("{err}\n{}", e.kubelet.logs("packaged")));
+    assert_eq!(
+        (ready.status.as_str(), ready.reason.as_str()),
+        ("False", "InstallationFailed"),
+        "{}\n{}",
+        ready.message,
+        e.kubelet.logs("packaged")
+    );
+    assert!(
+        ready
+            .message
+            .contains(&format!("no folder at path '{}'", missing.display())),
+        "{}",
+        ready.message
+    );
+
+    let fetched = e
+        .tmp
+        .path()
+        .join("pods/packaged-workspace/volumes/share/source/Pulumi.yaml");
+    let project: Value =
+        yaml_serde::from_str(&std::fs::read_to_string(&fetched).expect("the fetched project"))
+            .expect("yaml");
+    assert_eq!(project["packages"], packages);
 }

@@ -3,9 +3,9 @@
 //! in the test apiserver: `configRef`, `secrets`, `secretsRef` and `envs`; `targets`, `targetDependents` and
 //! `refresh`; `runProgram` and `useLocalStackOnly`; `prerequisites` with
 //! `succeededWithinDuration`, and `fluxSource.dir`; `gitAuthSecret`, `shallow`,
-//! `continueResyncOnCommitMatch` and `resyncFrequencySeconds`. Each test asserts what pulumi
-//! did (objects in the apiserver, outputs, the stack in the backend, the updates run), not the
-//! Workspace's or Update's shape.
+//! `continueResyncOnCommitMatch` and `resyncFrequencySeconds`; `gitAuth.accessToken`;
+//! `serviceAccountName`. Each test asserts what pulumi did (objects in the apiserver, outputs,
+//! the stack in the backend, the updates run), not the Workspace's or Update's shape.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -852,4 +852,187 @@ async fn a_pinned_commit_is_deployed_not_the_branch_head() {
     assert_eq!(status.outputs.get("message"), Some(&json!("two")));
     let last = status.last_update.expect("last update");
     assert_eq!(last.last_successful_commit.as_deref(), Some(head.as_str()));
+}
+
+/// `gitAuth.accessToken` (a Secret's key) opens a repository that refuses anonymous clones:
+/// the operator lists the branch with it and the workspace clones with it (the server checks
+/// every request), and the program runs. Without `gitAuth`, or with a wrong token, the server
+/// refuses the listing and the Stack stalls saying so; pinned to a commit (no listing) with a
+/// wrong token, the workspace's clone is refused and its Workspace says so.
+#[tokio::test]
+async fn git_access_token_opens_the_repository_and_a_wrong_or_missing_one_is_refused() {
+    let _machine = pko_tests::serial::shared().await;
+    let token = format!("glpat-{}", hex::encode(rand::random::<[u8; 12]>()));
+    let git_dir = tempfile::tempdir().expect("tmp");
+    // A token travels as the password of user `git`, as git hosts take it.
+    let repo = GitRepo::start_smart_https(git_dir.path(), Some(("git", &token)))
+        .await
+        .expect("git repo");
+    let env = Env::with(
+        Execution::start_trusting("stf-token", repo.tls_cert().expect("a certificate")).await,
+    );
+    let commit = repo
+        .commit("main", &[("app/Pulumi.yaml", &git_program("tokened"))])
+        .expect("commit");
+    env.secret_object(
+        "git-token",
+        json!({"token": token, "wrong": format!("glpat-{}", "0".repeat(24))}),
+    )
+    .await;
+    let token_ref = |key: &str| json!({"accessToken": {"type": "Secret", "secret": {"name": "git-token", "key": key}}});
+    let tracked = |auth: Value| json!({"projectRepo": repo.url(), "branch": "main", "repoDir": "app", "gitAuth": auth});
+    env.stack("tokened", tracked(token_ref("token"))).await;
+    env.stack("wrong-token", tracked(token_ref("wrong"))).await;
+    env.stack(
+        "anonymous",
+        json!({"projectRepo": repo.url(), "branch": "main", "repoDir": "app"}),
+    )
+    .await;
+    env.stack(
+        "pinned-wrong",
+        json!({"projectRepo": repo.url(), "commit": commit, "repoDir": "app",
+            "gitAuth": token_ref("wrong")}),
+    )
+    .await;
+
+    let status = env.settled("tokened", "succeeded").await;
+    assert!(ready(&status));
+    assert_eq!(status.outputs.get("message"), Some(&json!("tokened")));
+    let last = status.last_update.expect("last update");
+    assert_eq!(
+        last.last_successful_commit.as_deref(),
+        Some(commit.as_str())
+    );
+
+    for name in ["wrong-token", "anonymous"] {
+        let (reason, message) = fixtures::stalled_stack(&env.stacks, name, WAIT).await;
+        assert_eq!(reason, "SourceUnavailable", "{name}: {message}");
+        assert!(
+            message.contains("authentication required or refused; check the git credentials"),
+            "{name}: {message}"
+        );
+    }
+    // No listing for a pinned commit: the wrong token reaches the clone, which the server
+    // refuses.
+    let workspaces: Api<pko_api::workspace::Workspace> = Api::namespaced(env.client(), &env.e.ns);
+    let message = wait_for("the clone with a wrong token to fail", WAIT, || async {
+        let ws = workspaces.get("pinned-wrong").await.ok()?;
+        let ready = ws
+            .status?
+            .conditions
+            .into_iter()
+            .find(|c| c.type_ == "Ready")?;
+        (ready.status == "False" && ready.message.contains("init container fetch failed"))
+            .then_some(ready.message)
+    })
+    .await
+    .unwrap_or_else(|err| panic!("{err}\n{}", env.e.kubelet.logs("pinned-wrong")));
+    // git's word for a 401 its credentials could not answer.
+    assert!(message.contains("could not read Username"), "{message}");
+    assert!(!message.contains(&token), "{message}");
+    let runs = env.updates("pinned-wrong").await;
+    assert!(runs.is_empty(), "nothing ran: {runs:?}");
+}
+
+/// `serviceAccountName` is the identity the workspace runs as: the pod (as the StatefulSet's
+/// template has it) gets a token of that account (the harness kubelet mints it, as a kubelet
+/// projects one), and the program's provider, given no other credentials, reaches the
+/// apiserver as that account. RBAC lets `deployer` write ConfigMaps: its stack creates one. The
+/// same program under `bystander`, which RBAC lets do nothing, is refused, and the apiserver's
+/// refusal names `system:serviceaccount:<ns>:bystander`.
+#[tokio::test]
+async fn the_workspace_runs_as_the_stacks_service_account() {
+    let _machine = pko_tests::serial::shared().await;
+    let env = Env::start("stf-sa").await;
+    let client = env.client();
+    let ns = env.e.ns.clone();
+    for account in ["deployer", "bystander"] {
+        pko_tests::kubeauth::service_account(&client, &ns, account)
+            .await
+            .expect("service account");
+    }
+    let role: k8s_openapi::api::rbac::v1::Role = serde_json::from_value(json!({
+        "metadata": {"name": "config-maps"},
+        "rules": [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["*"]}],
+    }))
+    .expect("role");
+    Api::<k8s_openapi::api::rbac::v1::Role>::namespaced(client.clone(), &ns)
+        .create(&PostParams::default(), &role)
+        .await
+        .expect("create role");
+    let binding: k8s_openapi::api::rbac::v1::RoleBinding = serde_json::from_value(json!({
+        "metadata": {"name": "deployer-config-maps"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "config-maps"},
+        "subjects": [{"kind": "ServiceAccount", "namespace": ns, "name": "deployer"}],
+    }))
+    .expect("binding");
+    Api::<k8s_openapi::api::rbac::v1::RoleBinding>::namespaced(client.clone(), &ns)
+        .create(&PostParams::default(), &binding)
+        .await
+        .expect("create binding");
+    env.program(
+        "as-account",
+        json!({}),
+        json!({"made": config_map("as-account", json!({"k": "v"}))}),
+        json!({}),
+    )
+    .await;
+    let literal = |v: &str| json!({"type": "Literal", "literal": {"value": v}});
+    for (stack, account) in [("as-deployer", "deployer"), ("as-bystander", "bystander")] {
+        env.stack(
+            stack,
+            json!({
+                "programRef": {"name": "as-account"},
+                // One pulumi stack each: they share the program and the backend.
+                "stack": account,
+                "serviceAccountName": account,
+                // No KUBECONFIG: the provider takes the pod's own (its account's token).
+                "envRefs": {"PULUMI_CONFIG_PASSPHRASE": literal(fixtures::PASSPHRASE)},
+            }),
+        )
+        .await;
+    }
+
+    env.settled("as-deployer", "succeeded").await;
+    assert_eq!(
+        env.count("as-account").await,
+        1,
+        "deployer made the ConfigMap"
+    );
+    let status = env.settled("as-bystander", "failed").await;
+    let message = status
+        .last_update
+        .and_then(|l| l.message)
+        .unwrap_or_default();
+    let logs = env.e.kubelet.logs("as-bystander");
+    let refused = format!("User \"system:serviceaccount:{ns}:bystander\" cannot");
+    assert!(
+        message.contains(&refused) || logs.contains(&refused),
+        "{message}\n{logs}"
+    );
+    assert_eq!(env.count("as-account").await, 1, "bystander made none");
+    let sts: Api<k8s_openapi::api::apps::v1::StatefulSet> = Api::namespaced(client.clone(), &ns);
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), &ns);
+    let workspaces: Api<pko_api::workspace::Workspace> = Api::namespaced(client.clone(), &ns);
+    for (stack, account) in [("as-deployer", "deployer"), ("as-bystander", "bystander")] {
+        let ws = workspaces.get(stack).await.expect("workspace");
+        assert_eq!(ws.spec.service_account_name.as_deref(), Some(account));
+        let template = sts
+            .get(&format!("{stack}-workspace"))
+            .await
+            .expect("statefulset")
+            .spec
+            .expect("spec")
+            .template
+            .spec
+            .expect("pod spec");
+        assert_eq!(template.service_account_name.as_deref(), Some(account));
+        let pod = pods
+            .get(&format!("{stack}-workspace-0"))
+            .await
+            .expect("pod")
+            .spec
+            .expect("pod spec");
+        assert_eq!(pod.service_account_name.as_deref(), Some(account));
+    }
 }
