@@ -37,8 +37,7 @@ use crate::config::{AdvertisedAddress, artifact_path};
 use crate::controller::backoff::{self, Backoff, Verdict};
 use crate::controller::conditions::{self, truncate};
 use crate::controller::keys::{
-    ARTIFACT_FAILED, PROGRAM_STATUS_MANAGER, RECONCILING, RETRYING_BUILD, STALLED,
-    TRANSFORM_FAILED,
+    ARTIFACT_FAILED, PROGRAM_STATUS_MANAGER, RECONCILING, RETRYING_BUILD, STALLED, TRANSFORM_FAILED,
 };
 use crate::controller::kit::{self, Kit};
 use crate::controller::queue::WorkQueue;

@@ -61,6 +61,14 @@ pub(super) fn mark_not_ready(
             generation,
         );
     }
+    // A stall is about the generation it observed: a later one that got this far is not
+    // stalled by it (else kstatus would read a fixed spec as Failed until it is Ready).
+    if !stalled
+        && conditions::get(&status.conditions, STALLED)
+            .is_some_and(|c| c.observed_generation != generation)
+    {
+        conditions::remove(&mut status.conditions, STALLED);
+    }
     if conditions::is_true(&status.conditions, STALLED) {
         conditions::remove(&mut status.conditions, RECONCILING);
     } else {
@@ -275,7 +283,13 @@ mod tests {
             conditions::get(&status.conditions, RECONCILING).is_none(),
             "a kept stall is not also in progress"
         );
-        mark_ready(&mut status, Some(1));
+        mark_not_ready(&mut status, false, "EnvironmentUnavailable", "later", Some(2));
+        assert!(
+            conditions::get(&status.conditions, STALLED).is_none(),
+            "a stall of generation 1 does not hold generation 2"
+        );
+        assert!(conditions::is_true(&status.conditions, RECONCILING));
+        mark_ready(&mut status, Some(2));
         assert!(conditions::get(&status.conditions, STALLED).is_none());
         assert!(conditions::get(&status.conditions, RECONCILING).is_none());
         assert_eq!(
