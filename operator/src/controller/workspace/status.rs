@@ -283,7 +283,13 @@ mod tests {
             conditions::get(&status.conditions, RECONCILING).is_none(),
             "a kept stall is not also in progress"
         );
-        mark_not_ready(&mut status, false, "EnvironmentUnavailable", "later", Some(2));
+        mark_not_ready(
+            &mut status,
+            false,
+            "EnvironmentUnavailable",
+            "later",
+            Some(2),
+        );
         assert!(
             conditions::get(&status.conditions, STALLED).is_none(),
             "a stall of generation 1 does not hold generation 2"
