@@ -52,7 +52,7 @@ go-toolchain:
 	@command -v go >/dev/null || { echo "go not found: Go 1.26 is needed to build tools/" >&2; exit 1; }
 
 .PHONY: tools
-tools: toolchain go-toolchain ## build kube-apiserver, etcd, kubectl, opa, pulumi (+ YAML host), helm, registry, cosign, promtool, the test node (kubelet, containerd, CNI, kube-proxy, CoreDNS, controller-manager, scheduler, kube-router's NetworkPolicy controller, crictl) from Go modules into $(PKO_TOOLS_CACHE)
+tools: toolchain go-toolchain ## build kube-apiserver, etcd, kubectl, opa, pulumi (+ YAML host), helm, registry, cosign, promtool, kstatus, the test node (kubelet, containerd, CNI, kube-proxy, CoreDNS, controller-manager, scheduler, kube-router's NetworkPolicy controller, crictl) from Go modules into $(PKO_TOOLS_CACHE)
 	tools/build.sh kube
 	tools/build.sh opa
 	tools/build.sh pulumi
@@ -60,6 +60,7 @@ tools: toolchain go-toolchain ## build kube-apiserver, etcd, kubectl, opa, pulum
 	tools/build.sh oci
 	tools/build.sh pko
 	tools/build.sh promtool
+	tools/build.sh kstatus
 	tools/build.sh node
 
 .PHONY: crds

@@ -11,8 +11,12 @@
 # kube-proxy, CoreDNS, kube-controller-manager, kube-scheduler, kube-router's NetworkPolicy
 # controller, crictl) and installs runc, nftables, iptables and ipset from Debian when missing.
 #
-#   tools/build.sh kube|opa|pulumi|pko|helm|oci|promtool|node|all  prints nothing but progress; exits non-zero on failure
-#   tools/build.sh dir kube|opa|pulumi|pko|helm|oci|promtool|node  prints the bin folder of a component
+# `kstatus` builds tools/kstatus: sigs.k8s.io/cli-utils' kstatus (status.Compute, what Flux's
+# `wait` and Argo CD read an object's health with) behind a JSON-in, JSON-out command the tests
+# run on the objects they read from the apiserver.
+#
+#   tools/build.sh kube|opa|pulumi|pko|helm|oci|promtool|kstatus|node|all  prints nothing but progress; exits non-zero on failure
+#   tools/build.sh dir kube|opa|pulumi|pko|helm|oci|promtool|kstatus|node  prints the bin folder of a component
 set -euo pipefail
 # shellcheck source=tools/apt.sh
 . "$(dirname "$0")/apt.sh"
@@ -43,6 +47,8 @@ HELM_VERSION=3.22.0
 # The Kubernetes version `helm template` and `helm lint` assume without a cluster, as Helm's own
 # Makefile stamps it: one above the major of its client-go modules (v0.37 -> 1.37).
 HELM_KUBE_VERSION=1.37
+# kstatus is pinned by tools/kstatus/go.mod (sigs.k8s.io/cli-utils); this is that version.
+KSTATUS_VERSION=0.37.2
 # The test node (`node`): kubelet, kube-proxy, kube-controller-manager and kube-scheduler come
 # from the same Kubernetes module as the apiserver (K8S_VERSION, by tools/node/go.mod); the
 # rest are built from their modules at these versions.
@@ -74,9 +80,14 @@ dir_for() {
     oci) echo "$cache/registry-v$REGISTRY_VERSION-cosign-v$COSIGN_VERSION" ;;
     helm) echo "$cache/helm-v$HELM_VERSION-k$HELM_KUBE_VERSION-$(key helm)" ;;
     promtool) echo "$cache/promtool-v$PROMETHEUS_VERSION" ;;
+    kstatus) echo "$cache/kstatus-v$KSTATUS_VERSION-$(kstatus_key)" ;;
     node) echo "$cache/node-k$K8S_VERSION-c$CONTAINERD_VERSION-cni$CNI_PLUGINS_VERSION-dns$COREDNS_VERSION-kr$KUBE_ROUTER_VERSION-cri$CRICTL_VERSION-$(node_key)" ;;
     *) echo "unknown component: $1" >&2; exit 2 ;;
   esac
+}
+
+kstatus_key() {
+  cat "$here/kstatus/go.mod" "$here/kstatus/go.sum" "$here/kstatus/main.go" | sha256sum | cut -c1-12
 }
 
 node_key() {
@@ -227,6 +238,15 @@ build_helm() {
   rm -rf "$out" && mv "$out.tmp" "$out"
 }
 
+build_kstatus() {
+  local out; out=$(dir_for kstatus)
+  if [[ -x $out/kstatus ]]; then return; fi
+  echo "building kstatus (sigs.k8s.io/cli-utils v$KSTATUS_VERSION) into $out" >&2
+  mkdir -p "$out.tmp"
+  (cd "$here/kstatus" && go build -trimpath -ldflags "-s -w" -o "$out.tmp/kstatus" .)
+  rm -rf "$out" && mv "$out.tmp" "$out"
+}
+
 # Debian packages the test node runs: runc (containerd's runtime; crun does not run on this
 # kind of machine's hybrid cgroups), nftables (the `nft` CLI kube-proxy's nftables mode
 # drives), iptables and ipset (the CLIs kube-router's firewall drives).
@@ -296,7 +316,8 @@ case ${1:-all} in
   oci) build_oci ;;
   helm) build_helm ;;
   promtool) build_promtool ;;
+  kstatus) build_kstatus ;;
   node) build_node ;;
-  all) build_kube; build_opa; build_pulumi; build_helm; build_oci; build_promtool; build_node ;;
-  *) echo "usage: $0 kube|opa|pulumi|pko|helm|oci|promtool|node|all | dir COMPONENT" >&2; exit 2 ;;
+  all) build_kube; build_opa; build_pulumi; build_helm; build_oci; build_promtool; build_kstatus; build_node ;;
+  *) echo "usage: $0 kube|opa|pulumi|pko|helm|oci|promtool|kstatus|node|all | dir COMPONENT" >&2; exit 2 ;;
 esac

@@ -28,6 +28,7 @@ pub mod fixtures;
 pub mod flux;
 pub mod githubapi;
 pub mod gitrepo;
+pub mod kstatus;
 pub mod kubeauth;
 pub mod kubelet;
 pub mod measure;

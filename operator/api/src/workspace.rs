@@ -352,7 +352,7 @@ pub struct WorkspaceStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pulumi_version: Option<String>,
     /// Represents the observations of a workspace's current state.
-    /// Known .status.conditions.type are: "Ready", "Stalled"
+    /// Known .status.conditions.type are: "Ready", "Reconciling", "Stalled"
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend(
         "x-kubernetes-list-type" = "map",

@@ -59,3 +59,17 @@ pub const AGENT_ANNOTATION: &str = "pko-rs.dev/agent";
 /// the environment over RPC, so `spec.env` is on the container (remembered across operator
 /// restarts; asked again when the image changes).
 pub const ENV_IN_POD_ANNOTATION: &str = "pko-rs.dev/env-in-pod-spec";
+
+/// kstatus's condition types (sigs.k8s.io/cli-utils `pkg/kstatus`), which GitOps tools (Flux's
+/// `wait`, Argo CD, `kpt live status`) read beside `Ready`: `Reconciling=True` while the
+/// object is being brought to its spec, `Stalled=True` while it cannot get there without a
+/// change. Both are present only while true.
+pub const RECONCILING: &str = "Reconciling";
+pub const STALLED: &str = "Stalled";
+/// Program `Stalled=True` reasons (also their Warning Events' reasons): the artifact cannot be
+/// built from the spec, or a transform under `failurePolicy: Fail` refused it.
+pub const ARTIFACT_FAILED: &str = "ArtifactFailed";
+pub const TRANSFORM_FAILED: &str = "TransformFailed";
+/// Program `Reconciling=True` reason: a build that failed for a reason that may pass (a
+/// transform's timeout, a busy plugin host) is retried.
+pub const RETRYING_BUILD: &str = "RetryingBuild";

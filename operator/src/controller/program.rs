@@ -36,7 +36,9 @@ use crate::capability::{ArtifactRef, KeyRing, unix_now};
 use crate::config::{AdvertisedAddress, artifact_path};
 use crate::controller::backoff::{self, Backoff, Verdict};
 use crate::controller::conditions::{self, truncate};
-use crate::controller::keys::PROGRAM_STATUS_MANAGER;
+use crate::controller::keys::{
+    ARTIFACT_FAILED, PROGRAM_STATUS_MANAGER, RECONCILING, RETRYING_BUILD, STALLED, TRANSFORM_FAILED,
+};
 use crate::controller::kit::{self, Kit};
 use crate::controller::queue::WorkQueue;
 use crate::controller::takeover::{self, Part};
@@ -230,12 +232,26 @@ impl ProgramContext {
     }
 }
 
-/// The `Ready` condition a build result calls for.
+/// The conditions a build result calls for: `Ready`, and beside it kstatus's `Reconciling`
+/// or `Stalled` (with `Ready`'s message) while the artifact is not served.
 #[derive(Debug, Clone, PartialEq)]
 struct Ready {
     status: bool,
     reason: String,
     message: String,
+    /// Whether the failure is retried, or waits for a change.
+    progress: Progress,
+}
+
+/// What kstatus is told beside `Ready`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Progress {
+    /// Served: neither `Reconciling` nor `Stalled`.
+    Done,
+    /// `Reconciling=True` (reason [`RETRYING_BUILD`]): the build is retried by itself.
+    Retrying,
+    /// `Stalled=True` with this reason: only a change (of the Program or a transform) helps.
+    Stalled(&'static str),
 }
 
 /// Run the controller until `shutdown` resolves; reconciles in progress then finish.
@@ -534,13 +550,9 @@ fn events(
         }
         Err(err) => {
             warn!(generation, error = %err, "artifact cannot be built");
-            let reason = match &**err {
-                BuildError::Transform(_) => "TransformFailed",
-                _ => "ArtifactFailed",
-            };
             vec![event(
                 EventType::Warning,
-                reason,
+                stall_reason(err),
                 format!("generation {generation}: {err}"),
             )]
         }
@@ -597,10 +609,16 @@ fn ready_of_build(generation: i64, built: &Built) -> Ready {
         status: true,
         reason: "ArtifactReady".into(),
         message: truncate(&message, 1000),
+        progress: Progress::Done,
     }
 }
 
 fn ready_of_failure(generation: i64, err: &BuildError) -> Ready {
+    let progress = if err.is_transient() {
+        Progress::Retrying
+    } else {
+        Progress::Stalled(stall_reason(err))
+    };
     let (reason, message) = match err {
         BuildError::Transform(failure) => (
             format!("Transform{}", failure.error.kind().camel()),
@@ -617,11 +635,20 @@ fn ready_of_failure(generation: i64, err: &BuildError) -> Ready {
         status: false,
         reason,
         message: truncate(&message, 1000),
+        progress,
     }
 }
 
-/// The status this controller writes: `observedGeneration`, the artifact and the `Ready`
-/// condition, with their times kept from `current` when nothing they date changed.
+/// The `Stalled` reason (and Warning Event reason) of a failed build.
+fn stall_reason(err: &BuildError) -> &'static str {
+    match err {
+        BuildError::Transform(_) => TRANSFORM_FAILED,
+        _ => ARTIFACT_FAILED,
+    }
+}
+
+/// The status this controller writes: `observedGeneration`, the artifact and the `Ready`,
+/// `Reconciling` and `Stalled` conditions, with their times kept from `current` when nothing they date changed.
 fn desired_status(
     current: &ProgramStatus,
     generation: i64,
@@ -638,11 +665,9 @@ fn desired_status(
         }
         artifact
     });
-    // Only Ready is this field manager's: other conditions stay out of the apply.
-    let mut list: Vec<Condition> = conditions::get(&current.conditions, READY)
-        .cloned()
-        .into_iter()
-        .collect();
+    // Only Ready, Reconciling and Stalled are this field manager's: other conditions stay out
+    // of the apply (and one it leaves out of the apply is removed).
+    let mut list: Vec<Condition> = owned(&current.conditions).cloned().collect();
     conditions::set(
         &mut list,
         READY,
@@ -651,6 +676,25 @@ fn desired_status(
         &ready.message,
         Some(generation),
     );
+    // kstatus's conditions are present only while true (abnormal-true).
+    let (reconciling, stalled) = match ready.progress {
+        Progress::Done => (None, None),
+        Progress::Retrying => (Some(RETRYING_BUILD), None),
+        Progress::Stalled(reason) => (None, Some(reason)),
+    };
+    for (type_, reason) in [(RECONCILING, reconciling), (STALLED, stalled)] {
+        match reason {
+            Some(reason) => conditions::set(
+                &mut list,
+                type_,
+                true,
+                reason,
+                &ready.message,
+                Some(generation),
+            ),
+            None => conditions::remove(&mut list, type_),
+        }
+    }
     ProgramStatus {
         observed_generation: Some(generation),
         artifact,
@@ -669,16 +713,15 @@ fn unchanged(current: &ProgramStatus, desired: &ProgramStatus) -> bool {
     artifact_same
         && current.observed_generation == desired.observed_generation
         && conditions::same(
-            ready_only(&current.conditions),
-            ready_only(&desired.conditions),
+            &owned(&current.conditions).cloned().collect::<Vec<_>>(),
+            &owned(&desired.conditions).cloned().collect::<Vec<_>>(),
         )
 }
 
-/// The `Ready` condition alone (other conditions are not this controller's).
-fn ready_only(list: &[Condition]) -> &[Condition] {
-    conditions::get(list, READY)
-        .map(std::slice::from_ref)
-        .unwrap_or_default()
+/// The conditions this controller writes (others are not its own).
+fn owned(list: &[Condition]) -> impl Iterator<Item = &Condition> {
+    list.iter()
+        .filter(|c| [READY, RECONCILING, STALLED].contains(&c.type_.as_str()))
 }
 
 /// One applied transform in [`METADATA_APPLIED`] (field order is the wire order).
@@ -779,6 +822,11 @@ mod tests {
             status,
             reason: reason.into(),
             message: format!("{reason} message"),
+            progress: if status {
+                Progress::Done
+            } else {
+                Progress::Stalled(ARTIFACT_FAILED)
+            },
         }
     }
 
@@ -866,6 +914,87 @@ mod tests {
         );
         assert_eq!(ready.observed_generation, Some(4));
         assert!(ready.last_transition_time > time("2025-01-01T00:00:00Z"));
+    }
+
+    fn kstatus(status: &ProgramStatus) -> Vec<(String, String, String)> {
+        let mut out: Vec<_> = status
+            .conditions
+            .iter()
+            .filter(|c| c.type_ != READY)
+            .map(|c| (c.type_.clone(), c.status.clone(), c.reason.clone()))
+            .collect();
+        out.sort();
+        out
+    }
+
+    #[test]
+    fn a_failure_stalls_or_reconciles_and_a_success_clears_both() {
+        let current = written();
+        let stalled = desired_status(
+            &current,
+            4,
+            current.artifact.clone(),
+            &ready(false, "ArtifactFailed"),
+        );
+        assert_eq!(
+            kstatus(&stalled),
+            vec![("Stalled".into(), "True".into(), ARTIFACT_FAILED.into())]
+        );
+        let c = conditions::get(&stalled.conditions, STALLED).unwrap();
+        assert_eq!(
+            (c.message.as_str(), c.observed_generation),
+            ("ArtifactFailed message", Some(4))
+        );
+        // The same failure again: nothing to write.
+        let again = desired_status(
+            &stalled,
+            4,
+            current.artifact.clone(),
+            &ready(false, "ArtifactFailed"),
+        );
+        assert!(unchanged(&stalled, &again));
+
+        let retrying = desired_status(
+            &stalled,
+            4,
+            current.artifact.clone(),
+            &Ready {
+                progress: Progress::Retrying,
+                ..ready(false, "TransformTimeout")
+            },
+        );
+        assert!(!unchanged(&stalled, &retrying));
+        assert_eq!(
+            kstatus(&retrying),
+            vec![("Reconciling".into(), "True".into(), RETRYING_BUILD.into())]
+        );
+
+        let fixed = desired_status(
+            &retrying,
+            5,
+            current.artifact.clone(),
+            &ready(true, "ArtifactReady"),
+        );
+        assert_eq!(kstatus(&fixed), vec![]);
+        assert!(!unchanged(&retrying, &fixed));
+    }
+
+    #[test]
+    fn failures_are_told_apart_by_whether_retrying_helps() {
+        use pko_plugin_host::chain::StepFailure;
+        let transient = BuildError::Transform(StepFailure {
+            id: "ns/t".into(),
+            error: PluginError::Timeout(Duration::from_secs(1)),
+        });
+        let refused = BuildError::Transform(StepFailure {
+            id: "ns/t".into(),
+            error: PluginError::Rejected("no".into()),
+        });
+        assert_eq!(ready_of_failure(2, &transient).progress, Progress::Retrying);
+        assert_eq!(
+            ready_of_failure(2, &refused).progress,
+            Progress::Stalled(TRANSFORM_FAILED)
+        );
     }
 
     #[test]

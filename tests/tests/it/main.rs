@@ -36,6 +36,7 @@ mod harness_smoke;
 mod helm;
 mod image;
 mod interop;
+mod kstatus;
 mod leader;
 mod logs;
 mod metrics;

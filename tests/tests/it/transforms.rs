@@ -829,6 +829,28 @@ async fn hostile_guests_fail_only_their_own_program() {
             message.contains(&format!("ProgramTransform/{ns}/{case}")),
             "{case}: {message}"
         );
+        // As kstatus reads it (cli-utils' own rules): a timeout is retried by itself
+        // (`Reconciling=True`, InProgress); every other refusal waits for a change
+        // (`Stalled=True`, Failed), which a Flux `wait` reports instead of timing out.
+        let text = plane
+            .client()
+            .request_text(
+                http::Request::get(format!(
+                    "/apis/pulumi.com/v1/namespaces/{ns}/programs/{case}"
+                ))
+                .body(Vec::new())
+                .expect("request"),
+            )
+            .await
+            .expect("read program");
+        let health = pko_tests::kstatus::compute(&text).expect("kstatus");
+        let expected = if *reason == "TransformTimeout" {
+            "InProgress"
+        } else {
+            "Failed"
+        };
+        assert_eq!(health.status, expected, "{case}: {health:?}");
+        assert!(health.message.contains(cause), "{case}: {health:?}");
         let note = wait_event(plane, &ns, case, "TransformFailed", cause).await;
         assert!(
             note.contains(&format!("ProgramTransform/{ns}/{case}")),

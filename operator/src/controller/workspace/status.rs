@@ -7,14 +7,14 @@ use pko_api::workspace::{Workspace, WorkspaceStatus};
 
 use super::WorkspaceError;
 use crate::controller::keys::{
-    INITIALIZATION_FAILED, INSTALLATION_FAILED, WORKSPACE_STATUS_MANAGER,
+    INITIALIZATION_FAILED, INSTALLATION_FAILED, RECONCILING, WORKSPACE_STATUS_MANAGER,
 };
 use crate::controller::kit;
 use crate::controller::kit::FromKube;
 use crate::controller::{backoff, conditions};
 
 pub(super) const READY: &str = "Ready";
-pub(super) const STALLED: &str = "Stalled";
+pub(super) use crate::controller::keys::STALLED;
 
 /// The status a reconcile of `ws` starts from: the current one, for this generation.
 pub(super) fn draft(ws: &Workspace) -> WorkspaceStatus {
@@ -42,7 +42,8 @@ pub(super) fn retrying_a_failed_step(status: &WorkspaceStatus, generation: Optio
 }
 
 /// `Ready=False` for `reason`; with `stalled`, also `Stalled=True` (a state that retrying soon
-/// will not fix).
+/// will not fix), else `Reconciling=True` (on its way, as kstatus reads it) unless a stall the
+/// caller kept holds. kstatus's conditions are present only while true.
 pub(super) fn mark_not_ready(
     status: &mut WorkspaceStatus,
     stalled: bool,
@@ -60,6 +61,26 @@ pub(super) fn mark_not_ready(
             generation,
         );
     }
+    // A stall is about the generation it observed: a later one that got this far is not
+    // stalled by it (else kstatus would read a fixed spec as Failed until it is Ready).
+    if !stalled
+        && conditions::get(&status.conditions, STALLED)
+            .is_some_and(|c| c.observed_generation != generation)
+    {
+        conditions::remove(&mut status.conditions, STALLED);
+    }
+    if conditions::is_true(&status.conditions, STALLED) {
+        conditions::remove(&mut status.conditions, RECONCILING);
+    } else {
+        conditions::set(
+            &mut status.conditions,
+            RECONCILING,
+            true,
+            reason,
+            message,
+            generation,
+        );
+    }
     conditions::set(
         &mut status.conditions,
         READY,
@@ -70,9 +91,10 @@ pub(super) fn mark_not_ready(
     );
 }
 
-/// The Workspace is going away: no address, not ready.
+/// The Workspace is going away: no address, not ready (kstatus reads the deletion itself).
 pub(super) fn mark_deleting(status: &mut WorkspaceStatus, generation: Option<i64>) {
     clear_failure_stall(status);
+    conditions::remove(&mut status.conditions, RECONCILING);
     status.address = None;
     conditions::set(
         &mut status.conditions,
@@ -93,19 +115,13 @@ pub(super) fn mark_pod_not_ready(
 ) {
     status.address = None;
     conditions::remove(&mut status.conditions, STALLED);
-    conditions::set(
-        &mut status.conditions,
-        READY,
-        false,
-        reason,
-        message,
-        generation,
-    );
+    mark_not_ready(status, false, reason, message, generation);
 }
 
-/// The agent was told the workspace: ready, nothing stalled.
+/// The agent was told the workspace: ready, nothing stalled or in progress.
 pub(super) fn mark_ready(status: &mut WorkspaceStatus, generation: Option<i64>) {
     conditions::remove(&mut status.conditions, STALLED);
+    conditions::remove(&mut status.conditions, RECONCILING);
     conditions::set(
         &mut status.conditions,
         READY,
@@ -251,12 +267,37 @@ mod tests {
         let mut status = WorkspaceStatus::default();
         mark_not_ready(&mut status, true, "SpecInvalid", "bad", Some(1));
         status.address = Some("a:1".into());
+        assert!(conditions::get(&status.conditions, RECONCILING).is_none());
         mark_pod_not_ready(&mut status, "WaitingForReplicas", "waiting", Some(1));
         assert_eq!(status.address, None);
         assert!(conditions::get(&status.conditions, STALLED).is_none());
+        let reconciling = conditions::get(&status.conditions, RECONCILING).expect("Reconciling");
+        assert_eq!(
+            (reconciling.status.as_str(), reconciling.reason.as_str()),
+            ("True", "WaitingForReplicas")
+        );
         mark_not_ready(&mut status, true, INSTALLATION_FAILED, "no", Some(1));
-        mark_ready(&mut status, Some(1));
+        assert!(conditions::get(&status.conditions, RECONCILING).is_none());
+        mark_not_ready(&mut status, false, "Installing", "installing", Some(1));
+        assert!(
+            conditions::get(&status.conditions, RECONCILING).is_none(),
+            "a kept stall is not also in progress"
+        );
+        mark_not_ready(
+            &mut status,
+            false,
+            "EnvironmentUnavailable",
+            "later",
+            Some(2),
+        );
+        assert!(
+            conditions::get(&status.conditions, STALLED).is_none(),
+            "a stall of generation 1 does not hold generation 2"
+        );
+        assert!(conditions::is_true(&status.conditions, RECONCILING));
+        mark_ready(&mut status, Some(2));
         assert!(conditions::get(&status.conditions, STALLED).is_none());
+        assert!(conditions::get(&status.conditions, RECONCILING).is_none());
         assert_eq!(
             ready(&status),
             Some(("True".into(), "Succeeded".into(), String::new()))
