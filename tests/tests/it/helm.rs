@@ -653,3 +653,29 @@ fn the_grafana_dashboard_is_installed_as_written() {
         "off by default"
     );
 }
+
+/// values.schema.json: a misspelt value or one of the wrong type is refused by name, rather
+/// than passing silently (the chart ignored unknown keys).
+#[test]
+fn a_misspelt_or_mistyped_value_is_refused_by_name() {
+    for (set, named) in [
+        ("replica=3", "'replica' not allowed"),
+        ("serviceMonitor.enable=true", "'enable' not allowed"),
+        (
+            "egress.serviceCIDR={10.96.0.0/12}",
+            "'serviceCIDR' not allowed",
+        ),
+        ("image.pullPolicy=Sometimes", "pullPolicy"),
+        ("replicas=0", "replicas"),
+    ] {
+        let out = helm()
+            .args(["template", "pko-rs"])
+            .arg(chart())
+            .args(["--set", set])
+            .output()
+            .expect("run helm");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{set} was taken");
+        assert!(err.contains(named), "{set}: {err}");
+    }
+}
