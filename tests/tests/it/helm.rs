@@ -679,3 +679,77 @@ fn a_misspelt_or_mistyped_value_is_refused_by_name() {
         assert!(err.contains(named), "{set}: {err}");
     }
 }
+
+/// The pod's scheduling and metadata values reach the Deployment (and the ServiceAccount's
+/// annotations, for cloud workload identity), the apiserver takes the result, and the
+/// container's memory limit reaches the operator as MEMORY_LIMIT through the Downward API.
+#[tokio::test]
+async fn scheduling_metadata_and_env_values_reach_the_pod() {
+    let _machine = pko_tests::serial::shared().await;
+    let plane = ControlPlane::shared().await;
+    let ns = plane.namespace("helm-pod").await.expect("namespace");
+    let sets = [
+        "nodeSelector.disk=ssd",
+        "tolerations[0].key=dedicated",
+        "tolerations[0].operator=Exists",
+        "tolerations[0].effect=NoSchedule",
+        "affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms[0].matchExpressions[0].key=zone",
+        "affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms[0].matchExpressions[0].operator=Exists",
+        "priorityClassName=system-cluster-critical",
+        "podAnnotations.example\\.com/a=b",
+        "podLabels.team=platform",
+        "imagePullSecrets[0].name=regcred",
+        "serviceAccount.annotations.eks\\.amazonaws\\.com/role-arn=arn:aws:iam::1:role/pko",
+        "extraEnv[0].name=HTTPS_PROXY",
+        "extraEnv[0].value=http://proxy:3128",
+    ];
+    let text = template(&ns, &sets);
+    let objects = parse(&text);
+    let deployment = objects
+        .iter()
+        .find(|o| o["kind"] == "Deployment")
+        .expect("deployment");
+    let pod = &deployment["spec"]["template"];
+    assert_eq!(pod["spec"]["nodeSelector"]["disk"], "ssd");
+    assert_eq!(pod["spec"]["tolerations"][0]["key"], "dedicated");
+    assert_eq!(
+        pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+            [0]["matchExpressions"][0]["key"],
+        "zone"
+    );
+    assert_eq!(pod["spec"]["priorityClassName"], "system-cluster-critical");
+    assert_eq!(pod["metadata"]["annotations"]["example.com/a"], "b");
+    assert_eq!(pod["metadata"]["labels"]["team"], "platform");
+    assert_eq!(
+        pod["metadata"]["labels"]["app.kubernetes.io/name"], "pko-rs-operator",
+        "the selector's label stays"
+    );
+    assert_eq!(pod["spec"]["imagePullSecrets"][0]["name"], "regcred");
+    let env = pod["spec"]["containers"][0]["env"].as_array().expect("env");
+    let named = |name: &str| env.iter().find(|e| e["name"] == name).cloned();
+    assert_eq!(
+        named("HTTPS_PROXY").expect("extraEnv")["value"],
+        "http://proxy:3128"
+    );
+    assert_eq!(
+        named("MEMORY_LIMIT").expect("MEMORY_LIMIT")["valueFrom"]["resourceFieldRef"]["resource"],
+        "limits.memory"
+    );
+    let account = objects
+        .iter()
+        .find(|o| o["kind"] == "ServiceAccount")
+        .expect("service account");
+    assert_eq!(
+        account["metadata"]["annotations"]["eks.amazonaws.com/role-arn"],
+        "arn:aws:iam::1:role/pko"
+    );
+    let out = tokio::task::spawn_blocking(move || {
+        dry_run(plane, &text, "dry run with scheduling values")
+    })
+    .await
+    .expect("dry run task");
+    assert!(
+        out.contains("deployment.apps/pko-rs-operator serverside-applied"),
+        "{out}"
+    );
+}
