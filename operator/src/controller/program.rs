@@ -648,7 +648,8 @@ fn stall_reason(err: &BuildError) -> &'static str {
 }
 
 /// The status this controller writes: `observedGeneration`, the artifact and the `Ready`,
-/// `Reconciling` and `Stalled` conditions, with their times kept from `current` when nothing they date changed.
+/// `Reconciling` and `Stalled` conditions, with their times kept from `current` when nothing
+/// they date changed.
 fn desired_status(
     current: &ProgramStatus,
     generation: i64,
