@@ -1,4 +1,5 @@
-//! Names, scope, categories, versions, subresources and printer columns equal PKO's.
+//! Names, scope, categories, versions, subresources and printer columns equal PKO's (the
+//! Program's columns but for one documented deviation).
 
 use serde_json::Value;
 
@@ -42,20 +43,42 @@ fn versions_subresources_and_printer_columns_equal_pko() {
         );
         for name in version_names(&reference) {
             let (r, o) = (version(&reference, &name), version(&ours, &name));
-            for key in [
-                "served",
-                "storage",
-                "subresources",
-                "additionalPrinterColumns",
-            ] {
+            for key in ["served", "storage", "subresources"] {
                 assert_eq!(
                     o.get(key),
                     r.get(key),
                     "{file} {name}: {key} differs from PKO"
                 );
             }
+            let mut columns = r.get("additionalPrinterColumns").cloned();
+            if file == "pulumi.com_programs.yaml" {
+                columns = columns.map(programs_columns);
+            }
+            assert_eq!(
+                o.get("additionalPrinterColumns"),
+                columns.as_ref(),
+                "{file} {name}: printer columns differ from PKO's (and the Program's deviation)"
+            );
         }
     }
+}
+
+/// PKO's Program columns with the one deviation (docs/migrating-from-pko.md): a `Ready` column
+/// first, as GitOps users read health there, and the artifact URL, which carries a token, only
+/// at `-o wide`.
+fn programs_columns(pkos: Value) -> Value {
+    let mut columns = vec![serde_json::json!({
+        "jsonPath": ".status.conditions[?(@.type==\"Ready\")].status",
+        "name": "Ready",
+        "type": "string",
+    })];
+    for mut column in pkos.as_array().cloned().unwrap_or_default() {
+        if column["name"] == "URL" {
+            column["priority"] = serde_json::json!(1);
+        }
+        columns.push(column);
+    }
+    Value::Array(columns)
 }
 
 /// The deprecated `v1alpha1` Stack warns its users (PKO only says so in the description).
