@@ -254,6 +254,28 @@ impl OwnWrites {
         };
     }
 
+    /// The object as a reconcile must see it: `cached`, or read again (namespaced, by name)
+    /// when it is older than this controller's last write; `None` once it is gone.
+    pub async fn fresher<K>(
+        &self,
+        client: &Client,
+        cached: std::sync::Arc<K>,
+    ) -> Result<Option<std::sync::Arc<K>>, kube::Error>
+    where
+        K: Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+            + Clone
+            + serde::de::DeserializeOwned
+            + std::fmt::Debug,
+    {
+        if !self.behind(cached.meta()) {
+            return Ok(Some(cached));
+        }
+        let namespace = cached.meta().namespace.clone().unwrap_or_default();
+        let name = cached.meta().name.clone().unwrap_or_default();
+        let api: kube::Api<K> = kube::Api::namespaced(client.clone(), &namespace);
+        Ok(api.get_opt(&name).await?.map(std::sync::Arc::new))
+    }
+
     /// Whether `cached` is older than this controller's last write of the same object.
     pub fn behind(&self, cached: &kube::api::ObjectMeta) -> bool {
         let Some(uid) = cached.uid.as_deref() else {

@@ -135,18 +135,8 @@ async fn run(mode: Mode) -> anyhow::Result<()> {
     println!("    status.artifact.url    = {url}");
     println!("    status.artifact.digest = {digest}");
 
-    let download = state.path().join("hello.tar.gz");
     println!("==> curl -fsS {url}");
-    let status = Command::new("curl")
-        .args(["-fsS", "-o"])
-        .arg(&download)
-        .arg(&url)
-        .status()
-        .context("running curl")?;
-    if !status.success() {
-        bail!("curl failed ({status})");
-    }
-    let bytes = std::fs::read(&download).context("reading the download")?;
+    let bytes = curl(&url, &state.path().join("hello.tar.gz"))?;
     let actual = format!("sha256:{}", hex::encode(Sha256::digest(&bytes)));
     if actual != digest {
         bail!("digest mismatch: served {actual}, status says {digest}");
@@ -184,6 +174,20 @@ async fn run(mode: Mode) -> anyhow::Result<()> {
         .context("waiting for Ctrl-C")?;
     println!("stopping");
     Ok(())
+}
+
+/// Fetches `url` with curl into `download`, as a user would, and returns its bytes.
+fn curl(url: &str, download: &Path) -> anyhow::Result<Vec<u8>> {
+    let status = Command::new("curl")
+        .args(["-fsS", "-o"])
+        .arg(download)
+        .arg(url)
+        .status()
+        .context("running curl")?;
+    if !status.success() {
+        bail!("curl failed ({status})");
+    }
+    std::fs::read(download).context("reading the download")
 }
 
 fn pulumi_yaml(targz: &[u8]) -> anyhow::Result<String> {
@@ -332,17 +336,7 @@ async fn transform(
     for (key, value) in &metadata {
         println!("    status.artifact.metadata[{key}] = {value}");
     }
-    let download = state.join("tagged.tar.gz");
-    let status = Command::new("curl")
-        .args(["-fsS", "-o"])
-        .arg(&download)
-        .arg(&url)
-        .status()
-        .context("running curl")?;
-    if !status.success() {
-        bail!("curl failed ({status})");
-    }
-    let yaml = pulumi_yaml(&std::fs::read(&download).context("reading the download")?)?;
+    let yaml = pulumi_yaml(&curl(&url, &state.join("tagged.tar.gz"))?)?;
     println!("==> the transformed Pulumi.yaml\n{yaml}");
     if !yaml.contains("managed-by: pko-rs") {
         bail!("the transform's label is not in the artifact");

@@ -46,7 +46,12 @@ pub(super) async fn reconcile(
     ctx: Arc<StackContext>,
 ) -> Result<Action, StackError> {
     let _measure = kit::measure(&ctx.metrics, CONTROLLER);
-    let Some(stack) = fresher(stack, &ctx).await? else {
+    // A reconcile queued behind a status write never decides on the view before it.
+    let fresh = ctx.own_writes.fresher(&ctx.client, stack).await;
+    let Some(stack) = fresh.map_err(StackError::kube(
+        "reading the Stack after its last status write",
+    ))?
+    else {
         return Ok(Action::await_change());
     };
     let result = reconcile_inner(&stack, &ctx).await;
@@ -59,23 +64,6 @@ pub(super) async fn reconcile(
         report_stalled(&stack, &ctx, err).await;
     }
     result
-}
-
-/// The Stack as this reconcile must see it: read again when the cache is older than the
-/// controller's own last status write (see [`kit::OwnWrites`]); `None` once it is gone.
-async fn fresher(stack: Arc<Stack>, ctx: &StackContext) -> Result<Option<Arc<Stack>>, StackError> {
-    if !ctx.own_writes.behind(&stack.metadata) {
-        return Ok(Some(stack));
-    }
-    let namespace = stack.namespace().ok_or(StackError::NoNamespace)?;
-    let api: Api<Stack> = Api::namespaced(ctx.client.clone(), &namespace);
-    let fresh = api
-        .get_opt(&stack.name_any())
-        .await
-        .map_err(StackError::kube(
-            "reading the Stack after its last status write",
-        ))?;
-    Ok(fresh.map(Arc::new))
 }
 
 /// `Stalled=True` ([`backoff::REASON`]) with the error's message, and a Warning Event when that

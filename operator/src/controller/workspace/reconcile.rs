@@ -25,7 +25,12 @@ pub(super) async fn reconcile(
     ctx: Arc<WorkspaceContext>,
 ) -> Result<Action, WorkspaceError> {
     let _measure = kit::measure(&ctx.metrics, CONTROLLER);
-    let Some(ws) = fresher(ws, &ctx).await? else {
+    // A reconcile queued behind a status write never decides on the view before it.
+    let fresh = ctx.own_writes.fresher(&ctx.client, ws).await;
+    let Some(ws) = fresh.map_err(WorkspaceError::kube(
+        "reading the Workspace after its last status write",
+    ))?
+    else {
         return Ok(Action::await_change());
     };
     let result = reconcile_inner(&ws, &ctx).await;
@@ -43,28 +48,6 @@ pub(super) async fn reconcile(
         report_failure(&ws, &ctx, err, failure.stall).await;
     }
     result
-}
-
-/// The Workspace as this reconcile must see it: read again when the cache is older than the
-/// controller's own last status write (see [`kit::OwnWrites`]); `None` once it is gone.
-async fn fresher(
-    ws: Arc<Workspace>,
-    ctx: &WorkspaceContext,
-) -> Result<Option<Arc<Workspace>>, WorkspaceError> {
-    if !ctx.own_writes.behind(&ws.metadata) {
-        return Ok(Some(ws));
-    }
-    let Some(namespace) = ws.namespace() else {
-        return Err(WorkspaceError::NoNamespace);
-    };
-    let api: Api<Workspace> = Api::namespaced(ctx.client.clone(), &namespace);
-    let fresh = api
-        .get_opt(&ws.name_any())
-        .await
-        .map_err(WorkspaceError::kube(
-            "reading the Workspace after its last status write",
-        ))?;
-    Ok(fresh.map(Arc::new))
 }
 
 /// How often a Workspace PKO applied looks again for its Stack's apply (which comes with an
