@@ -498,8 +498,7 @@ async fn serve_probes(
         shutdown.clone().cancelled_owned(),
     ));
     if args.metrics_secure {
-        let (tls, reload) =
-            secure_metrics::certificate(
+        let (tls, reload) = secure_metrics::certificate(
             args.metrics_cert_path.as_ref(),
             metrics_hosts(env, &args.metrics_service_name),
         )?;

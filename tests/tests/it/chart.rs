@@ -49,7 +49,11 @@ fn install(plane: &ControlPlane, release: &str, namespace: &str, source: &str, a
 fn manifest(plane: &ControlPlane, release: &str, namespace: &str) -> Vec<Value> {
     let mut cmd = helm_on(plane);
     cmd.args(["get", "manifest", release, "--namespace", namespace]);
-    parse(&run(&mut cmd, None, &format!("helm get manifest {release}")))
+    parse(&run(
+        &mut cmd,
+        None,
+        &format!("helm get manifest {release}"),
+    ))
 }
 
 fn kind(o: &Value) -> &str {
@@ -174,11 +178,20 @@ fn assert_self_contained(release: &str, namespace: &str, objects: &[Value]) {
     for (flag_name, k) in [
         ("metrics-service-name", "Service"),
         ("webhook-service-name", "Service"),
-        ("webhook-validating-configuration", "ValidatingWebhookConfiguration"),
-        ("webhook-mutating-configuration", "MutatingWebhookConfiguration"),
+        (
+            "webhook-validating-configuration",
+            "ValidatingWebhookConfiguration",
+        ),
+        (
+            "webhook-mutating-configuration",
+            "MutatingWebhookConfiguration",
+        ),
     ] {
         let n = flag(&args, flag_name);
-        assert!(has(k, n), "{release}: --{flag_name}={n} is no {k} of the release");
+        assert!(
+            has(k, n),
+            "{release}: --{flag_name}={n} is no {k} of the release"
+        );
     }
     let leases = granted_names(objects, "leases");
     assert_eq!(
@@ -188,9 +201,15 @@ fn assert_self_contained(release: &str, namespace: &str, objects: &[Value]) {
     );
     let secrets = granted_names(objects, "secrets");
     for flag_name in ["artifact-keys-secret", "webhook-cert-secret"] {
-        assert!(secrets.contains(flag(&args, flag_name)), "{release}: {secrets:?}");
+        assert!(
+            secrets.contains(flag(&args, flag_name)),
+            "{release}: {secrets:?}"
+        );
     }
-    for k in ["validatingwebhookconfigurations", "mutatingwebhookconfigurations"] {
+    for k in [
+        "validatingwebhookconfigurations",
+        "mutatingwebhookconfigurations",
+    ] {
         for n in granted_names(objects, k) {
             assert!(objects.iter().any(|o| name(o) == n), "{release}: {k} {n}");
         }
@@ -215,7 +234,10 @@ fn assert_self_contained(release: &str, namespace: &str, objects: &[Value]) {
             );
             for subject in o["subjects"].as_array().into_iter().flatten() {
                 assert!(
-                    has("ServiceAccount", subject["name"].as_str().unwrap_or_default()),
+                    has(
+                        "ServiceAccount",
+                        subject["name"].as_str().unwrap_or_default()
+                    ),
                     "{release}: {subject}"
                 );
             }
@@ -283,13 +305,17 @@ async fn releases_side_by_side_share_no_object_and_select_only_their_own_pods() 
             let labels = &live["metadata"]["labels"];
             assert_eq!(labels["app.kubernetes.io/instance"], *release, "{live}");
             assert_eq!(labels["app.kubernetes.io/managed-by"], "Helm", "{live}");
-            assert_eq!(labels["app.kubernetes.io/name"], "pko-rs-operator", "{live}");
+            assert_eq!(
+                labels["app.kubernetes.io/name"], "pko-rs-operator",
+                "{live}"
+            );
             assert!(labels["helm.sh/chart"].is_string(), "{live}");
             assert!(labels["app.kubernetes.io/version"].is_string(), "{live}");
         }
         for o in objects {
             assert!(
-                name(o).starts_with(&format!("{release}-pko-rs-")) || kind(o) == "CustomResourceDefinition",
+                name(o).starts_with(&format!("{release}-pko-rs-"))
+                    || kind(o) == "CustomResourceDefinition",
                 "{release}: {} {}",
                 kind(o),
                 name(o)
@@ -338,9 +364,24 @@ fn names_follow_the_release_and_the_overrides() {
     for (release, sets, operator, app) in [
         ("pko-rs", &[][..], "pko-rs-operator", "pko-rs-operator"),
         ("ops", &[][..], "ops-pko-rs-operator", "pko-rs-operator"),
-        ("my-pko-rs", &[][..], "my-pko-rs-operator", "pko-rs-operator"),
-        ("ops", &["nameOverride=pko"][..], "ops-pko-operator", "pko-operator"),
-        ("ops", &["fullnameOverride=infra"][..], "infra-operator", "pko-rs-operator"),
+        (
+            "my-pko-rs",
+            &[][..],
+            "my-pko-rs-operator",
+            "pko-rs-operator",
+        ),
+        (
+            "ops",
+            &["nameOverride=pko"][..],
+            "ops-pko-operator",
+            "pko-operator",
+        ),
+        (
+            "ops",
+            &["fullnameOverride=infra"][..],
+            "infra-operator",
+            "pko-rs-operator",
+        ),
     ] {
         let objects = parse(&template_release(release, "op", sets));
         let deployment = objects
@@ -368,7 +409,8 @@ fn names_follow_the_release_and_the_overrides() {
         assert_self_contained(release, "op", &objects);
     }
     // The longest names stay DNS labels.
-    let long = "a".repeat(60);
+    // Helm takes release names of up to 53 characters.
+    let long = "a".repeat(53);
     let objects = parse(&template_release(
         &long,
         "op",
@@ -408,7 +450,10 @@ fn crds_are_templated_from_deploy_crds_kept_and_optional() {
             crd["metadata"]["annotations"]["helm.sh/resource-policy"], "keep",
             "{n}"
         );
-        assert_eq!(crd["metadata"]["labels"]["app.kubernetes.io/instance"], "pko-rs");
+        assert_eq!(
+            crd["metadata"]["labels"]["app.kubernetes.io/instance"],
+            "pko-rs"
+        );
         let mut bare = crd.clone();
         let meta = bare["metadata"].as_object_mut().expect("metadata");
         meta.remove("labels");
@@ -476,7 +521,10 @@ async fn cert_manager_mode_issues_mounts_and_injects_the_webhook_certificate() {
         .find(|o| kind(o) == "ValidatingWebhookConfiguration")
         .expect("validating")["webhooks"][0]["clientConfig"]["service"];
     assert_eq!(service["name"], "cm-pko-rs-webhook");
-    for k in ["ValidatingWebhookConfiguration", "MutatingWebhookConfiguration"] {
+    for k in [
+        "ValidatingWebhookConfiguration",
+        "MutatingWebhookConfiguration",
+    ] {
         let config = of(k);
         assert_eq!(
             config[0]["metadata"]["annotations"]["cert-manager.io/inject-ca-from"],
@@ -510,17 +558,27 @@ async fn cert_manager_mode_issues_mounts_and_injects_the_webhook_certificate() {
         .find(|m| m["name"] == "webhook-tls")
         .expect("the certificate's mount");
     assert_eq!(mount["mountPath"], "/etc/pko-rs/webhook-tls");
-    for k in ["validatingwebhookconfigurations", "mutatingwebhookconfigurations"] {
+    for k in [
+        "validatingwebhookconfigurations",
+        "mutatingwebhookconfigurations",
+    ] {
         assert!(granted_names(&objects, k).is_empty(), "{k}");
     }
     // Without cert-manager: no Issuer or Certificate, no annotation, the operator patches.
     let own = parse(&template_release("cm", &ns, &["crds.install=false"]));
-    assert!(!own.iter().any(|o| matches!(kind(o), "Issuer" | "Certificate")));
+    assert!(
+        !own.iter()
+            .any(|o| matches!(kind(o), "Issuer" | "Certificate"))
+    );
     assert!(
         own.iter()
             .all(|o| o["metadata"]["annotations"]["cert-manager.io/inject-ca-from"].is_null())
     );
-    assert!(!args(&own).iter().any(|a| a.starts_with("--webhook-cert-dir")));
+    assert!(
+        !args(&own)
+            .iter()
+            .any(|a| a.starts_with("--webhook-cert-dir"))
+    );
     // An issuer of one's own: no Issuer from the chart.
     let given = parse(&template_release(
         "cm",
@@ -565,7 +623,8 @@ async fn cert_manager_mode_issues_mounts_and_injects_the_webhook_certificate() {
 
 /// `helm package`, `helm push` to a real OCI registry (TLS on loopback), and `helm install
 /// oci://…` of it into an empty cluster, as users install charts now: the release's
-/// Deployment and the CRDs (packaged through files/crds, with the keep policy) exist.
+/// Deployment and the CRDs (packaged through files/crds, with the keep policy) exist, and
+/// `helm upgrade` updates the CRDs.
 #[tokio::test]
 async fn the_chart_installs_from_an_oci_registry() {
     let _machine = pko_tests::serial::shared().await;
@@ -619,7 +678,11 @@ async fn the_chart_installs_from_an_oci_registry() {
     let crds: kube::Api<
         k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
     > = kube::Api::all(plane.client());
-    for n in ["stacks.pulumi.com", "programs.pulumi.com", "tenancypolicies.pko-rs.dev"] {
+    for n in [
+        "stacks.pulumi.com",
+        "programs.pulumi.com",
+        "tenancypolicies.pko-rs.dev",
+    ] {
         let crd = crds.get(n).await.unwrap_or_else(|e| panic!("{n}: {e}"));
         assert_eq!(
             crd.metadata
@@ -631,4 +694,19 @@ async fn the_chart_installs_from_an_oci_registry() {
             "{n}"
         );
     }
+    // The CRDs are the release's: `helm upgrade` changes them (crds/ would never be touched).
+    let mut cmd = helm_on(&plane);
+    cmd.args(["upgrade", "pko-rs", &format!("{oci}/pko-rs")])
+        .args(["--namespace", "pko-rs-system", "--version", &version])
+        .args(["--ca-file", &ca, "--set", "crds.keep=false"]);
+    run(&mut cmd, None, "helm upgrade");
+    let stacks = crds.get("stacks.pulumi.com").await.expect("stacks CRD");
+    assert!(
+        !stacks
+            .metadata
+            .annotations
+            .unwrap_or_default()
+            .contains_key("helm.sh/resource-policy"),
+        "the upgrade updated the CRD"
+    );
 }

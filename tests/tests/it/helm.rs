@@ -712,10 +712,7 @@ fn a_misspelt_or_mistyped_value_is_refused_by_name() {
         ("image.pullPolicy=Sometimes", "pullPolicy"),
         ("replicas=0", "replicas"),
         ("crds.instal=false", "'instal' not allowed"),
-        (
-            "webhook.certManager.issuerRef.kind=Isuer",
-            "kind",
-        ),
+        ("webhook.certManager.issuerRef.kind=Isuer", "kind"),
         ("image.registy=registry.example", "'registy' not allowed"),
         ("nameOverride=Not_A_Name", "nameOverride"),
     ] {
