@@ -858,7 +858,16 @@ impl Observer {
         not: Option<&str>,
         at: Instant,
     ) -> Option<Instant> {
-        self.deployed_other_than(stack, not).filter(|t| *t >= at)
+        // The first deploy by an Update other than `not` seen after `at`: older Updates of the
+        // same Stack were first seen before it.
+        let s = self.lock();
+        s.deployed
+            .iter()
+            .filter(|((name, update), seen)| {
+                name == stack && Some(update.as_str()) != not && **seen >= at
+            })
+            .map(|(_, seen)| *seen)
+            .min()
     }
 }
 
