@@ -420,20 +420,7 @@ async fn reconcile_inner(
         Ok((_, AgentCheck::Initialized(features)))
             if unsupported_preview_only(&update, features) =>
         {
-            let mut status = current.before.clone();
-            status.observed_generation = current.generation;
-            finish(
-                &mut status,
-                current.generation,
-                false,
-                PREVIEW_ONLY_UNSUPPORTED,
-                &format!(
-                    "spec.previewOnly: the agent of workspace {ws_name} does not list the {:?} feature (PKO's agent, or an older one), so it could only run a refresh that writes the state; nothing was run",
-                    pko_agent_api::features::REFRESH_PREVIEW_ONLY
-                ),
-            );
-            current.write(&ctx, &status).await?;
-            return Ok(Action::await_change());
+            return refuse_preview_only(&ctx, &current, &ws_name).await;
         }
         Ok((client, AgentCheck::Initialized(_))) => client,
         Ok((_, AgentCheck::NotInitialized(message))) => {
@@ -546,6 +533,28 @@ fn refusal(update: &Update) -> Option<(&'static str, &'static str)> {
         ));
     }
     None
+}
+
+/// Fails a preview-only refresh whose agent cannot run one, before anything runs.
+async fn refuse_preview_only(
+    ctx: &UpdateContext,
+    current: &Current,
+    ws_name: &str,
+) -> Result<Action, UpdateError> {
+    let mut status = current.before.clone();
+    status.observed_generation = current.generation;
+    finish(
+        &mut status,
+        current.generation,
+        false,
+        PREVIEW_ONLY_UNSUPPORTED,
+        &format!(
+            "spec.previewOnly: the agent of workspace {ws_name} does not list the {:?} feature (PKO's agent, or an older one), so it could only run a refresh that writes the state; nothing was run",
+            pko_agent_api::features::REFRESH_PREVIEW_ONLY
+        ),
+    );
+    current.write(ctx, &status).await?;
+    Ok(Action::await_change())
 }
 
 /// A preview-only refresh asked of an agent that does not list the feature: sent anyway, PKO's
