@@ -213,6 +213,7 @@ impl<'a> Run<'a> {
         );
         // Read from the status, so a remediation that could not start yet is not lost.
         let remediate = drift::remediation(&self.status, &schedules);
+        let remediating = synced.is_ok() && remediate.is_some();
         let why = match (synced, remediate) {
             (Err(why), _) => why,
             (Ok(()), Some(why)) if !self.deleting => why,
@@ -233,7 +234,7 @@ impl<'a> Run<'a> {
             self.prerequisites().await?;
         }
         let applied = self.workspace(workspace_source).await?;
-        self.launch(&applied, commit, &why).await
+        self.launch(&applied, commit, &why, remediating).await
     }
 
     /// The drift check in flight, if any. Still running: say so. Finished: its finding goes
@@ -790,6 +791,7 @@ impl<'a> Run<'a> {
         applied: &Workspace,
         commit: String,
         why: &str,
+        remediating: bool,
     ) -> Result<Outcome, Stop> {
         let type_ = sync::operation(self.stack, self.deleting);
         let updates: Api<Update> = Api::namespaced(self.ctx.client.clone(), &self.namespace);
@@ -811,7 +813,7 @@ impl<'a> Run<'a> {
             return Ok(processing());
         }
         let update_name = format!("{}-{:x}", self.name, Timestamp::now().as_millisecond());
-        let update = update::object(&update::Request {
+        let mut update = update::object(&update::Request {
             stack: self.stack,
             workspace: applied,
             name: update_name.clone(),
@@ -819,6 +821,11 @@ impl<'a> Run<'a> {
             why,
             check: false,
         })?;
+        // The state still says what was deployed: only a refresh first lets the up see the drift
+        // (`pulumi up --refresh`, as Pulumi Cloud remediates).
+        if remediating {
+            update.spec.refresh = Some(true);
+        }
         if let Err(e) = updates.create(&PostParams::default(), &update).await {
             return Err(self.refused(e, "Update").await);
         }
