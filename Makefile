@@ -124,14 +124,14 @@ BENCH_BIN := $(BENCH_TARGET_DIR)/release
 # PKO v2.9.0 next to pko-rs at 1,000, 5,000 and 10,000 Programs; BENCH_FLAGS adds or overrides.
 BENCH_FLAGS ?= --with-10k
 # The Stack section at 3 (the scale `bench-check`'s short run compares with), 10 and 50 Stacks.
-BENCH_STACKS_FLAGS ?= --stacks 3,10,50
+BENCH_STACKS_FLAGS ?= --stacks 3,10,50 --idle-seconds 600 --musl-operator $(DIST_DIR)/pko-operator --musl-at 10
 
 .PHONY: bench-build
 bench-build: toolchain
 	CARGO_TARGET_DIR=$(BENCH_TARGET_DIR) $(CARGO) build --release -p pko-operator -p pko-tests --bins
 
 .PHONY: bench
-bench: tools plugins policies pko agent-static bench-build ## benchmarks next to PKO v2.9.0 (release build, own target dir): docs/benchmarks.md and the baseline docs/bench-baseline.json
+bench: tools plugins policies pko agent-static dist bench-build ## benchmarks next to PKO v2.9.0 (release build, own target dir): docs/benchmarks.md and the baseline docs/bench-baseline.json
 	$(BENCH_BIN)/pko-bench --out docs/benchmarks.md --write-baseline docs/bench-baseline.json $(BENCH_FLAGS)
 	$(BENCH_BIN)/pko-bench-admission --out docs/benchmarks.md
 	$(BENCH_BIN)/pko-bench-plugins --out docs/benchmarks.md

@@ -498,8 +498,10 @@ async fn serve_probes(
         shutdown.clone().cancelled_owned(),
     ));
     if args.metrics_secure {
-        let (tls, reload) =
-            secure_metrics::certificate(args.metrics_cert_path.as_ref(), metrics_hosts(env))?;
+        let (tls, reload) = secure_metrics::certificate(
+            args.metrics_cert_path.as_ref(),
+            metrics_hosts(env, &args.metrics_service_name),
+        )?;
         if let Some(reload) = reload {
             tasks.spawn(reload.run(Duration::from_secs(30), shutdown.clone().cancelled_owned()));
         }
@@ -529,8 +531,9 @@ async fn serve_probes(
     Ok(())
 }
 
-/// Names a self-signed metrics certificate covers: the pod, the metrics Service, loopback.
-fn metrics_hosts(env: &PodEnv) -> Vec<String> {
+/// Names a self-signed metrics certificate covers: the pod, the metrics Service `service`,
+/// loopback.
+fn metrics_hosts(env: &PodEnv, service: &str) -> Vec<String> {
     let mut hosts = vec!["localhost".to_owned(), "127.0.0.1".to_owned()];
     hosts.extend(
         env.pod_name
@@ -539,8 +542,8 @@ fn metrics_hosts(env: &PodEnv) -> Vec<String> {
             .filter(|n| !n.is_empty()),
     );
     if let Some(ns) = env.pod_namespace.as_deref().filter(|n| !n.is_empty()) {
-        hosts.push(format!("pko-rs-metrics.{ns}.svc"));
-        hosts.push(format!("pko-rs-metrics.{ns}.svc.cluster.local"));
+        hosts.push(format!("{service}.{ns}.svc"));
+        hosts.push(format!("{service}.{ns}.svc.cluster.local"));
     }
     hosts
 }
@@ -665,4 +668,23 @@ async fn wait_for_signal() -> Result<(), AppError> {
         result = tokio::signal::ctrl_c() => result.map_err(AppError::CtrlC)?,
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A release's metrics Service, not a fixed name, is in the self-signed certificate.
+    #[test]
+    fn the_metrics_certificate_names_the_service_it_is_given() {
+        let env = PodEnv {
+            hostname: None,
+            pod_name: Some("op-0".into()),
+            pod_namespace: Some("team".into()),
+        };
+        let hosts = metrics_hosts(&env, "ops-pko-rs-metrics");
+        assert!(hosts.contains(&"ops-pko-rs-metrics.team.svc".to_owned()));
+        assert!(hosts.contains(&"ops-pko-rs-metrics.team.svc.cluster.local".to_owned()));
+        assert!(!hosts.iter().any(|h| h.starts_with("pko-rs-metrics")));
+    }
 }

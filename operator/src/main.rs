@@ -99,6 +99,10 @@ struct RunArgs {
     /// made at start.
     #[arg(long, env = "METRICS_CERT_PATH")]
     metrics_cert_path: Option<PathBuf>,
+    /// The metrics Service's name (in $POD_NAMESPACE): its DNS names go into the self-signed
+    /// metrics certificate. The chart passes its release's name.
+    #[arg(long, env = "METRICS_SERVICE_NAME", default_value = "pko-rs-metrics")]
+    metrics_service_name: String,
     /// What per-object metric series are labelled with. `names`: each Stack's namespace and
     /// name, each transform object and plugin name (PKO's series). `none`: no namespace, name
     /// or plugin name in any label; the Stack gauges count Stacks and the plugin series are by

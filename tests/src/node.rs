@@ -101,7 +101,7 @@ impl Node {
 
         let plane = ControlPlane::start(StartOptions {
             dir: Some(dir.join("control-plane")),
-            // The CRDs come with what the tests install (the chart's crds/).
+            // The CRDs come with what the tests install (the chart templates them).
             crds_dir: Some(dir.join("no-crds")),
             in_node: Some(InNode {
                 netns: netns.clone(),

@@ -8,10 +8,19 @@
 //! - one Program edit → its Stack's new `up` done on its warm workspace, over `--edits` edits
 //!   (round robin over the Stacks), p50/p99, with the operator's apiserver writes per `up`
 //!   (from the audit log: each operator runs as a user of its own, impersonated);
-//! - idle: operator RSS, and RSS per workspace (agent + what it started);
+//! - idle: operator RSS, and RSS per workspace (agent + what it started), idle and at its peak
+//!   during the edits' `up`s;
+//! - operator and kube-apiserver CPU per Stack deployed (the N new Stacks phase);
 //! - operator restart (SIGTERM, a new process) with N Ready Stacks: spawn → every Stack and
 //!   Workspace reconciled by the new process, nothing queued or running, all Ready; installs
-//!   (each operator's own log line for a `pulumi install`) and Updates started.
+//!   (each operator's own log line for a `pulumi install`) and Updates started;
+//! - the steady state over `--idle-seconds`, `continueResyncOnCommitMatch` off (the default)
+//!   and then on (with `resyncFrequencySeconds: 60`): Updates run, `pulumi` processes started
+//!   below the agents, and the operator's apiserver writes, per Stack per hour.
+//!
+//! `--musl-operator <path>` adds a third column: the static musl build the images ship
+//! (`make dist`), run the same way as the glibc release build beside it (at the Ns of
+//! `--musl-at`, or all).
 //!
 //! `--short` runs N=3 with 3 edits and prints its table only (`make bench-check`, with `--check`
 //! against the ratios `make bench` adds to docs/bench-baseline.json with `--write-baseline`).
@@ -22,7 +31,7 @@
     reason = "a test process is configured by its environment (make sets the tool and fixture paths)"
 )]
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -56,6 +65,8 @@ const OPERATOR_USER: &str = "pko-bench-operator";
 /// The controllers' names in both operators' metrics.
 const STACKS: &str = "stack-controller";
 const WORKSPACES: &str = "workspace-controller";
+/// The shipped static build's column.
+const MUSL: &str = "pko-rs musl (shipped)";
 const WRITE_VERBS: [&str; 5] = ["create", "update", "patch", "delete", "deletecollection"];
 
 struct Args {
@@ -68,6 +79,12 @@ struct Args {
     /// Fails when a ratio of this run falls more than `tolerance` below the baseline's.
     check: Option<PathBuf>,
     tolerance: f64,
+    /// Each steady-state window (resync off, then on); 0 skips them.
+    idle_seconds: u64,
+    /// The shipped static (musl) `pko-operator`, measured beside the glibc release build.
+    musl: Option<PathBuf>,
+    /// The Ns the musl build runs at (all of `--stacks` when empty).
+    musl_at: Vec<usize>,
 }
 
 fn parse_args() -> anyhow::Result<Args> {
@@ -79,6 +96,9 @@ fn parse_args() -> anyhow::Result<Args> {
         write_baseline: None,
         check: None,
         tolerance: 0.25,
+        idle_seconds: 600,
+        musl: None,
+        musl_at: Vec::new(),
     };
     let mut out_given = false;
     let mut it = std::env::args().skip(1);
@@ -103,12 +123,21 @@ fn parse_args() -> anyhow::Result<Args> {
             "--write-baseline" => args.write_baseline = Some(PathBuf::from(value)),
             "--check" => args.check = Some(PathBuf::from(value)),
             "--tolerance" => args.tolerance = value.parse().context("--tolerance")?,
+            "--idle-seconds" => args.idle_seconds = value.parse().context("--idle-seconds")?,
+            "--musl-operator" => args.musl = Some(PathBuf::from(value)),
+            "--musl-at" => {
+                args.musl_at = value
+                    .split(',')
+                    .map(|n| n.trim().parse::<usize>().context("--musl-at"))
+                    .collect::<anyhow::Result<_>>()?;
+            }
             other => bail!("unknown flag {other}"),
         }
     }
     if args.short {
         args.stacks = vec![3];
         args.edits = 3;
+        args.idle_seconds = 0;
         if !out_given {
             args.out = None;
         }
@@ -117,6 +146,13 @@ fn parse_args() -> anyhow::Result<Args> {
         bail!("--stacks and --edits must be at least 1");
     }
     Ok(args)
+}
+
+/// One N's runs: PKO, pko-rs's glibc release build, and optionally the shipped musl build.
+struct Trio {
+    pko: PeerRun,
+    ours: PeerRun,
+    musl: Option<PeerRun>,
 }
 
 /// What one operator's run at one N measured.
@@ -142,6 +178,33 @@ struct PeerRun {
     restart_updates: usize,
     /// How each operator says it installs a workspace's program.
     installs_first: usize,
+    /// Operator and kube-apiserver CPU seconds over the N new Stacks phase.
+    operator_cpu_first: f64,
+    apiserver_cpu_first: f64,
+    /// Per edited workspace, its peak RSS (agent + children) during the edits.
+    workspace_rss_up_kib: Vec<u64>,
+    /// The steady state, resync on commit match off and on.
+    idle_off: Option<Window>,
+    idle_on: Option<Window>,
+}
+
+/// What a steady-state window of `seconds` saw.
+#[derive(Debug, Default, Clone)]
+struct Window {
+    seconds: f64,
+    updates: usize,
+    pulumi_started: usize,
+    writes: usize,
+}
+
+impl Window {
+    /// `count` per Stack per hour.
+    fn per_stack_hour(&self, count: usize, n: usize) -> f64 {
+        if self.seconds <= 0.0 || n == 0 {
+            return 0.0;
+        }
+        count as f64 / n as f64 * 3600.0 / self.seconds
+    }
 }
 
 /// Deployed: `Ready=True` for the current generation, its last `up` succeeded; the last
@@ -306,33 +369,121 @@ fn audit_lines(audit: &Path) -> usize {
         .unwrap_or(0)
 }
 
-/// Resident memory of `pid` and every process below it, in KiB.
-fn tree_rss_kib(pid: u32) -> u64 {
-    let mut children: HashMap<u32, Vec<u32>> = HashMap::new();
-    if let Ok(entries) = std::fs::read_dir("/proc") {
+/// One reading of /proc: each process's parent, name and start time (clock ticks since boot,
+/// so a reused pid is a different process).
+struct Procs {
+    parent: HashMap<u32, u32>,
+    children: HashMap<u32, Vec<u32>>,
+    comm: HashMap<u32, String>,
+    start: HashMap<u32, u64>,
+}
+
+impl Procs {
+    fn read() -> Self {
+        let mut me = Procs {
+            parent: HashMap::new(),
+            children: HashMap::new(),
+            comm: HashMap::new(),
+            start: HashMap::new(),
+        };
+        let Ok(entries) = std::fs::read_dir("/proc") else {
+            return me;
+        };
         for entry in entries.flatten() {
-            let Some(child) = entry.file_name().to_str().and_then(|n| n.parse().ok()) else {
+            let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse().ok()) else {
                 continue;
             };
-            let Ok(stat) = std::fs::read_to_string(format!("/proc/{child}/stat")) else {
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
                 continue;
             };
-            let parent = stat
-                .rfind(')')
-                .and_then(|at| stat[at + 1..].split_whitespace().nth(1))
-                .and_then(|p| p.parse::<u32>().ok());
-            if let Some(parent) = parent {
-                children.entry(parent).or_default().push(child);
+            let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+                continue;
+            };
+            // After the name: state (0), ppid (1), ... starttime (19).
+            let rest: Vec<&str> = stat[close + 1..].split_whitespace().collect();
+            if let Some(parent) = rest.get(1).and_then(|p| p.parse::<u32>().ok()) {
+                me.parent.insert(pid, parent);
+                me.children.entry(parent).or_default().push(pid);
             }
+            if let Some(start) = rest.get(19).and_then(|t| t.parse::<u64>().ok()) {
+                me.start.insert(pid, start);
+            }
+            me.comm.insert(pid, stat[open + 1..close].to_owned());
+        }
+        me
+    }
+
+    /// `pid` and every process below it.
+    fn tree(&self, pid: u32) -> Vec<u32> {
+        let mut out = Vec::new();
+        let mut todo = vec![pid];
+        while let Some(p) = todo.pop() {
+            out.push(p);
+            todo.extend(self.children.get(&p).into_iter().flatten());
+        }
+        out
+    }
+
+    /// Resident memory of `pid` and every process below it, in KiB.
+    fn tree_rss_kib(&self, pid: u32) -> u64 {
+        self.tree(pid)
+            .into_iter()
+            .map(|p| measure::proc_status_kib(p, "VmRSS").unwrap_or(0))
+            .sum()
+    }
+
+    /// The `pulumi` CLI processes below any of `agents`, as (pid, start time).
+    fn pulumi_below(&self, agents: &HashSet<u32>) -> Vec<(u32, u64)> {
+        agents
+            .iter()
+            .flat_map(|&a| self.tree(a))
+            .filter(|p| self.comm.get(p).is_some_and(|c| c == "pulumi"))
+            .map(|p| (p, self.start.get(&p).copied().unwrap_or(0)))
+            .collect()
+    }
+}
+
+fn tree_rss_kib(pid: u32) -> u64 {
+    Procs::read().tree_rss_kib(pid)
+}
+
+/// Samples each agent's tree RSS every 50 ms until dropped, keeping each one's peak: the
+/// workspaces' memory during their `up`s.
+struct PeakSampler {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<HashMap<u32, u64>>>,
+}
+
+impl PeakSampler {
+    fn start(agents: Vec<u32>) -> Self {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut peak: HashMap<u32, u64> = HashMap::new();
+            while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                let procs = Procs::read();
+                for &a in &agents {
+                    let rss = procs.tree_rss_kib(a);
+                    let e = peak.entry(a).or_default();
+                    *e = (*e).max(rss);
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            peak
+        });
+        Self {
+            stop,
+            thread: Some(thread),
         }
     }
-    let mut total = 0;
-    let mut todo = vec![pid];
-    while let Some(p) = todo.pop() {
-        total += measure::proc_status_kib(p, "VmRSS").unwrap_or(0);
-        todo.extend(children.get(&p).into_iter().flatten());
+
+    fn finish(mut self) -> HashMap<u32, u64> {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread
+            .take()
+            .and_then(|t| t.join().ok())
+            .unwrap_or_default()
     }
-    total
 }
 
 /// What a controller has done and is doing, from an operator's `/metrics`.
@@ -393,11 +544,12 @@ fn count_in(log: &Path, line: &str) -> usize {
 async fn peer_run(
     bins: &PeerBinaries,
     peer: Peer,
+    label: &str,
     n: usize,
     edits: usize,
+    idle: Duration,
     logs: &Path,
 ) -> anyhow::Result<PeerRun> {
-    let label = peer.label();
     let log = |what: &str| logs.join(format!("{}-{n}-{what}.log", slug(label)));
     let plane = ControlPlane::start(StartOptions {
         crds_dir: Some(bins.crds_dir(peer).to_path_buf()),
@@ -469,6 +621,10 @@ async fn peer_run(
 
     // N new Stacks → all Ready.
     println!("   {label}: {n} Stacks");
+    let apiserver =
+        pko_peer::plane_pid(&plane, "kube-apiserver").context("kube-apiserver's pid")?;
+    let cpu = |pid: u32| pko_peer::cpu_seconds(pid).unwrap_or(0.0);
+    let (op_cpu0, api_cpu0) = (cpu(op.pid()), cpu(apiserver));
     let started = Instant::now();
     let mut created = Vec::new();
     for (i, name) in names.iter().enumerate() {
@@ -486,6 +642,8 @@ async fn peer_run(
         bail!("{e}\n{}\n{}", op.log_tail(40), kubelet.logs(&names[0]));
     }
     let all_ready = started.elapsed();
+    let operator_cpu_first = cpu(op.pid()) - op_cpu0;
+    let apiserver_cpu_first = cpu(apiserver) - api_cpu0;
     let mut per_stack = Vec::new();
     for (name, at) in names.iter().zip(&created) {
         let done = observer
@@ -501,6 +659,9 @@ async fn peer_run(
     let audit = plane.audit_log();
     let audit_from = audit_lines(&audit);
     let updates_before = observer.updates();
+    let agents: Vec<u32> = names.iter().filter_map(|n| kubelet.agent_pid(n)).collect();
+    let sampler = PeakSampler::start(agents);
+    let mut edited = BTreeSet::new();
     let mut edit_times = Vec::new();
     for k in 0..edits {
         let i = k % n;
@@ -519,7 +680,13 @@ async fn peer_run(
         .await
         .with_context(|| format!("{}\n{}", op.log_tail(40), kubelet.logs(name)))?;
         edit_times.push(done.saturating_duration_since(at));
+        edited.extend(kubelet.agent_pid(name));
     }
+    let peaks = sampler.finish();
+    let workspace_rss_up_kib = edited
+        .iter()
+        .filter_map(|a| peaks.get(a).copied())
+        .collect();
     let edit_updates = observer.updates() - updates_before;
     let edit_writes = operator_writes(&audit, audit_from, &log("edit-writes"));
 
@@ -564,6 +731,58 @@ async fn peer_run(
     let restart = restarted.spawned.elapsed();
     let restart_installs = count_in(&restart_log, install_line(peer));
     let restart_updates = observer.updates() - updates_before;
+
+    // The steady state: resync on commit match off (the default), then on.
+    let (mut idle_off, mut idle_on) = (None, None);
+    if !idle.is_zero() {
+        let steady = Steady {
+            op: &restarted,
+            observer: &observer,
+            kubelet: &kubelet,
+            names: &names,
+            audit: &audit,
+        };
+        println!(
+            "   {label}: {} s steady, resync on commit match off",
+            idle.as_secs()
+        );
+        idle_off = Some(steady.window(idle).await);
+        let patch =
+            json!({"spec": {"continueResyncOnCommitMatch": true, "resyncFrequencySeconds": 60}});
+        for name in &names {
+            stacks
+                .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await?;
+        }
+        wait_for(
+            "every Stack Ready with resync on",
+            PHASE_TIMEOUT,
+            || async {
+                let list = stacks.list(&ListParams::default()).await.ok()?;
+                list.items
+                    .iter()
+                    .all(|s| {
+                        let st = s.status.as_ref();
+                        st.is_some_and(|st| {
+                            st.observed_generation == s.metadata.generation
+                                && st.current_update.is_none()
+                                && st
+                                    .conditions
+                                    .iter()
+                                    .any(|c| c.type_ == "Ready" && c.status == "True")
+                        })
+                    })
+                    .then_some(())
+            },
+        )
+        .await
+        .with_context(|| restarted.log_tail(40))?;
+        println!(
+            "   {label}: {} s steady, resync on commit match on",
+            idle.as_secs()
+        );
+        idle_on = Some(steady.window(idle).await);
+    }
     for w in watches {
         w.abort();
     }
@@ -583,7 +802,52 @@ async fn peer_run(
         restart_installs,
         restart_updates,
         installs_first,
+        operator_cpu_first,
+        apiserver_cpu_first,
+        workspace_rss_up_kib,
+        idle_off,
+        idle_on,
     })
+}
+
+/// What a steady-state window watches.
+struct Steady<'a> {
+    op: &'a RunningPeer,
+    observer: &'a Observer,
+    kubelet: &'a Kubelet,
+    names: &'a [String],
+    audit: &'a Path,
+}
+
+impl Steady<'_> {
+    /// Watches for `length` (the window is the measurement, so it is waited out): Updates
+    /// created, `pulumi` processes seen below the agents (polled every 100 ms; a CLI run lives
+    /// far longer), and the operator's apiserver writes.
+    async fn window(&self, length: Duration) -> Window {
+        let from = audit_lines(self.audit);
+        let updates = self.observer.updates();
+        let agents: HashSet<u32> = self
+            .names
+            .iter()
+            .filter_map(|n| self.kubelet.agent_pid(n))
+            .collect();
+        let mut pulumi = HashSet::new();
+        let began = Instant::now();
+        while began.elapsed() < length {
+            pulumi.extend(Procs::read().pulumi_below(&agents));
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let seconds = began.elapsed().as_secs_f64();
+        let trace = self
+            .audit
+            .with_extension(format!("steady-{}", self.op.pid()));
+        Window {
+            seconds,
+            updates: self.observer.updates() - updates,
+            pulumi_started: pulumi.len(),
+            writes: operator_writes(self.audit, from, &trace).values().sum(),
+        }
+    }
 }
 
 impl Observer {
@@ -648,9 +912,9 @@ fn writes_per_up(run: &PeerRun) -> (f64, String) {
 
 /// The ratios `make bench-check` guards, keyed `stacks-<measure>/<N>` (PKO ÷ pko-rs: more is
 /// better for pko-rs, as every ratio of the baseline).
-fn ratios(runs: &[(PeerRun, PeerRun)]) -> BTreeMap<String, f64> {
+fn ratios(runs: &[Trio]) -> BTreeMap<String, f64> {
     let mut out = BTreeMap::new();
-    for (pko, ours) in runs {
+    for Trio { pko, ours, .. } in runs {
         let n = ours.n;
         let t = |d: Duration| d.as_secs_f64();
         let p99 = |d: &[Duration]| t(percentile(&sorted(d), 0.99));
@@ -667,6 +931,11 @@ fn ratios(runs: &[(PeerRun, PeerRun)]) -> BTreeMap<String, f64> {
                 ours.operator_rss_kib as f64,
             ),
             ("workspace-rss", per_ws(pko), per_ws(ours)),
+            (
+                "operator-cpu-per-stack",
+                pko.operator_cpu_first,
+                ours.operator_cpu_first,
+            ),
         ] {
             if a > 0.0 && b > 0.0 {
                 out.insert(format!("stacks-{key}/{n}"), a / b);
@@ -708,7 +977,7 @@ fn baseline(args: &Args, ratios: &BTreeMap<String, f64>) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn section(args: &Args, runs: &[(PeerRun, PeerRun)]) -> anyhow::Result<String> {
+fn section(args: &Args, runs: &[Trio]) -> anyhow::Result<String> {
     let mut s = String::new();
     writeln!(s, "{BEGIN}")?;
     writeln!(s, "## Stacks at fleet scale, next to PKO v2.9.0\n")?;
@@ -720,13 +989,29 @@ fn section(args: &Args, runs: &[(PeerRun, PeerRun)]) -> anyhow::Result<String> {
          `programRef` Stacks, one small YAML Program each. *Edit*: a Program's output changed, \
          until its Stack's new `up` is done (round robin over the Stacks, {} edits). *Writes \
          per up*: the operator's own create/update/patch/delete requests during the edits \
-         (audit log; each operator runs as a user of its own), divided by the edits. \
-         *Restart*: SIGTERM, a new process; spawn → every Stack and Workspace reconciled by it \
-         with nothing queued or running and every Stack Ready. *Installs*: the operator's log \
-         lines for a workspace installed (pko-rs: `workspace initialized`; PKO: `Running \
-         pulumi install`). RSS: idle, after the edits; per workspace: the agent and every \
-         process below it. Advantage: PKO ÷ pko-rs.\n",
-        args.edits
+         (audit log; each operator runs as a user of its own), divided by the edits. *CPU per \
+         Stack*: the operator's and kube-apiserver's CPU time over the N new Stacks phase, \
+         divided by N. *Restart*: SIGTERM, a new process; spawn → every Stack and Workspace \
+         reconciled by it with nothing queued or running and every Stack Ready. *Installs*: the \
+         operator's log lines for a workspace installed (pko-rs: `workspace initialized`; PKO: \
+         `Running pulumi install`). RSS: idle, after the edits; per workspace: the agent and \
+         every process below it, idle, and its peak during its edit's `up` (sampled every 50 \
+         ms). *Steady state*: after the restart, {} s with `continueResyncOnCommitMatch` off \
+         (the default), then {} s with it on and `resyncFrequencySeconds: 60`; Updates, `pulumi` \
+         processes started below the agents, and the operator's apiserver writes, per Stack per \
+         hour. Advantage: PKO ÷ pko-rs.{}\n",
+        args.edits,
+        args.idle_seconds,
+        args.idle_seconds,
+        if args.musl.is_some() {
+            format!(
+                " *{MUSL}*: the static x86_64-unknown-linux-musl release binary `make dist` \
+                 builds and the images ship, run the same way; *musl ÷ glibc* is its figure \
+                 over the glibc build's (above 1: the shipped build costs more)."
+            )
+        } else {
+            String::new()
+        }
     )?;
     let build = if cfg!(debug_assertions) {
         "debug build (`cargo run --bin pko-bench-stacks`)"
@@ -734,97 +1019,42 @@ fn section(args: &Args, runs: &[(PeerRun, PeerRun)]) -> anyhow::Result<String> {
         "release build (`make bench`)"
     };
     writeln!(s, "Operator: {build}. Machine: {}.\n", measure::machine())?;
-    writeln!(s, "| N | measure | PKO v2.9.0 | pko-rs | advantage |")?;
-    writeln!(s, "|---:|---|---:|---:|---:|")?;
-    for (pko, ours) in runs {
-        let n = ours.n;
-        let mut row = |what: &str, a: String, b: String, adv: String| {
-            writeln!(s, "| {n} | {what} | {a} | {b} | {adv} |")
-        };
-        let t = |d: Duration| d.as_secs_f64();
-        row(
-            &format!("{n} new Stacks → all Ready"),
-            secs(pko.all_ready),
-            secs(ours.all_ready),
-            advantage(t(pko.all_ready), t(ours.all_ready)),
+    let musl = runs.iter().any(|t| t.musl.is_some());
+    if musl {
+        writeln!(
+            s,
+            "| N | measure | PKO v2.9.0 | pko-rs | advantage | {MUSL} | musl ÷ glibc |"
         )?;
-        for (q, name) in [(0.5, "p50"), (0.99, "p99")] {
-            let a = percentile(&sorted(&pko.per_stack), q);
-            let b = percentile(&sorted(&ours.per_stack), q);
-            row(
-                &format!("per Stack create → Ready, {name}"),
-                secs(a),
-                secs(b),
-                advantage(t(a), t(b)),
+        writeln!(s, "|---:|---|---:|---:|---:|---:|---:|")?;
+    } else {
+        writeln!(s, "| N | measure | PKO v2.9.0 | pko-rs | advantage |")?;
+        writeln!(s, "|---:|---|---:|---:|---:|")?;
+    }
+    for trio in runs {
+        let n = trio.ours.n;
+        let mut rows: Vec<Row> = Vec::new();
+        rows.extend(rows_of(trio, n));
+        for row in rows {
+            let third = match (&trio.musl, row.musl) {
+                (Some(_), Some((text, ratio))) => format!(" {text} | {ratio} |"),
+                (Some(_), None) => " | |".to_owned(),
+                (None, _) if musl => " – | |".to_owned(),
+                (None, _) => String::new(),
+            };
+            writeln!(
+                s,
+                "| {n} | {} | {} | {} | {} |{third}",
+                row.what, row.pko, row.ours, row.advantage
             )?;
         }
-        row(
-            "Updates run for the new Stacks",
-            pko.first_updates.to_string(),
-            ours.first_updates.to_string(),
-            String::new(),
-        )?;
-        for (q, name) in [(0.5, "p50"), (0.99, "p99")] {
-            let a = percentile(&sorted(&pko.edits), q);
-            let b = percentile(&sorted(&ours.edits), q);
-            row(
-                &format!("Program edit → its Stack's `up` done, {name}"),
-                secs(a),
-                secs(b),
-                advantage(t(a), t(b)),
-            )?;
-        }
-        row(
-            "Updates run for the edits",
-            pko.edit_updates.to_string(),
-            ours.edit_updates.to_string(),
-            String::new(),
-        )?;
-        let (wa, _) = writes_per_up(pko);
-        let (wb, _) = writes_per_up(ours);
-        row(
-            "operator's apiserver writes per `up`",
-            format!("{wa:.1}"),
-            format!("{wb:.1}"),
-            advantage(wa, wb),
-        )?;
-        row(
-            "operator RSS, idle",
-            mib(pko.operator_rss_kib),
-            mib(ours.operator_rss_kib),
-            advantage(pko.operator_rss_kib as f64, ours.operator_rss_kib as f64),
-        )?;
-        let per_ws = |r: &PeerRun| {
-            r.workspace_rss_kib.iter().sum::<u64>() / r.workspace_rss_kib.len().max(1) as u64
-        };
-        row(
-            "RSS per workspace (agent + children), idle",
-            mib(per_ws(pko)),
-            mib(per_ws(ours)),
-            advantage(per_ws(pko) as f64, per_ws(ours) as f64),
-        )?;
-        row(
-            &format!("restart with {n} Ready Stacks: spawn → all reconciled and Ready"),
-            secs(pko.restart),
-            secs(ours.restart),
-            advantage(t(pko.restart), t(ours.restart)),
-        )?;
-        row(
-            "installs after the restart (first deploy)",
-            format!("{} ({})", pko.restart_installs, pko.installs_first),
-            format!("{} ({})", ours.restart_installs, ours.installs_first),
-            String::new(),
-        )?;
-        row(
-            "Updates started by the restart",
-            pko.restart_updates.to_string(),
-            ours.restart_updates.to_string(),
-            String::new(),
-        )?;
     }
     writeln!(s)?;
-    for (pko, ours) in runs {
-        for (label, run) in [("PKO v2.9.0", pko), ("pko-rs", ours)] {
+    for trio in runs {
+        let mut each = vec![("PKO v2.9.0", &trio.pko), ("pko-rs", &trio.ours)];
+        if let Some(m) = &trio.musl {
+            each.push((MUSL, m));
+        }
+        for (label, run) in each {
             let (_, detail) = writes_per_up(run);
             writeln!(s, "- N={}, {label}, writes per `up`: {detail}", run.n)?;
         }
@@ -838,27 +1068,210 @@ fn section(args: &Args, runs: &[(PeerRun, PeerRun)]) -> anyhow::Result<String> {
     Ok(s)
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let args = parse_args()?;
-    let bins = PeerBinaries::find(std::env::current_exe()?.with_file_name("pko-operator"))?;
-    let logs = tempfile::Builder::new()
-        .prefix("pko-bench-stacks-logs-")
-        .tempdir()?
-        .keep();
-    println!("operator logs: {}", logs.display());
-    let began = Instant::now();
-    let mut runs = Vec::new();
-    for &n in &args.stacks {
-        let pko = peer_run(&bins, Peer::Pko, n, args.edits, &logs).await?;
-        let ours = peer_run(&bins, Peer::PkoRs, n, args.edits, &logs).await?;
-        runs.push((pko, ours));
+/// One table row: the measure, PKO's and pko-rs's figures, the advantage, and the shipped
+/// build's figure with its ratio to the glibc build's.
+struct Row {
+    what: String,
+    pko: String,
+    ours: String,
+    advantage: String,
+    musl: Option<(String, String)>,
+}
+
+/// What a steady-state row counts.
+type Count = fn(&Window) -> usize;
+
+/// A figure of one run, as text and as a number (for the ratios).
+type Figure = fn(&PeerRun) -> (String, f64);
+
+fn rows_of(trio: &Trio, n: usize) -> Vec<Row> {
+    let figures: Vec<(String, Figure, bool)> = vec![
+        (
+            format!("{n} new Stacks → all Ready"),
+            |r| (secs(r.all_ready), r.all_ready.as_secs_f64()),
+            true,
+        ),
+        (
+            "per Stack create → Ready, p50".into(),
+            |r| {
+                let d = percentile(&sorted(&r.per_stack), 0.5);
+                (secs(d), d.as_secs_f64())
+            },
+            true,
+        ),
+        (
+            "per Stack create → Ready, p99".into(),
+            |r| {
+                let d = percentile(&sorted(&r.per_stack), 0.99);
+                (secs(d), d.as_secs_f64())
+            },
+            true,
+        ),
+        (
+            "Updates run for the new Stacks".into(),
+            |r| (r.first_updates.to_string(), 0.0),
+            false,
+        ),
+        (
+            "operator CPU per Stack deployed".into(),
+            |r| cpu_per(r.operator_cpu_first, r.n),
+            true,
+        ),
+        (
+            "kube-apiserver CPU per Stack deployed".into(),
+            |r| cpu_per(r.apiserver_cpu_first, r.n),
+            true,
+        ),
+        (
+            "Program edit → its Stack's `up` done, p50".into(),
+            |r| {
+                let d = percentile(&sorted(&r.edits), 0.5);
+                (secs(d), d.as_secs_f64())
+            },
+            true,
+        ),
+        (
+            "Program edit → its Stack's `up` done, p99".into(),
+            |r| {
+                let d = percentile(&sorted(&r.edits), 0.99);
+                (secs(d), d.as_secs_f64())
+            },
+            true,
+        ),
+        (
+            "Updates run for the edits".into(),
+            |r| (r.edit_updates.to_string(), 0.0),
+            false,
+        ),
+        (
+            "operator's apiserver writes per `up`".into(),
+            |r| {
+                let (w, _) = writes_per_up(r);
+                (format!("{w:.1}"), w)
+            },
+            true,
+        ),
+        (
+            "operator RSS, idle".into(),
+            |r| (mib(r.operator_rss_kib), r.operator_rss_kib as f64),
+            true,
+        ),
+        (
+            "RSS per workspace (agent + children), idle".into(),
+            |r| {
+                let m = r.workspace_rss_kib.iter().sum::<u64>()
+                    / r.workspace_rss_kib.len().max(1) as u64;
+                (mib(m), m as f64)
+            },
+            true,
+        ),
+        (
+            "RSS per workspace, peak during its `up`".into(),
+            |r| {
+                let m = r.workspace_rss_up_kib.iter().sum::<u64>()
+                    / r.workspace_rss_up_kib.len().max(1) as u64;
+                (mib(m), m as f64)
+            },
+            true,
+        ),
+        (
+            format!("restart with {n} Ready Stacks: spawn → all reconciled and Ready"),
+            |r| (secs(r.restart), r.restart.as_secs_f64()),
+            true,
+        ),
+        (
+            "installs after the restart (first deploy)".into(),
+            |r| {
+                (
+                    format!("{} ({})", r.restart_installs, r.installs_first),
+                    0.0,
+                )
+            },
+            false,
+        ),
+        (
+            "Updates started by the restart".into(),
+            |r| (r.restart_updates.to_string(), 0.0),
+            false,
+        ),
+    ];
+    let mut rows: Vec<Row> = figures
+        .into_iter()
+        .map(|(what, f, ratio)| {
+            let (a, av) = f(&trio.pko);
+            let (b, bv) = f(&trio.ours);
+            let musl = trio.musl.as_ref().map(|m| {
+                let (c, cv) = f(m);
+                let r = if ratio && bv > 0.0 {
+                    format!("{:.2}", cv / bv)
+                } else {
+                    String::new()
+                };
+                (c, r)
+            });
+            Row {
+                what,
+                pko: a,
+                ours: b,
+                advantage: if ratio {
+                    advantage(av, bv)
+                } else {
+                    String::new()
+                },
+                musl,
+            }
+        })
+        .collect();
+    for (when, pick) in [
+        (
+            "off",
+            (|r: &PeerRun| r.idle_off.clone()) as fn(&PeerRun) -> Option<Window>,
+        ),
+        ("on", |r: &PeerRun| r.idle_on.clone()),
+    ] {
+        let counts: [(&str, Count); 3] = [
+            ("Updates", |w| w.updates),
+            ("`pulumi` processes started", |w| w.pulumi_started),
+            ("operator's apiserver writes", |w| w.writes),
+        ];
+        for (what, count) in counts {
+            let cell = |r: &PeerRun| {
+                pick(r).map(|w| {
+                    let v = w.per_stack_hour(count(&w), r.n);
+                    (format!("{v:.1}"), v)
+                })
+            };
+            let (Some((a, av)), Some((b, bv))) = (cell(&trio.pko), cell(&trio.ours)) else {
+                continue;
+            };
+            rows.push(Row {
+                what: format!("steady, resync on commit match {when}: {what} per Stack per hour"),
+                pko: a,
+                ours: b,
+                advantage: advantage(av, bv),
+                musl: trio.musl.as_ref().and_then(cell).map(|(c, cv)| {
+                    let r = if bv > 0.0 {
+                        format!("{:.2}", cv / bv)
+                    } else {
+                        String::new()
+                    };
+                    (c, r)
+                }),
+            });
+        }
     }
-    let section = section(&args, &runs)?;
+    rows
+}
+
+fn cpu_per(seconds: f64, n: usize) -> (String, f64) {
+    let ms = seconds * 1000.0 / n.max(1) as f64;
+    (format!("{ms:.0} ms"), ms)
+}
+
+/// Prints the section and puts it into `--out` between its markers.
+fn write_section(args: &Args, runs: &[Trio]) -> anyhow::Result<()> {
+    let section = section(args, runs)?;
     print!("{section}");
-    println!("whole run: {:.0} s", began.elapsed().as_secs_f64());
-    baseline(&args, &ratios(&runs))?;
     if let Some(out) = &args.out {
         let current = std::fs::read_to_string(out).unwrap_or_else(|_| "# Benchmarks\n".into());
         let updated = match (current.find(BEGIN), current.find(END)) {
@@ -873,5 +1286,66 @@ async fn main() -> anyhow::Result<()> {
         std::fs::write(out, updated).with_context(|| format!("writing {}", out.display()))?;
         println!("wrote the Stack section of {}", out.display());
     }
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let args = parse_args()?;
+    let bins = PeerBinaries::find(std::env::current_exe()?.with_file_name("pko-operator"))?;
+    let logs = tempfile::Builder::new()
+        .prefix("pko-bench-stacks-logs-")
+        .tempdir()?
+        .keep();
+    println!("operator logs: {}", logs.display());
+    let began = Instant::now();
+    let idle = Duration::from_secs(args.idle_seconds);
+    let musl_bins = args.musl.as_ref().map(|path| PeerBinaries {
+        pko_rs: path.clone(),
+        ..bins.clone()
+    });
+    if let Some(path) = &args.musl
+        && !path.is_file()
+    {
+        bail!(
+            "--musl-operator {}: no such file (`make dist`)",
+            path.display()
+        );
+    }
+    let mut runs = Vec::new();
+    for &n in &args.stacks {
+        let pko = peer_run(
+            &bins,
+            Peer::Pko,
+            Peer::Pko.label(),
+            n,
+            args.edits,
+            idle,
+            &logs,
+        )
+        .await?;
+        let ours = peer_run(
+            &bins,
+            Peer::PkoRs,
+            Peer::PkoRs.label(),
+            n,
+            args.edits,
+            idle,
+            &logs,
+        )
+        .await?;
+        let musl = match &musl_bins {
+            Some(mb) if args.musl_at.is_empty() || args.musl_at.contains(&n) => {
+                Some(peer_run(mb, Peer::PkoRs, MUSL, n, args.edits, idle, &logs).await?)
+            }
+            _ => None,
+        };
+        runs.push(Trio { pko, ours, musl });
+        // Written after each N, so a run cut short still leaves what it measured.
+        write_section(&args, &runs)?;
+    }
+    println!("whole run: {:.0} s", began.elapsed().as_secs_f64());
+    baseline(&args, &ratios(&runs))?;
     Ok(())
 }

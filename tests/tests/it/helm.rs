@@ -1,7 +1,8 @@
-//! deploy/helm/pko-rs: `helm lint`, one source of truth with the kustomize manifests (the
-//! chart's defaults render the objects of `kubectl kustomize deploy/`, and its namespaces scope
-//! those of deploy/overlays/namespaced), and `helm template` accepted by the real apiserver
-//! (server-side apply, dry run).
+//! deploy/helm/pko-rs: `helm lint`, one source of truth with the kustomize manifests (release
+//! `pko-rs` of the chart renders the objects of `kubectl kustomize deploy/`, and its namespaces
+//! scope those of deploy/overlays/namespaced, but for Helm's own labels), and `helm template`
+//! accepted by the real apiserver (server-side apply, dry run). Releases side by side, the
+//! templated CRDs, cert-manager mode and installs from an OCI registry are in chart.rs.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -18,7 +19,7 @@ pub(crate) fn chart() -> PathBuf {
     repo_root().join("deploy/helm/pko-rs")
 }
 
-fn helm() -> Command {
+pub(crate) fn helm() -> Command {
     let dir = tool_dir("helm").unwrap_or_else(|e| panic!("{e}"));
     let mut cmd = Command::new(dir.join("helm"));
     // No user or machine state: repositories, plugins and caches of the caller stay out.
@@ -29,19 +30,59 @@ fn helm() -> Command {
     cmd
 }
 
-/// `helm template` of the chart into `namespace` with `sets` (`key=value`), CRDs included.
+/// `helm template` of release `pko-rs` of the chart into `namespace` with `sets`
+/// (`key=value`).
 pub(crate) fn template(namespace: &str, sets: &[&str]) -> String {
+    template_release("pko-rs", namespace, sets)
+}
+
+/// `helm template` of release `release` of the chart into `namespace` with `sets`.
+pub(crate) fn template_release(release: &str, namespace: &str, sets: &[&str]) -> String {
     let mut cmd = helm();
-    cmd.args(["template", "pko-rs"]).arg(chart()).args([
-        "--namespace",
-        namespace,
-        "--include-crds",
-    ]);
+    cmd.args(["template", release])
+        .arg(chart())
+        .args(["--namespace", namespace]);
     for set in sets {
         cmd.args(["--set", set]);
     }
-    run(&mut cmd, None, &format!("helm template {sets:?}"))
+    run(&mut cmd, None, &format!("helm template {release} {sets:?}"))
 }
+
+/// The labels and annotations only Helm installs have: the release's instance, the chart and
+/// app versions, the manager, and the CRDs' keep policy. deploy/ has none of them, and its
+/// selectors select by name only (its Deployment's selector cannot change in place).
+const HELM_ONLY_KEYS: [&str; 5] = [
+    "app.kubernetes.io/instance",
+    "app.kubernetes.io/version",
+    "app.kubernetes.io/managed-by",
+    "helm.sh/chart",
+    "helm.sh/resource-policy",
+];
+
+/// `v` without [`HELM_ONLY_KEYS`], wherever they are (labels, annotations, selectors), and
+/// without the annotations that leaves empty.
+fn without_helm_only_keys(v: &mut Value) {
+    match v {
+        Value::Array(items) => items.iter_mut().for_each(without_helm_only_keys),
+        Value::Object(map) => {
+            for key in HELM_ONLY_KEYS {
+                map.remove(key);
+            }
+            map.values_mut().for_each(without_helm_only_keys);
+            if map
+                .get("annotations")
+                .and_then(Value::as_object)
+                .is_some_and(serde_json::Map::is_empty)
+            {
+                map.remove("annotations");
+            }
+        }
+        _ => {}
+    }
+}
+
+/// The chart's image tag deploy/ uses (the chart defaults to its appVersion).
+const KUSTOMIZE_TAG: &str = "image.tag=latest";
 
 pub(crate) fn parse(text: &str) -> Vec<Value> {
     yaml_serde::Deserializer::from_str(text)
@@ -73,28 +114,15 @@ fn normalize_numbers(v: &mut Value) {
 }
 
 /// The objects by (kind, namespace, name), comparable: numbers normalized; the Namespace left
-/// out (Helm installs into an existing one, `--create-namespace`); CRDs without the label
-/// kustomize adds to every object (Helm installs crds/ untemplated).
+/// out (Helm installs into an existing one, `--create-namespace`); Helm's own labels and
+/// annotations left out.
 fn comparable(objects: Vec<Value>) -> BTreeMap<(String, String, String), Value> {
     objects
         .into_iter()
         .filter(|o| o["kind"] != "Namespace")
         .map(|mut o| {
             normalize_numbers(&mut o);
-            if o["kind"] == "CustomResourceDefinition"
-                && let Some(meta) = o["metadata"].as_object_mut()
-            {
-                if let Some(labels) = meta.get_mut("labels").and_then(Value::as_object_mut) {
-                    labels.remove("app.kubernetes.io/part-of");
-                }
-                if meta
-                    .get("labels")
-                    .and_then(Value::as_object)
-                    .is_some_and(|l| l.is_empty())
-                {
-                    meta.remove("labels");
-                }
-            }
+            without_helm_only_keys(&mut o);
             let key = (
                 o["kind"].as_str().unwrap_or_default().to_owned(),
                 o["metadata"]["namespace"]
@@ -142,6 +170,21 @@ fn helm_lint_passes_for_each_scope() {
             "metricsCertSecret=metrics-tls",
             "serviceMonitor.enabled=true",
         ][..],
+        &["webhook.certManager.enabled=true", "crds.install=false"][..],
+        &[
+            "webhook.certManager.enabled=true",
+            "webhook.certManager.issuerRef.name=corp-ca",
+            "webhook.certManager.issuerRef.kind=ClusterIssuer",
+            "crds.keep=false",
+        ][..],
+        &[
+            "nameOverride=ops",
+            "image.registry=registry.example",
+            "extraVolumes[0].name=ca",
+            "extraVolumes[0].configMap.name=ca",
+            "extraVolumeMounts[0].name=ca",
+            "extraVolumeMounts[0].mountPath=/etc/ca",
+        ][..],
     ] {
         let mut cmd = helm();
         cmd.args(["lint", "--strict", "--namespace", RELEASE_NAMESPACE])
@@ -173,7 +216,7 @@ fn an_unknown_scope_is_refused() {
 async fn chart_defaults_render_the_kustomize_install() {
     let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
-    let chart = parse(&template(RELEASE_NAMESPACE, &[]));
+    let chart = parse(&template(RELEASE_NAMESPACE, &[KUSTOMIZE_TAG]));
     assert_same(
         chart,
         kustomize(plane, "deploy"),
@@ -185,13 +228,10 @@ async fn chart_defaults_render_the_kustomize_install() {
 async fn chart_namespaces_scope_renders_the_namespaced_overlay() {
     let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
-    let chart = parse(&template(RELEASE_NAMESPACE, &["scope.mode=namespaces"]));
-    // CRDs are the admin's part in this scope (the overlay leaves them out); --include-crds
-    // still renders them from crds/.
-    let chart = chart
-        .into_iter()
-        .filter(|o| o["kind"] != "CustomResourceDefinition")
-        .collect();
+    let chart = parse(&template(
+        RELEASE_NAMESPACE,
+        &["scope.mode=namespaces", "crds.install=false", KUSTOMIZE_TAG],
+    ));
     assert_same(
         chart,
         kustomize(plane, "deploy/overlays/namespaced"),
@@ -211,7 +251,10 @@ fn relative(path: &std::path::Path, from: &std::path::Path) -> PathBuf {
 async fn chart_secure_metrics_renders_the_base_with_the_secure_metrics_component() {
     let _machine = pko_tests::serial::shared().await;
     let plane = ControlPlane::shared().await;
-    let chart = parse(&template(RELEASE_NAMESPACE, &["metricsSecure=true"]));
+    let chart = parse(&template(
+        RELEASE_NAMESPACE,
+        &["metricsSecure=true", KUSTOMIZE_TAG],
+    ));
     // An install's own kustomization: deploy/ plus the component.
     let install = tempfile::tempdir().expect("tmp");
     let root = repo_root().canonicalize().expect("repo root");
@@ -347,7 +390,7 @@ fn namespaces_scope_has_no_cluster_scoped_object_but_the_crds() {
 
 /// `kubectl apply --server-side --dry-run=server` of `text`: the apiserver validates every
 /// object against its schema (CRDs included) without storing anything.
-fn dry_run(plane: &ControlPlane, text: &str, what: &str) -> String {
+pub(crate) fn dry_run(plane: &ControlPlane, text: &str, what: &str) -> String {
     let mut cmd = plane.kubectl();
     cmd.args([
         "apply",
@@ -444,6 +487,7 @@ fn the_operator_accepts_the_charts_arguments() {
         ][..],
         &["leaderElection.enabled=false", "webhook.enabled=false"][..],
         &["metricsSecure=true", "metricsCertSecret=metrics-tls"][..],
+        &["webhook.certManager.enabled=true", "fullnameOverride=ops"][..],
         &[
             "egress.denyPrivateRanges=false",
             "egress.serviceCIDRs={10.96.0.0/12,fd00:10:96::/112}",
@@ -667,6 +711,10 @@ fn a_misspelt_or_mistyped_value_is_refused_by_name() {
         ),
         ("image.pullPolicy=Sometimes", "pullPolicy"),
         ("replicas=0", "replicas"),
+        ("crds.instal=false", "'instal' not allowed"),
+        ("webhook.certManager.issuerRef.kind=Isuer", "kind"),
+        ("image.registy=registry.example", "'registy' not allowed"),
+        ("nameOverride=Not_A_Name", "nameOverride"),
     ] {
         let out = helm()
             .args(["template", "pko-rs"])

@@ -20,6 +20,7 @@ mod admission;
 mod admission_crosscheck;
 mod agent;
 mod chaos;
+mod chart;
 mod crds;
 mod dashboards;
 mod deploy;
