@@ -182,7 +182,15 @@ impl Cli {
         cmd.args(args)
             // An agent must never stop to ask or to check for a newer CLI.
             .env("PULUMI_SKIP_UPDATE_CHECK", "true")
-            .env("PULUMI_SKIP_CONFIRMATIONS", "true")
+            // `--preview-only` asks nothing, and the CLI refuses it with confirmations skipped.
+            .env(
+                "PULUMI_SKIP_CONFIRMATIONS",
+                if args.iter().any(|a| a == "--preview-only") {
+                    "false"
+                } else {
+                    "true"
+                },
+            )
             // `--event-log` is offered only with debug commands on (the Automation API sets it too).
             .env("PULUMI_DEBUG_COMMANDS", "true")
             .envs(self.env.iter().map(|(k, v)| (k, v)))

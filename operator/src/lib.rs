@@ -12,6 +12,7 @@ pub mod artifact;
 pub mod capability;
 pub mod config;
 pub mod controller;
+pub mod cron;
 pub mod egress;
 pub mod fileserver;
 pub mod gitremote;

@@ -131,9 +131,16 @@ pub enum StackSeries {
     PerStack {
         failing: Family<StackLabels, Gauge>,
         reconciling: Family<StackLabels, Gauge>,
+        /// `stacks_drifted{namespace,name}` (pko-rs): the last drift check found changes.
+        drifted: Family<StackLabels, Gauge>,
     },
-    /// `stacks_failing` and `stacks_reconciling` without labels: how many Stacks are.
-    Counted { failing: Gauge, reconciling: Gauge },
+    /// `stacks_failing`, `stacks_reconciling` and `stacks_drifted` without labels: how many
+    /// Stacks are.
+    Counted {
+        failing: Gauge,
+        reconciling: Gauge,
+        drifted: Gauge,
+    },
 }
 
 /// Labels of per-Stack series (PKO's `stacks_failing` / `stacks_reconciling`).
@@ -165,6 +172,8 @@ pub struct Metrics {
     /// PKO's `stacks_failing` (the Stack's last update failed) and `stacks_reconciling` (the
     /// Stack is `Reconciling=True`), per Stack or counted.
     pub stacks: StackSeries,
+    /// How long the drift checks of Stacks took, from the start of their operation to its end.
+    pub drift_check_duration: Histogram,
     /// 1 while this replica holds the leader lease (or runs without leader election).
     pub leader: Gauge,
     pub reconciles: Family<ControllerLabels, Counter>,
@@ -241,9 +250,16 @@ impl Metrics {
                     "1 for each stack with Reconciling=True, 0 otherwise",
                     reconciling.clone(),
                 );
+                let drifted = Family::<StackLabels, Gauge>::default();
+                registry.register(
+                    "stacks_drifted",
+                    "1 for each stack whose last drift check found resources changed outside Pulumi (DriftDetected=True), 0 otherwise",
+                    drifted.clone(),
+                );
                 StackSeries::PerStack {
                     failing,
                     reconciling,
+                    drifted,
                 }
             }
             ObjectLabels::None => {
@@ -259,12 +275,26 @@ impl Metrics {
                     "Number of stacks with Reconciling=True",
                     reconciling.clone(),
                 );
+                let drifted = Gauge::default();
+                registry.register(
+                    "stacks_drifted",
+                    "Number of stacks whose last drift check found resources changed outside Pulumi",
+                    drifted.clone(),
+                );
                 StackSeries::Counted {
                     failing,
                     reconciling,
+                    drifted,
                 }
             }
         };
+        // 1 s … ~68 min: a refresh takes seconds for a small stack, minutes for a large one.
+        let drift_check_duration = Histogram::new(exponential_buckets(1.0, 2.0, 13));
+        registry.register(
+            "pko_drift_check_duration_seconds",
+            "Duration of Stack drift checks (preview-only refreshes), start to end of the operation",
+            drift_check_duration.clone(),
+        );
         let leader = Gauge::default();
         registry.register(
             "pko_leader",
@@ -357,6 +387,7 @@ impl Metrics {
             programs_active,
             stacks_active,
             stacks,
+            drift_check_duration,
             leader,
             reconciles,
             reconcile_errors,

@@ -1,5 +1,5 @@
-//! PKO's Stack gauges (`stacks_active`, `stacks_failing`, `stacks_reconciling`), fed by a Stack
-//! watch on every replica.
+//! PKO's Stack gauges (`stacks_active`, `stacks_failing`, `stacks_reconciling`) and pko-rs's
+//! `stacks_drifted` (`DriftDetected=True`), fed by a Stack watch on every replica.
 //!
 //! Every replica (not only the leader) runs this watch, like the Program watch behind
 //! `programs_active`, so any replica's `/metrics` answers and a scrape of the Service never sees
@@ -34,6 +34,8 @@ pub struct StackFlags {
     pub failing: bool,
     /// A `Reconciling` condition with status `True`.
     pub reconciling: bool,
+    /// A `DriftDetected` condition with status `True`.
+    pub drifted: bool,
 }
 
 impl StackFlags {
@@ -46,18 +48,21 @@ impl StackFlags {
             .pointer("/lastUpdate/state")
             .and_then(Value::as_str)
             .is_some_and(|state| state == "failed");
-        let reconciling = status
-            .get("conditions")
-            .and_then(Value::as_array)
-            .is_some_and(|conditions| {
-                conditions.iter().any(|c| {
-                    c.get("type").and_then(Value::as_str) == Some("Reconciling")
-                        && c.get("status").and_then(Value::as_str) == Some("True")
+        let is_true = |type_: &str| {
+            status
+                .get("conditions")
+                .and_then(Value::as_array)
+                .is_some_and(|conditions| {
+                    conditions.iter().any(|c| {
+                        c.get("type").and_then(Value::as_str) == Some(type_)
+                            && c.get("status").and_then(Value::as_str) == Some("True")
+                    })
                 })
-            });
+        };
         Self {
             failing,
-            reconciling,
+            reconciling: is_true("Reconciling"),
+            drifted: is_true("DriftDetected"),
         }
     }
 }
@@ -88,19 +93,23 @@ impl StackGauges {
             StackSeries::PerStack {
                 failing,
                 reconciling,
+                drifted,
             } => {
                 failing.get_or_create(&labels).set(i64::from(flags.failing));
                 reconciling
                     .get_or_create(&labels)
                     .set(i64::from(flags.reconciling));
+                drifted.get_or_create(&labels).set(i64::from(flags.drifted));
             }
             StackSeries::Counted {
                 failing,
                 reconciling,
+                drifted,
             } => {
                 let before = self.known.get(&labels).copied().unwrap_or_default();
                 failing.inc_by(i64::from(flags.failing) - i64::from(before.failing));
                 reconciling.inc_by(i64::from(flags.reconciling) - i64::from(before.reconciling));
+                drifted.inc_by(i64::from(flags.drifted) - i64::from(before.drifted));
             }
         }
         if let (Some(created), Some(at)) = (
@@ -129,16 +138,20 @@ impl StackGauges {
             StackSeries::PerStack {
                 failing,
                 reconciling,
+                drifted,
             } => {
                 failing.remove(labels);
                 reconciling.remove(labels);
+                drifted.remove(labels);
             }
             StackSeries::Counted {
                 failing,
                 reconciling,
+                drifted,
             } => {
                 failing.dec_by(i64::from(before.failing));
                 reconciling.dec_by(i64::from(before.reconciling));
+                drifted.dec_by(i64::from(before.drifted));
             }
         }
     }
@@ -249,6 +262,7 @@ mod tests {
         let StackSeries::PerStack {
             failing,
             reconciling,
+            ..
         } = &metrics.stacks
         else {
             panic!("per-Stack series expected");
@@ -265,6 +279,7 @@ mod tests {
         let StackSeries::Counted {
             failing,
             reconciling,
+            ..
         } = &metrics.stacks
         else {
             panic!("counted series expected");
@@ -286,6 +301,40 @@ mod tests {
         assert!(StackFlags::of(Some(&busy)).reconciling);
         let idle = json!({"conditions": [{"type": "Reconciling", "status": "False"}]});
         assert!(!StackFlags::of(Some(&idle)).reconciling);
+    }
+
+    #[test]
+    fn drifted_follows_the_drift_detected_condition() {
+        let drifted = |status: &str| {
+            json!({"conditions": [{"type": "Ready", "status": "True"},
+                {"type": "DriftDetected", "status": status}]})
+        };
+        assert!(StackFlags::of(Some(&drifted("True"))).drifted);
+        assert!(!StackFlags::of(Some(&drifted("False"))).drifted);
+        assert!(!StackFlags::of(Some(&drifted("Unknown"))).drifted);
+
+        let metrics = Metrics::new();
+        let mut gauges = StackGauges::new(metrics.clone());
+        gauges.observe(&watcher::Event::Apply(stack("ns", "a", drifted("True"))));
+        let text = metrics.encode().expect("encode");
+        assert!(
+            text.contains("stacks_drifted{namespace=\"ns\",name=\"a\"} 1"),
+            "{text}"
+        );
+        gauges.observe(&watcher::Event::Apply(stack("ns", "a", drifted("False"))));
+        let text = metrics.encode().expect("encode");
+        assert!(
+            text.contains("stacks_drifted{namespace=\"ns\",name=\"a\"} 0"),
+            "{text}"
+        );
+
+        let metrics = Metrics::with_extra(ObjectLabels::None, |_| {});
+        let mut gauges = StackGauges::new(metrics.clone());
+        gauges.observe(&watcher::Event::Apply(stack("ns", "a", drifted("True"))));
+        gauges.observe(&watcher::Event::Apply(stack("ns", "b", drifted("True"))));
+        gauges.observe(&watcher::Event::Delete(stack("ns", "a", json!({}))));
+        let text = metrics.encode().expect("encode");
+        assert!(text.contains("stacks_drifted 1"), "{text}");
     }
 
     #[test]

@@ -206,12 +206,17 @@ impl AutomationService for Agent {
         request: Request<pb::RefreshRequest>,
     ) -> Result<Response<Self::RefreshStream>, Status> {
         let req = request.into_inner();
-        let mut a = args(["refresh", "--yes", "--skip-preview"]);
+        // `--preview-only` refuses `--skip-preview`, and needs no `--yes` to run unattended.
+        let preview_only = req.preview_only == Some(true);
+        let mut a = if preview_only {
+            args(["refresh", "--preview-only"])
+        } else {
+            args(["refresh", "--yes", "--skip-preview"])
+        };
         push_opt(&mut a, "parallel", req.parallel);
         push_opt(&mut a, "message", req.message.as_deref());
         push_flag(&mut a, "expect-no-changes", req.expect_no_changes);
         push_each(&mut a, "target", &req.target);
-        push_flag(&mut a, "preview-only", req.preview_only);
         push_flag(&mut a, "run-program", req.run_program);
         self.operation(
             "refresh",
@@ -219,8 +224,13 @@ impl AutomationService for Agent {
             |s| pb::RefreshStream {
                 response: Some(pb::refresh_stream::Response::Event(s)),
             },
-            |agent: Agent, stack, output: Output, times| async move {
-                let summary = agent.last_summary(&stack, &times).await;
+            move |agent: Agent, stack, output: Output, times| async move {
+                // A preview leaves no history entry: the last one is another operation's.
+                let summary = if preview_only {
+                    local_summary(&times, "")
+                } else {
+                    agent.last_summary(&stack, &times).await
+                };
                 Ok(pb::RefreshStream {
                     response: Some(pb::refresh_stream::Response::Result(pb::RefreshResult {
                         summary: Some(summary),

@@ -248,6 +248,41 @@ pub struct StackSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 1000))]
     pub update_history_limit: Option<i32>,
+    /// DriftDetection runs a refresh that changes nothing (`pulumi refresh --preview-only`) on
+    /// a schedule, and reports what changed outside Pulumi in the `DriftDetected` condition
+    /// (the shape of PKO's draft, PKO #1037).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drift_detection: Option<DriftDetectionSpec>,
+}
+
+/// Pattern of a drift schedule's `cron`: five fields (or an `@` macro), after an optional
+/// `CRON_TZ=<zone> `. The controller parses the fields themselves and reports a bad one.
+pub const CRON_PATTERN: &str =
+    r"^(CRON_TZ=[A-Za-z0-9_+/-]+[ \t]+)?(@[a-z]+|[^ \t]+([ \t]+[^ \t]+){4})$";
+
+/// When drift checks run.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct DriftDetectionSpec {
+    /// Schedules of the checks: a check runs when any of them ticks.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16), extend("x-kubernetes-list-type" = "atomic"))]
+    pub schedules: Vec<DriftSchedule>,
+}
+
+/// One drift-check schedule.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct DriftSchedule {
+    /// Cron is a standard 5-field cron expression (minute hour day-of-month month
+    /// day-of-week), in UTC unless prefixed with `CRON_TZ=<IANA zone> `, e.g.
+    /// `CRON_TZ=Europe/Paris 0 9 * * MON-FRI`.
+    #[schemars(length(min = 1, max = 256), regex(pattern = CRON_PATTERN))]
+    pub cron: String,
+    /// AutoRemediate runs an `up` when a check of this schedule finds drift, putting the
+    /// resources back as the program declares them. Defaults to false: drift is only reported.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auto_remediate: Option<bool>,
 }
 
 impl StackSpec {
@@ -529,6 +564,35 @@ pub struct StackStatus {
     /// successful update, so the stack can be destroyed without its source.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub project_info: Option<ProjectInfo>,
+    /// DriftDetection records the drift checks (`spec.driftDetection`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drift_detection: Option<DriftDetectionStatus>,
+}
+
+/// What the drift checks found.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct DriftDetectionStatus {
+    /// LastCheckTime is when the last drift check started; the next runs at the first tick of
+    /// a schedule after it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_check_time: Option<Time>,
+    /// CurrentCheck names the Update of the drift check in flight, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub current_check: Option<String>,
+    /// LastCheck names the Update of the last finished drift check.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_check: Option<String>,
+    /// Schedule is the `cron` of the schedule that started the current or last check.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schedule: Option<String>,
+    /// ChangeCount is how many resources the last check found changed outside Pulumi.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub change_count: Option<i64>,
+    /// ChangedResources names the first of them (URNs, at most 20).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "atomic"))]
+    pub changed_resources: Vec<String>,
 }
 
 /// StackUpdateState is the status of a stack update

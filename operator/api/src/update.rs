@@ -83,6 +83,12 @@ pub struct UpdateSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 64))]
     pub operation_timeout: Option<String>,
+    /// pko-rs only: with `type: refresh`, compute what a refresh would change and change
+    /// nothing (`pulumi refresh --preview-only`): what a Stack's drift check runs. Only an
+    /// agent that lists the `refresh-preview-only` feature runs it; with another agent (PKO's)
+    /// the Update fails rather than run a refresh that writes the state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preview_only: Option<bool>,
 }
 
 /// The operation an Update performs.
@@ -156,6 +162,21 @@ pub struct UpdateStatus {
     /// that subsequent destroy operations can proceed without the source artifact.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub project_info: Option<ProjectInfo>,
+    /// pko-rs only: the resources a `previewOnly` refresh found changed outside Pulumi.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub changes: Option<ResourceChanges>,
+}
+
+/// Resources an operation found changed (pko-rs only).
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct ResourceChanges {
+    /// How many resources changed.
+    pub count: i64,
+    /// The URNs of the first of them (at most 20).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "atomic"))]
+    pub resources: Vec<String>,
 }
 
 /// Update spec fields of a Stack's update template. `UpdateSpec` is already all-optional and

@@ -18,6 +18,18 @@ pub fn set(
     generation: Option<i64>,
 ) {
     let status = if status { "True" } else { "False" };
+    set_status(list, type_, status, reason, message, generation);
+}
+
+/// Sets (or adds) condition `type_` with `status` `True`, `False` or `Unknown`.
+pub fn set_status(
+    list: &mut Vec<Condition>,
+    type_: &str,
+    status: &str,
+    reason: &str,
+    message: &str,
+    generation: Option<i64>,
+) {
     let now = Time(Timestamp::now());
     match list.iter_mut().find(|c| c.type_ == type_) {
         Some(c) => {

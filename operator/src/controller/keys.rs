@@ -73,3 +73,15 @@ pub const TRANSFORM_FAILED: &str = "TransformFailed";
 /// Program `Reconciling=True` reason: a build that failed for a reason that may pass (a
 /// transform's timeout, a busy plugin host) is retried.
 pub const RETRYING_BUILD: &str = "RetryingBuild";
+
+/// Stack condition set by each finished drift check (`spec.driftDetection`; PKO's draft's name),
+/// and the Warning Event's reason when one finds drift.
+pub const DRIFT_DETECTED: &str = "DriftDetected";
+/// `DriftDetected=True`: resources changed outside Pulumi.
+pub const DRIFT_CHANGES: &str = "Changes";
+/// `DriftDetected=False`: nothing changed.
+pub const DRIFT_NO_CHANGES: &str = "NoChanges";
+/// `DriftDetected=Unknown`: the check itself failed.
+pub const DRIFT_CHECK_FAILED: &str = "CheckFailed";
+/// The Warning Event's reason when a drift check failed.
+pub const DRIFT_CHECK_FAILED_EVENT: &str = "DriftCheckFailed";

@@ -516,6 +516,41 @@ async fn a_stack_runs_up_preview_refresh_and_destroy_through_pkos_agent() {
         assert!(!failed, "{kind}: {message}\n{}", e.kubelet.logs("interop"));
     }
 
+    // A drift check (a preview-only refresh) is refused by name: PKO's agent would ignore
+    // `preview_only` and refresh for real, writing the state. Nothing ran: the backend's
+    // history of the stack is as it was.
+    let history = || pko_tests::fixtures::files_under(&backend.join(".pulumi/history")).len();
+    let before = history();
+    let check = pko_tests::fixtures::update(
+        "interop-check",
+        "interop",
+        &workspace_uid,
+        json!({"workspaceName": "interop", "stackName": "dev", "type": "refresh", "previewOnly": true}),
+    );
+    updates
+        .create(&PostParams::default(), &check)
+        .await
+        .expect("create the check");
+    let (failed, message) = completed(&updates, "interop-check").await;
+    assert!(failed, "{message}");
+    assert!(
+        message.contains("refresh-preview-only") && message.contains("nothing was run"),
+        "{message}"
+    );
+    let reason = updates
+        .get("interop-check")
+        .await
+        .expect("check")
+        .status
+        .expect("status")
+        .conditions
+        .into_iter()
+        .find(|c| c.type_ == "Failed")
+        .map(|c| c.reason);
+    assert_eq!(reason.as_deref(), Some("PreviewOnlyUnsupported"));
+    assert!(before > 0, "the history is where the test looks");
+    assert_eq!(history(), before, "no refresh ran");
+
     // destroy: the finalizer runs it through the same agent.
     stacks
         .delete("interop", &DeleteParams::default())

@@ -27,6 +27,7 @@ mod deploy;
 mod deploy_scope;
 mod deploy_webhook;
 mod depth;
+mod drift;
 mod e2e;
 mod egress;
 mod fairness;

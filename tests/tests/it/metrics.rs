@@ -27,6 +27,8 @@ const FAMILIES: &[&str] = &[
     "stacks_active",
     "stacks_failing",
     "stacks_reconciling",
+    "stacks_drifted",
+    "pko_drift_check_duration_seconds",
     "pko_leader",
     "pko_reconciles",
     "pko_reconcile_errors",

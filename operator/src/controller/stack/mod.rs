@@ -39,6 +39,7 @@ use crate::gitremote;
 use crate::metrics::Metrics;
 use crate::runtime_metrics::names;
 
+mod drift;
 mod flux;
 mod history;
 mod outcome;

@@ -104,6 +104,18 @@ impl Outcome {
         self
     }
 
+    /// The same outcome, looked at again after `at_most` or sooner if it already says so.
+    pub(super) fn sooner(mut self, at_most: Duration) -> Self {
+        match &mut self {
+            Self::Ready { requeue }
+            | Self::Reconciling { requeue, .. }
+            | Self::Stalled { requeue, .. } => {
+                *requeue = Some(requeue.map_or(at_most, |r| r.min(at_most)));
+            }
+        }
+        self
+    }
+
     /// Sets the conditions it stands for and says when to reconcile again.
     pub(super) fn apply(&self, status: &mut StackStatus, generation: Option<i64>) -> Action {
         let requeue = match self {

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Namespace, Secret};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
@@ -23,12 +24,12 @@ use tracing::{info, warn};
 use super::outcome::{self, Outcome, StackError, Stop};
 use super::source::{self, Reader, Resolved, WorkspaceSource};
 use super::sync::{self, Prerequisite, UpdateState};
-use super::{CONTROLLER, StackContext, history, update, workspace};
+use super::{CONTROLLER, StackContext, drift, history, update, workspace};
 use crate::controller::backoff;
 use crate::controller::conditions;
 use crate::controller::keys::{
-    APPLY_MANAGER, RECONCILE_REQUEST_ANNOTATION, SECRETS_ANNOTATION, STACK_FINALIZER,
-    STACK_NAME_LABEL, STACK_STATUS_MANAGER,
+    APPLY_MANAGER, DRIFT_CHECK_FAILED_EVENT, RECONCILE_REQUEST_ANNOTATION, SECRETS_ANNOTATION,
+    STACK_FINALIZER, STACK_NAME_LABEL, STACK_STATUS_MANAGER,
 };
 use crate::controller::kit;
 use crate::controller::kit::FromKube;
@@ -129,6 +130,7 @@ impl StatusWriter {
             && before.last_update == after.last_update
             && before.current_update == after.current_update
             && before.project_info == after.project_info
+            && before.drift_detection == after.drift_detection
             && conditions::same(&before.conditions, &after.conditions);
         if same && !self.pkos {
             return Ok(());
@@ -192,6 +194,8 @@ impl<'a> Run<'a> {
         self.finalizer().await?;
         self.adopt_pkos_workspace().await?;
         self.current_update().await?;
+        let drift = self.drift_check().await?;
+        let schedules = self.drift_schedules().await?;
         self.let_go().await?;
         let Resolved {
             workspace_source,
@@ -207,16 +211,228 @@ impl<'a> Run<'a> {
             self.request.as_deref(),
             self.deleting,
         );
-        match synced {
-            Err(why) => {
-                if !self.deleting {
-                    self.prerequisites().await?;
-                }
-                let applied = self.workspace(workspace_source).await?;
-                self.launch(&applied, commit, &why).await
+        // Read from the status, so a remediation that could not start yet is not lost.
+        let remediate = drift::remediation(&self.status, &schedules);
+        let remediating = synced.is_ok() && remediate.is_some();
+        let why = match (synced, remediate) {
+            (Err(why), _) => why,
+            (Ok(()), Some(why)) if !self.deleting => why,
+            (Ok(()), _) => {
+                return self
+                    .settle_and_check(poll, workspace_source, &schedules, drift.running)
+                    .await;
             }
-            Ok(()) => self.settle(poll).await,
+        };
+        // Never two operations at once on a stack: the update waits for the drift check.
+        if let Some(check) = drift.running {
+            let message = format!("{why}; waiting for drift check {check} to finish");
+            return Err(Outcome::reconciling("StackProcessing", message)
+                .after(UPDATE_POLL)
+                .into());
         }
+        if !self.deleting {
+            self.prerequisites().await?;
+        }
+        let applied = self.workspace(workspace_source).await?;
+        self.launch(&applied, commit, &why, remediating).await
+    }
+
+    /// The drift check in flight, if any. Still running: say so. Finished: its finding goes
+    /// into the `DriftDetected` condition, `status.driftDetection` and an Event (a drift found
+    /// by a schedule that remediates then asks for an update, see [`drift::remediation`]).
+    /// Gone: forgotten (the next tick checks again).
+    async fn drift_check(&mut self) -> Result<DriftNow, Stop> {
+        let Some(name) = self
+            .status
+            .drift_detection
+            .as_ref()
+            .and_then(|d| d.current_check.clone())
+        else {
+            return Ok(DriftNow::default());
+        };
+        let found = Api::<Update>::namespaced(self.ctx.client.clone(), &self.namespace)
+            .get_opt(&name)
+            .await
+            .map_err(StackError::kube("reading the drift check's Update"))?;
+        let Some(update) = found else {
+            warn!(stack = %self.name, update = %name, "the drift check's update is gone");
+            if let Some(d) = self.status.drift_detection.as_mut() {
+                d.current_check = None;
+            }
+            return Ok(DriftNow::default());
+        };
+        let update_status = update.status.unwrap_or_default();
+        if !conditions::is_true(&update_status.conditions, "Complete") {
+            return Ok(DriftNow {
+                running: Some(name),
+            });
+        }
+        let finding = drift::Finding::of(&update_status);
+        let (state, reason, message) = finding.condition();
+        let state = match state {
+            Some(true) => "True",
+            Some(false) => "False",
+            None => "Unknown",
+        };
+        conditions::set_status(
+            &mut self.status.conditions,
+            drift::CONDITION,
+            state,
+            reason,
+            &message,
+            self.generation,
+        );
+        if let (Some(start), Some(end)) = (&update_status.start_time, &update_status.end_time)
+            && let Ok(took) = Duration::try_from(end.0.duration_since(start.0))
+        {
+            self.ctx
+                .metrics
+                .drift_check_duration
+                .observe(took.as_secs_f64());
+        }
+        let d = self
+            .status
+            .drift_detection
+            .get_or_insert_with(Default::default);
+        d.current_check = None;
+        d.last_check = Some(name.clone());
+        (d.change_count, d.changed_resources) = match &finding {
+            drift::Finding::NoChanges => (Some(0), Vec::new()),
+            drift::Finding::Changes { count, resources } => (Some(*count), resources.clone()),
+            drift::Finding::Failed(_) => (None, Vec::new()),
+        };
+        info!(stack = %self.name, update = %name, %message, "drift check finished");
+        match &finding {
+            drift::Finding::Changes { .. } => {
+                self.event(EventType::Warning, drift::CONDITION, message)
+                    .await;
+            }
+            drift::Finding::Failed(_) => {
+                self.event(EventType::Warning, DRIFT_CHECK_FAILED_EVENT, message)
+                    .await;
+            }
+            drift::Finding::NoChanges => {}
+        }
+        self.prune_history(&name).await;
+        Ok(DriftNow::default())
+    }
+
+    /// The drift schedules, parsed; a bad one stalls the stack saying which (a stack being
+    /// deleted checks nothing, so its schedules do not matter).
+    async fn drift_schedules(&self) -> Result<Vec<drift::Parsed>, Stop> {
+        if self.deleting {
+            return Ok(Vec::new());
+        }
+        match drift::schedules(self.stack) {
+            Ok(schedules) => Ok(schedules),
+            Err(message) => {
+                let known = conditions::get(&self.status.conditions, "Stalled")
+                    .is_some_and(|c| c.status == "True" && c.message == message);
+                if !known {
+                    self.event(EventType::Warning, "StackConfigInvalid", message.clone())
+                        .await;
+                }
+                Err(Outcome::stalled("SpecInvalid", message).into())
+            }
+        }
+    }
+
+    /// Phase 4, up to date, with drift detection: the settled conditions, then a drift check
+    /// when a schedule ticked since the last one (only after a successful update, with no
+    /// check running), and the stack looked at again at the next tick. Without schedules the
+    /// drift status goes (once no check runs).
+    async fn settle_and_check(
+        &mut self,
+        poll: Option<Duration>,
+        source: WorkspaceSource,
+        schedules: &[drift::Parsed],
+        running: Option<String>,
+    ) -> Result<Outcome, Stop> {
+        let now = Timestamp::now();
+        let last = self.status.last_update.clone().unwrap_or_default();
+        let healthy = UpdateState::of(&last) == Some(UpdateState::Succeeded)
+            && sync::update_type(&last) != Some(UpdateType::Destroy)
+            && !self.deleting;
+        let since = drift::since(self.stack, self.status.drift_detection.as_ref());
+        let due = if healthy && running.is_none() {
+            drift::due(schedules, since, now).cloned()
+        } else {
+            None
+        };
+        // A reclaimed workspace would take the check's Update with it.
+        let outcome = self
+            .settle(poll, running.is_some() || due.is_some())
+            .await?;
+        if schedules.is_empty() {
+            if running.is_none() {
+                self.status.drift_detection = None;
+                conditions::remove(&mut self.status.conditions, drift::CONDITION);
+            }
+            return Ok(outcome);
+        }
+        // A stack that cannot be checked now is looked at again when its update ends.
+        let outcome = match drift::next_tick(schedules, now).filter(|_| healthy) {
+            Some(wait) => outcome.sooner(wait),
+            None => outcome,
+        };
+        let Some(due) = due else {
+            return Ok(outcome);
+        };
+        let applied = self.workspace(source).await?;
+        self.launch_check(&applied, &due, now).await?;
+        Ok(outcome)
+    }
+
+    /// Starts a drift check: an Update that refreshes without changing the state. One already
+    /// in flight (the status write after its create was lost) is adopted.
+    async fn launch_check(
+        &mut self,
+        applied: &Workspace,
+        due: &drift::Parsed,
+        now: Timestamp,
+    ) -> Result<(), Stop> {
+        let updates: Api<Update> = Api::namespaced(self.ctx.client.clone(), &self.namespace);
+        let in_flight = updates
+            .list(&ListParams::default().labels(&format!("{STACK_NAME_LABEL}={}", self.name)))
+            .await
+            .map_err(StackError::kube("listing the stack's Updates"))?
+            .items
+            .into_iter()
+            .filter(|u| u.meta().deletion_timestamp.is_none())
+            .filter(|u| u.spec.preview_only == Some(true))
+            .find(|u| {
+                !u.status
+                    .as_ref()
+                    .is_some_and(|s| conditions::is_true(&s.conditions, "Complete"))
+            });
+        let name = match in_flight {
+            Some(u) => u.name_any(),
+            None => {
+                let name = format!("{}-{:x}", self.name, now.as_millisecond());
+                let why = format!("Drift check (schedule {:?})", due.cron);
+                let update = update::object(&update::Request {
+                    stack: self.stack,
+                    workspace: applied,
+                    name: name.clone(),
+                    type_: UpdateType::Refresh,
+                    why: &why,
+                    check: true,
+                })?;
+                if let Err(e) = updates.create(&PostParams::default(), &update).await {
+                    return Err(self.refused(e, "Update").await);
+                }
+                info!(stack = %self.name, update = %name, schedule = %due.cron, "drift check started");
+                name
+            }
+        };
+        let d = self
+            .status
+            .drift_detection
+            .get_or_insert_with(Default::default);
+        d.current_check = Some(name);
+        d.last_check_time = Some(Time(now));
+        d.schedule = Some(due.cron.clone());
+        Ok(())
     }
 
     async fn event(&self, type_: EventType, reason: &str, note: String) {
@@ -336,7 +552,16 @@ impl<'a> Run<'a> {
             .last_update
             .as_ref()
             .and_then(|l| l.name.as_deref());
-        let keep: Vec<&str> = [Some(finished), last].into_iter().flatten().collect();
+        let drift = self.status.drift_detection.as_ref();
+        let checks = [
+            drift.and_then(|d| d.current_check.as_deref()),
+            drift.and_then(|d| d.last_check.as_deref()),
+        ];
+        let keep: Vec<&str> = [Some(finished), last]
+            .into_iter()
+            .chain(checks)
+            .flatten()
+            .collect();
         if let Err(e) = history::prune(&self.ctx.client, self.stack, &self.namespace, &keep).await {
             warn!(stack = %self.name, namespace = %self.namespace, error = %e, "the update history was not pruned");
         }
@@ -566,6 +791,7 @@ impl<'a> Run<'a> {
         applied: &Workspace,
         commit: String,
         why: &str,
+        remediating: bool,
     ) -> Result<Outcome, Stop> {
         let type_ = sync::operation(self.stack, self.deleting);
         let updates: Api<Update> = Api::namespaced(self.ctx.client.clone(), &self.namespace);
@@ -581,19 +807,25 @@ impl<'a> Run<'a> {
                     .as_ref()
                     .is_some_and(|s| conditions::is_true(&s.conditions, "Complete"))
             })
-            .find(|u| u.spec.type_ == Some(type_));
+            .find(|u| u.spec.type_ == Some(type_) && u.spec.preview_only != Some(true));
         if let Some(u) = in_flight {
             self.status.current_update = Some(self.current(u.name_any(), commit));
             return Ok(processing());
         }
         let update_name = format!("{}-{:x}", self.name, Timestamp::now().as_millisecond());
-        let update = update::object(&update::Request {
+        let mut update = update::object(&update::Request {
             stack: self.stack,
             workspace: applied,
             name: update_name.clone(),
             type_,
             why,
+            check: false,
         })?;
+        // The state still says what was deployed: only a refresh first lets the up see the drift
+        // (`pulumi up --refresh`, as Pulumi Cloud remediates).
+        if remediating {
+            update.spec.refresh = Some(true);
+        }
         if let Err(e) = updates.create(&PostParams::default(), &update).await {
             return Err(self.refused(e, "Update").await);
         }
@@ -651,12 +883,13 @@ impl<'a> Run<'a> {
     }
 
     /// Phase 4, up to date: the settled conditions; a reclaimed Workspace goes once the stack
-    /// is up to date, and a destroyed stack records the destroy, then lets its finalizer go.
-    async fn settle(&mut self, poll: Option<Duration>) -> Result<Outcome, Stop> {
+    /// is up to date (unless a drift check needs it: `hold`), and a destroyed stack records the destroy, then lets its finalizer go.
+    async fn settle(&mut self, poll: Option<Duration>, hold: bool) -> Result<Outcome, Stop> {
         let last = self.status.last_update.clone().unwrap_or_default();
         let outcome = sync::settled(self.stack, &last, poll, self.deleting);
         if UpdateState::of(&last) == Some(UpdateState::Succeeded)
             && !self.deleting
+            && !hold
             && self.stack.spec.workspace_reclaim_policy == Some(WorkspaceReclaimPolicy::Delete)
         {
             self.reclaim_workspace().await?;
@@ -700,6 +933,13 @@ impl<'a> Run<'a> {
         }
         Ok(())
     }
+}
+
+/// Where the drift check stands at the start of a reconcile.
+#[derive(Debug, Default)]
+struct DriftNow {
+    /// The check still running, by its Update's name.
+    running: Option<String>,
 }
 
 /// An Update is running: look again in a while (its completion also triggers a reconcile).

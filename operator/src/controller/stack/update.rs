@@ -25,6 +25,9 @@ pub(super) struct Request<'a> {
     pub type_: UpdateType,
     /// Why it runs (the Update's message).
     pub why: &'a str,
+    /// A drift check: a refresh that changes no state (`previewOnly`), whatever the template
+    /// says.
+    pub check: bool,
 }
 
 /// The Update's spec: a destroy may run the program; other operations take the stack's
@@ -57,13 +60,19 @@ pub(super) fn object(request: &Request<'_>) -> Result<Update, StackError> {
         name,
         type_,
         why,
+        check,
     } = request;
     let stack_name = stack.name_any();
     let by_workspace =
         kit::controller_owner(*workspace).ok_or(StackError::NoUid("the Workspace"))?;
     let mut by_stack = stack.owner_ref(&()).ok_or(StackError::NoUid("the Stack"))?;
     by_stack.block_owner_deletion = Some(true);
-    let mut update = Update::new(name, spec(stack, &stack_name, *type_, why));
+    let mut spec = spec(stack, &stack_name, *type_, why);
+    if *check {
+        spec.refresh = None;
+        spec.preview_only = Some(true);
+    }
+    let mut update = Update::new(name, spec);
     update.metadata.namespace = stack.namespace();
     update.metadata.labels = Some(labels(&stack_name));
     update.metadata.owner_references = Some(vec![by_workspace, by_stack]);
@@ -84,7 +93,13 @@ pub(super) fn object(request: &Request<'_>) -> Result<Update, StackError> {
     let mut update = serde_json::to_value(&update)?;
     merge::merge(&mut update["spec"], &serde_json::to_value(template)?);
     strip_nulls(&mut update);
-    Ok(serde_json::from_value(update)?)
+    let mut update: Update = serde_json::from_value(update)?;
+    if *check {
+        // A template can tune a check (parallel, timeout), never make it write the state.
+        update.spec.type_ = Some(UpdateType::Refresh);
+        update.spec.preview_only = Some(true);
+    }
+    Ok(update)
 }
 
 #[cfg(test)]
@@ -123,6 +138,7 @@ mod tests {
             name: "s-1".into(),
             type_: UpdateType::Up,
             why: "Initial stack update",
+            check: false,
         })
         .expect("update");
         let v = serde_json::to_value(&update).expect("json");
@@ -150,6 +166,7 @@ mod tests {
             name: "s-2".into(),
             type_: UpdateType::Destroy,
             why: "Stack marked for deletion",
+            check: false,
         })
         .expect("update");
         assert_eq!(destroy.spec.run_program, Some(true));
@@ -168,6 +185,7 @@ mod tests {
             name: "s-1".into(),
             type_: UpdateType::Preview,
             why: "why",
+            check: false,
         })
         .expect("update");
         assert_eq!(update.spec.parallel, Some(2));
@@ -177,6 +195,29 @@ mod tests {
         assert_eq!(update.spec.operation_timeout.as_deref(), Some("30m"));
         assert_eq!(update.spec.type_, Some(UpdateType::Preview));
         assert_eq!(update.metadata.owner_references.map(|o| o.len()), Some(2));
+    }
+
+    #[test]
+    fn a_drift_check_is_a_preview_only_refresh_whatever_the_template_says() {
+        let s = stack(
+            json!({"stack": "dev", "refresh": true, "targets": ["urn:a"],
+            "updateTemplate": {"spec": {"parallel": 2, "previewOnly": false, "type": "up"}}}),
+        );
+        let ws = workspace();
+        let update = object(&Request {
+            stack: &s,
+            workspace: &ws,
+            name: "s-1".into(),
+            type_: UpdateType::Refresh,
+            why: "drift check",
+            check: true,
+        })
+        .expect("update");
+        assert_eq!(update.spec.type_, Some(UpdateType::Refresh));
+        assert_eq!(update.spec.preview_only, Some(true));
+        assert_eq!(update.spec.parallel, Some(2));
+        assert_eq!(update.spec.target, vec!["urn:a".to_owned()]);
+        assert_eq!(update.spec.refresh, None);
     }
 
     #[test]
@@ -192,6 +233,7 @@ mod tests {
             name: "s-1".into(),
             type_: UpdateType::Up,
             why: "why",
+            check: false,
         })
         .expect("update");
         assert_eq!(update.metadata.name.as_deref(), Some("s-1"));

@@ -22,7 +22,7 @@ use kube::runtime::watcher;
 use kube::{Client, Resource, ResourceExt};
 use pko_agent_api::client::AgentClient;
 use pko_api::duration::DurationError;
-use pko_api::update::{Update, UpdateStatus};
+use pko_api::update::{Update, UpdateStatus, UpdateType};
 use pko_api::workspace::Workspace;
 use tracing::warn;
 
@@ -31,6 +31,7 @@ use crate::controller::backoff::{self, Backoff, Verdict};
 use crate::controller::conditions;
 use crate::controller::instrument::{self, Observed, Wakeup};
 use crate::controller::kit::{self, FromKube, Kit};
+use crate::controller::workspace::compat::Features;
 use crate::metrics::Metrics;
 use crate::runtime_metrics::names;
 
@@ -62,6 +63,9 @@ pub const DEFAULT_MAX_OPERATIONS_IN_FLIGHT: u32 = 64;
 pub const QUEUED: &str = "Queued";
 /// Reason of an Update failed because its operation ran past its timeout.
 pub const OPERATION_TIMED_OUT: &str = "OperationTimedOut";
+/// Reason of an Update failed because it asks for a preview-only refresh of an agent that cannot
+/// run one.
+pub const PREVIEW_ONLY_UNSUPPORTED: &str = "PreviewOnlyUnsupported";
 /// Reason of an Update failed because an answer of the agent was over the message limit.
 pub const RESPONSE_TOO_LARGE: &str = pko_agent_api::errors::RESPONSE_TOO_LARGE;
 /// Default of `--max-event-bytes-per-operation`: far more than the events of a large stack (the
@@ -413,7 +417,12 @@ async fn reconcile_inner(
         Err(e) => Err(e.to_string()),
     };
     let client = match connected {
-        Ok((client, AgentCheck::Initialized)) => client,
+        Ok((_, AgentCheck::Initialized(features)))
+            if unsupported_preview_only(&update, features) =>
+        {
+            return refuse_preview_only(&ctx, &current, &ws_name).await;
+        }
+        Ok((client, AgentCheck::Initialized(_))) => client,
         Ok((_, AgentCheck::NotInitialized(message))) => {
             // The Workspace controller learns of the restart now, not at its next recheck.
             if ctx
@@ -517,7 +526,41 @@ fn refusal(update: &Update) -> Option<(&'static str, &'static str)> {
             "spec.type is required: one of preview, up, refresh, destroy",
         ));
     }
+    if update.spec.preview_only == Some(true) && update.spec.type_ != Some(UpdateType::Refresh) {
+        return Some((
+            "InvalidSpec",
+            "spec.previewOnly applies to type refresh only",
+        ));
+    }
     None
+}
+
+/// Fails a preview-only refresh whose agent cannot run one, before anything runs.
+async fn refuse_preview_only(
+    ctx: &UpdateContext,
+    current: &Current,
+    ws_name: &str,
+) -> Result<Action, UpdateError> {
+    let mut status = current.before.clone();
+    status.observed_generation = current.generation;
+    finish(
+        &mut status,
+        current.generation,
+        false,
+        PREVIEW_ONLY_UNSUPPORTED,
+        &format!(
+            "spec.previewOnly: the agent of workspace {ws_name} does not list the {:?} feature (PKO's agent, or an older one), so it could only run a refresh that writes the state; nothing was run",
+            pko_agent_api::features::REFRESH_PREVIEW_ONLY
+        ),
+    );
+    current.write(ctx, &status).await?;
+    Ok(Action::await_change())
+}
+
+/// A preview-only refresh asked of an agent that does not list the feature: sent anyway, PKO's
+/// agent would ignore the unknown field and run a refresh that writes the state.
+fn unsupported_preview_only(update: &Update, features: Features) -> bool {
+    update.spec.preview_only == Some(true) && !features.refresh_preview_only
 }
 
 /// The Update's Workspace and its agent's address once it is ready, or the status saying what
@@ -685,7 +728,29 @@ mod tests {
         assert_eq!(reason, "InvalidSpec");
         assert!(message.contains("spec.type"), "{message}");
         let (_, message) =
-            refusal(&update(controller, json!({"type": "up"}))).expect("no workspace");
+            refusal(&update(controller.clone(), json!({"type": "up"}))).expect("no workspace");
         assert!(message.contains("spec.workspaceName"), "{message}");
+        let (reason, message) = refusal(&update(
+            controller.clone(),
+            json!({"workspaceName": "ws", "type": "up", "previewOnly": true}),
+        ))
+        .expect("preview-only up");
+        assert_eq!(reason, "InvalidSpec");
+        assert!(message.contains("previewOnly"), "{message}");
+        let check = json!({"workspaceName": "ws", "type": "refresh", "previewOnly": true});
+        assert_eq!(refusal(&update(controller, check)), None);
+    }
+
+    #[test]
+    fn a_preview_only_refresh_runs_only_on_an_agent_that_lists_it() {
+        let check = update(json!([]), json!({"type": "refresh", "previewOnly": true}));
+        let refresh = update(json!([]), json!({"type": "refresh"}));
+        let ours = Features {
+            refresh_preview_only: true,
+            ..Features::PKO
+        };
+        assert!(unsupported_preview_only(&check, Features::PKO));
+        assert!(!unsupported_preview_only(&check, ours));
+        assert!(!unsupported_preview_only(&refresh, Features::PKO));
     }
 }

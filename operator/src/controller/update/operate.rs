@@ -1,13 +1,13 @@
 //! Running one operation against the workspace's agent: connecting, streaming the engine
 //! events (resource-change Events, the summary, the byte budget) and reading a failed RPC.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use kube::ResourceExt;
 use kube::runtime::events::EventType;
 use pko_agent_api::client::AgentClient;
 use pko_agent_api::proto as pb;
-use pko_api::update::{Update, UpdateType};
+use pko_api::update::{ResourceChanges, Update, UpdateType};
 use pko_api::workspace::Workspace;
 use serde_json::Value;
 
@@ -31,10 +31,15 @@ pub(super) async fn connect(
     ctx.agents.client(ws_name, namespace, address, &auth).await
 }
 
+/// URNs kept of the resources a preview-only refresh found changed (all are counted).
+pub(super) const MAX_CHANGED_RESOURCES: usize = 20;
+
 /// Counts of resource operations and the errors the engine reported.
 #[derive(Default)]
 struct EventDigest {
     ops: BTreeMap<String, u64>,
+    /// Resources a refresh found changed outside Pulumi, by URN.
+    drifted: BTreeSet<String>,
     errors: Vec<String>,
     published: usize,
     /// Decoded bytes of the events received ([`pko_agent_api::values::decoded_size`]).
@@ -81,6 +86,9 @@ impl EventDigest {
 
     async fn observe(&mut self, ctx: &UpdateContext, update: &Update, event: &prost_types::Struct) {
         let event = Value::Object(pko_agent_api::values::from_struct(event));
+        if let Some(urn) = refreshed_change(&event) {
+            self.drifted.insert(urn);
+        }
         if let Some(meta) = event.pointer("/resOutputsEvent/metadata") {
             let op = meta["op"].as_str().unwrap_or("same").to_owned();
             if op != "same" && self.published < MAX_RESOURCE_EVENTS {
@@ -106,6 +114,19 @@ impl EventDigest {
             if !message.is_empty() && self.errors.len() < 5 {
                 self.errors.push(message);
             }
+        }
+    }
+
+    /// What a refresh found changed: the count, and the first URNs in order.
+    fn changes(&self) -> ResourceChanges {
+        ResourceChanges {
+            count: i64::try_from(self.drifted.len()).unwrap_or(i64::MAX),
+            resources: self
+                .drifted
+                .iter()
+                .take(MAX_CHANGED_RESOURCES)
+                .cloned()
+                .collect(),
         }
     }
 
@@ -166,6 +187,9 @@ pub(super) async fn operate(
     let result = run_operation(ctx, update, &mut client, &mut digest).await;
     match result {
         Ok(mut outcome) => {
+            if update.spec.preview_only == Some(true) {
+                outcome.changes = Some(digest.changes());
+            }
             let changes = digest.summary();
             outcome.message = match &outcome.summary {
                 Some(s) if !s.message.is_empty() => format!("{}: {changes}", s.message),
@@ -208,6 +232,7 @@ async fn run_operation(
             permalink,
             project,
             outputs: None,
+            changes: None,
         }
     };
     match spec.type_.unwrap_or(UpdateType::Up) {
@@ -262,7 +287,9 @@ async fn run_operation(
                     message: spec.message.clone(),
                     expect_no_changes: spec.expect_no_changes,
                     target: spec.target.clone(),
-                    preview_only: None,
+                    // Sent only to an agent that lists the feature (checked before the
+                    // operation starts): PKO's would ignore it and write the state.
+                    preview_only: spec.preview_only.filter(|p| *p),
                     run_program: spec.run_program,
                 }),
                 refresh_stream
@@ -289,6 +316,28 @@ async fn run_operation(
             Ok(ok(r.summary, r.permalink, r.project_info))
         }
     }
+}
+
+/// The URN of a resource an engine event of a refresh shows changed outside Pulumi. A step's
+/// result is in its outputs event, where the engine gives a refresh step the operation it
+/// amounts to (`update` or `delete` when the resource changed or is gone, `same` otherwise);
+/// an engine that still says `refresh` there is read by comparing the recorded outputs with the
+/// refreshed ones. The stack itself and providers are not resources that drift.
+fn refreshed_change(event: &Value) -> Option<String> {
+    let meta = event.pointer("/resOutputsEvent/metadata")?;
+    let urn = meta["urn"].as_str()?;
+    let type_ = meta["type"].as_str().unwrap_or_default();
+    if type_ == "pulumi:pulumi:Stack" || type_.starts_with("pulumi:providers:") {
+        return None;
+    }
+    let changed = match meta["op"].as_str().unwrap_or("same") {
+        "same" | "read" | "discard" => false,
+        "refresh" => {
+            meta["new"].is_null() || meta.pointer("/old/outputs") != meta.pointer("/new/outputs")
+        }
+        _ => true,
+    };
+    changed.then(|| urn.to_owned())
 }
 
 /// A failed RPC as an outcome: PKO's `PulumiErrorInfo` reason when attached, a clear reason when
@@ -458,4 +507,68 @@ mod tests {
     }
 
     const DEFAULT_BUDGET: u64 = super::super::DEFAULT_MAX_EVENT_BYTES_PER_OPERATION;
+
+    fn outputs_event(op: &str, type_: &str, old: Value, new: Value) -> Value {
+        serde_json::json!({"resOutputsEvent": {"metadata": {
+            "op": op, "urn": format!("urn:pulumi:dev::p::{type_}::r"), "type": type_,
+            "old": old, "new": new,
+        }, "planning": true}})
+    }
+
+    #[test]
+    fn a_refresh_names_the_resources_it_found_changed_or_gone() {
+        use serde_json::json;
+        let cm = "kubernetes:core/v1:ConfigMap";
+        let state = |v: &str| json!({"outputs": {"data": {"v": v}}});
+        let urn = Some("urn:pulumi:dev::p::kubernetes:core/v1:ConfigMap::r".to_owned());
+        // What the engine reports for a refresh step: the operation it amounts to.
+        assert_eq!(
+            refreshed_change(&outputs_event("update", cm, state("a"), state("b"))),
+            urn
+        );
+        assert_eq!(
+            refreshed_change(&outputs_event("delete", cm, state("a"), Value::Null)),
+            urn
+        );
+        assert_eq!(
+            refreshed_change(&outputs_event("same", cm, state("a"), state("a"))),
+            None
+        );
+        // An engine that says `refresh`: the states tell.
+        assert_eq!(
+            refreshed_change(&outputs_event("refresh", cm, state("a"), state("b"))),
+            urn
+        );
+        assert_eq!(
+            refreshed_change(&outputs_event("refresh", cm, state("a"), Value::Null)),
+            urn
+        );
+        assert_eq!(
+            refreshed_change(&outputs_event("refresh", cm, state("a"), state("a"))),
+            None
+        );
+        // The stack and providers do not drift; a step's first event is not its result.
+        for type_ in ["pulumi:pulumi:Stack", "pulumi:providers:kubernetes"] {
+            assert_eq!(
+                refreshed_change(&outputs_event("update", type_, state("a"), state("b"))),
+                None
+            );
+        }
+        let pre = json!({"resourcePreEvent": {"metadata": {"op": "refresh", "urn": "urn:x",
+            "type": cm, "old": state("a"), "new": null}}});
+        assert_eq!(refreshed_change(&pre), None);
+    }
+
+    #[test]
+    fn a_digest_lists_each_changed_resource_once_and_counts_them_all() {
+        let mut digest = EventDigest::new(DEFAULT_BUDGET);
+        for i in 0..25 {
+            digest.drifted.insert(format!("urn:{i:02}"));
+        }
+        digest.drifted.insert("urn:00".into());
+        let changes = digest.changes();
+        assert_eq!(changes.count, 25);
+        assert_eq!(changes.resources.len(), MAX_CHANGED_RESOURCES);
+        assert_eq!(changes.resources[0], "urn:00");
+    }
 }

@@ -11,7 +11,7 @@ use kube::runtime::events::EventType;
 use kube::{Client, ResourceExt};
 use pko_agent_api::proto as pb;
 use pko_api::common::ProjectInfo;
-use pko_api::update::{Update, UpdateStatus, UpdateType};
+use pko_api::update::{ResourceChanges, Update, UpdateStatus, UpdateType};
 use tracing::{info, warn};
 
 use super::{
@@ -32,6 +32,8 @@ pub(super) struct Outcome {
     pub(super) permalink: Option<String>,
     pub(super) project: Option<pb::ProjectInfo>,
     pub(super) outputs: Option<HashMap<String, pb::OutputValue>>,
+    /// What a preview-only refresh found changed.
+    pub(super) changes: Option<ResourceChanges>,
 }
 
 impl Outcome {
@@ -44,6 +46,7 @@ impl Outcome {
             permalink: None,
             project: None,
             outputs: None,
+            changes: None,
         }
     }
 }
@@ -171,6 +174,9 @@ pub(super) async fn apply_outcome(
         }
     }
     status.permalink = outcome.permalink.clone().or(status.permalink.take());
+    if outcome.changes.is_some() {
+        status.changes = outcome.changes.clone();
+    }
     if let Some(p) = &outcome.project {
         status.project_info = Some(ProjectInfo {
             name: p.name.clone(),

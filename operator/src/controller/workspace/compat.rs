@@ -63,6 +63,8 @@ pub struct Features {
     pub set_environment_variables: bool,
     /// Answers carry the instance header (a restart is seen as a new instance).
     pub instance_header: bool,
+    /// `RefreshRequest.preview_only` is honoured (a refresh that writes no state).
+    pub refresh_preview_only: bool,
 }
 
 impl Features {
@@ -70,6 +72,7 @@ impl Features {
     pub const PKO: Features = Features {
         set_environment_variables: false,
         instance_header: false,
+        refresh_preview_only: false,
     };
 }
 
@@ -82,6 +85,7 @@ pub fn features(answer: Result<&pb::CapabilitiesResult, tonic::Code>) -> Option<
             Some(Features {
                 set_environment_variables: has(features::SET_ENVIRONMENT_VARIABLES),
                 instance_header: has(features::INSTANCE_HEADER),
+                refresh_preview_only: has(features::REFRESH_PREVIEW_ONLY),
             })
         }
         Err(tonic::Code::Unimplemented) => Some(Features::PKO),
@@ -201,6 +205,7 @@ mod tests {
             features: vec![
                 "set-environment-variables".into(),
                 "instance-header".into(),
+                "refresh-preview-only".into(),
                 "from-the-future".into(),
             ],
         };
@@ -208,7 +213,8 @@ mod tests {
             features(Ok(&ours)),
             Some(Features {
                 set_environment_variables: true,
-                instance_header: true
+                instance_header: true,
+                refresh_preview_only: true,
             })
         );
         assert_eq!(
@@ -225,6 +231,7 @@ mod tests {
         let ours = Features {
             set_environment_variables: true,
             instance_header: true,
+            refresh_preview_only: true,
         };
         // pko-rs's contract: always pushed.
         assert!(!env_in_pod_spec(
