@@ -383,6 +383,25 @@ impl<'a> Run<'a> {
         Ok(outcome)
     }
 
+    /// The stack's Updates not yet complete nor being deleted: one of them may be an
+    /// operation whose status write was lost, to adopt rather than start again.
+    async fn unfinished_updates(&self) -> Result<Vec<Update>, Stop> {
+        let updates: Api<Update> = Api::namespaced(self.ctx.client.clone(), &self.namespace);
+        Ok(updates
+            .list(&ListParams::default().labels(&format!("{STACK_NAME_LABEL}={}", self.name)))
+            .await
+            .map_err(StackError::kube("listing the stack's Updates"))?
+            .items
+            .into_iter()
+            .filter(|u| u.meta().deletion_timestamp.is_none())
+            .filter(|u| {
+                !u.status
+                    .as_ref()
+                    .is_some_and(|s| conditions::is_true(&s.conditions, "Complete"))
+            })
+            .collect())
+    }
+
     /// Starts a drift check: an Update that refreshes without changing the state. One already
     /// in flight (the status write after its create was lost) is adopted.
     async fn launch_check(
@@ -391,20 +410,11 @@ impl<'a> Run<'a> {
         due: &drift::Parsed,
         now: Timestamp,
     ) -> Result<(), Stop> {
-        let updates: Api<Update> = Api::namespaced(self.ctx.client.clone(), &self.namespace);
-        let in_flight = updates
-            .list(&ListParams::default().labels(&format!("{STACK_NAME_LABEL}={}", self.name)))
-            .await
-            .map_err(StackError::kube("listing the stack's Updates"))?
-            .items
+        let in_flight = self
+            .unfinished_updates()
+            .await?
             .into_iter()
-            .filter(|u| u.meta().deletion_timestamp.is_none())
-            .filter(|u| u.spec.preview_only == Some(true))
-            .find(|u| {
-                !u.status
-                    .as_ref()
-                    .is_some_and(|s| conditions::is_true(&s.conditions, "Complete"))
-            });
+            .find(|u| u.spec.preview_only == Some(true));
         let name = match in_flight {
             Some(u) => u.name_any(),
             None => {
@@ -418,6 +428,8 @@ impl<'a> Run<'a> {
                     why: &why,
                     check: true,
                 })?;
+                let updates: Api<Update> =
+                    Api::namespaced(self.ctx.client.clone(), &self.namespace);
                 if let Err(e) = updates.create(&PostParams::default(), &update).await {
                     return Err(self.refused(e, "Update").await);
                 }
@@ -794,19 +806,10 @@ impl<'a> Run<'a> {
         remediating: bool,
     ) -> Result<Outcome, Stop> {
         let type_ = sync::operation(self.stack, self.deleting);
-        let updates: Api<Update> = Api::namespaced(self.ctx.client.clone(), &self.namespace);
-        let in_flight = updates
-            .list(&ListParams::default().labels(&format!("{STACK_NAME_LABEL}={}", self.name)))
-            .await
-            .map_err(StackError::kube("listing the stack's Updates"))?
-            .items
+        let in_flight = self
+            .unfinished_updates()
+            .await?
             .into_iter()
-            .filter(|u| u.meta().deletion_timestamp.is_none())
-            .filter(|u| {
-                !u.status
-                    .as_ref()
-                    .is_some_and(|s| conditions::is_true(&s.conditions, "Complete"))
-            })
             .find(|u| u.spec.type_ == Some(type_) && u.spec.preview_only != Some(true));
         if let Some(u) = in_flight {
             self.status.current_update = Some(self.current(u.name_any(), commit));
@@ -826,6 +829,7 @@ impl<'a> Run<'a> {
         if remediating {
             update.spec.refresh = Some(true);
         }
+        let updates: Api<Update> = Api::namespaced(self.ctx.client.clone(), &self.namespace);
         if let Err(e) = updates.create(&PostParams::default(), &update).await {
             return Err(self.refused(e, "Update").await);
         }
