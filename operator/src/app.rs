@@ -12,6 +12,7 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::discovery::ApiResource;
 use kube::{Api, Client};
 use pko_api::stack::Stack;
+use pko_api::workspace::Workspace;
 use pko_operator::artifact::index::ProgramIndex;
 use pko_operator::artifact::stored::StoredProgram;
 use pko_operator::capability::{self, KeyRing, KeySecret, KeySet, RotationPolicy};
@@ -28,6 +29,7 @@ use pko_operator::probes::{self, Readiness};
 use pko_operator::rest_metrics::RestMetricsLayer;
 use pko_operator::secure_metrics;
 use pko_operator::stack_metrics;
+use pko_operator::workspace_metrics;
 use pko_operator::transform::TransformRegistry;
 use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
@@ -329,6 +331,14 @@ impl Watches {
         let stacks: Vec<Api<DynamicObject>> = scope.apis_with(client, &stack_resource);
         let (stacks_synced, stacks_driver) = stack_metrics::watch(stacks, metrics.clone());
         spawn_until(tasks, shutdown, stacks_driver);
+        // `workspaces_idle`: likewise a watch on every replica.
+        let workspace_resource = ApiResource::erase::<Workspace>(&());
+        let workspaces: Vec<Api<DynamicObject>> = scope.apis_with(client, &workspace_resource);
+        spawn_until(
+            tasks,
+            shutdown,
+            workspace_metrics::watch(workspaces, metrics.clone()),
+        );
         Ok(Self {
             egress,
             transforms,

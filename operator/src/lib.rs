@@ -32,3 +32,4 @@ pub mod secure_metrics;
 pub mod stack_metrics;
 pub mod telemetry;
 pub mod transform;
+pub mod workspace_metrics;

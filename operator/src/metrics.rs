@@ -174,6 +174,12 @@ pub struct Metrics {
     pub stacks: StackSeries,
     /// How long the drift checks of Stacks took, from the start of their operation to its end.
     pub drift_check_duration: Histogram,
+    /// `workspaces_idle`: Workspaces whose pod `spec.idle` has stopped (`Ready=False`, reason
+    /// `Idle`), counted by a Workspace watch on every replica.
+    pub workspaces_idle: Gauge,
+    /// How long Updates waited for an idle workspace: from first finding it stopped to their
+    /// operation running.
+    pub workspace_wake_duration: Histogram,
     /// 1 while this replica holds the leader lease (or runs without leader election).
     pub leader: Gauge,
     pub reconciles: Family<ControllerLabels, Counter>,
@@ -295,6 +301,19 @@ impl Metrics {
             "Duration of Stack drift checks (preview-only refreshes), start to end of the operation",
             drift_check_duration.clone(),
         );
+        let workspaces_idle = Gauge::default();
+        registry.register(
+            "workspaces_idle",
+            "Number of workspaces whose pod is stopped by spec.idle (Ready=False, reason Idle)",
+            workspaces_idle.clone(),
+        );
+        // 0.5 s … ~68 min: a wake is a pod start, a source fetch and a plugin install.
+        let workspace_wake_duration = Histogram::new(exponential_buckets(0.5, 2.0, 14));
+        registry.register(
+            "pko_workspace_wake_duration_seconds",
+            "How long Updates waited for an idle workspace (spec.idle): from finding its pod stopped to their operation running",
+            workspace_wake_duration.clone(),
+        );
         let leader = Gauge::default();
         registry.register(
             "pko_leader",
@@ -388,6 +407,8 @@ impl Metrics {
             stacks_active,
             stacks,
             drift_check_duration,
+            workspaces_idle,
+            workspace_wake_duration,
             leader,
             reconciles,
             reconcile_errors,

@@ -138,6 +138,26 @@ pub struct WorkspaceSpec {
         "x-kubernetes-list-map-keys" = ["name"],
     ))]
     pub stacks: Vec<WorkspaceStack>,
+    /// pko-rs only (PKO has no such field): Idle stops the workspace's pod (its StatefulSet is
+    /// scaled to 0) once no operation has run for `after`, and starts it again when an Update
+    /// needs it. While stopped the workspace is `Ready=False` with reason `Idle`, which is not
+    /// an error: nothing is reconciling or stalled. Unset: the pod runs for as long as the
+    /// workspace exists, as in PKO.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle: Option<IdleSpec>,
+}
+
+/// Pattern of `idle.after`: a Go duration of whole units (`90s`, `10m`, `1h30m`).
+pub const IDLE_AFTER_PATTERN: &str = r"^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$";
+
+/// When an idle workspace's pod is stopped.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct IdleSpec {
+    /// After is how long the workspace stays up with no operation (since the last one ended, or
+    /// since it became ready) before its pod is stopped: a Go duration such as `10m`.
+    #[schemars(length(min = 1, max = 64), regex(pattern = IDLE_AFTER_PATTERN))]
+    pub after: String,
 }
 
 /// Security profile of the workspace pod.
@@ -411,6 +431,9 @@ pub struct WorkspaceSpecApply {
     /// Stacks of the workspace.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub stacks: Vec<WorkspaceStackApply>,
+    /// Stops the workspace's pod after a period with no operation (pko-rs only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle: Option<IdleSpec>,
 }
 
 /// Git source of the workspace template (every field optional).

@@ -85,3 +85,13 @@ pub const DRIFT_NO_CHANGES: &str = "NoChanges";
 pub const DRIFT_CHECK_FAILED: &str = "CheckFailed";
 /// The Warning Event's reason when a drift check failed.
 pub const DRIFT_CHECK_FAILED_EVENT: &str = "DriftCheckFailed";
+
+/// Workspace `Ready=False` reason while `spec.idle` has its pod stopped (not an error: neither
+/// `Reconciling` nor `Stalled` is set, so kstatus reads the workspace as `Current`); also the
+/// Normal Event's reason when the pod is stopped.
+pub const IDLE: &str = "Idle";
+/// The Normal Event's reason when an idle workspace's pod is started for an Update.
+pub const WAKING: &str = "Waking";
+/// Field manager of the StatefulSet `spec.replicas` writes that stop an idle workspace's pod
+/// (the next apply, which sets one replica again, takes the field back).
+pub const IDLE_MANAGER: &str = "pko-rs/idle";

@@ -18,6 +18,10 @@
 //!   and then on (with `resyncFrequencySeconds: 60`): Updates run, `pulumi` processes started
 //!   below the agents, and the operator's apiserver writes, per Stack per hour.
 //!
+//! `--idle` adds pko-rs's cold starts (scale to zero, `spec.idle`): after the steady state,
+//! each edit waits for its Stack's workspace to be stopped first, and the cold `up`'s p50/p99
+//! are printed beside the warm edits' p50 (not yet in the table).
+//!
 //! `--musl-operator <path>` adds a third column: the static musl build the images ship
 //! (`make dist`), run the same way as the glibc release build beside it (at the Ns of
 //! `--musl-at`, or all).
@@ -85,6 +89,8 @@ struct Args {
     musl: Option<PathBuf>,
     /// The Ns the musl build runs at (all of `--stacks` when empty).
     musl_at: Vec<usize>,
+    /// pko-rs's cold starts from an idle workspace (`spec.idle`), beside its warm edits.
+    cold: bool,
 }
 
 fn parse_args() -> anyhow::Result<Args> {
@@ -99,12 +105,17 @@ fn parse_args() -> anyhow::Result<Args> {
         idle_seconds: 600,
         musl: None,
         musl_at: Vec::new(),
+        cold: false,
     };
     let mut out_given = false;
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         if flag == "--short" {
             args.short = true;
+            continue;
+        }
+        if flag == "--idle" {
+            args.cold = true;
             continue;
         }
         let value = it.next().with_context(|| format!("{flag} needs a value"))?;
@@ -541,15 +552,26 @@ fn count_in(log: &Path, line: &str) -> usize {
         .unwrap_or(0)
 }
 
+/// What one peer run does beyond its fixed phases.
+#[derive(Clone, Copy)]
+struct Plan {
+    /// Program edits, each a warm `up`.
+    edits: usize,
+    /// Each steady-state window; zero skips them.
+    idle: Duration,
+    /// `--idle`: cold starts from idle workspaces (pko-rs only).
+    cold: bool,
+}
+
 async fn peer_run(
     bins: &PeerBinaries,
     peer: Peer,
     label: &str,
     n: usize,
-    edits: usize,
-    idle: Duration,
+    plan: Plan,
     logs: &Path,
 ) -> anyhow::Result<PeerRun> {
+    let Plan { edits, idle, cold } = plan;
     let log = |what: &str| logs.join(format!("{}-{n}-{what}.log", slug(label)));
     let plane = ControlPlane::start(StartOptions {
         crds_dir: Some(bins.crds_dir(peer).to_path_buf()),
@@ -783,6 +805,27 @@ async fn peer_run(
         );
         idle_on = Some(steady.window(idle).await);
     }
+    if cold && peer == Peer::PkoRs {
+        println!("   {label}: {edits} cold starts from idle workspaces");
+        let starts = Cold {
+            programs: &programs,
+            stacks: &stacks,
+            workspaces: &Api::namespaced(client.clone(), &ns),
+            observer: &observer,
+            kubelet: &kubelet,
+            names: &names,
+            op: &restarted,
+        }
+        .run(edits)
+        .await?;
+        let (cold, warm) = (sorted(&starts), sorted(&edit_times));
+        println!(
+            "   {label}: cold start (Program edit on an idle workspace → up done) p50 {}, p99 {}; warm edit p50 {}",
+            secs(percentile(&cold, 0.5)),
+            secs(percentile(&cold, 0.99)),
+            secs(percentile(&warm, 0.5))
+        );
+    }
     for w in watches {
         w.abort();
     }
@@ -847,6 +890,71 @@ impl Steady<'_> {
             pulumi_started: pulumi.len(),
             writes: operator_writes(self.audit, from, &trace).values().sum(),
         }
+    }
+}
+
+/// `--idle`: pko-rs's scale to zero, measured where users feel it. Every Stack's workspace gets
+/// `spec.idle` (through its `workspaceTemplate`); then, one Stack at a time, once its pod is
+/// stopped (no agent process left), its Program is edited and the time to its new `up` done is
+/// taken: a pod start, a fetch, a plugin install and the `up`, beside a warm edit's `up`.
+struct Cold<'a> {
+    programs: &'a Api<Program>,
+    stacks: &'a Api<Stack>,
+    workspaces: &'a Api<pko_api::workspace::Workspace>,
+    observer: &'a Observer,
+    kubelet: &'a Kubelet,
+    names: &'a [String],
+    op: &'a RunningPeer,
+}
+
+/// How long an idle workspace of the cold-start phase waits before its pod is stopped.
+const COLD_IDLE_AFTER: &str = "5s";
+
+impl Cold<'_> {
+    /// `edits` cold starts, round robin over the Stacks.
+    async fn run(&self, edits: usize) -> anyhow::Result<Vec<Duration>> {
+        let patch =
+            json!({"spec": {"workspaceTemplate": {"spec": {"idle": {"after": COLD_IDLE_AFTER}}}}});
+        for name in self.names {
+            self.stacks
+                .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await?;
+        }
+        let mut times = Vec::new();
+        for k in 0..edits {
+            let i = k % self.names.len();
+            let name = &self.names[i];
+            wait_for(&format!("workspace {name} idle"), PHASE_TIMEOUT, || async {
+                let ws = self.workspaces.get(name).await.ok()?;
+                let status = ws.status.as_ref()?;
+                let idle = status.observed_generation == ws.metadata.generation
+                    && status
+                        .conditions
+                        .iter()
+                        .any(|c| c.type_ == "Ready" && c.status == "False" && c.reason == "Idle");
+                (idle && self.kubelet.agent_pid(name).is_none()).then_some(())
+            })
+            .await
+            .with_context(|| self.op.log_tail(40))?;
+            let before = self.observer.latest(name);
+            let patch = json!({"program": program(i, edits + k + 1)});
+            let at = Instant::now();
+            self.programs
+                .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await?;
+            let done = wait_for(
+                &format!("Stack {name}'s up after a cold start"),
+                PHASE_TIMEOUT,
+                || async {
+                    self.observer
+                        .deployed_other_than_after(name, before.as_deref(), at)
+                },
+            )
+            .await
+            .with_context(|| format!("{}\n{}", self.op.log_tail(40), self.kubelet.logs(name)))?;
+            times.push(done.saturating_duration_since(at));
+        }
+        Ok(times)
     }
 }
 
@@ -1309,7 +1417,11 @@ async fn main() -> anyhow::Result<()> {
         .keep();
     println!("operator logs: {}", logs.display());
     let began = Instant::now();
-    let idle = Duration::from_secs(args.idle_seconds);
+    let plan = Plan {
+        edits: args.edits,
+        idle: Duration::from_secs(args.idle_seconds),
+        cold: args.cold,
+    };
     let musl_bins = args.musl.as_ref().map(|path| PeerBinaries {
         pko_rs: path.clone(),
         ..bins.clone()
@@ -1324,29 +1436,11 @@ async fn main() -> anyhow::Result<()> {
     }
     let mut runs = Vec::new();
     for &n in &args.stacks {
-        let pko = peer_run(
-            &bins,
-            Peer::Pko,
-            Peer::Pko.label(),
-            n,
-            args.edits,
-            idle,
-            &logs,
-        )
-        .await?;
-        let ours = peer_run(
-            &bins,
-            Peer::PkoRs,
-            Peer::PkoRs.label(),
-            n,
-            args.edits,
-            idle,
-            &logs,
-        )
-        .await?;
+        let pko = peer_run(&bins, Peer::Pko, Peer::Pko.label(), n, plan, &logs).await?;
+        let ours = peer_run(&bins, Peer::PkoRs, Peer::PkoRs.label(), n, plan, &logs).await?;
         let musl = match &musl_bins {
             Some(mb) if args.musl_at.is_empty() || args.musl_at.contains(&n) => {
-                Some(peer_run(mb, Peer::PkoRs, MUSL, n, args.edits, idle, &logs).await?)
+                Some(peer_run(mb, Peer::PkoRs, MUSL, n, plan, &logs).await?)
             }
             _ => None,
         };

@@ -12,8 +12,9 @@
 //! image has it for PKO's pod layout, and PKO's agent image with PKO's agent at `/agent`, so
 //! PKO's own pod spec runs PKO's agent). A failed init container is reported in the
 //! Pod status (as `FallbackToLogsOnError` does) and retried; an agent that dies is restarted; a
-//! new pod template revision replaces the pod; a StatefulSet whose Workspace is gone is deleted
-//! (standing in for the garbage collector).
+//! new pod template revision replaces the pod; a StatefulSet scaled to 0 replicas has its pod
+//! stopped and deleted (a new one starts when it is scaled up again); a StatefulSet whose
+//! Workspace is gone is deleted (standing in for the garbage collector).
 //!
 //! The pod network ([`PodNetwork`]): by default an agent listens on a free port of 127.0.0.1,
 //! announced on the StatefulSet (read by an operator started with `--workspace-localhost`).
@@ -507,6 +508,9 @@ async fn sync(node: &Arc<Node>, sts: &StatefulSet, has_pod: bool) -> Result<(), 
     if collected(node, sts).await? {
         return Ok(());
     }
+    if sts.spec.as_ref().and_then(|s| s.replicas) == Some(0) {
+        return scaled_to_zero(node, sts, has_pod).await;
+    }
     let name = sts.name_any();
     let revision = revision_of(sts);
     let generation = sts.metadata.generation.unwrap_or(0);
@@ -603,6 +607,63 @@ async fn sync(node: &Arc<Node>, sts: &StatefulSet, has_pod: bool) -> Result<(), 
             }
         }
     }
+    Ok(())
+}
+
+/// A StatefulSet scaled to 0 replicas, as its controller and the kubelet handle it: the pod is
+/// stopped (its agent and whatever it started killed, its folder, the emptyDir, gone with it)
+/// and deleted, and the status says 0 replicas. Scaled up again, it gets a new pod.
+async fn scaled_to_zero(
+    node: &Arc<Node>,
+    sts: &StatefulSet,
+    has_pod: bool,
+) -> Result<(), HarnessError> {
+    let name = sts.name_any();
+    let stopped = node.state().pods.remove(&name);
+    if let Some(pod) = stopped {
+        let dir = pod.dir.clone();
+        drop(pod);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    let (client, namespace) = (&node.client, node.namespace.as_str());
+    if node.options.network == PodNetwork::Cluster
+        && let Ok(dns) = ClusterDns::shared()
+    {
+        dns.remove_service(
+            &spec_service_name(client, namespace, &name).await?,
+            namespace,
+        );
+    }
+    if has_pod {
+        let _ = Api::<Pod>::namespaced(client.clone(), namespace)
+            .delete(
+                &format!("{name}-0"),
+                &DeleteParams::default().grace_period(0),
+            )
+            .await;
+    }
+    let generation = sts.metadata.generation.unwrap_or(0);
+    let status = sts.status.as_ref();
+    if status.and_then(|s| s.observed_generation) == Some(generation)
+        && status.is_some_and(|s| s.replicas == 0)
+    {
+        return Ok(());
+    }
+    let rev = format!("{name}-{}", revision_of(sts));
+    let patch = json!({"status": {
+        "observedGeneration": generation,
+        "replicas": 0,
+        "readyReplicas": 0,
+        "availableReplicas": 0,
+        "currentReplicas": 0,
+        "updatedReplicas": 0,
+        "currentRevision": rev,
+        "updateRevision": rev,
+    }});
+    Api::<StatefulSet>::namespaced(client.clone(), namespace)
+        .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .map_err(|e| HarnessError::kube("writing the StatefulSet status", e))?;
     Ok(())
 }
 

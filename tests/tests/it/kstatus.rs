@@ -3,7 +3,8 @@
 //! CD use; `tools/kstatus`), and what it concludes is asserted: a served Program is `Current`,
 //! a spec not yet observed is `InProgress`, one whose artifact cannot be built is `Failed`
 //! (`Stalled=True`, not a `Ready=False` kstatus takes for progress), and a fix brings it back;
-//! a Workspace likewise with a pod template it refuses.
+//! a Workspace likewise with a pod template it refuses, and one stopped by `spec.idle`
+//! (`Ready=False, reason=Idle`) is `Current`.
 
 use std::time::Duration;
 
@@ -317,6 +318,26 @@ async fn a_workspace_is_current_failed_and_current_again_as_kstatus_reads_it() {
         .await
         .expect("create secret");
     let (_, text) = health_becomes(&client, &path, "Current", ready(3)).await;
+    let object: Value = serde_json::from_str(&text).expect("json");
+    assert!(condition(&object, "Stalled").is_none(), "{object}");
+    assert!(condition(&object, "Reconciling").is_none(), "{object}");
+
+    // `spec.idle`: with no operation for the period its pod is stopped, `Ready=False` with
+    // reason `Idle` and neither kstatus condition: healthy, not in progress nor failed.
+    workspaces
+        .patch(
+            "ws",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"idle": {"after": "1s"}}})),
+        )
+        .await
+        .expect("idle");
+    let (_, text) = health_becomes(&client, &path, "Current", |o| {
+        observed(o, 4)
+            && condition(o, "Ready")
+                .is_some_and(|c| c["status"] == "False" && c["reason"] == "Idle")
+    })
+    .await;
     let object: Value = serde_json::from_str(&text).expect("json");
     assert!(condition(&object, "Stalled").is_none(), "{object}");
     assert!(condition(&object, "Reconciling").is_none(), "{object}");

@@ -36,6 +36,7 @@ mod flux;
 mod gitauth;
 mod harness_smoke;
 mod helm;
+mod idle;
 mod image;
 mod interop;
 mod kstatus;

@@ -29,6 +29,8 @@ const FAMILIES: &[&str] = &[
     "stacks_reconciling",
     "stacks_drifted",
     "pko_drift_check_duration_seconds",
+    "workspaces_idle",
+    "pko_workspace_wake_duration_seconds",
     "pko_leader",
     "pko_reconciles",
     "pko_reconcile_errors",

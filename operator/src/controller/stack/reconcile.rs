@@ -34,6 +34,7 @@ use crate::controller::keys::{
 use crate::controller::kit;
 use crate::controller::kit::FromKube;
 use crate::controller::takeover::{self, Part};
+use crate::controller::workspace::idle;
 
 /// While an Update runs, the stack is looked at again this often (its changes also trigger it).
 const UPDATE_POLL: Duration = Duration::from_secs(300);
@@ -768,7 +769,8 @@ impl<'a> Run<'a> {
         let ws_status = applied.status.clone().unwrap_or_default();
         let ready = ws_status.observed_generation == applied.metadata.generation
             && conditions::is_true(&ws_status.conditions, "Ready");
-        if ready {
+        // A workspace stopped by `spec.idle` is started by the Update that needs it.
+        if ready || idle::stopped(&applied) {
             return Ok(applied);
         }
         let stalled =

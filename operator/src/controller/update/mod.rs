@@ -9,7 +9,7 @@
 //! connection fails the Update with a reason that says so.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::channel::mpsc::UnboundedSender;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -32,6 +32,7 @@ use crate::controller::conditions;
 use crate::controller::instrument::{self, Observed, Wakeup};
 use crate::controller::kit::{self, FromKube, Kit};
 use crate::controller::workspace::compat::Features;
+use crate::controller::workspace::idle;
 use crate::metrics::Metrics;
 use crate::runtime_metrics::names;
 
@@ -42,6 +43,7 @@ mod operate;
 mod outcome;
 mod slots;
 mod timeout;
+mod waking;
 
 use expire::expire;
 use instance::AgentCheck;
@@ -156,6 +158,8 @@ pub struct UpdateContext {
     wakeup: Wakeup<Update>,
     /// Asks the Workspace controller to reconcile a Workspace now.
     workspace_wake: UnboundedSender<ObjectRef<Workspace>>,
+    /// Updates waiting for an idle workspace to start.
+    waking: waking::Waking,
 }
 
 /// The operator's bounds on Update operations.
@@ -167,7 +171,8 @@ pub struct UpdateSettings {
     pub max_event_bytes: u64,
     /// Longest an operation may run; `None`: as long as it takes (PKO's behaviour).
     pub operation_timeout: Option<Duration>,
-    /// Asks the Workspace controller to reconcile a Workspace now (its agent restarted).
+    /// Asks the Workspace controller to reconcile a Workspace now (its agent restarted, or
+    /// `spec.idle` stopped its pod).
     pub workspace_wake: UnboundedSender<ObjectRef<Workspace>>,
 }
 
@@ -184,6 +189,7 @@ impl UpdateContext {
             operation_timeout: settings.operation_timeout,
             wakeup: Wakeup::new(),
             workspace_wake: settings.workspace_wake,
+            waking: waking::Waking::default(),
         }
     }
 
@@ -361,6 +367,7 @@ async fn reconcile_inner(
         return Ok(Action::await_change());
     }
     if let Some(action) = settled(&update, &ctx, &current).await? {
+        ctx.waking.forget(&current.uid);
         return Ok(action);
     }
     let timeout = match timeout::effective(
@@ -392,6 +399,9 @@ async fn reconcile_inner(
             let mut s = waiting;
             conditions::remove(&mut s.conditions, STALLED);
             current.write(&ctx, &s).await?;
+            if ctx.waking.waits(&current.uid) {
+                return Ok(Action::requeue(waking::WAKE_RECHECK));
+            }
             return Ok(Action::await_change());
         }
     };
@@ -444,6 +454,11 @@ async fn reconcile_inner(
         }
     };
     let status = start(&update, &ctx, &current).await?;
+    if let Some(waited) = ctx.waking.started(&current.uid, Instant::now()) {
+        ctx.metrics
+            .workspace_wake_duration
+            .observe(waited.as_secs_f64());
+    }
     launch(ctx, update, current, status, slot, client, timeout);
     Ok(Action::await_change())
 }
@@ -587,8 +602,24 @@ async fn ready_workspace(
     let ws_ready = ws.meta().deletion_timestamp.is_none()
         && ws_status.observed_generation == ws.metadata.generation
         && conditions::is_true(&ws_status.conditions, "Ready");
+    let stopped = idle::idle_status(&ws_status) && ws.meta().deletion_timestamp.is_none();
     match ws_status.address.filter(|_| ws_ready) {
         Some(address) => Ok(Ok((ws, address))),
+        None if stopped => {
+            // Stopped by `spec.idle`: its controller starts it for this Update.
+            ctx.waking.note(&current.uid, Instant::now());
+            if ctx
+                .workspace_wake
+                .unbounded_send(ObjectRef::from_obj(&ws))
+                .is_err()
+            {
+                warn!(workspace = %ws_name, "the workspace controller is not running");
+            }
+            let message = format!(
+                "waiting for workspace {ws_name} to start: spec.idle stopped its pod after a period without operations"
+            );
+            Ok(Err(current.waiting("WorkspaceNotReady", &message)))
+        }
         None => {
             let message = format!("waiting for workspace {ws_name} to be ready");
             Ok(Err(current.waiting("WorkspaceNotReady", &message)))

@@ -10,10 +10,12 @@
 //!
 //! Layout: `reconcile` runs the `phases` in order and writes the status they draft once
 //! (`status`, the one writer); `rules` holds the decisions that need no apiserver or agent;
-//! `pod` builds the Service and StatefulSet, `env` the variables pushed to the agent.
+//! `pod` builds the Service and StatefulSet, `env` the variables pushed to the agent; `idle`
+//! stops and starts the pod of a workspace with `spec.idle` (scale to zero).
 
 pub mod compat;
 pub mod env;
+pub mod idle;
 pub mod merge;
 mod phases;
 pub mod pod;

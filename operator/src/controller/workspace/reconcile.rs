@@ -11,7 +11,7 @@ use pko_api::workspace::{Workspace, WorkspaceStatus};
 use tracing::{instrument, warn};
 
 use super::phases::{self, End, Run, proceed};
-use super::rules;
+use super::{idle, rules};
 use super::status;
 use super::{CONTROLLER, WorkspaceContext, WorkspaceError};
 use crate::controller::keys::{APPLY_MANAGER, WORKSPACE_STATUS_MANAGER};
@@ -98,6 +98,7 @@ async fn run_phases(run: &mut Run<'_>) -> Result<End, WorkspaceError> {
     if run.ws.meta().deletion_timestamp.is_some() {
         return Ok(phases::deleting(run));
     }
+    let recheck = proceed!(idle::phase(run).await?);
     let applied = proceed!(phases::apply(run).await?);
     proceed!(phases::pod_ready(run, &applied.statefulset).await?);
     let mut agent = proceed!(phases::connect(run, &applied).await?);
@@ -105,7 +106,7 @@ async fn run_phases(run: &mut Run<'_>) -> Result<End, WorkspaceError> {
     let env = proceed!(phases::environment(run).await);
     let pending = proceed!(phases::initialise(run, &mut agent, env).await?);
     proceed!(phases::stacks(run, &mut agent, pending).await?);
-    Ok(phases::ready(run))
+    Ok(idle::ready_end(phases::ready(run), recheck))
 }
 
 /// Reports a failed reconcile (see [`status::failure_report`]): the Warning Event first when
