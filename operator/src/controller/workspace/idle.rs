@@ -561,6 +561,8 @@ mod tests {
             ready.message,
             "no operation for 10m0s: the workspace pod is stopped, and the next Update starts it again"
         );
+        // The reconcile's draft carries the generation it observed.
+        status.observed_generation = Some(2);
         let ws = |generation: i64| -> Workspace {
             let mut ws = Workspace::new("w", Default::default());
             ws.metadata.generation = Some(generation);
