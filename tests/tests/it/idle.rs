@@ -298,7 +298,7 @@ async fn a_stack_stays_ready_while_its_workspace_is_idle_and_a_program_edit_wake
         )
         .await
         .expect("create stack");
-    let first = until("the first up", succeeded).await;
+    let first = stack_until(&e, &stacks, "the first up", succeeded).await;
     let deployed = fixtures::labelled(client.clone(), &e.ns, "idle").await;
     assert_eq!(deployed.len(), 1, "{deployed:?}");
     let uid = deployed[0].metadata.uid.clone().expect("uid");
