@@ -87,8 +87,8 @@ pub const DRIFT_CHECK_FAILED: &str = "CheckFailed";
 pub const DRIFT_CHECK_FAILED_EVENT: &str = "DriftCheckFailed";
 
 /// Workspace `Ready=False` reason while `spec.idle` has its pod stopped (not an error: neither
-/// `Reconciling` nor `Stalled` is set, so kstatus reads the workspace as `Current`); also the
-/// Normal Event's reason when the pod is stopped.
+/// `Reconciling` nor `Stalled` is set, so kstatus never reads it `Failed`); also the Normal
+/// Event's reason when the pod is stopped.
 pub const IDLE: &str = "Idle";
 /// The Normal Event's reason when an idle workspace's pod is started for an Update.
 pub const WAKING: &str = "Waking";

@@ -1,7 +1,8 @@
 //! Scale to zero (`spec.idle`) on the real control plane, with the harness as kubelet (which
 //! stops a StatefulSet's pod at 0 replicas and starts a new one when it is scaled up again),
 //! the real agent and pulumi CLI: a workspace with no operation for its idle period has no
-//! agent process left and is `Ready=False, reason=Idle`, which kstatus reads as `Current`; an
+//! agent process left and is `Ready=False, reason=Idle` (kstatus: `InProgress` with the `Idle`
+//! message, never `Failed`, as cli-utils reads any `Ready=False`); an
 //! operator restart leaves it stopped; the next Update starts it and runs on the state left
 //! before. Through a Stack's `workspaceTemplate`, the Stack stays Ready while its workspace is
 //! idle, and a Program edit wakes it without recreating what the stack deployed.
@@ -168,8 +169,14 @@ async fn an_idle_workspace_stops_stays_stopped_across_a_restart_and_wakes_for_th
         "/apis/auto.pulumi.com/v1alpha1/namespaces/{}/workspaces/ws",
         e.ns
     );
+    // cli-utils' kstatus takes any `Ready=False` for progress (its `checkReadyCondition`), absent
+    // `Reconciling`/`Stalled` or not: in progress with the Idle message, never failed.
     let health = kstatus_of(&e, &path).await;
-    assert_eq!(health.status, "Current", "{health:?}");
+    assert_eq!(health.status, "InProgress", "{health:?}");
+    assert!(
+        health.message.starts_with("no operation for 3s"),
+        "{health:?}"
+    );
     metric_at_least(&e.operator, "workspaces_idle", 1.0).await;
     let events: Api<Event> = Api::namespaced(client.clone(), &e.ns);
     let stopped_event = events

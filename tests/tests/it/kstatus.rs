@@ -4,7 +4,8 @@
 //! a spec not yet observed is `InProgress`, one whose artifact cannot be built is `Failed`
 //! (`Stalled=True`, not a `Ready=False` kstatus takes for progress), and a fix brings it back;
 //! a Workspace likewise with a pod template it refuses, and one stopped by `spec.idle`
-//! (`Ready=False, reason=Idle`) is `Current`.
+//! (`Ready=False, reason=Idle`, neither kstatus condition) is `InProgress` with the Idle
+//! message (kstatus takes any `Ready=False` for progress), never `Failed`.
 
 use std::time::Duration;
 
@@ -323,7 +324,8 @@ async fn a_workspace_is_current_failed_and_current_again_as_kstatus_reads_it() {
     assert!(condition(&object, "Reconciling").is_none(), "{object}");
 
     // `spec.idle`: with no operation for the period its pod is stopped, `Ready=False` with
-    // reason `Idle` and neither kstatus condition: healthy, not in progress nor failed.
+    // reason `Idle` and neither kstatus condition. kstatus's last rule (`checkReadyCondition`)
+    // takes any `Ready=False` for progress: `InProgress` with the Idle message, not `Failed`.
     workspaces
         .patch(
             "ws",
@@ -332,13 +334,18 @@ async fn a_workspace_is_current_failed_and_current_again_as_kstatus_reads_it() {
         )
         .await
         .expect("idle");
-    let (_, text) = health_becomes(&client, &path, "Current", |o| {
+    let (health, text) = health_becomes(&client, &path, "InProgress", |o| {
         observed(o, 4)
             && condition(o, "Ready")
                 .is_some_and(|c| c["status"] == "False" && c["reason"] == "Idle")
     })
     .await;
     let object: Value = serde_json::from_str(&text).expect("json");
+    assert_eq!(
+        health.message,
+        condition(&object, "Ready").expect("Ready")["message"],
+        "{health:?}"
+    );
     assert!(condition(&object, "Stalled").is_none(), "{object}");
     assert!(condition(&object, "Reconciling").is_none(), "{object}");
 }

@@ -1,7 +1,8 @@
 //! Scale to zero (`spec.idle`, pko-rs only): a workspace whose pod has run no operation for
 //! `idle.after` is stopped (its StatefulSet scaled to 0 replicas) and started again when an
 //! Update names it; meanwhile it is `Ready=False` with reason `Idle`, neither reconciling nor
-//! stalled, which kstatus reads as `Current`.
+//! stalled (kstatus, which takes any `Ready=False` for progress, reads it as `InProgress`
+//! with the `Idle` message, never `Failed`; docs/execution.md, "Scale to zero").
 //!
 //! Everything the decision reads survives an operator restart, so a restart neither wakes an
 //! idle workspace nor restarts its clock: whether it is stopped (its `Idle` condition), when it
