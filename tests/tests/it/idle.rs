@@ -225,6 +225,20 @@ async fn an_idle_workspace_stops_stays_stopped_across_a_restart_and_wakes_for_th
     assert!(idle_now(&ws), "{:?}", ws.status);
     assert_stopped(&e, "ws").await;
 
+    // The harness's new operator serves artifacts on a port of its own (a cluster's Service
+    // keeps its address): the Workspace names it. A spec change does not start the pod either.
+    workspaces
+        .patch(
+            "ws",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"flux": {"url": operator.fs_url_of(&url)}}})),
+        )
+        .await
+        .expect("new artifact address");
+    let ws = until_idle(&e, "ws").await;
+    assert_eq!(ws.metadata.generation, Some(2));
+    assert_stopped(&e, "ws").await;
+
     // The next Update starts the pod again and runs on the state left before: the stack
     // `dev` is there (no `create` needed from the program's view) and keeps its outputs.
     let second = fixtures::completed_update(
