@@ -96,25 +96,20 @@ impl IdleCount {
 }
 
 /// Watches Workspaces through `apis` (one per watched namespace, or one cluster-wide) and keeps
-/// `workspaces_idle` current; the caller spawns the returned future.
-pub fn watch(
-    apis: Vec<Api<DynamicObject>>,
-    metrics: Metrics,
-) -> impl std::future::Future<Output = ()> {
-    async move {
-        let mut count = IdleCount::new(metrics);
-        let events = crate::scope::merged_watch(
-            apis,
-            watcher::Config::default().any_semantic(),
-            crate::scope::Known::Keep,
-        );
-        let mut events = std::pin::pin!(events);
-        loop {
-            match events.try_next().await {
-                Ok(Some(event)) => count.observe(&event),
-                Ok(None) => break,
-                Err(err) => warn!(error = %err, "workspace watch failed; retrying"),
-            }
+/// `workspaces_idle` current (the caller spawns it).
+pub async fn watch(apis: Vec<Api<DynamicObject>>, metrics: Metrics) {
+    let mut count = IdleCount::new(metrics);
+    let events = crate::scope::merged_watch(
+        apis,
+        watcher::Config::default().any_semantic(),
+        crate::scope::Known::Keep,
+    );
+    let mut events = std::pin::pin!(events);
+    loop {
+        match events.try_next().await {
+            Ok(Some(event)) => count.observe(&event),
+            Ok(None) => break,
+            Err(err) => warn!(error = %err, "workspace watch failed; retrying"),
         }
     }
 }

@@ -367,7 +367,6 @@ async fn reconcile_inner(
         return Ok(Action::await_change());
     }
     if let Some(action) = settled(&update, &ctx, &current).await? {
-        ctx.waking.forget(&current.uid);
         return Ok(action);
     }
     let timeout = match timeout::effective(
@@ -399,10 +398,7 @@ async fn reconcile_inner(
             let mut s = waiting;
             conditions::remove(&mut s.conditions, STALLED);
             current.write(&ctx, &s).await?;
-            if ctx.waking.waits(&current.uid) {
-                return Ok(Action::requeue(waking::WAKE_RECHECK));
-            }
-            return Ok(Action::await_change());
+            return Ok(ctx.waking.waiting_action(&current.uid));
         }
     };
     let slot = match ctx.slots.acquire(
@@ -454,11 +450,8 @@ async fn reconcile_inner(
         }
     };
     let status = start(&update, &ctx, &current).await?;
-    if let Some(waited) = ctx.waking.started(&current.uid, Instant::now()) {
-        ctx.metrics
-            .workspace_wake_duration
-            .observe(waited.as_secs_f64());
-    }
+    ctx.waking
+        .started(&current.uid, Instant::now(), &ctx.metrics);
     launch(ctx, update, current, status, slot, client, timeout);
     Ok(Action::await_change())
 }
@@ -477,9 +470,19 @@ fn queued_message(refused: Admission, slots: SlotLimits, namespace: &str) -> Str
     }
 }
 
+/// [`settled_as_is`]; an Update that will not start waits for no wake either.
+async fn settled(
+    update: &Update,
+    ctx: &UpdateContext,
+    current: &Current,
+) -> Result<Option<Action>, UpdateError> {
+    let settled = settled_as_is(update, ctx, current).await?;
+    Ok(settled.inspect(|_| ctx.waking.forget(&current.uid)))
+}
+
 /// What to do with an Update that will not start an operation here: expire a completed one,
 /// cancel or mark canceled a deleted one, wait for a running one.
-async fn settled(
+async fn settled_as_is(
     update: &Update,
     ctx: &UpdateContext,
     current: &Current,

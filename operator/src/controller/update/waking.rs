@@ -8,6 +8,10 @@ use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use kube::runtime::controller::Action;
+
+use crate::metrics::Metrics;
+
 /// A waiting Update asks again this often (the Workspace watch brings it back sooner, once its
 /// workspace is ready).
 pub(super) const WAKE_RECHECK: Duration = Duration::from_secs(30);
@@ -33,11 +37,30 @@ impl Waking {
         self.map().contains_key(uid)
     }
 
+    /// What a waiting Update does next: asks again after [`WAKE_RECHECK`] while its workspace
+    /// wakes, else waits for the Workspace watch.
+    pub(super) fn waiting_action(&self, uid: &str) -> Action {
+        if self.waits(uid) {
+            Action::requeue(WAKE_RECHECK)
+        } else {
+            Action::await_change()
+        }
+    }
+
     /// Update `uid`'s operation starts: how long it waited for the wake, if it did.
-    pub(super) fn started(&self, uid: &str, now: Instant) -> Option<Duration> {
+    pub(super) fn waited(&self, uid: &str, now: Instant) -> Option<Duration> {
         self.map()
             .remove(uid)
             .map(|since| now.saturating_duration_since(since))
+    }
+
+    /// Update `uid`'s operation starts: a wait for the wake goes into the wake-up histogram.
+    pub(super) fn started(&self, uid: &str, now: Instant, metrics: &Metrics) {
+        if let Some(waited) = self.waited(uid, now) {
+            metrics
+                .workspace_wake_duration
+                .observe(waited.as_secs_f64());
+        }
     }
 
     /// Update `uid` will not start (finished, deleted).
@@ -58,15 +81,27 @@ mod tests {
         waking.note("u", t0);
         waking.note("u", t0 + Duration::from_secs(5));
         assert!(waking.waits("u"));
+        assert_eq!(waking.waiting_action("u"), Action::requeue(WAKE_RECHECK));
         assert_eq!(
-            waking.started("u", t0 + Duration::from_secs(12)),
+            waking.waited("u", t0 + Duration::from_secs(12)),
             Some(Duration::from_secs(12))
         );
         assert!(!waking.waits("u"));
+        assert_eq!(waking.waiting_action("u"), Action::await_change());
         // A warm start waited for nothing.
-        assert_eq!(waking.started("u", t0), None);
+        assert_eq!(waking.waited("u", t0), None);
         waking.note("v", t0);
         waking.forget("v");
-        assert_eq!(waking.started("v", t0), None);
+        assert_eq!(waking.waited("v", t0), None);
+        // The histogram gets the wait of a woken start only.
+        let metrics = Metrics::new();
+        waking.note("w", t0);
+        waking.started("w", t0 + Duration::from_secs(3), &metrics);
+        waking.started("x", t0, &metrics);
+        let text = metrics.encode().expect("encode");
+        assert!(
+            text.contains("pko_workspace_wake_duration_seconds_count 1"),
+            "{text}"
+        );
     }
 }

@@ -11,9 +11,9 @@ use pko_api::workspace::{Workspace, WorkspaceStatus};
 use tracing::{instrument, warn};
 
 use super::phases::{self, End, Run, proceed};
-use super::{idle, rules};
 use super::status;
 use super::{CONTROLLER, WorkspaceContext, WorkspaceError};
+use super::{idle, rules};
 use crate::controller::keys::{APPLY_MANAGER, WORKSPACE_STATUS_MANAGER};
 use crate::controller::kit::FromKube;
 use crate::controller::takeover::{self, Part};
