@@ -124,7 +124,7 @@ fn every_example_is_applied_by_a_test() {
             source.contains(&format!("async fn {name}()")),
             "{file}: no test {test}"
         );
-        let applier = if *module == "program" {
+        let applier = if module == "program" {
             std::fs::read_to_string(root.join(MAKE_RUN)).expect("pko-dev")
         } else {
             without_table(&source)
