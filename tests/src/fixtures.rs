@@ -344,7 +344,13 @@ pub fn manifest(path: &Path) -> Result<Vec<Value>, crate::HarnessError> {
 }
 
 /// The kinds of a manifest that are not namespaced (the rest are).
-const CLUSTER_KINDS: &[&str] = &["Namespace", "ClusterRole", "ClusterRoleBinding"];
+const CLUSTER_KINDS: &[&str] = &[
+    "Namespace",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "TenancyPolicy",
+    "ClusterProgramTransform",
+];
 
 /// `object` of a PKO manifest made to run in the test namespace `ns` with its file state in
 /// `backend`, or `None` for a Namespace (the test's own stands in for it). Only what the test
@@ -381,6 +387,81 @@ pub fn localized(mut object: Value, ns: &str, backend: &Path) -> Option<Value> {
         *url = json!(format!("file://{}", backend.display()));
     }
     Some(object)
+}
+
+/// The objects of the example manifest `path` (in `examples/`) made to run in a test, as the
+/// file is but for what a test must change:
+/// - in every string value, each `(placeholder, value)` of `substitutions` (what a user edits:
+///   a repository URL, a token, a registry host, a digest) is replaced; a placeholder found
+///   nowhere is an error, so an example and its test cannot drift apart;
+/// - then as [`localized`]: namespaced objects move to `ns`, cluster-scoped ones get `-<ns>`
+///   on their name;
+/// - a Stack logging in to Pulumi Cloud (`envRefs.PULUMI_ACCESS_TOKEN`) keeps its state in the
+///   file backend `backend` instead, with the test passphrase (the tests are offline).
+pub fn example(
+    path: &Path,
+    ns: &str,
+    backend: &Path,
+    substitutions: &[(&str, &str)],
+) -> Result<Vec<Value>, crate::HarnessError> {
+    let mut used = vec![false; substitutions.len()];
+    let objects = manifest(path)?
+        .into_iter()
+        .map(|mut object| {
+            substitute(&mut object, substitutions, &mut used);
+            object
+        })
+        .filter_map(|object| localized(object, ns, backend))
+        .map(|object| off_the_cloud(object, backend))
+        .collect();
+    match substitutions.iter().zip(&used).find(|(_, used)| !**used) {
+        Some(((placeholder, _), _)) => Err(crate::HarnessError::Missing {
+            what: format!("{placeholder:?} in {}", path.display()),
+        }),
+        None => Ok(objects),
+    }
+}
+
+/// Replaces each placeholder of `substitutions` in every string of `value`, marking in `used`
+/// those found.
+fn substitute(value: &mut Value, substitutions: &[(&str, &str)], used: &mut [bool]) {
+    match value {
+        Value::String(text) => {
+            for ((placeholder, replacement), used) in substitutions.iter().zip(used.iter_mut()) {
+                if text.contains(placeholder) {
+                    *text = text.replace(placeholder, replacement);
+                    *used = true;
+                }
+            }
+        }
+        Value::Array(items) => items
+            .iter_mut()
+            .for_each(|v| substitute(v, substitutions, used)),
+        Value::Object(map) => map
+            .values_mut()
+            .for_each(|v| substitute(v, substitutions, used)),
+        _ => {}
+    }
+}
+
+/// A Stack with `envRefs.PULUMI_ACCESS_TOKEN` on the file backend `backend` with the test
+/// passphrase instead; any other object as it is.
+fn off_the_cloud(mut object: Value, backend: &Path) -> Value {
+    let Some(env) = object
+        .pointer_mut("/spec/envRefs")
+        .and_then(Value::as_object_mut)
+    else {
+        return object;
+    };
+    if env.remove("PULUMI_ACCESS_TOKEN").is_none() {
+        return object;
+    }
+    env.insert(
+        "PULUMI_CONFIG_PASSPHRASE".into(),
+        json!({"type": "Literal", "literal": {"value": PASSPHRASE}}),
+    );
+    object["spec"]["backend"] = json!(format!("file://{}", backend.display()));
+    object
 }
 
 /// Applies `objects` (server-side, as `kubectl apply --server-side --force-conflicts` would):
@@ -439,6 +520,49 @@ pub async fn ready_stack(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_example_gets_the_tests_values_and_backend() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let file = dir.path().join("example.yaml");
+        std::fs::write(
+            &file,
+            "# a comment naming https://git.example.com/a.git\n\
+             apiVersion: pulumi.com/v1\nkind: Stack\nmetadata: {name: s, namespace: default}\n\
+             spec:\n  projectRepo: https://git.example.com/a.git\n  envRefs:\n\
+             \x20   PULUMI_ACCESS_TOKEN: {type: Secret, secret: {name: p, key: t}}\n\
+             ---\napiVersion: pko-rs.dev/v1alpha1\nkind: TenancyPolicy\n\
+             metadata: {name: team}\nspec: {namespaces: [team-a]}\n",
+        )
+        .expect("write");
+        let backend = Path::new("/tmp/t/backend");
+        let objects = example(
+            &file,
+            "t",
+            backend,
+            &[
+                ("https://git.example.com/a.git", "https://127.0.0.1:1/a.git"),
+                ("team-a", "t"),
+            ],
+        )
+        .expect("example");
+        assert_eq!(objects[0]["metadata"]["namespace"], "t");
+        assert_eq!(
+            objects[0]["spec"]["projectRepo"],
+            "https://127.0.0.1:1/a.git"
+        );
+        assert_eq!(objects[0]["spec"]["backend"], "file:///tmp/t/backend");
+        assert_eq!(
+            objects[0]["spec"]["envRefs"],
+            json!({"PULUMI_CONFIG_PASSPHRASE": {"type": "Literal", "literal": {"value": PASSPHRASE}}})
+        );
+        assert_eq!(objects[1]["metadata"]["name"], "team-t");
+        assert_eq!(objects[1]["metadata"].get("namespace"), None);
+        assert_eq!(objects[1]["spec"]["namespaces"], json!(["t"]));
+        // A placeholder the file does not hold (only its comment does) is an error.
+        let err = example(&file, "t", backend, &[("git.example.com/b", "x")]);
+        assert!(err.is_err(), "{err:?}");
+    }
 
     #[test]
     fn a_manifest_moves_to_the_test_namespace_and_backend() {

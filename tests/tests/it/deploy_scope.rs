@@ -1,6 +1,6 @@
 //! The namespace-scoped install, on a real apiserver: the operator runs as its service account
-//! (impersonated) with only the Roles the chart renders for `scope.mode=namespaces`, watches two
-//! namespaces, and a Program and a Stack work end to end. The apiserver's audit log then shows
+//! (impersonated) with only the Roles the chart renders with the example values of
+//! `examples/namespace-scoped/values.yaml` (`scope.mode=namespaces`), watches two namespaces, and a Program and a Stack work end to end. The apiserver's audit log then shows
 //! that none of the service account's requests was forbidden and none listed or watched across
 //! the cluster.
 
@@ -18,7 +18,7 @@ use pko_tests::operator::{Operator, OperatorOptions};
 use pko_tests::{ControlPlane, repo_root, wait_for};
 use serde_json::{Value, json};
 
-use crate::helm::{parse, template};
+use crate::helm::{parse, template_with_values};
 
 const WAIT: Duration = Duration::from_secs(180);
 const SERVICE_ACCOUNT: &str = "pko-rs-operator";
@@ -110,12 +110,30 @@ fn impersonating_kubeconfig(plane: &ControlPlane, user: &str, out: &std::path::P
     std::fs::write(out, yaml_serde::to_string(&config).expect("kubeconfig")).expect("write");
 }
 
-/// Applies the chart's RBAC objects for `scope.mode=namespaces` (the ServiceAccount, its Roles
-/// and RoleBindings); nothing else of the chart is needed by an operator running outside.
-fn apply_chart_rbac(plane: &ControlPlane, release_ns: &str, watched: &[&str]) {
+/// The example values of a namespace-scoped install, which the test installs with.
+const EXAMPLE_VALUES: &str = "examples/namespace-scoped/values.yaml";
+
+/// The chart rendered into `release_ns` with the values of [`EXAMPLE_VALUES`], its namespaces
+/// replaced by `watched` (the example's do not exist here).
+fn example_install(release_ns: &str, watched: &[&str]) -> Vec<Value> {
+    let values = repo_root().join(EXAMPLE_VALUES);
+    let example: Value = yaml_serde::from_str(&std::fs::read_to_string(&values).expect("values"))
+        .expect("values parse");
+    assert_eq!(example["scope"]["mode"], "namespaces", "{EXAMPLE_VALUES}");
+    assert!(
+        example["scope"]["namespaces"].is_array(),
+        "{EXAMPLE_VALUES}"
+    );
     let scoped = format!("scope.namespaces={{{}}}", watched.join(","));
-    let objects: Vec<Value> = parse(&template(release_ns, &["scope.mode=namespaces", &scoped]))
-        .into_iter()
+    parse(&template_with_values(release_ns, &values, &[&scoped]))
+}
+
+/// Applies `rendered`'s RBAC objects (the ServiceAccount, its Roles and RoleBindings) for
+/// `watched`; nothing else of the chart is needed by an operator running outside.
+fn apply_chart_rbac(plane: &ControlPlane, rendered: &[Value], watched: &[&str]) {
+    let objects: Vec<Value> = rendered
+        .iter()
+        .cloned()
         .filter(|o| {
             matches!(
                 o["kind"].as_str(),
@@ -190,7 +208,20 @@ async fn namespace_scoped_install_runs_a_program_and_a_stack_with_its_roles_only
     let op = plane.namespace("scope-op").await.expect("namespace");
     let a = plane.namespace("scope-a").await.expect("namespace");
     let b = plane.namespace("scope-b").await.expect("namespace");
-    apply_chart_rbac(&plane, &op, &[&a, &b]);
+    let rendered = example_install(&op, &[&a, &b]);
+    apply_chart_rbac(&plane, &rendered, &[&a, &b]);
+    // The operator runs outside, with the flags the chart gives its Deployment for the scope.
+    let watch = format!("--watch-namespaces={a},{b}");
+    let deployment = rendered
+        .iter()
+        .find(|o| o["kind"] == "Deployment")
+        .expect("a Deployment");
+    assert!(
+        deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+            .as_array()
+            .is_some_and(|args| args.iter().any(|a| a.as_str() == Some(watch.as_str()))),
+        "{deployment}"
+    );
 
     let tmp = tempfile::tempdir().expect("tmp");
     let user = format!("system:serviceaccount:{op}:{SERVICE_ACCOUNT}");
@@ -205,7 +236,7 @@ async fn namespace_scoped_install_runs_a_program_and_a_stack_with_its_roles_only
             advertised: None,
             args: vec![
                 format!("--kubeconfig={}", kubeconfig.display()),
-                format!("--watch-namespaces={a},{b}"),
+                watch,
                 "--leader-elect".into(),
                 format!("--leader-election-namespace={op}"),
                 format!("--artifact-keys-namespace={op}"),

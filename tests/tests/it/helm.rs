@@ -48,6 +48,28 @@ pub(crate) fn template_release(release: &str, namespace: &str, sets: &[&str]) ->
     run(&mut cmd, None, &format!("helm template {release} {sets:?}"))
 }
 
+/// `helm template` of release `pko-rs` of the chart into `namespace` with the values file
+/// `values` and `sets` on top.
+pub(crate) fn template_with_values(
+    namespace: &str,
+    values: &std::path::Path,
+    sets: &[&str],
+) -> String {
+    let mut cmd = helm();
+    cmd.args(["template", "pko-rs"])
+        .arg(chart())
+        .args(["--namespace", namespace, "--values"])
+        .arg(values);
+    for set in sets {
+        cmd.args(["--set", set]);
+    }
+    run(
+        &mut cmd,
+        None,
+        &format!("helm template -f {} {sets:?}", values.display()),
+    )
+}
+
 /// The labels and annotations only Helm installs have: the release's instance, the chart and
 /// app versions, the manager, and the CRDs' keep policy. deploy/ has none of them, and its
 /// selectors select by name only (its Deployment's selector cannot change in place).

@@ -30,6 +30,7 @@ mod depth;
 mod drift;
 mod e2e;
 mod egress;
+mod examples;
 mod fairness;
 mod fields;
 mod flux;
