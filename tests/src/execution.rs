@@ -46,11 +46,31 @@ impl Execution {
         Self::start_full(prefix, |_| Vec::new(), &[], Some(cert)).await
     }
 
+    /// [`Self::start`] whose kubelet logs every `pulumi` command the agents run
+    /// ([`Kubelet::pulumi_calls`]).
+    pub async fn start_logging_pulumi(prefix: &str) -> Self {
+        let options = KubeletOptions {
+            log_pulumi_calls: true,
+            ..KubeletOptions::default()
+        };
+        Self::start_full_with(prefix, |_| Vec::new(), &[], None, options).await
+    }
+
     async fn start_full(
         prefix: &str,
         operator_args: impl FnOnce(&str) -> Vec<String>,
         env: &[(&str, &str)],
         cert: Option<&str>,
+    ) -> Self {
+        Self::start_full_with(prefix, operator_args, env, cert, KubeletOptions::default()).await
+    }
+
+    async fn start_full_with(
+        prefix: &str,
+        operator_args: impl FnOnce(&str) -> Vec<String>,
+        env: &[(&str, &str)],
+        cert: Option<&str>,
+        options: KubeletOptions,
     ) -> Self {
         let plane = ControlPlane::shared().await;
         let ns = plane.namespace(prefix).await.expect("namespace");
@@ -59,7 +79,7 @@ impl Execution {
         let options = KubeletOptions {
             api: Some(ApiAccess::of(plane)),
             trusted_certs: cert.map(str::to_owned).into_iter().collect(),
-            ..KubeletOptions::default()
+            ..options
         };
         let kubelet = Kubelet::start_with(plane.client(), &ns, &tmp.path().join("pods"), options)
             .expect("kubelet");

@@ -49,6 +49,9 @@ struct Inner {
     limits: Limits,
     /// When this process started: stack locks taken before it may be a dead predecessor's.
     started: jiff::Timestamp,
+    /// `pulumi version`, asked once: the CLI does not change under a running agent, and the
+    /// operator asks on every Workspace reconcile (a CLI start each time, nothing else).
+    version: tokio::sync::OnceCell<String>,
 }
 
 impl Agent {
@@ -64,6 +67,7 @@ impl Agent {
                 instance: format!("{:016x}", rand::random::<u64>()),
                 limits,
                 started: jiff::Timestamp::now(),
+                version: tokio::sync::OnceCell::new(),
             }),
         }
     }
@@ -128,6 +132,12 @@ impl Agent {
         }
         check_name("stack_name", name)?;
         let _guard = self.inner.lock.lock().await;
+        // Selected by this process, with the same environment (a new one forgets it): the
+        // stack exists and nothing else runs the CLI here, so `stack select` would say so again
+        // (the operator selects before every operation).
+        if self.current_stack().as_deref() == Some(name) {
+            return Ok(());
+        }
         let cli = &self.inner.cli;
         // Names go after `--`: whatever they are, the CLI never reads them as flags.
         match cli.run(&args(["stack", "select", "--", name])).await {

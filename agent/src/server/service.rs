@@ -58,7 +58,14 @@ impl AutomationService for Agent {
             req.secrets_provider.as_deref(),
         )
         .await?;
-        let summary = self.summary().await?;
+        let summary = match self.summary().await {
+            Ok(summary) => summary,
+            Err(s) => {
+                // Gone from the backend behind this process: the next selection asks the CLI.
+                self.set_stack(None);
+                return Err(s);
+            }
+        };
         Ok(self.respond(pb::SelectStackResult {
             summary: Some(summary),
         }))
@@ -149,6 +156,8 @@ impl AutomationService for Agent {
         let _guard = self.inner.lock.lock().await;
         let names: Vec<&String> = env.keys().collect();
         info!(?names, "environment variables set");
+        // The backend may have moved with them: the next selection asks the CLI again.
+        self.set_stack(None);
         self.inner.cli.set_pushed_env(env);
         Ok(self.respond(pb::SetEnvironmentVariablesResult {}))
     }
@@ -350,14 +359,21 @@ impl AutomationService for Agent {
         &self,
         _request: Request<pb::PulumiVersionRequest>,
     ) -> Result<Response<pb::PulumiVersionResult>, Status> {
-        let out = self
+        let version = self
             .inner
-            .cli
-            .run(&args(["version"]))
-            .await
-            .map_err(|e| to_status("version", e))?;
+            .version
+            .get_or_try_init(|| async {
+                let out = self
+                    .inner
+                    .cli
+                    .run(&args(["version"]))
+                    .await
+                    .map_err(|e| to_status("version", e))?;
+                Ok::<_, Status>(out.stdout.trim().to_owned())
+            })
+            .await?;
         Ok(self.respond(pb::PulumiVersionResult {
-            version: out.stdout.trim().to_owned(),
+            version: version.clone(),
         }))
     }
 }

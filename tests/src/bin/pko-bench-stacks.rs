@@ -26,6 +26,9 @@
 //! (`make dist`), run the same way as the glibc release build beside it (at the Ns of
 //! `--musl-at`, or all).
 //!
+//! `--pko-rs-only` runs pko-rs alone and prints its measures raw (a quick look; nothing written,
+//! PKO not needed).
+//!
 //! `--short` runs N=3 with 3 edits and prints its table only (`make bench-check`, with `--check`
 //! against the ratios `make bench` adds to docs/bench-baseline.json with `--write-baseline`).
 //! Otherwise the section goes into `--out` (docs/benchmarks.md) between its markers, leaving
@@ -50,7 +53,7 @@ use pko_api::program::Program;
 use pko_api::stack::Stack;
 use pko_api::update::Update;
 use pko_tests::bench_baseline::Baseline;
-use pko_tests::kubelet::{ApiAccess, Kubelet, KubeletOptions, PodNetwork};
+use pko_tests::kubelet::{AgentPids, ApiAccess, Kubelet, KubeletOptions, PodNetwork};
 use pko_tests::measure::{self, percentile};
 use pko_tests::pko_peer::{self, Peer, PeerBinaries, PeerOptions, RunningPeer};
 use pko_tests::prom::{self, Labels};
@@ -91,6 +94,8 @@ struct Args {
     musl_at: Vec<usize>,
     /// pko-rs's cold starts from an idle workspace (`spec.idle`), beside its warm edits.
     cold: bool,
+    /// pko-rs alone, its measures printed raw and nothing written (a quick look, no PKO build).
+    pko_rs_only: bool,
 }
 
 fn parse_args() -> anyhow::Result<Args> {
@@ -106,6 +111,7 @@ fn parse_args() -> anyhow::Result<Args> {
         musl: None,
         musl_at: Vec::new(),
         cold: false,
+        pko_rs_only: false,
     };
     let mut out_given = false;
     let mut it = std::env::args().skip(1);
@@ -116,6 +122,10 @@ fn parse_args() -> anyhow::Result<Args> {
         }
         if flag == "--idle" {
             args.cold = true;
+            continue;
+        }
+        if flag == "--pko-rs-only" {
+            args.pko_rs_only = true;
             continue;
         }
         let value = it.next().with_context(|| format!("{flag} needs a value"))?;
@@ -458,24 +468,30 @@ fn tree_rss_kib(pid: u32) -> u64 {
     Procs::read().tree_rss_kib(pid)
 }
 
-/// Samples each agent's tree RSS every 50 ms until dropped, keeping each one's peak: the
-/// workspaces' memory during their `up`s.
+/// Samples each workspace's tree RSS (its agent and every process below it) every 50 ms until
+/// finished, keeping each one's peak: the workspaces' memory during their `up`s. The agent is
+/// looked up by workspace on every tick: a Program edit rolls the pod, so the `up` runs in an
+/// agent started after the sampler (sampling the pids seen at the start read processes gone by
+/// then, and reported nothing).
 struct PeakSampler {
     stop: Arc<std::sync::atomic::AtomicBool>,
-    thread: Option<std::thread::JoinHandle<HashMap<u32, u64>>>,
+    thread: Option<std::thread::JoinHandle<HashMap<String, u64>>>,
 }
 
 impl PeakSampler {
-    fn start(agents: Vec<u32>) -> Self {
+    fn start(agents: AgentPids, workspaces: Vec<String>) -> Self {
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let flag = stop.clone();
         let thread = std::thread::spawn(move || {
-            let mut peak: HashMap<u32, u64> = HashMap::new();
+            let mut peak: HashMap<String, u64> = HashMap::new();
             while !flag.load(std::sync::atomic::Ordering::Relaxed) {
                 let procs = Procs::read();
-                for &a in &agents {
-                    let rss = procs.tree_rss_kib(a);
-                    let e = peak.entry(a).or_default();
+                for ws in &workspaces {
+                    let Some(pid) = agents.pid(ws) else {
+                        continue;
+                    };
+                    let rss = procs.tree_rss_kib(pid);
+                    let e = peak.entry(ws.clone()).or_default();
                     *e = (*e).max(rss);
                 }
                 std::thread::sleep(Duration::from_millis(50));
@@ -488,7 +504,7 @@ impl PeakSampler {
         }
     }
 
-    fn finish(mut self) -> HashMap<u32, u64> {
+    fn finish(mut self) -> HashMap<String, u64> {
         self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
         self.thread
             .take()
@@ -681,8 +697,7 @@ async fn peer_run(
     let audit = plane.audit_log();
     let audit_from = audit_lines(&audit);
     let updates_before = observer.updates();
-    let agents: Vec<u32> = names.iter().filter_map(|n| kubelet.agent_pid(n)).collect();
-    let sampler = PeakSampler::start(agents);
+    let sampler = PeakSampler::start(kubelet.agents(), names.clone());
     let mut edited = BTreeSet::new();
     let mut edit_times = Vec::new();
     for k in 0..edits {
@@ -702,7 +717,7 @@ async fn peer_run(
         .await
         .with_context(|| format!("{}\n{}", op.log_tail(40), kubelet.logs(name)))?;
         edit_times.push(done.saturating_duration_since(at));
-        edited.extend(kubelet.agent_pid(name));
+        edited.insert(name.clone());
     }
     let peaks = sampler.finish();
     let workspace_rss_up_kib = edited
@@ -1410,7 +1425,17 @@ fn write_section(args: &Args, runs: &[Trio]) -> anyhow::Result<()> {
 async fn main() -> anyhow::Result<()> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let args = parse_args()?;
-    let bins = PeerBinaries::find(std::env::current_exe()?.with_file_name("pko-operator"))?;
+    let ours = std::env::current_exe()?.with_file_name("pko-operator");
+    let bins = if args.pko_rs_only {
+        PeerBinaries {
+            pko_rs: ours,
+            pko_rs_crds: pko_tests::repo_root().join("deploy/crds"),
+            pko_manager: PathBuf::new(),
+            pko_crds: PathBuf::new(),
+        }
+    } else {
+        PeerBinaries::find(ours)?
+    };
     let logs = tempfile::Builder::new()
         .prefix("pko-bench-stacks-logs-")
         .tempdir()?
@@ -1436,6 +1461,12 @@ async fn main() -> anyhow::Result<()> {
     }
     let mut runs = Vec::new();
     for &n in &args.stacks {
+        if args.pko_rs_only {
+            let label = Peer::PkoRs.label();
+            let ours = peer_run(&bins, Peer::PkoRs, label, n, plan, &logs).await?;
+            println!("{ours:#?}");
+            continue;
+        }
         let pko = peer_run(&bins, Peer::Pko, Peer::Pko.label(), n, plan, &logs).await?;
         let ours = peer_run(&bins, Peer::PkoRs, Peer::PkoRs.label(), n, plan, &logs).await?;
         let musl = match &musl_bins {
@@ -1449,6 +1480,9 @@ async fn main() -> anyhow::Result<()> {
         write_section(&args, &runs)?;
     }
     println!("whole run: {:.0} s", began.elapsed().as_secs_f64());
+    if args.pko_rs_only {
+        return Ok(());
+    }
     baseline(&args, &ratios(&runs))?;
     Ok(())
 }

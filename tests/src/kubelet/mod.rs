@@ -106,6 +106,9 @@ pub struct KubeletOptions {
     /// company CA does: given to containers as `SSL_CERT_FILE` (Go, OpenSSL) and
     /// `GIT_SSL_CAINFO` (git).
     pub trusted_certs: Vec<String>,
+    /// Each `pulumi` command a workspace's agent (this project's) runs is logged, one line per
+    /// start, for [`Kubelet::pulumi_calls`].
+    pub log_pulumi_calls: bool,
 }
 
 /// One "pod": its folder, agent process and what was reported.
@@ -179,6 +182,22 @@ impl Node {
 pub struct Kubelet {
     node: Arc<Node>,
     task: tokio::task::JoinHandle<()>,
+}
+
+/// The current agent pid of each workspace, readable while the kubelet runs.
+#[derive(Clone)]
+pub struct AgentPids(Arc<Node>);
+
+impl AgentPids {
+    /// The agent's pid of workspace `workspace`, if it runs now.
+    pub fn pid(&self, workspace: &str) -> Option<u32> {
+        let state = self.0.state();
+        state
+            .pods
+            .get(&format!("{workspace}-workspace"))
+            .and_then(|p| p.agent.as_ref())
+            .map(ChildGuard::pid)
+    }
 }
 
 impl Kubelet {
@@ -264,12 +283,24 @@ impl Kubelet {
 
     /// The agent's pid of workspace `workspace`, if it runs.
     pub fn agent_pid(&self, workspace: &str) -> Option<u32> {
-        let state = self.node.state();
-        state
-            .pods
-            .get(&format!("{workspace}-workspace"))
-            .and_then(|p| p.agent.as_ref())
-            .map(ChildGuard::pid)
+        self.agents().pid(workspace)
+    }
+
+    /// Looks up the agents' pids from another thread, as pods come and go (a rolled pod runs
+    /// a new agent process).
+    pub fn agents(&self) -> AgentPids {
+        AgentPids(self.node.clone())
+    }
+
+    /// The `pulumi` commands workspace `workspace`'s agents ran so far, every pod of it, in
+    /// order, each as `<unix time> <arguments>` (with [`KubeletOptions::log_pulumi_calls`]).
+    pub fn pulumi_calls(&self, workspace: &str) -> Vec<String> {
+        let log = pulumi_calls_log(&self.node.root, &format!("{workspace}-workspace"));
+        std::fs::read_to_string(log)
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_owned)
+            .collect()
     }
 
     /// Where the agent of workspace `workspace` listens, once it does.
@@ -316,12 +347,23 @@ impl Drop for Kubelet {
     }
 }
 
+/// Names the file a logging `pulumi` appends to (see [`KubeletOptions::log_pulumi_calls`]).
+const PULUMI_CALLS_ENV: &str = "PKO_TEST_PULUMI_CALLS";
+
+/// The log of StatefulSet `sts`'s `pulumi` commands: beside the pod folders, so it outlives a
+/// pod.
+fn pulumi_calls_log(root: &Path, sts: &str) -> PathBuf {
+    root.join(format!("{sts}.pulumi-calls"))
+}
+
 /// What the workspace image provides: the pulumi CLI and YAML host on PATH, the Kubernetes
 /// provider installed in `~/.pulumi/plugins` (as images that bundle providers do), and no
 /// update checks or plugin downloads (the tests are offline); plus the files of the images
 /// the kubelet knows (`image.rs`).
 struct ImageEnv {
     path: String,
+    /// The `pulumi` CLI.
+    pulumi: PathBuf,
     images: Images,
     /// The trust store of every image, when it has more than the host's.
     ca_bundle: Option<PathBuf>,
@@ -365,10 +407,37 @@ impl ImageEnv {
                 bin.display(),
                 std::env::var("PATH").unwrap_or_else(|_| "/usr/bin:/bin".into())
             ),
+            pulumi: bin.join("pulumi"),
             images: Images::new(extra, &agent_binary()?, dir)?,
             ca_bundle,
             providers,
         })
+    }
+
+    /// A `pulumi` that appends the time and its arguments to the file named by
+    /// [`PULUMI_CALLS_ENV`], then runs the image's CLI (written once, in `root`).
+    fn pulumi_wrapper(&self, root: &Path) -> Result<PathBuf, HarnessError> {
+        let path = root.join("pulumi-logging-calls");
+        if path.is_file() {
+            return Ok(path);
+        }
+        let script = format!(
+            "#!/bin/sh\nprintf '%s %s\\n' \"$(date +%s.%N)\" \"$*\" >> \"${PULUMI_CALLS_ENV}\"\nexec '{}' \"$@\"\n",
+            self.pulumi.display()
+        );
+        // Pods start concurrently: each writes its own file and the rename is atomic.
+        let write = || -> std::io::Result<()> {
+            use std::io::Write as _;
+            use std::os::unix::fs::PermissionsExt;
+            let mut tmp = tempfile::NamedTempFile::new_in(root)?;
+            tmp.write_all(script.as_bytes())?;
+            tmp.as_file()
+                .set_permissions(std::fs::Permissions::from_mode(0o755))?;
+            tmp.persist(&path).map_err(|e| e.error)?;
+            Ok(())
+        };
+        write().map_err(|e| HarnessError::io(format!("writing {}", path.display()), e))?;
+        Ok(path)
     }
 
     /// Lays the image's providers out in `home` as `pulumi plugin install` does (linked, not
@@ -1298,6 +1367,14 @@ async fn container_command(
     ];
     if let Some(kubeconfig) = run.kubeconfig {
         env.push(("KUBECONFIG".into(), kubeconfig.display().to_string()));
+    }
+    if node.options.log_pulumi_calls
+        && let Some(sts) = run.dir.file_name().and_then(|n| n.to_str())
+    {
+        let wrapper = image.pulumi_wrapper(&node.root)?;
+        env.push(("PULUMI_CLI".into(), wrapper.display().to_string()));
+        let log = pulumi_calls_log(&node.root, sts);
+        env.push((PULUMI_CALLS_ENV.into(), log.display().to_string()));
     }
     if let Some(bundle) = &image.ca_bundle {
         for name in ["SSL_CERT_FILE", "GIT_SSL_CAINFO"] {

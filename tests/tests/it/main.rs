@@ -57,6 +57,7 @@ mod switchover;
 mod transforms;
 mod update;
 mod update_fields;
+mod warm_up;
 mod wire;
 mod workspace;
 mod workspace_fields;

@@ -262,78 +262,76 @@ async fn marked_env_image(
 }
 
 /// Server-side applies the Service, then the StatefulSet (returned as the apiserver has it).
-/// The workspace's StatefulSet as it is, applied with its Service first unless this process
-/// applied the same objects and the StatefulSet's spec has not moved since: a reconcile of a
-/// running workspace reads the StatefulSet instead of writing both again.
+/// The workspace's StatefulSet as it is, each object applied only unless this process applied
+/// the same one and it has not moved since: a reconcile of a running workspace reads both
+/// instead of writing them again, and a new pod template (a Program edit) writes the
+/// StatefulSet alone.
 async fn ensure_workload(
     run: &Run<'_>,
     service: &Service,
     desired: &StatefulSet,
 ) -> Result<StatefulSet, WorkspaceError> {
-    let digest = workload_digest(service, desired);
-    if let Some(last) = run.ctx.workload_for(&run.uid) {
-        let name = pod::workload_name(&run.name);
-        let statefulsets: Api<StatefulSet> =
-            Api::namespaced(run.ctx.client.clone(), &run.namespace);
-        let services: Api<Service> = Api::namespaced(run.ctx.client.clone(), &run.namespace);
-        let (live, service) = futures::try_join!(
-            async {
-                statefulsets
-                    .get_opt(&name)
-                    .await
-                    .map_err(WorkspaceError::kube("reading the workspace StatefulSet"))
-            },
-            async {
-                services
-                    .get_metadata_opt(&name)
-                    .await
-                    .map_err(WorkspaceError::kube("reading the workspace Service"))
-            },
-        )?;
-        let generation = live.as_ref().and_then(|s| s.metadata.generation);
-        if let Some(live) = live
-            && !rules::must_apply(Some(&last), digest, generation, service.is_some())
-        {
-            return Ok(live);
+    let (service_digest, sts_digest) = (digest(service), digest(desired));
+    let name = pod::workload_name(&run.name);
+    let services: Api<Service> = Api::namespaced(run.ctx.client.clone(), &run.namespace);
+    let statefulsets: Api<StatefulSet> = Api::namespaced(run.ctx.client.clone(), &run.namespace);
+    let (live, must) = match run.ctx.workload_for(&run.uid) {
+        Some(last) => {
+            let (live, present) = futures::try_join!(
+                async {
+                    statefulsets
+                        .get_opt(&name)
+                        .await
+                        .map_err(WorkspaceError::kube("reading the workspace StatefulSet"))
+                },
+                async {
+                    services
+                        .get_metadata_opt(&name)
+                        .await
+                        .map_err(WorkspaceError::kube("reading the workspace Service"))
+                },
+            )?;
+            let generation = live.as_ref().and_then(|s| s.metadata.generation);
+            let must = rules::must_apply(
+                Some(&last),
+                service_digest,
+                sts_digest,
+                generation,
+                present.is_some(),
+            );
+            (live, must)
         }
+        None => (None, rules::must_apply(None, 0, 0, None, false)),
+    };
+    if must.service {
+        takeover::apply(&services, &name, APPLY_MANAGER, service)
+            .await
+            .map_err(WorkspaceError::kube("applying the workspace Service"))?;
     }
-    let applied =
-        apply_workload(&run.ctx.client, &run.namespace, &run.name, service, desired).await?;
+    let applied = match live {
+        Some(live) if !must.statefulset => live,
+        _ => takeover::apply(&statefulsets, &name, APPLY_MANAGER, desired)
+            .await
+            .map_err(WorkspaceError::kube("applying the workspace StatefulSet"))?,
+    };
     let record = rules::AppliedWorkload {
-        digest,
+        service: service_digest,
+        statefulset: sts_digest,
         generation: applied.metadata.generation,
     };
     run.ctx.set_workload(&run.uid, Some(record));
     Ok(applied)
 }
 
-/// A digest of the objects as built (stable within this process, which is all it is kept for).
-fn workload_digest(service: &Service, statefulset: &StatefulSet) -> u64 {
+/// A digest of an object as built (stable within this process, which is all it is kept for).
+fn digest(object: &impl serde::Serialize) -> u64 {
     use std::hash::{DefaultHasher, Hash, Hasher};
     let mut hasher = DefaultHasher::new();
     // Serializing objects built here cannot fail; an empty value would only force an apply.
-    serde_json::to_vec(&(service, statefulset))
+    serde_json::to_vec(object)
         .unwrap_or_default()
         .hash(&mut hasher);
     hasher.finish()
-}
-
-async fn apply_workload(
-    client: &Client,
-    namespace: &str,
-    workspace: &str,
-    service: &Service,
-    statefulset: &StatefulSet,
-) -> Result<StatefulSet, WorkspaceError> {
-    let name = pod::workload_name(workspace);
-    let services: Api<Service> = Api::namespaced(client.clone(), namespace);
-    takeover::apply(&services, &name, APPLY_MANAGER, service)
-        .await
-        .map_err(WorkspaceError::kube("applying the workspace Service"))?;
-    let statefulsets: Api<StatefulSet> = Api::namespaced(client.clone(), namespace);
-    takeover::apply(&statefulsets, &name, APPLY_MANAGER, statefulset)
-        .await
-        .map_err(WorkspaceError::kube("applying the workspace StatefulSet"))
 }
 
 /// Continues once the StatefulSet is ready; until then `Ready=False` says why, naming a
@@ -345,7 +343,13 @@ pub(super) async fn pod_ready(
     let Some((reason, mut message)) = rules::not_ready(sts) else {
         return Ok(Phase::Continue(()));
     };
-    if let Some(failure) = init_failure(&run.ctx.client, &run.namespace, &run.name).await {
+    let failure = init_failure(&run.ctx.client, &run.namespace, &run.name).await;
+    if failure.is_none() && status::pod_wait_reported(&run.before, run.generation) {
+        return Ok(Phase::Done(End::Quiet(Action::requeue(
+            POD_NOT_READY_REQUEUE,
+        ))));
+    }
+    if let Some(failure) = failure {
         let known = conditions::get(&run.status.conditions, status::READY)
             .is_some_and(|c| c.message == failure);
         if !known {

@@ -26,55 +26,67 @@ pub(super) fn waits_for_its_stack(ws: &pko_api::workspace::Workspace) -> bool {
 /// What this process last applied as a Workspace's Service and StatefulSet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct AppliedWorkload {
-    /// A digest of the applied Service and StatefulSet, as built.
-    pub(crate) digest: u64,
+    /// A digest of the applied Service, as built.
+    pub(crate) service: u64,
+    /// A digest of the applied StatefulSet, as built.
+    pub(crate) statefulset: u64,
     /// The StatefulSet's `metadata.generation` the apply returned.
     pub(crate) generation: Option<i64>,
 }
 
-/// Whether the workload must be applied again: not when this process applied the same objects,
-/// the Service is still there and the live StatefulSet's spec has not changed since (its
-/// generation moves with any spec change, whoever made it). Status updates do not count, so a
-/// Ready pod costs no apply.
+/// Which of the workload's objects must be applied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct MustApply {
+    pub(super) service: bool,
+    pub(super) statefulset: bool,
+}
+
+/// What must be applied again: not what this process applied as it is now, still there, and
+/// (the StatefulSet) whose live spec has not changed since (its generation moves with any spec
+/// change, whoever made it). Status updates do not count, so a Ready pod costs no apply, and a
+/// pod template change (a new program, a new image) applies the StatefulSet alone.
 pub(super) fn must_apply(
     last: Option<&AppliedWorkload>,
-    digest: u64,
+    service: u64,
+    statefulset: u64,
     live_generation: Option<i64>,
     service_present: bool,
-) -> bool {
+) -> MustApply {
     match last {
-        Some(last) => {
-            last.digest != digest
-                || !service_present
+        Some(last) => MustApply {
+            service: last.service != service || !service_present,
+            statefulset: last.statefulset != statefulset
                 || live_generation.is_none()
-                || live_generation != last.generation
-        }
-        None => true,
+                || live_generation != last.generation,
+        },
+        None => MustApply {
+            service: true,
+            statefulset: true,
+        },
     }
 }
 
 /// Structured config (objects, arrays, JSON values) needs `config set-all --json`.
 pub(super) const STRUCTURED_CONFIG_MIN_VERSION: (u64, u64, u64) = (3, 202, 0);
 
+/// The messages of a pod on its way (see [`not_ready`]).
+pub(super) const STS_UNOBSERVED: &str = "waiting for the StatefulSet to be observed";
+pub(super) const POD_UPDATING: &str = "the workspace pod is being updated";
+pub(super) const POD_STARTING: &str = "waiting for the workspace pod to be ready";
+
 /// Why a StatefulSet is not ready yet, or `None` when it is (PKO's rule).
 pub(super) fn not_ready(sts: &StatefulSet) -> Option<(&'static str, String)> {
     let generation = sts.metadata.generation;
     let Some(status) = &sts.status else {
-        return Some((
-            "RollingUpdate",
-            "waiting for the StatefulSet to be observed".into(),
-        ));
+        return Some(("RollingUpdate", STS_UNOBSERVED.into()));
     };
     if status.observed_generation != generation
         || status.update_revision.is_some() && status.update_revision != status.current_revision
     {
-        return Some(("RollingUpdate", "the workspace pod is being updated".into()));
+        return Some(("RollingUpdate", POD_UPDATING.into()));
     }
     if status.available_replicas.unwrap_or(0) < 1 {
-        return Some((
-            "WaitingForReplicas",
-            "waiting for the workspace pod to be ready".into(),
-        ));
+        return Some(("WaitingForReplicas", POD_STARTING.into()));
     }
     None
 }
@@ -211,25 +223,47 @@ mod tests {
     #[test]
     fn the_workload_is_applied_again_only_when_it_or_its_live_spec_changed() {
         let last = AppliedWorkload {
-            digest: 7,
+            service: 5,
+            statefulset: 7,
             generation: Some(3),
         };
-        assert!(must_apply(None, 7, Some(3), true), "nothing applied here");
-        assert!(!must_apply(Some(&last), 7, Some(3), true), "unchanged");
-        assert!(
-            must_apply(Some(&last), 8, Some(3), true),
-            "the objects changed"
+        let apply = |service, statefulset| MustApply {
+            service,
+            statefulset,
+        };
+        assert_eq!(
+            must_apply(None, 5, 7, Some(3), true),
+            apply(true, true),
+            "nothing applied here"
         );
-        assert!(
-            must_apply(Some(&last), 7, Some(4), true),
+        assert_eq!(
+            must_apply(Some(&last), 5, 7, Some(3), true),
+            apply(false, false),
+            "unchanged"
+        );
+        assert_eq!(
+            must_apply(Some(&last), 5, 8, Some(3), true),
+            apply(false, true),
+            "the pod template changed, the Service did not"
+        );
+        assert_eq!(
+            must_apply(Some(&last), 6, 7, Some(3), true),
+            apply(true, false),
+            "the Service changed"
+        );
+        assert_eq!(
+            must_apply(Some(&last), 5, 7, Some(4), true),
+            apply(false, true),
             "someone changed the spec"
         );
-        assert!(
-            must_apply(Some(&last), 7, None, true),
+        assert_eq!(
+            must_apply(Some(&last), 5, 7, None, true),
+            apply(false, true),
             "the StatefulSet is gone"
         );
-        assert!(
-            must_apply(Some(&last), 7, Some(3), false),
+        assert_eq!(
+            must_apply(Some(&last), 5, 7, Some(3), false),
+            apply(true, false),
             "the Service is gone"
         );
     }

@@ -5,7 +5,7 @@ use kube::Client;
 use kube::api::{Api, Patch, PatchParams};
 use pko_api::workspace::{Workspace, WorkspaceStatus};
 
-use super::WorkspaceError;
+use super::{WorkspaceError, rules};
 use crate::controller::keys::{
     INITIALIZATION_FAILED, INSTALLATION_FAILED, RECONCILING, WORKSPACE_STATUS_MANAGER,
 };
@@ -116,6 +116,27 @@ pub(super) fn mark_pod_not_ready(
     status.address = None;
     conditions::remove(&mut status.conditions, STALLED);
     mark_not_ready(status, false, reason, message, generation);
+}
+
+/// Whether `before` already reports the pod of `generation` on its way ([`mark_pod_not_ready`]
+/// with one of [`rules::not_ready`]'s messages, nothing stalled): a reconcile that finds the pod
+/// still on its way, with no failure to name, writes nothing. A rollout then costs one status
+/// write, not one per step (observed, updating, starting), which a reader would not act on.
+pub(super) fn pod_wait_reported(before: &WorkspaceStatus, generation: Option<i64>) -> bool {
+    let waiting = [
+        rules::STS_UNOBSERVED,
+        rules::POD_UPDATING,
+        rules::POD_STARTING,
+    ];
+    before.observed_generation == generation
+        && before.address.is_none()
+        && !conditions::is_true(&before.conditions, STALLED)
+        && conditions::is_true(&before.conditions, RECONCILING)
+        && conditions::get(&before.conditions, READY).is_some_and(|c| {
+            c.status == "False"
+                && c.observed_generation == generation
+                && waiting.contains(&c.message.as_str())
+        })
 }
 
 /// The agent was told the workspace: ready, nothing stalled or in progress.
@@ -356,5 +377,40 @@ mod tests {
             ready(&report.status).map(|r| r.1),
             Some(backoff::REASON.to_owned())
         );
+    }
+
+    #[test]
+    fn a_pod_on_its_way_is_reported_once_per_generation() {
+        let mut updating = WorkspaceStatus {
+            observed_generation: Some(2),
+            ..WorkspaceStatus::default()
+        };
+        mark_pod_not_ready(&mut updating, "RollingUpdate", rules::POD_UPDATING, Some(2));
+        assert!(pod_wait_reported(&updating, Some(2)));
+        // A new generation, an init failure named, a stall, or a ready pod: written again.
+        assert!(!pod_wait_reported(&updating, Some(3)));
+        let mut failed = updating.clone();
+        mark_pod_not_ready(
+            &mut failed,
+            "WaitingForReplicas",
+            "init container x failed",
+            Some(2),
+        );
+        assert!(!pod_wait_reported(&failed, Some(2)));
+        let mut stalled = updating.clone();
+        mark_not_ready(
+            &mut stalled,
+            true,
+            "SpecInvalid",
+            rules::POD_UPDATING,
+            Some(2),
+        );
+        assert!(!pod_wait_reported(&stalled, Some(2)));
+        let mut ready = updating.clone();
+        mark_ready(&mut ready, Some(2));
+        assert!(!pod_wait_reported(&ready, Some(2)));
+        let mut reached = updating;
+        reached.address = Some("a:1".into());
+        assert!(!pod_wait_reported(&reached, Some(2)));
     }
 }
