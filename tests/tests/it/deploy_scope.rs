@@ -133,13 +133,13 @@ fn example_install(release_ns: &str, watched: &[&str]) -> Vec<Value> {
 fn apply_chart_rbac(plane: &ControlPlane, rendered: &[Value], watched: &[&str]) {
     let objects: Vec<Value> = rendered
         .iter()
-        .cloned()
         .filter(|o| {
             matches!(
                 o["kind"].as_str(),
                 Some("ServiceAccount" | "Role" | "RoleBinding")
             )
         })
+        .cloned()
         .collect();
     assert!(
         objects.iter().filter(|o| o["kind"] == "Role").count() >= watched.len() + 2,
