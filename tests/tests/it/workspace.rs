@@ -537,18 +537,17 @@ async fn a_ready_workspace_is_not_applied_again_until_its_workload_is_changed() 
     .unwrap_or_else(|e| panic!("{e}\n{}", operator.log_text()));
 
     let services: Api<Service> = Api::namespaced(plane.client(), &ns);
+    let deleted_uid = services.get(name).await.expect("the Service").metadata.uid;
     services
         .delete(name, &Default::default())
         .await
         .expect("delete the Service");
-    wait_for("the Service gone", WAIT, || async {
-        services.get_opt(name).await.ok()?.is_none().then_some(())
-    })
-    .await
-    .expect("deleted");
+    // A reconcile already on its way (the pod is starting again) may make it again before any
+    // read sees it gone: the new uid is what tells.
     poke(3).await;
     wait_for("the Service made again", WAIT, || async {
-        services.get_opt(name).await.ok()?.map(|_| ())
+        let made = services.get_opt(name).await.ok()??;
+        (made.metadata.uid != deleted_uid).then_some(())
     })
     .await
     .unwrap_or_else(|e| panic!("{e}\n{}", operator.log_text()));
