@@ -12,6 +12,7 @@ use super::{Agent, args, check_name};
 use crate::proto as pb;
 use crate::proto::automation_service_server::AutomationService;
 use crate::pulumi::{Output, tail};
+use pko_agent_api::errors::{PLAN_NOT_FOUND, with_error_info};
 
 #[tonic::async_trait]
 impl AutomationService for Agent {
@@ -188,6 +189,15 @@ impl AutomationService for Agent {
         push_each(&mut a, "target", &req.target);
         push_flag(&mut a, "target-dependents", req.target_dependents);
         push_flag(&mut a, "refresh", req.refresh);
+        if let Some(id) = req.save_plan.as_deref() {
+            let path = self.plan_path(id)?;
+            if let Some(dir) = path.parent() {
+                tokio::fs::create_dir_all(dir)
+                    .await
+                    .map_err(|e| Status::internal(format!("creating {}: {e}", dir.display())))?;
+            }
+            a.push(format!("--save-plan={}", path.display()));
+        }
         self.operation(
             "preview",
             a,
@@ -275,6 +285,22 @@ impl AutomationService for Agent {
         push_flag(&mut a, "target-dependents", req.target_dependents);
         push_flag(&mut a, "refresh", req.refresh);
         push_flag(&mut a, "continue-on-error", req.continue_on_error);
+        if let Some(id) = req.plan.as_deref() {
+            let path = self.plan_path(id)?;
+            let held = tokio::fs::metadata(&path).await.is_ok_and(|m| m.is_file());
+            if !held {
+                let message = format!(
+                    "no update plan {id:?} in this workspace (the agent restarted since the preview that saved it); nothing was run"
+                );
+                return Err(with_error_info(
+                    tonic::Code::FailedPrecondition,
+                    message,
+                    0,
+                    PLAN_NOT_FOUND,
+                ));
+            }
+            a.push(format!("--plan={}", path.display()));
+        }
         self.operation(
             "up",
             a,
@@ -375,6 +401,19 @@ impl AutomationService for Agent {
         Ok(self.respond(pb::PulumiVersionResult {
             version: version.clone(),
         }))
+    }
+}
+
+impl Agent {
+    /// The file of the update plan `id`, a checked name (it becomes a file name).
+    fn plan_path(&self, id: &str) -> Result<std::path::PathBuf, Status> {
+        check_name("plan", id)?;
+        if id.contains('/') || id.starts_with('.') {
+            return Err(Status::invalid_argument(format!(
+                "plan {id:?} is not a valid plan ID"
+            )));
+        }
+        Ok(self.inner.cli.plan_path(id))
     }
 }
 

@@ -11,7 +11,7 @@ use kube::runtime::events::EventType;
 use kube::{Client, ResourceExt};
 use pko_agent_api::proto as pb;
 use pko_api::common::ProjectInfo;
-use pko_api::update::{ResourceChanges, Update, UpdateStatus, UpdateType};
+use pko_api::update::{PlanSummary, ResourceChanges, Update, UpdateStatus, UpdateType};
 use tracing::{info, warn};
 
 use super::{
@@ -34,6 +34,8 @@ pub(super) struct Outcome {
     pub(super) outputs: Option<HashMap<String, pb::OutputValue>>,
     /// What a preview-only refresh found changed.
     pub(super) changes: Option<ResourceChanges>,
+    /// What the plan a preview saved would do.
+    pub(super) plan: Option<PlanSummary>,
 }
 
 impl Outcome {
@@ -47,6 +49,7 @@ impl Outcome {
             project: None,
             outputs: None,
             changes: None,
+            plan: None,
         }
     }
 }
@@ -174,6 +177,9 @@ pub(super) async fn apply_outcome(
         }
     }
     status.permalink = outcome.permalink.clone().or(status.permalink.take());
+    if outcome.plan.is_some() {
+        status.plan = outcome.plan.clone();
+    }
     if outcome.changes.is_some() {
         status.changes = outcome.changes.clone();
     }
