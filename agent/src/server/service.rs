@@ -407,13 +407,30 @@ impl AutomationService for Agent {
 impl Agent {
     /// The file of the update plan `id`, a checked name (it becomes a file name).
     fn plan_path(&self, id: &str) -> Result<std::path::PathBuf, Status> {
-        check_name("plan", id)?;
-        if id.contains('/') || id.starts_with('.') {
-            return Err(Status::invalid_argument(format!(
-                "plan {id:?} is not a valid plan ID"
-            )));
-        }
+        check_plan_id(id)?;
         Ok(self.inner.cli.plan_path(id))
+    }
+}
+
+/// Longest plan ID: with `.json` it stays a file name (255 bytes on Linux file systems).
+const MAX_PLAN_ID: usize = 240;
+
+/// A plan ID is one file name in the plans directory: letters, digits, '-', '_' and '.', not
+/// starting with '.' or '-' (no `..`, no hidden file, no flag), at most [`MAX_PLAN_ID`] bytes.
+fn check_plan_id(id: &str) -> Result<(), Status> {
+    let ok = !id.is_empty()
+        && id.len() <= MAX_PLAN_ID
+        && !id.starts_with(['.', '-'])
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(Status::invalid_argument(format!(
+            "plan {:?} is not a valid plan ID: at most {MAX_PLAN_ID} letters, digits, '-', '_' and '.', not starting with '.' or '-'",
+            crate::limits::truncate(id, 64)
+        )))
     }
 }
 
@@ -432,5 +449,32 @@ fn push_flag(out: &mut Vec<String>, flag: &str, on: Option<bool>) {
 fn push_each(out: &mut Vec<String>, flag: &str, values: &[String]) {
     for v in values {
         out.push(format!("--{flag}={v}"));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_plan_id_is_one_plain_file_name() {
+        for good in ["s-18c3f", "stack_1.2", &"a".repeat(MAX_PLAN_ID)] {
+            assert!(check_plan_id(good).is_ok(), "{good}");
+        }
+        for bad in [
+            "",
+            ".",
+            "..",
+            ".hidden",
+            "-flag",
+            "a/b",
+            "../etc/passwd",
+            "a b",
+            "a\0b",
+            "é",
+            &"a".repeat(MAX_PLAN_ID + 1),
+        ] {
+            assert!(check_plan_id(bad).is_err(), "{bad:?}");
+        }
     }
 }

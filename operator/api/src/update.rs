@@ -95,8 +95,10 @@ pub struct UpdateSpec {
     /// --plan`), so it does only what the preview showed, and fails without running when the
     /// workspace no longer holds it (reason `PlanNotFound`). Only an agent that lists the
     /// `update-plans` feature runs it; with another the Update fails (`PlansUnsupported`).
+    /// An ID (at most 240 characters, so that it stays a file name in the agent) of a DNS
+    /// subdomain's characters.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(min = 1, max = 253), regex(pattern = crate::names::DNS1123_SUBDOMAIN))]
+    #[schemars(length(min = 1, max = 240), regex(pattern = crate::names::DNS1123_SUBDOMAIN))]
     pub plan: Option<String>,
 }
 
@@ -187,10 +189,17 @@ pub struct PlanSummary {
     /// `same`, ...), as the engine names them.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub counts: std::collections::BTreeMap<String, i64>,
-    /// The first changes (at most 20), each `<operation> <urn>`; `same` is not listed.
+    /// The first changes (at most 20), each `<operation> <urn>`; `same`, `refresh` and `read`
+    /// (no change of a resource) are not listed.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "atomic"))]
     pub changes: Vec<String>,
+}
+
+/// Whether an engine operation changes a resource: `same`, and the `refresh` and `read` of a
+/// preview that refreshes first, do not.
+pub fn is_change(op: &str) -> bool {
+    !matches!(op, "same" | "refresh" | "read")
 }
 
 /// Resources an operation found changed (pko-rs only).

@@ -409,3 +409,24 @@ async fn drift_on_a_gated_stack_makes_a_plan_awaiting_approval() {
         .expect("deployed");
     assert_eq!(data(&cm).as_deref(), Some("declared"));
 }
+
+/// `approval: {required: false}` turns the gate off: the stack runs its up at once, with no
+/// plan, no `PlanApproved` condition and no `status.approval`, as a stack without the field.
+#[tokio::test]
+async fn a_gate_turned_off_runs_ups_as_without_it() {
+    let _machine = pko_tests::serial::shared().await;
+    let env = Env::start("approval-off").await;
+    env.stack("open", json!({"approval": {"required": false}}))
+        .await;
+    let up = env.up_after("open", None).await;
+    assert_eq!(up.spec.plan, None, "no plan");
+    let found = env.config_maps().await;
+    assert_eq!(found.len(), 1, "{found:?}");
+    let status = env.status("open").await.expect("status");
+    assert!(gate(&status).is_none(), "{status:?}");
+    assert_eq!(status.approval, None);
+    assert!(
+        env.updates("open", UpdateType::Preview).await.is_empty(),
+        "no plan was made"
+    );
+}

@@ -13,6 +13,8 @@
 use pko_api::stack::{ApprovalStatus, Stack};
 use pko_api::update::PlanSummary;
 
+use crate::controller::conditions;
+
 pub(super) use crate::controller::keys::{
     APPROVE_PLAN_ANNOTATION as ANNOTATION, PLAN_APPROVED as CONDITION,
     PLAN_APPROVED_REASON as APPROVED, PLAN_AWAITING as AWAITING, PLAN_FAILED as FAILED,
@@ -21,6 +23,9 @@ pub(super) use crate::controller::keys::{
 
 /// Changes a condition message names at most.
 const MESSAGE_CHANGES: usize = 5;
+/// Bytes of an approval's value a message repeats: the annotation is the tenant's text, up to
+/// the apiserver's 256 KiB of annotations.
+const SHOWN_ID: usize = 64;
 
 /// Whether the stack's ups wait for approval.
 pub(super) fn gated(stack: &Stack) -> bool {
@@ -151,7 +156,7 @@ pub(super) fn describe(summary: &PlanSummary) -> String {
     let counts: Vec<String> = summary
         .counts
         .iter()
-        .filter(|(op, _)| op.as_str() != "same")
+        .filter(|(op, _)| pko_api::update::is_change(op))
         .map(|(op, n)| format!("{op}: {n}"))
         .collect();
     if counts.is_empty() {
@@ -208,6 +213,7 @@ pub(super) fn condition(
         }
         Step::Apply(_) => (APPROVED, format!("plan {id} approved: the up runs it")),
     };
+    let message = conditions::truncate(&message, conditions::MESSAGE_LIMIT);
     let Some(other) = approved.filter(|a| *a != id) else {
         return (reason, message);
     };
@@ -217,9 +223,11 @@ pub(super) fn condition(
         _ if plan.applied.as_deref() == Some(other) => return (reason, message),
         _ => "it is not the current plan (the stack changed since it was made)",
     };
+    let other = conditions::truncate(other, SHOWN_ID);
+    let message = format!("the approval of plan {other} was refused: {why}; {message}");
     (
         REFUSED,
-        format!("the approval of plan {other} was refused: {why}; {message}"),
+        conditions::truncate(&message, conditions::MESSAGE_LIMIT),
     )
 }
 
@@ -443,6 +451,11 @@ mod tests {
         };
         let (reason, _) = condition(&ran, &Step::Await, Some("s-0"), &hint);
         assert_eq!(reason, AWAITING);
+        let refreshed = PlanSummary {
+            counts: BTreeMap::from([("refresh".into(), 2), ("same".into(), 1), ("update".into(), 1)]),
+            changes: vec!["update urn:cm".into()],
+        };
+        assert_eq!(describe(&refreshed), "update: 1 (update urn:cm)");
         let many = PlanSummary {
             counts: BTreeMap::from([("create".into(), 7)]),
             changes: (0..7).map(|i| format!("create urn:{i}")).collect(),
@@ -452,5 +465,20 @@ mod tests {
             "create: 7 (create urn:0, create urn:1, create urn:2, create urn:3, create urn:4, …)"
         );
         assert_eq!(describe(&PlanSummary::default()), "no resource changes");
+    }
+
+    #[test]
+    fn a_huge_approval_or_failure_is_cut_in_the_message() {
+        let made = plan(true);
+        let hint = how_to_approve("s", "ns", "s-1");
+        let huge = "x".repeat(200_000);
+        let (reason, message) = condition(&made, &Step::Await, Some(&huge), &hint);
+        assert_eq!(reason, REFUSED);
+        assert!(message.len() <= conditions::MESSAGE_LIMIT + 3, "{}", message.len());
+        assert!(message.starts_with(&format!("the approval of plan {}… was refused", "x".repeat(SHOWN_ID))), "{message}");
+        let failed = Step::Failed("y".repeat(10_000));
+        let (reason, message) = condition(&made, &failed, None, &hint);
+        assert_eq!(reason, FAILED);
+        assert!(message.len() <= conditions::MESSAGE_LIMIT + 3, "{}", message.len());
     }
 }

@@ -396,7 +396,9 @@ impl<'a> Run<'a> {
     }
 
     /// Starts a plan: a preview that saves its update plan under its own name (the plan ID).
-    /// One already in flight (the status write after its create was lost) is adopted.
+    /// One already in flight (the status write after its create was lost) is adopted, but
+    /// what it was made on is not known: it is recorded as made on nothing, so it is never run
+    /// and a new plan follows it (one operation at a time).
     async fn make_plan(
         &mut self,
         applied: &Workspace,
@@ -408,8 +410,8 @@ impl<'a> Run<'a> {
             u.spec.type_ == Some(UpdateType::Preview)
                 && u.spec.plan.as_deref() == Some(u.name_any().as_str())
         });
-        let name = match in_flight {
-            Some(u) => u.name_any(),
+        let (name, adopted) = match in_flight {
+            Some(u) => (u.name_any(), true),
             None => {
                 let name = format!("{}-{:x}", self.name, Timestamp::now().as_millisecond());
                 let mut update = update::object(&update::Request {
@@ -432,15 +434,15 @@ impl<'a> Run<'a> {
                     return Err(self.refused(e, "Update").await);
                 }
                 info!(stack = %self.name, plan = %name, %why, "plan started");
-                name
+                (name, false)
             }
         };
         let previous = self.status.approval.take().unwrap_or_default();
         self.status.approval = Some(ApprovalStatus {
             plan_id: Some(name),
-            commit: Some(commit.to_owned()),
-            generation: self.generation,
-            reconcile_request: self.request.clone(),
+            commit: (!adopted).then(|| commit.to_owned()),
+            generation: self.generation.filter(|_| !adopted),
+            reconcile_request: self.request.clone().filter(|_| !adopted),
             reason: Some(why.to_owned()),
             remediation: remediating.then_some(true),
             applied: previous.applied,

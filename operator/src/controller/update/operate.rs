@@ -103,7 +103,7 @@ impl EventDigest {
                 ctx.event(update, EventType::Normal, "ResourceChanged", note)
                     .await;
             }
-            if op != "same" && self.planned.len() < MAX_CHANGED_RESOURCES {
+            if pko_api::update::is_change(&op) && self.planned.len() < MAX_CHANGED_RESOURCES {
                 let urn = meta["urn"].as_str().unwrap_or_default();
                 self.planned.push(format!("{op} {urn}"));
             }
