@@ -452,7 +452,11 @@ mod tests {
         let (reason, _) = condition(&ran, &Step::Await, Some("s-0"), &hint);
         assert_eq!(reason, AWAITING);
         let refreshed = PlanSummary {
-            counts: BTreeMap::from([("refresh".into(), 2), ("same".into(), 1), ("update".into(), 1)]),
+            counts: BTreeMap::from([
+                ("refresh".into(), 2),
+                ("same".into(), 1),
+                ("update".into(), 1),
+            ]),
             changes: vec!["update urn:cm".into()],
         };
         assert_eq!(describe(&refreshed), "update: 1 (update urn:cm)");
@@ -474,11 +478,25 @@ mod tests {
         let huge = "x".repeat(200_000);
         let (reason, message) = condition(&made, &Step::Await, Some(&huge), &hint);
         assert_eq!(reason, REFUSED);
-        assert!(message.len() <= conditions::MESSAGE_LIMIT + 3, "{}", message.len());
-        assert!(message.starts_with(&format!("the approval of plan {}… was refused", "x".repeat(SHOWN_ID))), "{message}");
+        assert!(
+            message.len() <= conditions::MESSAGE_LIMIT + 3,
+            "{}",
+            message.len()
+        );
+        assert!(
+            message.starts_with(&format!(
+                "the approval of plan {}… was refused",
+                "x".repeat(SHOWN_ID)
+            )),
+            "{message}"
+        );
         let failed = Step::Failed("y".repeat(10_000));
         let (reason, message) = condition(&made, &failed, None, &hint);
         assert_eq!(reason, FAILED);
-        assert!(message.len() <= conditions::MESSAGE_LIMIT + 3, "{}", message.len());
+        assert!(
+            message.len() <= conditions::MESSAGE_LIMIT + 3,
+            "{}",
+            message.len()
+        );
     }
 }
