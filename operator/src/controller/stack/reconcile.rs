@@ -324,15 +324,29 @@ impl<'a> Run<'a> {
             }
             Step::Wait | Step::Await | Step::Failed(_) => None,
         };
-        let plan = self.status.approval.clone().unwrap_or_default();
-        let id = plan.plan_id.clone().unwrap_or_default();
-        let hint = approval::how_to_approve(&self.name, &self.namespace, &id);
         // After a new plan, the condition speaks of it: its preview runs.
         let shown = match step {
             Step::Plan { .. } => Step::Wait,
             other => other,
         };
-        let (reason, message) = approval::condition(&plan, &shown, approved.as_deref(), &hint);
+        let message = self.show_gate(&shown, approved.as_deref()).await;
+        if let Some(outcome) = outcome {
+            return Ok(outcome);
+        }
+        Ok(match shown {
+            Step::Failed(_) => Outcome::stalled(approval::FAILED, message),
+            Step::Await => Outcome::reconciling(approval::AWAITING, message),
+            _ => Outcome::reconciling("StackProcessing", message).after(UPDATE_POLL),
+        })
+    }
+
+    /// Sets the `PlanApproved` condition for the gate's `shown` step, with an Event when it
+    /// says something new a user must act on; returns its message.
+    async fn show_gate(&mut self, shown: &Step, approved: Option<&str>) -> String {
+        let plan = self.status.approval.clone().unwrap_or_default();
+        let id = plan.plan_id.clone().unwrap_or_default();
+        let hint = approval::how_to_approve(&self.name, &self.namespace, &id);
+        let (reason, message) = approval::condition(&plan, shown, approved, &hint);
         let before = conditions::get(&self.status.conditions, approval::CONDITION)
             .map(|c| (c.reason.clone(), c.message.clone()));
         let news = before.as_ref() != Some(&(reason.to_owned(), message.clone()));
@@ -354,14 +368,7 @@ impl<'a> Run<'a> {
             };
             self.event(type_, reason, message.clone()).await;
         }
-        if let Some(outcome) = outcome {
-            return Ok(outcome);
-        }
-        Ok(match shown {
-            Step::Failed(_) => Outcome::stalled(approval::FAILED, message),
-            Step::Await => Outcome::reconciling(approval::AWAITING, message),
-            _ => Outcome::reconciling("StackProcessing", message).after(UPDATE_POLL),
-        })
+        message
     }
 
     /// Where the preview of plan `id` stands.

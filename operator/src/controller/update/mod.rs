@@ -427,12 +427,9 @@ async fn reconcile_inner(
     };
     let client = match connected {
         Ok((_, AgentCheck::Initialized(features)))
-            if unsupported_preview_only(&update, features) =>
+            if missing_feature(&update, features).is_some() =>
         {
-            return refuse_preview_only(&ctx, &current, &ws_name).await;
-        }
-        Ok((_, AgentCheck::Initialized(features))) if unsupported_plan(&update, features) => {
-            return refuse_plan(&ctx, &current, &ws_name).await;
+            return refuse_unsupported(&ctx, &current, &update, features, &ws_name).await;
         }
         Ok((client, AgentCheck::Initialized(_))) => client,
         Ok((_, AgentCheck::NotInitialized(message))) => {
@@ -570,50 +567,53 @@ fn refusal(update: &Update) -> Option<(&'static str, &'static str)> {
     None
 }
 
-/// Fails an Update with an update plan whose agent cannot save or run one, before anything
-/// runs: PKO's agent would ignore the plan, and an up would run what nobody approved.
-async fn refuse_plan(
-    ctx: &UpdateContext,
-    current: &Current,
-    ws_name: &str,
-) -> Result<Action, UpdateError> {
-    let mut status = current.before.clone();
-    status.observed_generation = current.generation;
-    finish(
-        &mut status,
-        current.generation,
-        false,
-        PLANS_UNSUPPORTED,
-        &format!(
-            "spec.plan: the agent of workspace {ws_name} does not list the {:?} feature (PKO's agent, or an older one); nothing was run",
-            pko_agent_api::features::UPDATE_PLANS
-        ),
-    );
-    current.write(ctx, &status).await?;
-    Ok(Action::await_change())
-}
-
 /// An update plan asked of an agent that does not list the feature.
 fn unsupported_plan(update: &Update, features: Features) -> bool {
     update.spec.plan.is_some() && !features.update_plans
 }
 
-/// Fails a preview-only refresh whose agent cannot run one, before anything runs.
-async fn refuse_preview_only(
+/// What the Update asks of its agent that the agent does not list (PKO's agent, or an older
+/// one): the reason and message it fails with, before anything runs. Sent anyway, the unknown
+/// field would be ignored: a preview-only refresh would write the state, and an up would run
+/// what nobody approved.
+fn missing_feature(update: &Update, features: Features) -> Option<(&'static str, &'static str)> {
+    if unsupported_preview_only(update, features) {
+        return Some((
+            PREVIEW_ONLY_UNSUPPORTED,
+            pko_agent_api::features::REFRESH_PREVIEW_ONLY,
+        ));
+    }
+    if unsupported_plan(update, features) {
+        return Some((PLANS_UNSUPPORTED, pko_agent_api::features::UPDATE_PLANS));
+    }
+    None
+}
+
+/// Fails an Update whose agent lacks a feature it needs ([`missing_feature`]).
+async fn refuse_unsupported(
     ctx: &UpdateContext,
     current: &Current,
+    update: &Update,
+    features: Features,
     ws_name: &str,
 ) -> Result<Action, UpdateError> {
+    let Some((reason, feature)) = missing_feature(update, features) else {
+        return Ok(Action::await_change());
+    };
+    let field = if reason == PLANS_UNSUPPORTED {
+        "spec.plan"
+    } else {
+        "spec.previewOnly"
+    };
     let mut status = current.before.clone();
     status.observed_generation = current.generation;
     finish(
         &mut status,
         current.generation,
         false,
-        PREVIEW_ONLY_UNSUPPORTED,
+        reason,
         &format!(
-            "spec.previewOnly: the agent of workspace {ws_name} does not list the {:?} feature (PKO's agent, or an older one), so it could only run a refresh that writes the state; nothing was run",
-            pko_agent_api::features::REFRESH_PREVIEW_ONLY
+            "{field}: the agent of workspace {ws_name} does not list the {feature:?} feature (PKO's agent, or an older one); nothing was run"
         ),
     );
     current.write(ctx, &status).await?;

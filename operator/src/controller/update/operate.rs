@@ -239,24 +239,7 @@ async fn run_operation(
     digest: &mut EventDigest,
 ) -> Result<Outcome, tonic::Status> {
     let spec = &update.spec;
-    let ok = |summary: Option<pb::UpdateSummary>, permalink, project| {
-        let succeeded = summary.as_ref().is_none_or(|s| s.result == "succeeded");
-        Outcome {
-            succeeded,
-            reason: if succeeded {
-                "UpdateSucceeded".into()
-            } else {
-                "UpdateFailed".into()
-            },
-            message: String::new(),
-            summary,
-            permalink,
-            project,
-            outputs: None,
-            changes: None,
-            plan: None,
-        }
-    };
+    let ok = Outcome::ended;
     match spec.type_.unwrap_or(UpdateType::Up) {
         UpdateType::Preview => {
             let r = stream_op!(

@@ -39,6 +39,30 @@ pub(super) struct Outcome {
 }
 
 impl Outcome {
+    /// An operation the agent ran to its end: succeeded unless its summary says otherwise.
+    pub(super) fn ended(
+        summary: Option<pb::UpdateSummary>,
+        permalink: Option<String>,
+        project: Option<pb::ProjectInfo>,
+    ) -> Self {
+        let succeeded = summary.as_ref().is_none_or(|s| s.result == "succeeded");
+        Self {
+            succeeded,
+            reason: if succeeded {
+                "UpdateSucceeded".into()
+            } else {
+                "UpdateFailed".into()
+            },
+            message: String::new(),
+            summary,
+            permalink,
+            project,
+            outputs: None,
+            changes: None,
+            plan: None,
+        }
+    }
+
     pub(super) fn failed(reason: &str, message: String) -> Self {
         Self {
             succeeded: false,
