@@ -169,6 +169,12 @@ impl Cli {
         &self.workdir
     }
 
+    /// Where the update plan saved under `id` is kept: with the event logs, so it lasts as long
+    /// as this agent process (a restarted agent holds no plan).
+    pub fn plan_path(&self, id: &str) -> PathBuf {
+        self.state_dir.join("plans").join(format!("{id}.json"))
+    }
+
     #[allow(unsafe_code, reason = "a pre_exec hook; see SAFETY")]
     fn command(&self, args: &[String]) -> tokio::process::Command {
         let mut cmd = tokio::process::Command::new(&self.program);
@@ -193,6 +199,7 @@ impl Cli {
             )
             // `--event-log` is offered only with debug commands on (the Automation API sets it too).
             .env("PULUMI_DEBUG_COMMANDS", "true")
+            .envs(experimental(args))
             .envs(self.env.iter().map(|(k, v)| (k, v)))
             .envs(self.pushed_env())
             .stdin(Stdio::null())
@@ -364,6 +371,15 @@ fn failed(command: String, status: String, output: Output) -> PulumiError {
         stdout: output.stdout,
         stderr: output.stderr,
     }
+}
+
+/// `PULUMI_EXPERIMENTAL=true` for an up that runs an update plan: the CLI (v3.274) offers
+/// `up --plan` only then (`preview --save-plan` is offered without it). Other commands run
+/// without it.
+fn experimental(args: &[String]) -> Option<(&'static str, &'static str)> {
+    args.iter()
+        .any(|a| a.starts_with("--plan="))
+        .then_some(("PULUMI_EXPERIMENTAL", "true"))
 }
 
 /// The last `max` bytes of `s` (on a char boundary), trimmed.
@@ -568,6 +584,22 @@ pub fn redacted(args: &[String]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_an_up_with_a_plan_runs_experimental() {
+        let args = |a: &[&str]| a.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+        assert_eq!(
+            experimental(&args(&["up", "--yes", "--plan=/s/plans/p.json"])),
+            Some(("PULUMI_EXPERIMENTAL", "true"))
+        );
+        assert_eq!(
+            experimental(&args(&["preview", "--save-plan=/s/plans/p.json"])),
+            None
+        );
+        assert_eq!(experimental(&args(&["up", "--yes"])), None);
+        let cli = Cli::new("pulumi".into(), "/w".into(), "/s".into());
+        assert_eq!(cli.plan_path("s-1"), PathBuf::from("/s/plans/s-1.json"));
+    }
 
     /// An event log holding an event line over the bound between two ordinary ones: the
     /// ordinary ones arrive, the long one is a warning saying its size.

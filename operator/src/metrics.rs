@@ -133,13 +133,16 @@ pub enum StackSeries {
         reconciling: Family<StackLabels, Gauge>,
         /// `stacks_drifted{namespace,name}` (pko-rs): the last drift check found changes.
         drifted: Family<StackLabels, Gauge>,
+        /// `stacks_awaiting_approval{namespace,name}` (pko-rs): a plan awaits approval.
+        awaiting_approval: Family<StackLabels, Gauge>,
     },
-    /// `stacks_failing`, `stacks_reconciling` and `stacks_drifted` without labels: how many
-    /// Stacks are.
+    /// `stacks_failing`, `stacks_reconciling`, `stacks_drifted` and
+    /// `stacks_awaiting_approval` without labels: how many Stacks are.
     Counted {
         failing: Gauge,
         reconciling: Gauge,
         drifted: Gauge,
+        awaiting_approval: Gauge,
     },
 }
 
@@ -262,10 +265,17 @@ impl Metrics {
                     "1 for each stack whose last drift check found resources changed outside Pulumi (DriftDetected=True), 0 otherwise",
                     drifted.clone(),
                 );
+                let awaiting_approval = Family::<StackLabels, Gauge>::default();
+                registry.register(
+                    "stacks_awaiting_approval",
+                    "1 for each stack whose plan awaits approval (spec.approval; PlanApproved=False, reason AwaitingApproval or ApprovalRefused), 0 otherwise",
+                    awaiting_approval.clone(),
+                );
                 StackSeries::PerStack {
                     failing,
                     reconciling,
                     drifted,
+                    awaiting_approval,
                 }
             }
             ObjectLabels::None => {
@@ -287,10 +297,17 @@ impl Metrics {
                     "Number of stacks whose last drift check found resources changed outside Pulumi",
                     drifted.clone(),
                 );
+                let awaiting_approval = Gauge::default();
+                registry.register(
+                    "stacks_awaiting_approval",
+                    "Number of stacks whose plan awaits approval (spec.approval)",
+                    awaiting_approval.clone(),
+                );
                 StackSeries::Counted {
                     failing,
                     reconciling,
                     drifted,
+                    awaiting_approval,
                 }
             }
         };

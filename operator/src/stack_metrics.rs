@@ -1,5 +1,6 @@
 //! PKO's Stack gauges (`stacks_active`, `stacks_failing`, `stacks_reconciling`) and pko-rs's
-//! `stacks_drifted` (`DriftDetected=True`), fed by a Stack watch on every replica.
+//! `stacks_drifted` (`DriftDetected=True`) and `stacks_awaiting_approval` (a plan awaits
+//! approval), fed by a Stack watch on every replica.
 //!
 //! Every replica (not only the leader) runs this watch, like the Program watch behind
 //! `programs_active`, so any replica's `/metrics` answers and a scrape of the Service never sees
@@ -24,6 +25,7 @@ use kube::runtime::watcher;
 use serde_json::Value;
 use tracing::warn;
 
+use crate::controller::keys::{PLAN_APPROVED, PLAN_AWAITING, PLAN_REFUSED};
 use crate::metrics::{Metrics, StackLabels, StackSeries};
 use crate::runtime_metrics::CreatedLabels;
 
@@ -36,6 +38,8 @@ pub struct StackFlags {
     pub reconciling: bool,
     /// A `DriftDetected` condition with status `True`.
     pub drifted: bool,
+    /// A `PlanApproved` condition saying a plan awaits approval.
+    pub awaiting_approval: bool,
 }
 
 impl StackFlags {
@@ -48,6 +52,19 @@ impl StackFlags {
             .pointer("/lastUpdate/state")
             .and_then(Value::as_str)
             .is_some_and(|state| state == "failed");
+        let condition = |type_: &str| {
+            status
+                .get("conditions")
+                .and_then(Value::as_array)
+                .and_then(|conditions| {
+                    conditions
+                        .iter()
+                        .find(|c| c.get("type").and_then(Value::as_str) == Some(type_))
+                })
+        };
+        let awaiting_approval = condition(PLAN_APPROVED)
+            .and_then(|c| c.get("reason").and_then(Value::as_str))
+            .is_some_and(|reason| reason == PLAN_AWAITING || reason == PLAN_REFUSED);
         let is_true = |type_: &str| {
             status
                 .get("conditions")
@@ -63,6 +80,7 @@ impl StackFlags {
             failing,
             reconciling: is_true("Reconciling"),
             drifted: is_true("DriftDetected"),
+            awaiting_approval,
         }
     }
 }
@@ -94,22 +112,30 @@ impl StackGauges {
                 failing,
                 reconciling,
                 drifted,
+                awaiting_approval,
             } => {
                 failing.get_or_create(&labels).set(i64::from(flags.failing));
                 reconciling
                     .get_or_create(&labels)
                     .set(i64::from(flags.reconciling));
                 drifted.get_or_create(&labels).set(i64::from(flags.drifted));
+                awaiting_approval
+                    .get_or_create(&labels)
+                    .set(i64::from(flags.awaiting_approval));
             }
             StackSeries::Counted {
                 failing,
                 reconciling,
                 drifted,
+                awaiting_approval,
             } => {
                 let before = self.known.get(&labels).copied().unwrap_or_default();
                 failing.inc_by(i64::from(flags.failing) - i64::from(before.failing));
                 reconciling.inc_by(i64::from(flags.reconciling) - i64::from(before.reconciling));
                 drifted.inc_by(i64::from(flags.drifted) - i64::from(before.drifted));
+                awaiting_approval.inc_by(
+                    i64::from(flags.awaiting_approval) - i64::from(before.awaiting_approval),
+                );
             }
         }
         if let (Some(created), Some(at)) = (
@@ -139,19 +165,23 @@ impl StackGauges {
                 failing,
                 reconciling,
                 drifted,
+                awaiting_approval,
             } => {
                 failing.remove(labels);
                 reconciling.remove(labels);
                 drifted.remove(labels);
+                awaiting_approval.remove(labels);
             }
             StackSeries::Counted {
                 failing,
                 reconciling,
                 drifted,
+                awaiting_approval,
             } => {
                 failing.dec_by(i64::from(before.failing));
                 reconciling.dec_by(i64::from(before.reconciling));
                 drifted.dec_by(i64::from(before.drifted));
+                awaiting_approval.dec_by(i64::from(before.awaiting_approval));
             }
         }
     }
@@ -335,6 +365,37 @@ mod tests {
         gauges.observe(&watcher::Event::Delete(stack("ns", "a", json!({}))));
         let text = metrics.encode().expect("encode");
         assert!(text.contains("stacks_drifted 1"), "{text}");
+    }
+
+    #[test]
+    fn awaiting_approval_follows_the_plan_approved_condition() {
+        let gate = |status: &str, reason: &str| json!({"conditions": [{"type": "PlanApproved", "status": status, "reason": reason}]});
+        assert!(StackFlags::of(Some(&gate("False", "AwaitingApproval"))).awaiting_approval);
+        assert!(StackFlags::of(Some(&gate("False", "ApprovalRefused"))).awaiting_approval);
+        assert!(!StackFlags::of(Some(&gate("False", "Planning"))).awaiting_approval);
+        assert!(!StackFlags::of(Some(&gate("True", "Approved"))).awaiting_approval);
+        assert!(!StackFlags::of(Some(&json!({}))).awaiting_approval);
+
+        let metrics = Metrics::new();
+        let mut gauges = StackGauges::new(metrics.clone());
+        let awaiting = gate("False", "AwaitingApproval");
+        gauges.observe(&watcher::Event::Apply(stack("ns", "a", awaiting.clone())));
+        let text = metrics.encode().expect("encode");
+        assert!(
+            text.contains("stacks_awaiting_approval{namespace=\"ns\",name=\"a\"} 1"),
+            "{text}"
+        );
+        let metrics = Metrics::with_extra(ObjectLabels::None, |_| {});
+        let mut gauges = StackGauges::new(metrics.clone());
+        gauges.observe(&watcher::Event::Apply(stack("ns", "a", awaiting.clone())));
+        gauges.observe(&watcher::Event::Apply(stack("ns", "b", awaiting)));
+        gauges.observe(&watcher::Event::Apply(stack(
+            "ns",
+            "a",
+            gate("True", "Approved"),
+        )));
+        let text = metrics.encode().expect("encode");
+        assert!(text.contains("stacks_awaiting_approval 1"), "{text}");
     }
 
     #[test]

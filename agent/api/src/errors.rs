@@ -9,6 +9,10 @@ use crate::proto as pb;
 /// Reason of the `PulumiErrorInfo` of an answer over the message limit.
 pub const RESPONSE_TOO_LARGE: &str = "ResponseTooLarge";
 
+/// Reason of the `PulumiErrorInfo` of an up whose update plan the agent does not hold (it
+/// restarted since the preview that saved it).
+pub const PLAN_NOT_FOUND: &str = "PlanNotFound";
+
 /// A status carrying `PulumiErrorInfo` in `grpc-status-details-bin` (a `google.rpc.Status`).
 pub fn with_error_info(code: Code, message: String, info_code: i32, reason: &str) -> Status {
     let info = pb::PulumiErrorInfo {

@@ -36,11 +36,14 @@ pub mod features {
     pub const REFRESH_PREVIEW_ONLY: &str = "refresh-preview-only";
     /// Every answer carries [`super::INSTANCE_HEADER`].
     pub const INSTANCE_HEADER: &str = "instance-header";
+    /// `PreviewRequest.save_plan` and `UpRequest.plan` (update plans) are honoured.
+    pub const UPDATE_PLANS: &str = "update-plans";
     /// All of them.
-    pub const ALL: [&str; 3] = [
+    pub const ALL: [&str; 4] = [
         SET_ENVIRONMENT_VARIABLES,
         REFRESH_PREVIEW_ONLY,
         INSTANCE_HEADER,
+        UPDATE_PLANS,
     ];
 }
 

@@ -12,6 +12,7 @@ use super::{Agent, args, check_name};
 use crate::proto as pb;
 use crate::proto::automation_service_server::AutomationService;
 use crate::pulumi::{Output, tail};
+use pko_agent_api::errors::{PLAN_NOT_FOUND, with_error_info};
 
 #[tonic::async_trait]
 impl AutomationService for Agent {
@@ -188,6 +189,15 @@ impl AutomationService for Agent {
         push_each(&mut a, "target", &req.target);
         push_flag(&mut a, "target-dependents", req.target_dependents);
         push_flag(&mut a, "refresh", req.refresh);
+        if let Some(id) = req.save_plan.as_deref() {
+            let path = self.plan_path(id)?;
+            if let Some(dir) = path.parent() {
+                tokio::fs::create_dir_all(dir)
+                    .await
+                    .map_err(|e| Status::internal(format!("creating {}: {e}", dir.display())))?;
+            }
+            a.push(format!("--save-plan={}", path.display()));
+        }
         self.operation(
             "preview",
             a,
@@ -275,6 +285,22 @@ impl AutomationService for Agent {
         push_flag(&mut a, "target-dependents", req.target_dependents);
         push_flag(&mut a, "refresh", req.refresh);
         push_flag(&mut a, "continue-on-error", req.continue_on_error);
+        if let Some(id) = req.plan.as_deref() {
+            let path = self.plan_path(id)?;
+            let held = tokio::fs::metadata(&path).await.is_ok_and(|m| m.is_file());
+            if !held {
+                let message = format!(
+                    "no update plan {id:?} in this workspace (the agent restarted since the preview that saved it); nothing was run"
+                );
+                return Err(with_error_info(
+                    tonic::Code::FailedPrecondition,
+                    message,
+                    0,
+                    PLAN_NOT_FOUND,
+                ));
+            }
+            a.push(format!("--plan={}", path.display()));
+        }
         self.operation(
             "up",
             a,
@@ -378,6 +404,36 @@ impl AutomationService for Agent {
     }
 }
 
+impl Agent {
+    /// The file of the update plan `id`, a checked name (it becomes a file name).
+    fn plan_path(&self, id: &str) -> Result<std::path::PathBuf, Status> {
+        check_plan_id(id)?;
+        Ok(self.inner.cli.plan_path(id))
+    }
+}
+
+/// Longest plan ID: with `.json` it stays a file name (255 bytes on Linux file systems).
+const MAX_PLAN_ID: usize = 240;
+
+/// A plan ID is one file name in the plans directory: letters, digits, '-', '_' and '.', not
+/// starting with '.' or '-' (no `..`, no hidden file, no flag), at most [`MAX_PLAN_ID`] bytes.
+fn check_plan_id(id: &str) -> Result<(), Status> {
+    let ok = !id.is_empty()
+        && id.len() <= MAX_PLAN_ID
+        && !id.starts_with(['.', '-'])
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(Status::invalid_argument(format!(
+            "plan {:?} is not a valid plan ID: at most {MAX_PLAN_ID} letters, digits, '-', '_' and '.', not starting with '.' or '-'",
+            crate::limits::truncate(id, 64)
+        )))
+    }
+}
+
 fn push_opt(out: &mut Vec<String>, flag: &str, value: Option<impl ToString>) {
     if let Some(v) = value {
         out.push(format!("--{flag}={}", v.to_string()));
@@ -393,5 +449,32 @@ fn push_flag(out: &mut Vec<String>, flag: &str, on: Option<bool>) {
 fn push_each(out: &mut Vec<String>, flag: &str, values: &[String]) {
     for v in values {
         out.push(format!("--{flag}={v}"));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_plan_id_is_one_plain_file_name() {
+        for good in ["s-18c3f", "stack_1.2", &"a".repeat(MAX_PLAN_ID)] {
+            assert!(check_plan_id(good).is_ok(), "{good}");
+        }
+        for bad in [
+            "",
+            ".",
+            "..",
+            ".hidden",
+            "-flag",
+            "a/b",
+            "../etc/passwd",
+            "a b",
+            "a\0b",
+            "é",
+            &"a".repeat(MAX_PLAN_ID + 1),
+        ] {
+            assert!(check_plan_id(bad).is_err(), "{bad:?}");
+        }
     }
 }

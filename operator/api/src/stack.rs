@@ -47,6 +47,12 @@ pub const SOURCE_EXCLUSIVITY_MESSAGE: &str =
 pub const GIT_REVISION_RULE: &str = "!has(self.projectRepo) || (has(self.commit) && size(self.commit) > 0 ? 1 : 0) + (has(self.branch) && size(self.branch) > 0 ? 1 : 0) == 1";
 /// Message of [`GIT_REVISION_RULE`].
 pub const GIT_REVISION_MESSAGE: &str = "projectRepo needs exactly one of commit and branch";
+/// CEL rule (on the spec): an approval gate holds back ups, and a `preview` stack runs none.
+pub const APPROVAL_PREVIEW_RULE: &str =
+    "!has(self.approval) || !has(self.preview) || !self.preview";
+/// Message of [`APPROVAL_PREVIEW_RULE`].
+pub const APPROVAL_PREVIEW_MESSAGE: &str =
+    "approval gates ups, and a preview stack runs none: set approval or preview, not both";
 /// PKO's CEL rule on the `v1` root: the workspace pod's `controller-revision-hash` label
 /// (`<name>-workspace-<hash>`) must fit in 63 characters.
 pub const NAME_LENGTH_RULE: &str = "size(self.metadata.name) <= 42";
@@ -62,6 +68,9 @@ pub const NAME_LENGTH_MESSAGE: &str = "Stack name must be no more than 42 charac
 }, {
     "rule": GIT_REVISION_RULE,
     "message": GIT_REVISION_MESSAGE,
+}, {
+    "rule": APPROVAL_PREVIEW_RULE,
+    "message": APPROVAL_PREVIEW_MESSAGE,
 }]))]
 pub struct StackSpec {
     /// Stack is the fully qualified name of the stack to deploy (<org>/<stack>).
@@ -253,6 +262,21 @@ pub struct StackSpec {
     /// (the shape of PKO's draft, PKO #1037).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub drift_detection: Option<DriftDetectionSpec>,
+    /// (pko-rs) Approval gates every up on a person's approval of its plan: each change first
+    /// runs a preview that saves an update plan, summarised in `status.approval`, and the up
+    /// runs that plan once its ID is approved with the `pko-rs.dev/approve-plan` annotation.
+    /// A destroy is not gated.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approval: Option<ApprovalSpec>,
+}
+
+/// The approval gate.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct ApprovalSpec {
+    /// Required turns the gate on (the default); `false` turns it off without removing it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub required: Option<bool>,
 }
 
 /// Pattern of a drift schedule's `cron`: five fields (or an `@` macro), after an optional
@@ -567,6 +591,50 @@ pub struct StackStatus {
     /// DriftDetection records the drift checks (`spec.driftDetection`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub drift_detection: Option<DriftDetectionStatus>,
+    /// Approval records the plan awaiting approval (`spec.approval`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approval: Option<ApprovalStatus>,
+}
+
+/// The approval gate's plans.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct ApprovalStatus {
+    /// PlanID is the ID of the current plan (the name of the preview Update that made it):
+    /// approve it by setting the `pko-rs.dev/approve-plan` annotation to it.
+    #[serde(default, rename = "planID", skip_serializing_if = "Option::is_none")]
+    pub plan_id: Option<String>,
+    /// Summary says what the plan would do, once its preview succeeded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub summary: Option<crate::update::PlanSummary>,
+    /// Failed is why the plan's preview failed, if it did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failed: Option<String>,
+    /// Commit is the source commit the plan was made on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub commit: Option<String>,
+    /// Generation is the Stack generation the plan was made on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<i64>,
+    /// ReconcileRequest is the reconcile request the plan was made on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reconcile_request: Option<String>,
+    /// Reason is why the update is needed (what the up will say).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Remediation says the plan remediates drift (its preview and up refresh first).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remediation: Option<bool>,
+    /// Applied is the ID of the last plan approved and run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub applied: Option<String>,
+    /// Refused is the ID of the last plan whose approval was refused: the stack changed since
+    /// it was made, or the workspace no longer held it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refused: Option<String>,
+    /// Refusal says why that approval was refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refusal: Option<String>,
 }
 
 /// What the drift checks found.

@@ -89,6 +89,17 @@ pub struct UpdateSpec {
     /// the Update fails rather than run a refresh that writes the state.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub preview_only: Option<bool>,
+    /// pko-rs only: an update plan, by its ID. With `type: preview`, the plan the preview
+    /// proposes is saved under this ID in the workspace (`pulumi preview --save-plan`), and
+    /// `status.plan` summarises it; with `type: up`, the up runs that saved plan (`pulumi up
+    /// --plan`), so it does only what the preview showed, and fails without running when the
+    /// workspace no longer holds it (reason `PlanNotFound`). Only an agent that lists the
+    /// `update-plans` feature runs it; with another the Update fails (`PlansUnsupported`).
+    /// An ID (at most 240 characters, so that it stays a file name in the agent) of a DNS
+    /// subdomain's characters.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 240), regex(pattern = crate::names::DNS1123_SUBDOMAIN))]
+    pub plan: Option<String>,
 }
 
 /// The operation an Update performs.
@@ -165,6 +176,30 @@ pub struct UpdateStatus {
     /// pko-rs only: the resources a `previewOnly` refresh found changed outside Pulumi.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub changes: Option<ResourceChanges>,
+    /// pko-rs only: what the plan a preview with `spec.plan` saved would do.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plan: Option<PlanSummary>,
+}
+
+/// What an update plan would do (pko-rs only).
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct PlanSummary {
+    /// How many resources each operation touches (`create`, `update`, `delete`, `replace`,
+    /// `same`, ...), as the engine names them.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub counts: std::collections::BTreeMap<String, i64>,
+    /// The first changes (at most 20), each `<operation> <urn>`; `same`, `refresh` and `read`
+    /// (no change of a resource) are not listed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "atomic"))]
+    pub changes: Vec<String>,
+}
+
+/// Whether an engine operation changes a resource: `same`, and the `refresh` and `read` of a
+/// preview that refreshes first, do not.
+pub fn is_change(op: &str) -> bool {
+    !matches!(op, "same" | "refresh" | "read")
 }
 
 /// Resources an operation found changed (pko-rs only).

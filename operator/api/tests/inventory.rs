@@ -77,6 +77,7 @@ const REACHES_A_PATH: &[(&str, &str)] = &[
     ("Workspace", "spec.git.dir"),
     ("Workspace", "spec.flux.dir"),
     ("Workspace", "spec.local.dir"),
+    ("Update", "spec.plan"),
 ];
 
 fn repo() -> PathBuf {

@@ -95,3 +95,14 @@ pub const WAKING: &str = "Waking";
 /// Field manager of the StatefulSet `spec.replicas` writes that stop an idle workspace's pod
 /// (the next apply, which sets one replica again, takes the field back).
 pub const IDLE_MANAGER: &str = "pko-rs/idle";
+/// Annotation approving a Stack's plan (`spec.approval`): its value is the plan ID
+/// (`status.approval.planID`) the up may run.
+pub const APPROVE_PLAN_ANNOTATION: &str = "pko-rs.dev/approve-plan";
+/// Stack condition of the approval gate, and the reasons it gives: a plan is being made, awaits
+/// approval, was approved, failed, or an approval was refused (stale, or its plan gone).
+pub const PLAN_APPROVED: &str = "PlanApproved";
+pub const PLAN_PLANNING: &str = "Planning";
+pub const PLAN_AWAITING: &str = "AwaitingApproval";
+pub const PLAN_APPROVED_REASON: &str = "Approved";
+pub const PLAN_FAILED: &str = "PlanFailed";
+pub const PLAN_REFUSED: &str = "ApprovalRefused";

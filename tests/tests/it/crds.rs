@@ -190,6 +190,50 @@ async fn stack_sources_are_mutually_exclusive_and_names_short() {
     assert_rejected(create(plane, &ns, missing_stack).await, "stack");
 }
 
+/// `spec.approval` gates ups, which a `preview` stack never runs: the CRD refuses the pair, and
+/// accepts the gate alone (or with `preview: false`) and a bad `Update.spec.plan` not at all.
+#[tokio::test]
+async fn approval_is_refused_with_preview() {
+    let _machine = pko_tests::serial::shared().await;
+    let plane = ControlPlane::shared().await;
+    let ns = plane.namespace("crd-approval").await.expect("namespace");
+    let stack = |name: &str, extra: serde_json::Value| {
+        let mut spec = json!({"stack": "dev", "programRef": {"name": "p"}});
+        spec.as_object_mut()
+            .expect("object")
+            .extend(extra.as_object().cloned().unwrap_or_default());
+        json!({
+            "apiVersion": "pulumi.com/v1", "kind": "Stack",
+            "metadata": {"name": name}, "spec": spec,
+        })
+    };
+    assert_rejected(
+        create(
+            plane,
+            &ns,
+            stack("both", json!({"approval": {}, "preview": true})),
+        )
+        .await,
+        "set approval or preview, not both",
+    );
+    for (name, extra) in [
+        ("gated", json!({"approval": {}})),
+        (
+            "required",
+            json!({"approval": {"required": true}, "preview": false}),
+        ),
+        ("off", json!({"approval": {"required": false}})),
+    ] {
+        assert_eq!(create(plane, &ns, stack(name, extra)).await, None, "{name}");
+    }
+    let bad_plan = json!({
+        "apiVersion": "auto.pulumi.com/v1alpha1", "kind": "Update",
+        "metadata": {"name": "u"},
+        "spec": {"workspaceName": "w", "type": "up", "plan": "../etc/passwd"},
+    });
+    assert_rejected(create(plane, &ns, bad_plan).await, "spec.plan");
+}
+
 /// Every PKO example and e2e manifest of our kinds is accepted unchanged (server-side dry run).
 #[tokio::test]
 async fn pko_examples_are_accepted_unchanged() {

@@ -19,6 +19,7 @@
 mod admission;
 mod admission_crosscheck;
 mod agent;
+mod approval;
 mod chaos;
 mod chart;
 mod crds;

@@ -28,6 +28,7 @@ const FAMILIES: &[&str] = &[
     "stacks_failing",
     "stacks_reconciling",
     "stacks_drifted",
+    "stacks_awaiting_approval",
     "pko_drift_check_duration_seconds",
     "workspaces_idle",
     "pko_workspace_wake_duration_seconds",

@@ -9,8 +9,8 @@ use serde_json::{Value, json};
 
 use super::support::{CRD_FILES, our_crd, schema, version_names, walk};
 use crate::stack::{
-    GIT_REVISION_MESSAGE, GIT_REVISION_RULE, NAME_LENGTH_MESSAGE, NAME_LENGTH_RULE,
-    SOURCE_EXCLUSIVITY_MESSAGE, SOURCE_EXCLUSIVITY_RULE,
+    APPROVAL_PREVIEW_MESSAGE, APPROVAL_PREVIEW_RULE, GIT_REVISION_MESSAGE, GIT_REVISION_RULE,
+    NAME_LENGTH_MESSAGE, NAME_LENGTH_RULE, SOURCE_EXCLUSIVITY_MESSAGE, SOURCE_EXCLUSIVITY_RULE,
 };
 
 fn rules_at(file: &str, version: &str, path: &str) -> Vec<(String, String)> {
@@ -75,6 +75,10 @@ fn stack_sources_are_mutually_exclusive_in_both_versions() {
                 (
                     GIT_REVISION_RULE.to_owned(),
                     GIT_REVISION_MESSAGE.to_owned()
+                ),
+                (
+                    APPROVAL_PREVIEW_RULE.to_owned(),
+                    APPROVAL_PREVIEW_MESSAGE.to_owned()
                 ),
             ],
             "{version}"
@@ -191,7 +195,7 @@ fn every_rule_refers_to_existing_fields_and_does_not_iterate() {
             }
         }
     }
-    // Stack: source exclusivity and git revision in v1 and v1alpha1, name length in v1;
-    // Workspace: name length and format.
-    assert_eq!(count, 7, "expected 7 CEL rules in total");
+    // Stack: source exclusivity, git revision and approval-or-preview in v1 and v1alpha1,
+    // name length in v1; Workspace: name length and format.
+    assert_eq!(count, 9, "expected 9 CEL rules in total");
 }

@@ -11,7 +11,7 @@
 //! program is in the workspace image: `workspaceTemplate.spec.local`).
 //!
 //! Layout: [`reconcile`] runs the phases in order (finalizer, current Update, source, sync
-//! decision, launch) and writes the status once; [`sync`] holds the pure decisions;
+//! decision, the approval gate of [`approval`], launch) and writes the status once; [`sync`] holds the pure decisions;
 //! [`workspace`] and [`update`] build the typed objects; [`outcome`] is what a reconcile ends
 //! with.
 
@@ -39,6 +39,7 @@ use crate::gitremote;
 use crate::metrics::Metrics;
 use crate::runtime_metrics::names;
 
+mod approval;
 mod drift;
 mod flux;
 mod history;

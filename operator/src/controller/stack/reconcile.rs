@@ -14,13 +14,17 @@ use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
 use kube::runtime::reflector::ObjectRef;
 use kube::{Client, Resource, ResourceExt};
+use pko_agent_api::errors::PLAN_NOT_FOUND;
 use pko_api::decode::MAX_DOCUMENT_DEPTH;
-use pko_api::stack::{CurrentStackUpdate, Stack, StackStatus, WorkspaceReclaimPolicy};
+use pko_api::stack::{
+    ApprovalStatus, CurrentStackUpdate, Stack, StackStatus, WorkspaceReclaimPolicy,
+};
 use pko_api::update::{Update, UpdateStatus, UpdateType};
 use pko_api::workspace::Workspace;
 use serde_json::{Value, json};
 use tracing::{info, warn};
 
+use super::approval::{self, Preview, Step};
 use super::outcome::{self, Outcome, StackError, Stop};
 use super::source::{self, Reader, Resolved, WorkspaceSource};
 use super::sync::{self, Prerequisite, UpdateState};
@@ -132,6 +136,7 @@ impl StatusWriter {
             && before.current_update == after.current_update
             && before.project_info == after.project_info
             && before.drift_detection == after.drift_detection
+            && before.approval == after.approval
             && conditions::same(&before.conditions, &after.conditions);
         if same && !self.pkos {
             return Ok(());
@@ -205,6 +210,11 @@ impl<'a> Run<'a> {
             poll,
         } = self.source().await?;
         self.hand_over(&commit, revision.as_deref()).await;
+        let gated = approval::gated(self.stack) && !self.deleting;
+        if !gated {
+            self.status.approval = None;
+            conditions::remove(&mut self.status.conditions, approval::CONDITION);
+        }
         let synced = sync::is_synced(
             self.stack,
             &self.status,
@@ -235,7 +245,219 @@ impl<'a> Run<'a> {
             self.prerequisites().await?;
         }
         let applied = self.workspace(workspace_source).await?;
-        self.launch(&applied, commit, &why, remediating).await
+        if gated && sync::operation(self.stack, false) == UpdateType::Up {
+            return self.gate(&applied, commit, &why, remediating).await;
+        }
+        self.launch(&applied, commit, &why, remediating, None).await
+    }
+
+    /// The approval gate (see [`approval`]): the plan's preview is read, then the stack makes
+    /// a plan, waits for its preview or for an approval, or runs the approved plan. The
+    /// `PlanApproved` condition says which, and an Event tells each new plan and refusal.
+    async fn gate(
+        &mut self,
+        applied: &Workspace,
+        commit: String,
+        why: &str,
+        remediating: bool,
+    ) -> Result<Outcome, Stop> {
+        let approved = approval::approved(self.stack).map(str::to_owned);
+        let pending = self
+            .status
+            .approval
+            .as_ref()
+            .filter(|p| p.summary.is_none() && p.failed.is_none() && p.applied != p.plan_id)
+            .and_then(|p| p.plan_id.clone());
+        let preview = match pending {
+            Some(id) => Some(self.plan_preview(&id).await?),
+            None => None,
+        };
+        if let (Some(plan), Some(result)) = (self.status.approval.as_mut(), &preview) {
+            match result {
+                Preview::Made(summary) => plan.summary = Some(summary.clone()),
+                Preview::Failed(why) => plan.failed = Some(why.clone()),
+                Preview::Running | Preview::Gone => {}
+            }
+        }
+        let inputs = approval::Inputs {
+            commit: &commit,
+            generation: self.generation,
+            request: self.request.as_deref(),
+        };
+        let step = approval::decide(
+            self.status.approval.as_ref(),
+            preview.as_ref(),
+            &inputs,
+            approved.as_deref(),
+        );
+        let outcome = match &step {
+            Step::Plan { refused } => {
+                if let Some((id, refusal)) = refused {
+                    self.refuse_approval(id, refusal);
+                }
+                self.make_plan(applied, &commit, why, remediating).await?;
+                None
+            }
+            Step::Apply(id) => {
+                let plan = self.status.approval.clone().unwrap_or_default();
+                let why = plan.reason.as_deref().unwrap_or(why).to_owned();
+                let remediating = plan.remediation == Some(true);
+                let outcome = self
+                    .launch(
+                        applied,
+                        commit.clone(),
+                        &why,
+                        remediating,
+                        Some(id.as_str()),
+                    )
+                    .await?;
+                if let Some(plan) = self.status.approval.as_mut() {
+                    plan.applied = Some(id.clone());
+                }
+                self.event(
+                    EventType::Normal,
+                    approval::APPROVED,
+                    format!("plan {id} approved: running it"),
+                )
+                .await;
+                Some(outcome)
+            }
+            Step::Wait | Step::Await | Step::Failed(_) => None,
+        };
+        // After a new plan, the condition speaks of it: its preview runs.
+        let shown = match step {
+            Step::Plan { .. } => Step::Wait,
+            other => other,
+        };
+        let message = self.show_gate(&shown, approved.as_deref()).await;
+        if let Some(outcome) = outcome {
+            return Ok(outcome);
+        }
+        Ok(match shown {
+            Step::Failed(_) => Outcome::stalled(approval::FAILED, message),
+            Step::Await => Outcome::reconciling(approval::AWAITING, message),
+            _ => Outcome::reconciling("StackProcessing", message).after(UPDATE_POLL),
+        })
+    }
+
+    /// Sets the `PlanApproved` condition for the gate's `shown` step, with an Event when it
+    /// says something new a user must act on; returns its message.
+    async fn show_gate(&mut self, shown: &Step, approved: Option<&str>) -> String {
+        let plan = self.status.approval.clone().unwrap_or_default();
+        let id = plan.plan_id.clone().unwrap_or_default();
+        let hint = approval::how_to_approve(&self.name, &self.namespace, &id);
+        let (reason, message) = approval::condition(&plan, shown, approved, &hint);
+        let before = conditions::get(&self.status.conditions, approval::CONDITION)
+            .map(|c| (c.reason.clone(), c.message.clone()));
+        let news = before.as_ref() != Some(&(reason.to_owned(), message.clone()));
+        let first_refusal = reason == approval::REFUSED
+            && before.as_ref().is_none_or(|(r, _)| r != approval::REFUSED);
+        conditions::set(
+            &mut self.status.conditions,
+            approval::CONDITION,
+            reason == approval::APPROVED,
+            reason,
+            &message,
+            self.generation,
+        );
+        if news && (matches!(shown, Step::Await | Step::Failed(_)) || first_refusal) {
+            let type_ = if reason == approval::FAILED || reason == approval::REFUSED {
+                EventType::Warning
+            } else {
+                EventType::Normal
+            };
+            self.event(type_, reason, message.clone()).await;
+        }
+        message
+    }
+
+    /// Where the preview of plan `id` stands.
+    async fn plan_preview(&self, id: &str) -> Result<Preview, Stop> {
+        let found = Api::<Update>::namespaced(self.ctx.client.clone(), &self.namespace)
+            .get_opt(id)
+            .await
+            .map_err(StackError::kube("reading the plan's Update"))?;
+        let Some(update) = found else {
+            warn!(stack = %self.name, update = %id, "the plan's preview is gone; planning again");
+            return Ok(Preview::Gone);
+        };
+        let status = update.status.unwrap_or_default();
+        if !conditions::is_true(&status.conditions, "Complete") {
+            return Ok(Preview::Running);
+        }
+        if conditions::is_true(&status.conditions, "Failed") {
+            let why = conditions::get(&status.conditions, "Failed")
+                .map(|c| format!("{}: {}", c.reason, c.message))
+                .unwrap_or_default();
+            return Ok(Preview::Failed(why));
+        }
+        Ok(Preview::Made(status.plan.unwrap_or_default()))
+    }
+
+    /// An approval the gate will not run: recorded (the condition, and its Event, say why).
+    fn refuse_approval(&mut self, id: &str, why: &str) {
+        info!(stack = %self.name, plan = %id, %why, "approval refused");
+        let plan = self.status.approval.get_or_insert_with(Default::default);
+        plan.refused = Some(id.to_owned());
+        plan.refusal = Some(why.to_owned());
+    }
+
+    /// Starts a plan: a preview that saves its update plan under its own name (the plan ID).
+    /// One already in flight (the status write after its create was lost) is adopted, but
+    /// what it was made on is not known: it is recorded as made on nothing, so it is never run
+    /// and a new plan follows it (one operation at a time).
+    async fn make_plan(
+        &mut self,
+        applied: &Workspace,
+        commit: &str,
+        why: &str,
+        remediating: bool,
+    ) -> Result<(), Stop> {
+        let in_flight = self.unfinished_updates().await?.into_iter().find(|u| {
+            u.spec.type_ == Some(UpdateType::Preview)
+                && u.spec.plan.as_deref() == Some(u.name_any().as_str())
+        });
+        let (name, adopted) = match in_flight {
+            Some(u) => (u.name_any(), true),
+            None => {
+                let name = format!("{}-{:x}", self.name, Timestamp::now().as_millisecond());
+                let mut update = update::object(&update::Request {
+                    stack: self.stack,
+                    workspace: applied,
+                    name: name.clone(),
+                    type_: UpdateType::Preview,
+                    why: &format!("Plan for approval: {why}"),
+                    check: false,
+                })?;
+                // Whatever the template says: a preview that saves this plan.
+                update.spec.type_ = Some(UpdateType::Preview);
+                update.spec.plan = Some(name.clone());
+                if remediating {
+                    update.spec.refresh = Some(true);
+                }
+                let updates: Api<Update> =
+                    Api::namespaced(self.ctx.client.clone(), &self.namespace);
+                if let Err(e) = updates.create(&PostParams::default(), &update).await {
+                    return Err(self.refused(e, "Update").await);
+                }
+                info!(stack = %self.name, plan = %name, %why, "plan started");
+                (name, false)
+            }
+        };
+        let previous = self.status.approval.take().unwrap_or_default();
+        self.status.approval = Some(ApprovalStatus {
+            plan_id: Some(name),
+            commit: (!adopted).then(|| commit.to_owned()),
+            generation: self.generation.filter(|_| !adopted),
+            reconcile_request: self.request.clone().filter(|_| !adopted),
+            reason: Some(why.to_owned()),
+            remediation: remediating.then_some(true),
+            applied: previous.applied,
+            refused: previous.refused,
+            refusal: previous.refusal,
+            ..Default::default()
+        });
+        Ok(())
     }
 
     /// The drift check in flight, if any. Still running: say so. Finished: its finding goes
@@ -552,8 +774,22 @@ impl<'a> Run<'a> {
         }
         self.record(&current, update.spec.type_, &update_status)
             .await;
+        if let Some(plan) = &update.spec.plan {
+            self.plan_lost(plan, &update_status);
+        }
         self.prune_history(&update_name).await;
         Ok(())
+    }
+
+    /// An up whose plan the workspace no longer held (its agent restarted since the preview)
+    /// ran nothing: the approval is refused as such, and the next sync makes a new plan.
+    fn plan_lost(&mut self, plan: &str, update: &UpdateStatus) {
+        let lost = conditions::get(&update.conditions, "Failed")
+            .is_some_and(|c| c.status == "True" && c.reason == PLAN_NOT_FOUND);
+        if lost {
+            let why = "the workspace no longer holds the plan (its agent restarted since the preview that made it)";
+            self.refuse_approval(plan, why);
+        }
     }
 
     /// After an Update finished: the stack's Updates beyond its history limit go. A failure
@@ -570,7 +806,12 @@ impl<'a> Run<'a> {
             drift.and_then(|d| d.current_check.as_deref()),
             drift.and_then(|d| d.last_check.as_deref()),
         ];
-        let keep: Vec<&str> = [Some(finished), last]
+        let plan = self
+            .status
+            .approval
+            .as_ref()
+            .and_then(|a| a.plan_id.as_deref());
+        let keep: Vec<&str> = [Some(finished), last, plan]
             .into_iter()
             .chain(checks)
             .flatten()
@@ -806,6 +1047,7 @@ impl<'a> Run<'a> {
         commit: String,
         why: &str,
         remediating: bool,
+        plan: Option<&str>,
     ) -> Result<Outcome, Stop> {
         let type_ = sync::operation(self.stack, self.deleting);
         let in_flight = self
@@ -830,6 +1072,10 @@ impl<'a> Run<'a> {
         // (`pulumi up --refresh`, as Pulumi Cloud remediates).
         if remediating {
             update.spec.refresh = Some(true);
+        }
+        // An approved plan: the up runs it, whatever the template says.
+        if let Some(plan) = plan {
+            update.spec.plan = Some(plan.to_owned());
         }
         let updates: Api<Update> = Api::namespaced(self.ctx.client.clone(), &self.namespace);
         if let Err(e) = updates.create(&PostParams::default(), &update).await {

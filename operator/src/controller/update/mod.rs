@@ -68,6 +68,9 @@ pub const OPERATION_TIMED_OUT: &str = "OperationTimedOut";
 /// Reason of an Update failed because it asks for a preview-only refresh of an agent that cannot
 /// run one.
 pub const PREVIEW_ONLY_UNSUPPORTED: &str = "PreviewOnlyUnsupported";
+/// Reason of an Update failed because it saves or runs an update plan (`spec.plan`) with an
+/// agent that cannot.
+pub const PLANS_UNSUPPORTED: &str = "PlansUnsupported";
 /// Reason of an Update failed because an answer of the agent was over the message limit.
 pub const RESPONSE_TOO_LARGE: &str = pko_agent_api::errors::RESPONSE_TOO_LARGE;
 /// Default of `--max-event-bytes-per-operation`: far more than the events of a large stack (the
@@ -424,9 +427,9 @@ async fn reconcile_inner(
     };
     let client = match connected {
         Ok((_, AgentCheck::Initialized(features)))
-            if unsupported_preview_only(&update, features) =>
+            if missing_feature(&update, features).is_some() =>
         {
-            return refuse_preview_only(&ctx, &current, &ws_name).await;
+            return refuse_unsupported(&ctx, &current, &update, features, &ws_name).await;
         }
         Ok((client, AgentCheck::Initialized(_))) => client,
         Ok((_, AgentCheck::NotInitialized(message))) => {
@@ -550,25 +553,67 @@ fn refusal(update: &Update) -> Option<(&'static str, &'static str)> {
             "spec.previewOnly applies to type refresh only",
         ));
     }
+    if update.spec.plan.is_some()
+        && !matches!(
+            update.spec.type_,
+            Some(UpdateType::Preview | UpdateType::Up)
+        )
+    {
+        return Some((
+            "InvalidSpec",
+            "spec.plan applies to types preview and up only",
+        ));
+    }
     None
 }
 
-/// Fails a preview-only refresh whose agent cannot run one, before anything runs.
-async fn refuse_preview_only(
+/// An update plan asked of an agent that does not list the feature.
+fn unsupported_plan(update: &Update, features: Features) -> bool {
+    update.spec.plan.is_some() && !features.update_plans
+}
+
+/// What the Update asks of its agent that the agent does not list (PKO's agent, or an older
+/// one): the reason and message it fails with, before anything runs. Sent anyway, the unknown
+/// field would be ignored: a preview-only refresh would write the state, and an up would run
+/// what nobody approved.
+fn missing_feature(update: &Update, features: Features) -> Option<(&'static str, &'static str)> {
+    if unsupported_preview_only(update, features) {
+        return Some((
+            PREVIEW_ONLY_UNSUPPORTED,
+            pko_agent_api::features::REFRESH_PREVIEW_ONLY,
+        ));
+    }
+    if unsupported_plan(update, features) {
+        return Some((PLANS_UNSUPPORTED, pko_agent_api::features::UPDATE_PLANS));
+    }
+    None
+}
+
+/// Fails an Update whose agent lacks a feature it needs ([`missing_feature`]).
+async fn refuse_unsupported(
     ctx: &UpdateContext,
     current: &Current,
+    update: &Update,
+    features: Features,
     ws_name: &str,
 ) -> Result<Action, UpdateError> {
+    let Some((reason, feature)) = missing_feature(update, features) else {
+        return Ok(Action::await_change());
+    };
+    let field = if reason == PLANS_UNSUPPORTED {
+        "spec.plan"
+    } else {
+        "spec.previewOnly"
+    };
     let mut status = current.before.clone();
     status.observed_generation = current.generation;
     finish(
         &mut status,
         current.generation,
         false,
-        PREVIEW_ONLY_UNSUPPORTED,
+        reason,
         &format!(
-            "spec.previewOnly: the agent of workspace {ws_name} does not list the {:?} feature (PKO's agent, or an older one), so it could only run a refresh that writes the state; nothing was run",
-            pko_agent_api::features::REFRESH_PREVIEW_ONLY
+            "{field}: the agent of workspace {ws_name} does not list the {feature:?} feature (PKO's agent, or an older one); nothing was run"
         ),
     );
     current.write(ctx, &status).await?;
@@ -786,5 +831,26 @@ mod tests {
         assert!(unsupported_preview_only(&check, Features::PKO));
         assert!(!unsupported_preview_only(&check, ours));
         assert!(!unsupported_preview_only(&refresh, Features::PKO));
+    }
+
+    #[test]
+    fn an_update_plan_runs_only_on_an_agent_that_lists_it() {
+        let planned = update(json!([]), json!({"type": "up", "plan": "s-1"}));
+        let plain = update(json!([]), json!({"type": "up"}));
+        let ours = Features {
+            update_plans: true,
+            ..Features::PKO
+        };
+        assert!(unsupported_plan(&planned, Features::PKO));
+        assert!(!unsupported_plan(&planned, ours));
+        assert!(!unsupported_plan(&plain, Features::PKO));
+        let controller = json!([{"apiVersion": "auto.pulumi.com/v1alpha1", "kind": "Workspace",
+            "name": "ws", "uid": "w", "controller": true}]);
+        let (reason, _) = refusal(&update(
+            controller,
+            json!({"workspaceName": "ws", "type": "refresh", "plan": "s-1"}),
+        ))
+        .expect("a refresh with a plan");
+        assert_eq!(reason, "InvalidSpec");
     }
 }

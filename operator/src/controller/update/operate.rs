@@ -7,7 +7,7 @@ use kube::ResourceExt;
 use kube::runtime::events::EventType;
 use pko_agent_api::client::AgentClient;
 use pko_agent_api::proto as pb;
-use pko_api::update::{ResourceChanges, Update, UpdateType};
+use pko_api::update::{PlanSummary, ResourceChanges, Update, UpdateType};
 use pko_api::workspace::Workspace;
 use serde_json::Value;
 
@@ -40,6 +40,8 @@ struct EventDigest {
     ops: BTreeMap<String, u64>,
     /// Resources a refresh found changed outside Pulumi, by URN.
     drifted: BTreeSet<String>,
+    /// The first changes a preview shows, `<op> <urn>`.
+    planned: Vec<String>,
     errors: Vec<String>,
     published: usize,
     /// Decoded bytes of the events received ([`pko_agent_api::values::decoded_size`]).
@@ -101,6 +103,10 @@ impl EventDigest {
                 ctx.event(update, EventType::Normal, "ResourceChanged", note)
                     .await;
             }
+            if pko_api::update::is_change(&op) && self.planned.len() < MAX_CHANGED_RESOURCES {
+                let urn = meta["urn"].as_str().unwrap_or_default();
+                self.planned.push(format!("{op} {urn}"));
+            }
             *self.ops.entry(op).or_default() += 1;
         }
         if let Some(diag) = event.get("diagnosticEvent")
@@ -127,6 +133,18 @@ impl EventDigest {
                 .take(MAX_CHANGED_RESOURCES)
                 .cloned()
                 .collect(),
+        }
+    }
+
+    /// What a preview's plan would do: the count of each operation, and its first changes.
+    fn plan(&self) -> PlanSummary {
+        PlanSummary {
+            counts: self
+                .ops
+                .iter()
+                .map(|(op, n)| (op.clone(), i64::try_from(*n).unwrap_or(i64::MAX)))
+                .collect(),
+            changes: self.planned.clone(),
         }
     }
 
@@ -190,6 +208,9 @@ pub(super) async fn operate(
             if update.spec.preview_only == Some(true) {
                 outcome.changes = Some(digest.changes());
             }
+            if update.spec.plan.is_some() && update.spec.type_ == Some(UpdateType::Preview) {
+                outcome.plan = Some(digest.plan());
+            }
             let changes = digest.summary();
             outcome.message = match &outcome.summary {
                 Some(s) if !s.message.is_empty() => format!("{}: {changes}", s.message),
@@ -218,23 +239,7 @@ async fn run_operation(
     digest: &mut EventDigest,
 ) -> Result<Outcome, tonic::Status> {
     let spec = &update.spec;
-    let ok = |summary: Option<pb::UpdateSummary>, permalink, project| {
-        let succeeded = summary.as_ref().is_none_or(|s| s.result == "succeeded");
-        Outcome {
-            succeeded,
-            reason: if succeeded {
-                "UpdateSucceeded".into()
-            } else {
-                "UpdateFailed".into()
-            },
-            message: String::new(),
-            summary,
-            permalink,
-            project,
-            outputs: None,
-            changes: None,
-        }
-    };
+    let ok = Outcome::ended;
     match spec.type_.unwrap_or(UpdateType::Up) {
         UpdateType::Preview => {
             let r = stream_op!(
@@ -250,6 +255,8 @@ async fn run_operation(
                     target_dependents: spec.target_dependents,
                     policy_pack: vec![],
                     refresh: spec.refresh,
+                    // Sent only to an agent that lists the feature (checked before).
+                    save_plan: spec.plan.clone(),
                 }),
                 preview_stream
             );
@@ -270,6 +277,7 @@ async fn run_operation(
                     policy_pack: vec![],
                     refresh: spec.refresh,
                     continue_on_error: spec.continue_on_error,
+                    plan: spec.plan.clone(),
                 }),
                 up_stream
             );

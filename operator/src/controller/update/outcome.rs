@@ -11,7 +11,7 @@ use kube::runtime::events::EventType;
 use kube::{Client, ResourceExt};
 use pko_agent_api::proto as pb;
 use pko_api::common::ProjectInfo;
-use pko_api::update::{ResourceChanges, Update, UpdateStatus, UpdateType};
+use pko_api::update::{PlanSummary, ResourceChanges, Update, UpdateStatus, UpdateType};
 use tracing::{info, warn};
 
 use super::{
@@ -34,9 +34,35 @@ pub(super) struct Outcome {
     pub(super) outputs: Option<HashMap<String, pb::OutputValue>>,
     /// What a preview-only refresh found changed.
     pub(super) changes: Option<ResourceChanges>,
+    /// What the plan a preview saved would do.
+    pub(super) plan: Option<PlanSummary>,
 }
 
 impl Outcome {
+    /// An operation the agent ran to its end: succeeded unless its summary says otherwise.
+    pub(super) fn ended(
+        summary: Option<pb::UpdateSummary>,
+        permalink: Option<String>,
+        project: Option<pb::ProjectInfo>,
+    ) -> Self {
+        let succeeded = summary.as_ref().is_none_or(|s| s.result == "succeeded");
+        Self {
+            succeeded,
+            reason: if succeeded {
+                "UpdateSucceeded".into()
+            } else {
+                "UpdateFailed".into()
+            },
+            message: String::new(),
+            summary,
+            permalink,
+            project,
+            outputs: None,
+            changes: None,
+            plan: None,
+        }
+    }
+
     pub(super) fn failed(reason: &str, message: String) -> Self {
         Self {
             succeeded: false,
@@ -47,6 +73,7 @@ impl Outcome {
             project: None,
             outputs: None,
             changes: None,
+            plan: None,
         }
     }
 }
@@ -174,6 +201,9 @@ pub(super) async fn apply_outcome(
         }
     }
     status.permalink = outcome.permalink.clone().or(status.permalink.take());
+    if outcome.plan.is_some() {
+        status.plan = outcome.plan.clone();
+    }
     if outcome.changes.is_some() {
         status.changes = outcome.changes.clone();
     }

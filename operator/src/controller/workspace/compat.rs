@@ -65,6 +65,8 @@ pub struct Features {
     pub instance_header: bool,
     /// `RefreshRequest.preview_only` is honoured (a refresh that writes no state).
     pub refresh_preview_only: bool,
+    /// `PreviewRequest.save_plan` and `UpRequest.plan` are honoured.
+    pub update_plans: bool,
 }
 
 impl Features {
@@ -73,6 +75,7 @@ impl Features {
         set_environment_variables: false,
         instance_header: false,
         refresh_preview_only: false,
+        update_plans: false,
     };
 }
 
@@ -86,6 +89,7 @@ pub fn features(answer: Result<&pb::CapabilitiesResult, tonic::Code>) -> Option<
                 set_environment_variables: has(features::SET_ENVIRONMENT_VARIABLES),
                 instance_header: has(features::INSTANCE_HEADER),
                 refresh_preview_only: has(features::REFRESH_PREVIEW_ONLY),
+                update_plans: has(features::UPDATE_PLANS),
             })
         }
         Err(tonic::Code::Unimplemented) => Some(Features::PKO),
@@ -215,6 +219,7 @@ mod tests {
                 set_environment_variables: true,
                 instance_header: true,
                 refresh_preview_only: true,
+                update_plans: false,
             })
         );
         assert_eq!(
@@ -232,6 +237,7 @@ mod tests {
             set_environment_variables: true,
             instance_header: true,
             refresh_preview_only: true,
+            update_plans: true,
         };
         // pko-rs's contract: always pushed.
         assert!(!env_in_pod_spec(
