@@ -7,6 +7,9 @@
 #   tools/guest-plugins.sh build py SRC_DIR OUT     componentize-py: SRC_DIR/app.py → OUT
 #   tools/guest-plugins.sh build js SRC_FILE OUT    componentize-js: the ES module → OUT
 #
+# The WIT is the plugin's own copy (`wit/` beside its sources, kept equal to the repository's
+# by a test), so a plugin folder copied out of this repository builds the same way.
+#
 # Toolchains: componentize-py from tools/guest-toolchains/requirements.txt (a venv), and
 # componentize-js with jco from tools/guest-toolchains/package.json, pinned with every transitive
 # package by its package-lock.json (`npm ci`). Each lands in a folder named by its versions (and
@@ -20,7 +23,6 @@
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
-root=$(cd "$here/.." && pwd)
 cache=${PKO_TOOLS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/pko-rs/tools}
 builds=${PKO_GUEST_BUILD_CACHE:-$(dirname "$cache")/guest-plugins}
 pins=$here/guest-toolchains
@@ -63,19 +65,29 @@ install_js() {
 
 # The sha256 of everything a build reads: its sources, the WIT, the pins and this script.
 build_key() {
-  local kind=$1 src=$2
+  local kind=$1 src=$2 dir=$2
+  [[ -d $dir ]] || dir=$(dirname "$src")
   {
-    echo "$kind"
-    find "$src" -type f \( -name '*.py' -o -name '*.js' -o -name '*.mjs' \) -not -path '*/__pycache__/*' \
-      -not -path '*/tests/*' | LC_ALL=C sort | while read -r f; do echo "${f#"$src"}"; cat "$f"; done
-    cat "$root/wit/transform.wit" "$pins/requirements.txt" "$pins/package-lock.json" "$here/guest-plugins.sh"
+    echo "$kind $(basename "$src")"
+    find "$dir" -type f \( -name '*.py' -o -name '*.js' -o -name '*.mjs' \) -not -path '*/__pycache__/*' |
+      LC_ALL=C sort | while read -r f; do echo "${f#"$dir"}"; cat "$f"; done
+    cat "$(wit_of "$src")"/*.wit "$pins/requirements.txt" "$pins/package-lock.json" "$here/guest-plugins.sh"
   } | sha256sum | cut -c1-16
+}
+
+# The plugin's WIT folder: `wit/` in its folder (or in the folder of its JS file).
+wit_of() {
+  local dir=$1
+  [[ -d $dir ]] || dir=$(dirname "$dir")
+  [[ -d $dir/wit ]] || { echo "no WIT folder: $dir/wit (copy the repository's wit/ there)" >&2; exit 1; }
+  (cd "$dir/wit" && pwd)
 }
 
 build() {
   local kind=$1 src=$2 out=$3 key cached
   [[ -e $src ]] || { echo "no such source: $src" >&2; exit 1; }
   key=$(build_key "$kind" "$src")
+  local wit; wit=$(wit_of "$src")
   mkdir -p "$builds" "$(dirname "$out")"
   cached=$builds/$(basename "$out" .wasm)-$key.wasm
   if [[ ! -f $cached ]]; then
@@ -86,14 +98,14 @@ build() {
       py)
         echo "componentize-py: $src → $out" >&2
         # Only the plugin's own folder is on the Python path (no site-packages of the venv).
-        (cd "$src" && "$bin/bin/componentize-py" -q -d "$root/wit" -w plugin componentize app \
+        (cd "$src" && "$bin/bin/componentize-py" -q -d "$wit" -w plugin componentize app \
           -p . -o "$tmp")
         ;;
       js)
         echo "componentize-js: $src → $out" >&2
         # No HTTP client and no fetch event: the plugin would import wasi:http, which the host
         # refuses.
-        "$bin/node_modules/.bin/componentize-js" "$src" --wit "$root/wit" -n plugin \
+        "$bin/node_modules/.bin/componentize-js" "$src" --wit "$wit" -n plugin \
           --disable http fetch-event -o "$tmp" >/dev/null
         ;;
     esac

@@ -34,6 +34,9 @@ fn plugin_test_runs_the_fixtures_shipped_with_each_plugin() {
         ("naming-policy", "naming_policy"),
         ("resource-allowlist", "resource_allowlist"),
         ("template", "template"),
+        // The Python and JavaScript twins pass their Rust twin's fixtures.
+        ("default-tags", "python_example"),
+        ("naming-policy", "js_example"),
     ] {
         let cases = repo_root().join("plugins").join(dir).join("tests");
         let wasm = module(name).expect("module").path;
@@ -229,5 +232,160 @@ fn render_reports_a_failing_transform_or_skips_it_under_ignore() {
     assert_eq!(
         yaml["resources"]["bucket"]["properties"]["bucket"],
         "team-a-logs"
+    );
+}
+
+/// Copies the files of `from` (recursively, but not `target/` or `__pycache__/`) into `to`.
+fn copy_tree(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).expect("mkdir");
+    for entry in std::fs::read_dir(from).expect("read_dir") {
+        let entry = entry.expect("entry");
+        let name = entry.file_name();
+        if name == "target" || name == "__pycache__" {
+            continue;
+        }
+        let path = entry.path();
+        if path.is_dir() {
+            copy_tree(&path, &to.join(&name));
+        } else {
+            std::fs::copy(&path, to.join(&name)).expect("copy");
+        }
+    }
+}
+
+/// Runs `command`, failing the test with its output when it fails.
+fn must(mut command: Command, what: &str) {
+    let out = command.output().unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert!(
+        out.status.success(),
+        "{what}: {}{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+}
+
+/// `plugin test CASES --module WASM` passes every case.
+fn fixtures_pass(cases: &Path, wasm: &Path, what: &str) {
+    let out = run(&[
+        "plugin",
+        "test",
+        &cases.display().to_string(),
+        "--module",
+        &wasm.display().to_string(),
+    ]);
+    let stdout = text(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{what}: {stdout}{}",
+        text(&out.stderr)
+    );
+    assert!(stdout.contains(" passed, 0 failed"), "{what}: {stdout}");
+}
+
+/// A plugin author's own repository: the Rust template, copied outside this one with its
+/// standalone manifest (the SDK by path, as a git dependency would give it), builds into a
+/// component that passes the template's fixtures. The build shares `make plugins`' target
+/// folder and lock file, so only the SDK and the template are compiled.
+#[test]
+fn the_rust_template_builds_outside_the_repository() {
+    let _machine = pko_tests::serial::shared_blocking();
+    let repo = repo_root();
+    let outside = tempfile::tempdir().expect("tempdir");
+    let dir = outside.path().join("my-plugin");
+    copy_tree(&repo.join("plugins/template"), &dir);
+    let manifest = std::fs::read_to_string(dir.join("standalone.Cargo.toml"))
+        .expect("standalone manifest")
+        .replace(
+            r#"{ path = "../pko-rs/plugins/sdk" }"#,
+            &format!(
+                "{{ path = {:?} }}",
+                repo.join("plugins/sdk").display().to_string()
+            ),
+        );
+    assert!(manifest.contains("plugins/sdk\" }"), "{manifest}");
+    std::fs::write(dir.join("Cargo.toml"), manifest).expect("manifest");
+    std::fs::copy(repo.join("plugins/Cargo.lock"), dir.join("Cargo.lock")).expect("lock");
+    let target = plugins_dir()
+        .ancestors()
+        .nth(2)
+        .map(|d| d.join("out-of-tree"))
+        .expect("plugins target dir");
+    let mut cargo = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    cargo
+        .current_dir(&dir)
+        .args(["build", "--release", "--target", "wasm32-wasip2", "--quiet"])
+        .env("CARGO_TARGET_DIR", &target)
+        // The repository's toolchain file does not reach the copy: the same toolchain anyway.
+        .env_remove("RUSTUP_TOOLCHAIN");
+    must(cargo, "cargo build of the template outside the repository");
+    let wasm = target.join("wasm32-wasip2/release/template.wasm");
+    fixtures_pass(&dir.join("tests"), &wasm, "out-of-tree template");
+}
+
+/// The Python and JavaScript plugins, copied outside this repository, build with their
+/// toolchains alone (componentize-py, componentize-js: no script or file of this repository)
+/// and pass their Rust twins' fixtures.
+#[test]
+fn python_and_javascript_plugins_build_outside_the_repository() {
+    let _machine = pko_tests::serial::shared_blocking();
+    let repo = repo_root();
+    let outside = tempfile::tempdir().expect("tempdir");
+    let toolchain = |kind: &str| {
+        let out = Command::new(repo.join("tools/guest-plugins.sh"))
+            .args(["install", kind])
+            .output()
+            .expect("install");
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let out = Command::new(repo.join("tools/guest-plugins.sh"))
+            .args(["dir", kind])
+            .output()
+            .expect("dir");
+        std::path::PathBuf::from(text(&out.stdout).trim())
+    };
+
+    let py = outside.path().join("py");
+    copy_tree(&repo.join("plugins/python-example"), &py);
+    let mut build = Command::new(toolchain("py").join("componentize-py"));
+    build
+        .current_dir(&py)
+        .args([
+            "-q",
+            "-d",
+            "wit",
+            "-w",
+            "plugin",
+            "componentize",
+            "app",
+            "-p",
+            ".",
+        ])
+        .args(["-o", "my_plugin.wasm"]);
+    must(build, "componentize-py outside the repository");
+    fixtures_pass(
+        &repo.join("plugins/default-tags/tests"),
+        &py.join("my_plugin.wasm"),
+        "python",
+    );
+
+    let js = outside.path().join("js");
+    copy_tree(&repo.join("plugins/js-example"), &js);
+    let mut build = Command::new(toolchain("js").join("componentize-js"));
+    build
+        .current_dir(&js)
+        .args([
+            "plugin.js",
+            "--wit",
+            "wit",
+            "-n",
+            "plugin",
+            "--disable",
+            "http",
+        ])
+        .args(["fetch-event", "-o", "my_plugin.wasm"]);
+    must(build, "componentize-js outside the repository");
+    fixtures_pass(
+        &repo.join("plugins/naming-policy/tests"),
+        &js.join("my_plugin.wasm"),
+        "javascript",
     );
 }

@@ -348,9 +348,10 @@ impl PluginHost {
 
         sandbox::check_imports(&component, &self.inner.engine)?;
         engine::check_exports(&component, &self.inner.engine)?;
-        let pre = self
-            .inner
-            .linker
+        // The shared linker plus failing stubs of the denied interfaces this module imports.
+        let linker = sandbox::with_denied_stubs(&self.inner.linker, &component, &self.inner.engine)
+            .map_err(|e| PluginError::NotAPlugin(format!("{e:#}")))?;
+        let pre = linker
             .instantiate_pre(&component)
             .map_err(|e| PluginError::NotAPlugin(format!("{e:#}")))?;
         let pre =
