@@ -15,7 +15,7 @@ use crate::errors::PluginError;
 
 /// How the host answers an interface a plugin imports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Grant {
+pub(super) enum Grant {
     /// Linked to the host's deterministic implementation.
     Served,
     /// Linked to stubs that fail the call, naming the function and why: language runtimes
@@ -120,14 +120,14 @@ const ALLOWLIST: &[Allowed] = &[
 
 /// What the allowlist says of one import name (`wasi:io/streams@0.2.6`).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ImportDecision {
+pub(super) enum ImportDecision {
     Granted(Grant),
     /// Refused at load, with why.
     Refused(String),
 }
 
 /// Decides one import against [`ALLOWLIST`]: a pure function of the name.
-pub fn decide(import: &str) -> ImportDecision {
+pub(super) fn decide(import: &str) -> ImportDecision {
     let Some((path, version)) = import.split_once('@') else {
         return ImportDecision::Refused("an unversioned import".into());
     };
@@ -608,7 +608,7 @@ pub(super) fn with_denied_stubs(
     // that alias must not be defined twice, so the resources seen so far are remembered.
     let mut seen: Vec<ResourceType> = Vec::new();
     for (name, item) in component.component_type().imports(engine) {
-        let ComponentItem::ComponentInstance(instance) = item else {
+        let ComponentItem::ComponentInstance(instance) = item.ty else {
             continue;
         };
         let denied = match decide(name) {
@@ -620,7 +620,7 @@ pub(super) fn with_denied_stubs(
             None => None,
         };
         for (export, item) in instance.exports(engine) {
-            match item {
+            match item.ty {
                 ComponentItem::Resource(ty) => {
                     if seen.contains(&ty) {
                         continue;
