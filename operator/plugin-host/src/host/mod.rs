@@ -79,7 +79,7 @@ impl Default for HostConfig {
             default_limits: Limits::DEFAULT,
             ceiling: Limits::CEILING,
             cache_dir: None,
-            cache_max_bytes: 128 << 20,
+            cache_max_bytes: 512 << 20,
             max_module_bytes: 32 << 20,
             memory_budget_bytes: 4 * Limits::CEILING.memory_bytes,
             compiler: Compiler::InProcess,
