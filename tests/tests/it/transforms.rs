@@ -1632,12 +1632,16 @@ async fn python_javascript_and_rust_plugins_run_in_one_chain() {
         ("rust-tags", "default-tags"),
     ] {
         // A cold compile of the interpreters' components takes minutes on a loaded machine.
-        let status = wait_for(&format!("{name} ready"), Duration::from_secs(900), || async {
-            let status = transforms.get(name).await.ok()?.status?;
-            ready_condition(&status)
-                .is_some_and(|(st, _, _)| st == "True")
-                .then_some(status)
-        })
+        let status = wait_for(
+            &format!("{name} ready"),
+            Duration::from_secs(900),
+            || async {
+                let status = transforms.get(name).await.ok()?.status?;
+                ready_condition(&status)
+                    .is_some_and(|(st, _, _)| st == "True")
+                    .then_some(status)
+            },
+        )
         .await
         .unwrap_or_else(|e| panic!("{e}\noperator log:\n{}", op.log_text()));
         assert_eq!(
