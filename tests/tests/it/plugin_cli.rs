@@ -283,8 +283,8 @@ fn fixtures_pass(cases: &Path, wasm: &Path, what: &str) {
 }
 
 /// A plugin author's own repository: the Rust template, copied outside this one with its
-/// standalone manifest (the SDK by path, as a git dependency would give it), builds into a
-/// component that passes the template's fixtures. The build shares `make plugins`' target
+/// standalone manifest and the SDK copied beside it, builds into a component that passes the
+/// template's fixtures. The build shares `make plugins`' target
 /// folder and lock file, so only the SDK and the template are compiled.
 #[test]
 fn the_rust_template_builds_outside_the_repository() {
@@ -293,16 +293,17 @@ fn the_rust_template_builds_outside_the_repository() {
     let outside = tempfile::tempdir().expect("tempdir");
     let dir = outside.path().join("my-plugin");
     copy_tree(&repo.join("plugins/template"), &dir);
+    // The SDK copied beside it, as a vendored dependency or a published crate is: nothing of
+    // this repository around it.
+    let sdk = outside.path().join("pko-transform-sdk");
+    copy_tree(&repo.join("plugins/sdk"), &sdk);
     let manifest = std::fs::read_to_string(dir.join("standalone.Cargo.toml"))
         .expect("standalone manifest")
         .replace(
             r#"{ path = "../pko-rs/plugins/sdk" }"#,
-            &format!(
-                "{{ path = {:?} }}",
-                repo.join("plugins/sdk").display().to_string()
-            ),
+            &format!("{{ path = {:?} }}", sdk.display().to_string()),
         );
-    assert!(manifest.contains("plugins/sdk\" }"), "{manifest}");
+    assert!(manifest.contains("pko-transform-sdk\" }"), "{manifest}");
     std::fs::write(dir.join("Cargo.toml"), manifest).expect("manifest");
     std::fs::copy(repo.join("plugins/Cargo.lock"), dir.join("Cargo.lock")).expect("lock");
     let target = plugins_dir()
