@@ -306,6 +306,22 @@ fn the_rust_template_builds_outside_the_repository() {
     assert!(manifest.contains("pko-transform-sdk\" }"), "{manifest}");
     std::fs::write(dir.join("Cargo.toml"), manifest).expect("manifest");
     std::fs::copy(repo.join("plugins/Cargo.lock"), dir.join("Cargo.lock")).expect("lock");
+    // The template's toolchain file pins the repository's toolchain: the copy never falls back
+    // to the machine's default toolchain (which may lack the target, or be another version).
+    let toolchain = std::fs::read_to_string(dir.join("standalone.rust-toolchain.toml"))
+        .expect("standalone toolchain file");
+    let pinned = std::fs::read_to_string(repo.join("rust-toolchain.toml")).expect("toolchain");
+    let channel = |text: &str| {
+        text.lines()
+            .find(|l| l.starts_with("channel"))
+            .map(str::to_owned)
+    };
+    assert_eq!(
+        channel(&toolchain),
+        channel(&pinned),
+        "plugins/template/standalone.rust-toolchain.toml pins another toolchain than rust-toolchain.toml"
+    );
+    std::fs::write(dir.join("rust-toolchain.toml"), toolchain).expect("toolchain file");
     let target = plugins_dir()
         .ancestors()
         .nth(2)
@@ -316,7 +332,7 @@ fn the_rust_template_builds_outside_the_repository() {
         .current_dir(&dir)
         .args(["build", "--release", "--target", "wasm32-wasip2", "--quiet"])
         .env("CARGO_TARGET_DIR", &target)
-        // The repository's toolchain file does not reach the copy: the same toolchain anyway.
+        // As in an author's shell: the copy's own toolchain file chooses the toolchain.
         .env_remove("RUSTUP_TOOLCHAIN");
     must(cargo, "cargo build of the template outside the repository");
     let wasm = target.join("wasm32-wasip2/release/template.wasm");
