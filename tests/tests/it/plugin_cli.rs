@@ -327,14 +327,27 @@ fn the_rust_template_builds_outside_the_repository() {
         .nth(2)
         .map(|d| d.join("out-of-tree"))
         .expect("plugins target dir");
-    let mut cargo = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    // rustup's `cargo` on the PATH, as in an author's shell: the copy's own toolchain file
+    // chooses the toolchain for every crate. (`$CARGO`, this toolchain's binary itself, would
+    // leave each dependency's `rustc` to the machine's default toolchain.)
+    let mut cargo = Command::new("cargo");
     cargo
         .current_dir(&dir)
         .args(["build", "--release", "--target", "wasm32-wasip2", "--quiet"])
         .env("CARGO_TARGET_DIR", &target)
-        // As in an author's shell: the copy's own toolchain file chooses the toolchain.
-        .env_remove("RUSTUP_TOOLCHAIN");
+        .env_remove("RUSTUP_TOOLCHAIN")
+        .env_remove("RUSTC")
+        .env_remove("CARGO");
     must(cargo, "cargo build of the template outside the repository");
+    // Built by the pinned toolchain: cargo records the `rustc -vV` it used in the target dir.
+    let release = channel(&pinned)
+        .and_then(|l| l.split('"').nth(1).map(str::to_owned))
+        .expect("the pinned channel");
+    let used = std::fs::read_to_string(target.join(".rustc_info.json")).expect("rustc info");
+    assert!(
+        used.contains(&format!("release: {release}\\n")),
+        "the copy was not built by rustc {release}: {used:.600}"
+    );
     let wasm = target.join("wasm32-wasip2/release/template.wasm");
     fixtures_pass(&dir.join("tests"), &wasm, "out-of-tree template");
 }
