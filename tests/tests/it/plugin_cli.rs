@@ -322,10 +322,14 @@ fn the_rust_template_builds_outside_the_repository() {
         "plugins/template/standalone.rust-toolchain.toml pins another toolchain than rust-toolchain.toml"
     );
     std::fs::write(dir.join("rust-toolchain.toml"), toolchain).expect("toolchain file");
+    let release = channel(&pinned)
+        .and_then(|l| l.split('"').nth(1).map(str::to_owned))
+        .expect("the pinned channel");
+    // A folder per toolchain: artifacts of another compiler are never mixed in.
     let target = plugins_dir()
         .ancestors()
         .nth(2)
-        .map(|d| d.join("out-of-tree"))
+        .map(|d| d.join(format!("out-of-tree-{release}")))
         .expect("plugins target dir");
     // rustup's `cargo` on the PATH, as in an author's shell: the copy's own toolchain file
     // chooses the toolchain for every crate. (`$CARGO`, this toolchain's binary itself, would
@@ -335,14 +339,13 @@ fn the_rust_template_builds_outside_the_repository() {
         .current_dir(&dir)
         .args(["build", "--release", "--target", "wasm32-wasip2", "--quiet"])
         .env("CARGO_TARGET_DIR", &target)
-        .env_remove("RUSTUP_TOOLCHAIN")
+        // Every nested rustup call (each crate's rustc, build scripts probing rustc) on the
+        // pinned toolchain: run from a registry folder, a rustc would resolve the default one.
+        .env("RUSTUP_TOOLCHAIN", &release)
         .env_remove("RUSTC")
         .env_remove("CARGO");
     must(cargo, "cargo build of the template outside the repository");
     // Built by the pinned toolchain: cargo records the `rustc -vV` it used in the target dir.
-    let release = channel(&pinned)
-        .and_then(|l| l.split('"').nth(1).map(str::to_owned))
-        .expect("the pinned channel");
     let used = std::fs::read_to_string(target.join(".rustc_info.json")).expect("rustc info");
     assert!(
         used.contains(&format!("release: {release}\\n")),
