@@ -1,9 +1,14 @@
 //! What the execution tests (Workspaces, Updates, Stacks) start from: a namespace of their
 //! own, the harness's kubelet running agents there, and an operator watching it.
 
-use crate::ControlPlane;
+use std::time::Duration;
+
+use kube::Api;
+use pko_api::stack::{Stack, StackStatus};
+
 use crate::kubelet::{ApiAccess, Kubelet, KubeletOptions};
 use crate::operator::{Operator, OperatorOptions};
+use crate::{ControlPlane, wait_for};
 
 /// A started execution environment.
 pub struct Execution {
@@ -112,6 +117,36 @@ impl Execution {
             tmp,
             kubelet,
             operator,
+        }
+    }
+
+    /// Stack `name`'s status, once it has one.
+    pub async fn stack_status(&self, name: &str) -> Option<StackStatus> {
+        let stacks: Api<Stack> = Api::namespaced(self.plane.client(), &self.ns);
+        stacks.get(name).await.ok()?.status
+    }
+
+    /// Waits up to `timeout` for what `check` finds in Stack `name`'s status, showing the
+    /// status and the workspace's logs when it never comes.
+    pub async fn until_stack<T>(
+        &self,
+        name: &str,
+        what: &str,
+        timeout: Duration,
+        check: impl Fn(&StackStatus) -> Option<T>,
+    ) -> T {
+        let found = wait_for(what, timeout, || async {
+            let status = self.stack_status(name).await?;
+            check(&status)
+        })
+        .await;
+        match found {
+            Ok(found) => found,
+            Err(e) => panic!(
+                "{e}: {:?}\n{}",
+                self.stack_status(name).await,
+                self.kubelet.logs(name)
+            ),
         }
     }
 }

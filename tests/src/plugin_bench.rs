@@ -228,6 +228,100 @@ fn native_chain(
     Ok(current)
 }
 
+/// Calls measured per interpreted plugin (each takes milliseconds).
+const INTERPRETED_CALLS: usize = 200;
+/// Compilations measured per interpreted plugin (each takes seconds).
+const INTERPRETED_COMPILES: usize = 3;
+
+/// The Python and JavaScript plugins next to their Rust twins: module size, compile and cache
+/// load, then instantiate and transform latency on the same Program and configuration; each
+/// twin's output is checked to be the Rust one's.
+async fn interpreted(
+    out: &mut String,
+    shared: &PluginHost,
+    cache: &std::path::Path,
+    input: &ProgramInput,
+    site: &CallSite,
+) -> Result<(), PluginBenchError> {
+    let [tags, naming, _] = configs();
+    let rows = [
+        ("Rust", "default-tags", "default_tags", &tags),
+        ("Python", "python-example", "python_example", &tags),
+        ("Rust", "naming-policy", "naming_policy", &naming),
+        ("JavaScript", "js-example", "js_example", &naming),
+    ];
+    writeln!(
+        out,
+        "\n### Per language: the Python and JavaScript twins next to the Rust plugins\n"
+    )?;
+    writeln!(
+        out,
+        "`python-example` (componentize-py 0.25.1, CPython) is `default-tags` and `js-example` \
+         (componentize-js 0.23.0, SpiderMonkey) is `naming-policy`, on the same Program and \
+         configuration (their outputs are checked equal). Compile: median of \
+         {INTERPRETED_COMPILES}; calls: {INTERPRETED_CALLS} each, on a fresh instance.\n"
+    )?;
+    writeln!(
+        out,
+        "| language | plugin | module | compile | cache load | instantiate p50 | p99 | transform p50 | p99 | fuel per transform |"
+    )?;
+    writeln!(out, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")?;
+    let limits = shared.config().default_limits;
+    let mut rust_output = None;
+    for (language, name, file, config) in rows {
+        let m = module(file)?;
+        let mut compiled = Vec::new();
+        for _ in 0..INTERPRETED_COMPILES {
+            compiled.push(load(&host(None)?, &m).await?.load_time());
+        }
+        load(&host(Some(cache.to_path_buf()))?, &m).await?;
+        let from_cache = load(&host(Some(cache.to_path_buf()))?, &m)
+            .await?
+            .load_time();
+        let module = load(shared, &m).await?;
+        let mut instantiate = Vec::with_capacity(INTERPRETED_CALLS);
+        let mut transform = Vec::with_capacity(INTERPRETED_CALLS);
+        let mut last = None;
+        for _ in 0..INTERPRETED_CALLS {
+            let started = Instant::now();
+            let output = shared
+                .transform(&module, input, config, limits, site)
+                .await?;
+            transform.push(started.elapsed());
+            instantiate.push(output.instantiate);
+            last = Some(output);
+        }
+        let output = last.ok_or_else(|| PluginBenchError::Native("no call".into()))?;
+        if language == "Rust" {
+            rust_output = Some(output.spec.clone());
+        } else if rust_output.as_ref() != Some(&output.spec) {
+            return Err(PluginBenchError::Native(format!(
+                "{name} and its Rust twin disagree"
+            )));
+        }
+        let (compile, _, _) = percentiles(compiled);
+        let (i50, i99, _) = percentiles(instantiate);
+        let (t50, t99, _) = percentiles(transform);
+        writeln!(
+            out,
+            "| {language} | {name} | {:.1} MB | {} | {} | {} | {} | {} | {} | {} |",
+            m.bytes.len() as f64 / 1e6,
+            ms(compile),
+            ms(from_cache),
+            us(i50),
+            us(i99),
+            us(t50),
+            us(t99),
+            output.fuel
+        )?;
+        println!(
+            "{language} {name}: compile {compile:?}, cache load {from_cache:?}, instantiate p50 {i50:?} p99 {i99:?}, transform p50 {t50:?} p99 {t99:?}, fuel {}",
+            output.fuel
+        );
+    }
+    Ok(())
+}
+
 /// Runs the benchmark and returns its Markdown section.
 pub async fn run() -> Result<String, PluginBenchError> {
     let modules: Vec<(&str, PluginModule)> = PLUGINS
@@ -341,6 +435,8 @@ pub async fn run() -> Result<String, PluginBenchError> {
             row.instantiate, row.validate.0, row.transform.0, row.transform.1, row.fuel
         );
     }
+
+    interpreted(&mut out, &host, cache.path(), &input, &site).await?;
 
     // The JSON text boundary: the template plugin parses the spec and writes it back
     // unchanged, so its transform minus its validate-config is the whole round trip (host

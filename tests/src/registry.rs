@@ -157,6 +157,74 @@ impl Drop for Registry {
     }
 }
 
+/// What `pko-operator plugin push` printed of what it pushed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pushed {
+    /// The manifest's digest (`sha256:…`), what a reference pins and cosign signs.
+    pub manifest: String,
+    /// The module's sha256, what a transform's status records once loaded.
+    pub module: String,
+}
+
+impl Registry {
+    /// `pko-operator plugin push` of `module` to `reference` (trusting this registry's CA),
+    /// logged in when `login` is given (its password on stdin, as a user would).
+    pub fn push_plugin(
+        &self,
+        module: &Path,
+        reference: &str,
+        login: Option<(&str, &str)>,
+    ) -> Result<Pushed, HarnessError> {
+        use std::io::Write;
+        use std::process::Stdio;
+        let mut cmd = Command::new(crate::operator::operator_binary()?);
+        cmd.args(["plugin", "push", "--ca-file"])
+            .arg(&self.ca_file)
+            .arg(module)
+            .arg(reference)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if let Some((user, _)) = login {
+            cmd.args(["--username", user]);
+        }
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| HarnessError::io("running plugin push", e))?;
+        // Taken either way: stdin is closed once this block ends.
+        if let Some(mut stdin) = child.stdin.take()
+            && let Some((_, password)) = login
+        {
+            writeln!(stdin, "{password}")
+                .map_err(|e| HarnessError::io("the password on plugin push's stdin", e))?;
+        }
+        let out = child
+            .wait_with_output()
+            .map_err(|e| HarnessError::io("plugin push's output", e))?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let failed = || HarnessError::Missing {
+            what: format!(
+                "a successful plugin push ({}): {text}{}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        };
+        if !out.status.success() {
+            return Err(failed());
+        }
+        let field = |label: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(label))
+                .map(|v| v.trim().to_owned())
+                .ok_or_else(failed)
+        };
+        Ok(Pushed {
+            manifest: field("manifest digest:")?,
+            module: field("module sha256:")?,
+        })
+    }
+}
+
 /// The `cosign` CLI with a key pair of its own, trusting one registry's CA.
 pub struct Cosign {
     bin: PathBuf,

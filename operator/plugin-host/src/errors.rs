@@ -31,8 +31,15 @@ pub enum PluginError {
     )]
     CompileTimeout(Duration),
     /// The component imports something the host does not grant.
-    #[error("module imports {import}, which plugins are not granted (granted: {granted})")]
-    ForbiddenImport { import: String, granted: String },
+    #[error("module imports {import}, which plugins are not granted: {why} (allowed: {granted})")]
+    ForbiddenImport {
+        import: String,
+        why: String,
+        granted: String,
+    },
+    /// The plugin called a function of an interface it is denied (the filesystem, the network).
+    #[error("{0}")]
+    Denied(String),
     /// The component does not implement the plugin world (or another version of it).
     #[error("not a transform plugin: {0}")]
     NotAPlugin(String),
@@ -202,7 +209,7 @@ impl PluginError {
             Self::Compile(_) | Self::CompileMemory(_) => ErrorKind::Compile,
             // Time depends on the machine's load: retried, like a call's timeout.
             Self::CompileTimeout(_) => ErrorKind::Timeout,
-            Self::ForbiddenImport { .. } => ErrorKind::ForbiddenImport,
+            Self::ForbiddenImport { .. } | Self::Denied(_) => ErrorKind::ForbiddenImport,
             Self::NotAPlugin(_) => ErrorKind::NotAPlugin,
             Self::InvalidConfig(_) => ErrorKind::InvalidConfig,
             Self::Rejected(_) => ErrorKind::Rejected,

@@ -203,8 +203,57 @@ async fn a_forbidden_import_is_refused_at_load() {
         .await
         .expect_err("forbidden import");
     assert_eq!(err.kind(), ErrorKind::ForbiddenImport);
-    assert!(err.to_string().contains("wasi:filesystem/"), "{err}");
+    let message = err.to_string();
+    assert!(message.contains("hostile:secrets/store@0.1.0"), "{message}");
+    assert!(
+        message.contains("not an interface plugins are granted"),
+        "{message}"
+    );
     assert!(host.cached(&format!("sha256:{}", sha(&bytes))).is_none());
+}
+
+/// The filesystem and the network are linked only to deny: a guest importing them (as every
+/// Python and JavaScript runtime does) loads, and a call that uses them fails naming the
+/// function it called.
+#[tokio::test]
+async fn a_denied_interface_loads_and_fails_the_call_that_uses_it() {
+    let host = host();
+    let reader = load(&host, "hostile_reads_file").await;
+    let err = transform(&host, &reader, Value::Null, Limits::DEFAULT)
+        .await
+        .expect_err("denied");
+    assert_eq!(err.kind(), ErrorKind::ForbiddenImport, "{err}");
+    let message = err.to_string();
+    assert!(
+        message.contains("the plugin called wasi:filesystem/"),
+        "{message}"
+    );
+    assert!(message.contains("plugins have no filesystem"), "{message}");
+}
+
+/// The Python and JavaScript plugins (componentize-py, componentize-js) load and transform.
+#[tokio::test]
+async fn python_and_javascript_plugins_load_and_transform() {
+    let host = host();
+    let python = load(&host, "python_example").await;
+    assert_eq!(python.info().name, "python-example");
+    let config = json!({"tags": {"managed-by": "pko-rs"}, "fromLabels": {"team": "team"}, "targets": [{"typePrefix": "aws:"}]});
+    let out = transform(&host, &python, config, Limits::DEFAULT)
+        .await
+        .expect("python transform");
+    assert_eq!(
+        out.spec["resources"]["bucket"]["properties"]["tags"],
+        json!({"managed-by": "pko-rs", "team": "blue"})
+    );
+    let js = load(&host, "js_example").await;
+    assert_eq!(js.info().name, "js-example");
+    let out = transform(&host, &js, json!({"mode": "prefix"}), Limits::DEFAULT)
+        .await
+        .expect("js transform");
+    assert_eq!(
+        out.spec["resources"]["bucket"]["properties"]["name"],
+        "team-a-logs"
+    );
 }
 
 #[tokio::test]
@@ -666,7 +715,8 @@ async fn a_chain_runs_in_order_and_applies_its_failure_policies() {
     // A step whose module could not be loaded fails or is skipped the same way.
     let mut unloaded = chain.clone();
     unloaded.steps[0].module = Err(PluginError::ForbiddenImport {
-        import: "wasi:filesystem/types@0.2.6".into(),
+        import: "wasi:http/types@0.2.6".into(),
+        why: String::new(),
         granted: String::new(),
     });
     let err = chain::run(
@@ -757,6 +807,9 @@ async fn plugin_fixtures_pass() {
         ("naming-policy", "naming_policy"),
         ("resource-allowlist", "resource_allowlist"),
         ("template", "template"),
+        // The Python and JavaScript twins pass their Rust twin's fixtures.
+        ("default-tags", "python_example"),
+        ("naming-policy", "js_example"),
     ] {
         let module = load(&host, module).await;
         let results = conformance::run_dir(&host, &module, &root.join(dir).join("tests"))
@@ -793,4 +846,23 @@ async fn conformance_reports_mismatches() {
         .await
         .expect_err("no error");
     assert!(err.contains("expected a rejected error"), "{err}");
+}
+
+/// The SDK crate and the Python and JavaScript plugins carry their own copy of the WIT (so each
+/// builds outside this repository): every copy is the host's.
+#[test]
+fn every_vendored_wit_is_the_hosts() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let wit = std::fs::read_to_string(root.join("wit/transform.wit")).expect("wit");
+    for copy in [
+        "plugins/sdk/wit/transform.wit",
+        "plugins/python-example/wit/transform.wit",
+        "plugins/js-example/wit/transform.wit",
+    ] {
+        let text = std::fs::read_to_string(root.join(copy)).expect(copy);
+        assert!(
+            text == wit,
+            "{copy} differs from wit/transform.wit: copy it again"
+        );
+    }
 }

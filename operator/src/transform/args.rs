@@ -33,8 +33,9 @@ pub struct PluginArgs {
     #[arg(long, env = "PLUGIN_CACHE_DIR")]
     pub plugin_cache_dir: Option<PathBuf>,
     /// Bytes of precompiled modules kept in --plugin-cache-dir; the least recently used are
-    /// evicted (keep it below the volume's size).
-    #[arg(long, env = "PLUGIN_CACHE_MAX_BYTES", default_value_t = 128 << 20)]
+    /// evicted (keep it below the volume's size). Sized for interpreters: a Python or
+    /// JavaScript plugin compiles to about 40 MB of machine code (a Rust one to under 1 MB).
+    #[arg(long, env = "PLUGIN_CACHE_MAX_BYTES", default_value_t = 512 << 20)]
     pub plugin_cache_max_bytes: u64,
     /// Extra PEM CA certificates for https module URLs (the OS's roots are always trusted).
     #[arg(long, env = "PLUGIN_CA_FILE")]

@@ -30,7 +30,9 @@ pub use wit_bindgen;
 
 wit_bindgen::generate!({
     world: "plugin",
-    path: "../../wit",
+    // The WIT is vendored (a copy of wit/transform.wit, kept equal by a test), so the crate
+    // builds as a dependency from outside this repository.
+    path: "wit",
     pub_export_macro: true,
     export_macro_name: "export_plugin",
     default_bindings_module: "pko_transform_sdk",

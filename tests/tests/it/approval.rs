@@ -16,7 +16,6 @@ use pko_api::stack::{ApprovalStatus, Stack, StackStatus};
 use pko_api::update::{Update, UpdateType};
 use pko_tests::execution::Execution;
 use pko_tests::fixtures::{self, labelled_config_map as config_map};
-use pko_tests::wait_for;
 use serde_json::{Value, json};
 
 const WAIT: Duration = Duration::from_secs(300);
@@ -83,46 +82,20 @@ impl Env {
             .expect("create stack");
     }
 
-    async fn status(&self, name: &str) -> Option<StackStatus> {
-        self.stacks.get(name).await.ok()?.status
-    }
-
-    /// Waits for what `check` finds in Stack `name`'s status, showing the status and the
-    /// workspace's logs when it never comes.
-    async fn until<T>(
-        &self,
-        name: &str,
-        what: &str,
-        check: impl Fn(&StackStatus) -> Option<T>,
-    ) -> T {
-        let found = wait_for(what, WAIT, || async {
-            let status = self.status(name).await?;
-            check(&status)
-        })
-        .await;
-        match found {
-            Ok(found) => found,
-            Err(e) => panic!(
-                "{e}: {:?}\n{}",
-                self.status(name).await,
-                self.e.kubelet.logs(name)
-            ),
-        }
-    }
-
     /// The plan awaiting approval, once its summary is there: `(plan, condition reason,
     /// condition message)`.
     async fn awaiting(&self, name: &str, not: Option<&str>) -> (ApprovalStatus, String, String) {
-        self.until(name, "a plan awaiting approval", |s| {
-            let plan = s.approval.clone()?;
-            let (status, reason, message) = gate(s)?;
-            let waits = status == "False"
-                && (reason == "AwaitingApproval" || reason == "ApprovalRefused")
-                && plan.summary.is_some()
-                && plan.plan_id.as_deref() != not;
-            waits.then_some((plan, reason, message))
-        })
-        .await
+        self.e
+            .until_stack(name, "a plan awaiting approval", WAIT, |s| {
+                let plan = s.approval.clone()?;
+                let (status, reason, message) = gate(s)?;
+                let waits = status == "False"
+                    && (reason == "AwaitingApproval" || reason == "ApprovalRefused")
+                    && plan.summary.is_some()
+                    && plan.plan_id.as_deref() != not;
+                waits.then_some((plan, reason, message))
+            })
+            .await
     }
 
     async fn approve(&self, name: &str, plan: &str) {
@@ -154,7 +127,8 @@ impl Env {
     /// Waits for a succeeded up other than `after`; returns its Update.
     async fn up_after(&self, name: &str, after: Option<&str>) -> Update {
         let last = self
-            .until(name, "the approved up to succeed", |s| {
+            .e
+            .until_stack(name, "the approved up to succeed", WAIT, |s| {
                 let last = s.last_update.as_ref()?;
                 (last.state.as_deref() == Some("succeeded")
                     && last.type_.as_deref() == Some("up")
@@ -241,7 +215,7 @@ async fn a_gated_stack_creates_nothing_until_its_plan_is_approved() {
         env.updates("gated", UpdateType::Up).await.is_empty(),
         "no up"
     );
-    let status = env.status("gated").await.expect("status");
+    let status = env.e.stack_status("gated").await.expect("status");
     assert!(status.last_update.is_none(), "{status:?}");
     assert!(
         !env.events("AwaitingApproval").await.is_empty(),
@@ -258,7 +232,7 @@ async fn a_gated_stack_creates_nothing_until_its_plan_is_approved() {
     let found = env.config_maps().await;
     assert_eq!(found.len(), 1, "{found:?}");
     assert_eq!(data(&found[0]).as_deref(), Some("declared"));
-    let status = env.status("gated").await.expect("status");
+    let status = env.e.stack_status("gated").await.expect("status");
     let (state, reason, _) = gate(&status).expect("the condition");
     assert_eq!((state.as_str(), reason.as_str()), ("True", "Approved"));
     assert_eq!(
@@ -292,7 +266,8 @@ async fn an_approval_of_a_plan_made_before_the_program_changed_is_refused() {
         .expect("change the program");
     env.approve("stale", &old).await;
     let (plan, reason, message) = env
-        .until("stale", "the stale approval to be refused", |s| {
+        .e
+        .until_stack("stale", "the stale approval to be refused", WAIT, |s| {
             let plan = s.approval.clone()?;
             let (status, reason, message) = gate(s)?;
             (status == "False"
@@ -385,7 +360,7 @@ async fn drift_on_a_gated_stack_makes_a_plan_awaiting_approval() {
         summary.changes.iter().all(|c| !c.starts_with("refresh ")),
         "{summary:?}"
     );
-    let status = env.status("drifting").await.expect("status");
+    let status = env.e.stack_status("drifting").await.expect("status");
     assert!(
         status
             .conditions
@@ -429,7 +404,7 @@ async fn a_gate_turned_off_runs_ups_as_without_it() {
     assert_eq!(up.spec.plan, None, "no plan");
     let found = env.config_maps().await;
     assert_eq!(found.len(), 1, "{found:?}");
-    let status = env.status("open").await.expect("status");
+    let status = env.e.stack_status("open").await.expect("status");
     assert!(gate(&status).is_none(), "{status:?}");
     assert_eq!(status.approval, None);
     assert!(

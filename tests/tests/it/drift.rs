@@ -16,7 +16,6 @@ use pko_api::stack::{Stack, StackStatus};
 use pko_api::update::{Update, UpdateType};
 use pko_tests::execution::Execution;
 use pko_tests::fixtures::{self, labelled_config_map as config_map};
-use pko_tests::wait_for;
 use serde_json::{Value, json};
 
 /// Checks run every minute: a wait covers the update, two ticks and the check itself.
@@ -77,33 +76,6 @@ impl Env {
             .expect("create stack");
     }
 
-    async fn status(&self, name: &str) -> Option<StackStatus> {
-        self.stacks.get(name).await.ok()?.status
-    }
-
-    /// Waits for what `check` finds in Stack `name`'s status, showing the status and the
-    /// workspace's logs when it never comes.
-    async fn until<T>(
-        &self,
-        name: &str,
-        what: &str,
-        check: impl Fn(&StackStatus) -> Option<T>,
-    ) -> T {
-        let found = wait_for(what, WAIT, || async {
-            let status = self.status(name).await?;
-            check(&status)
-        })
-        .await;
-        match found {
-            Ok(found) => found,
-            Err(e) => panic!(
-                "{e}: {:?}\n{}",
-                self.status(name).await,
-                self.e.kubelet.logs(name)
-            ),
-        }
-    }
-
     /// The deployed ConfigMap.
     async fn config_map(&self) -> ConfigMap {
         let found = fixtures::labelled(self.client(), &self.e.ns, "drifting").await;
@@ -157,14 +129,15 @@ async fn a_change_behind_pulumis_back_is_reported_without_an_up() {
     env.stack("report", json!({"schedules": [{"cron": EVERY_MINUTE}]}))
         .await;
     let (first_check, last_update) = env
-        .until("report", "a check that finds no drift", |s| {
+        .e
+        .until_stack("report", "a check that finds no drift", WAIT, |s| {
             let (status, reason, _) = drift(s)?;
             let d = s.drift_detection.as_ref()?;
             (status == "False" && reason == "NoChanges" && d.current_check.is_none())
                 .then(|| (d.last_check.clone(), s.last_update.clone()))
         })
         .await;
-    let status = env.status("report").await.expect("status");
+    let status = env.e.stack_status("report").await.expect("status");
     let d = status.drift_detection.expect("drift status");
     assert!(d.last_check_time.is_some());
     assert_eq!(d.change_count, Some(0));
@@ -174,7 +147,8 @@ async fn a_change_behind_pulumis_back_is_reported_without_an_up() {
 
     env.tamper().await;
     let message = env
-        .until("report", "the drift to be reported", |s| {
+        .e
+        .until_stack("report", "the drift to be reported", WAIT, |s| {
             let (status, reason, message) = drift(s)?;
             (status == "True" && reason == "Changes").then_some(message)
         })
@@ -183,7 +157,7 @@ async fn a_change_behind_pulumis_back_is_reported_without_an_up() {
         message.starts_with("1 resource(s) changed outside Pulumi") && message.contains(URN),
         "{message}"
     );
-    let status = env.status("report").await.expect("status");
+    let status = env.e.stack_status("report").await.expect("status");
     let d = status.drift_detection.expect("drift status");
     assert_eq!(d.change_count, Some(1));
     assert_eq!(d.changed_resources, vec![URN.to_owned()]);
@@ -215,7 +189,8 @@ async fn a_change_behind_pulumis_back_is_reported_without_an_up() {
     // taken the change into the state, and the next check would find nothing).
     let found_by = d.last_check.clone();
     let again = env
-        .until("report", "the next check", |s| {
+        .e
+        .until_stack("report", "the next check", WAIT, |s| {
             let d = s.drift_detection.as_ref()?;
             (d.current_check.is_none() && d.last_check != found_by).then(|| drift(s))
         })
@@ -251,7 +226,8 @@ async fn auto_remediate_puts_the_resource_back_with_an_up() {
     )
     .await;
     let first = env
-        .until("remediate", "the first up", |s| {
+        .e
+        .until_stack("remediate", "the first up", WAIT, |s| {
             let last = s.last_update.as_ref()?;
             (last.state.as_deref() == Some("succeeded")).then(|| last.name.clone())
         })
@@ -259,7 +235,8 @@ async fn auto_remediate_puts_the_resource_back_with_an_up() {
     assert_eq!(data(&env.config_map().await).as_deref(), Some("declared"));
     env.tamper().await;
     let remediation = env
-        .until("remediate", "an up after the drift", |s| {
+        .e
+        .until_stack("remediate", "an up after the drift", WAIT, |s| {
             let last = s.last_update.as_ref()?;
             (last.name != first && last.state.as_deref() == Some("succeeded")).then(|| last.clone())
         })
@@ -293,7 +270,8 @@ async fn a_bad_schedule_stalls_the_stack_or_is_refused() {
     )
     .await;
     let (reason, message) = env
-        .until("invalid", "the stall", |s| {
+        .e
+        .until_stack("invalid", "the stall", WAIT, |s| {
             let c = s
                 .conditions
                 .iter()

@@ -23,7 +23,7 @@ use pko_operator::controller::program::METADATA_APPLIED;
 use pko_tests::execution::Execution;
 use pko_tests::flux::{FluxSource, Sources};
 use pko_tests::gitrepo::GitRepo;
-use pko_tests::operator::{Operator, OperatorOptions, operator_binary};
+use pko_tests::operator::{Operator, OperatorOptions};
 use pko_tests::plugins::{plugins_dir, shared_cache_dir};
 use pko_tests::registry::{Cosign, Registry};
 use pko_tests::webhook::{Registration, WebhookOptions, policy_bundle};
@@ -336,7 +336,14 @@ async fn a_signed_oci_transform_is_verified_and_applied() {
         .await
         .expect("registry");
     let repository = format!("{}/platform/plugins/default-tags", registry.host());
-    let (digest, sha256) = plugin_push(&registry, &format!("{repository}:v1"));
+    let pushed = registry
+        .push_plugin(
+            &plugins_dir().join("default_tags.wasm"),
+            &format!("{repository}:v1"),
+            None,
+        )
+        .expect("plugin push");
+    let (digest, sha256) = (pushed.manifest, pushed.module);
     let cosign = Cosign::generate(&dir.path().join("cosign"), registry.ca_file()).expect("key");
     cosign.sign(&repository, &digest).expect("sign");
     let public_key = cosign.public_key().expect("public key");
@@ -407,33 +414,6 @@ async fn a_signed_oci_transform_is_verified_and_applied() {
         names.iter().any(|n| n.ends_with("default-tags")),
         "{applied:?}"
     );
-}
-
-/// `pko-operator plugin push` of the default-tags module to `reference`: (manifest digest,
-/// module sha256), as it prints them.
-fn plugin_push(registry: &Registry, reference: &str) -> (String, String) {
-    let module = plugins_dir().join("default_tags.wasm");
-    let out = std::process::Command::new(operator_binary().expect("pko-operator"))
-        .args(["plugin", "push", "--ca-file"])
-        .arg(registry.ca_file())
-        .arg(&module)
-        .arg(reference)
-        .stdin(Stdio::null())
-        .output()
-        .expect("plugin push");
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "plugin push: {text}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let field = |label: &str| {
-        text.lines()
-            .find_map(|l| l.strip_prefix(label))
-            .map(|v| v.trim().to_owned())
-            .unwrap_or_else(|| panic!("no {label:?} in {text}"))
-    };
-    (field("manifest digest:"), field("module sha256:"))
 }
 
 /// `kubectl apply --dry-run=server -n namespace -f -` of `object`: (success, stdout and

@@ -34,6 +34,9 @@ fn plugin_test_runs_the_fixtures_shipped_with_each_plugin() {
         ("naming-policy", "naming_policy"),
         ("resource-allowlist", "resource_allowlist"),
         ("template", "template"),
+        // The Python and JavaScript twins pass their Rust twin's fixtures.
+        ("default-tags", "python_example"),
+        ("naming-policy", "js_example"),
     ] {
         let cases = repo_root().join("plugins").join(dir).join("tests");
         let wasm = module(name).expect("module").path;
@@ -229,5 +232,193 @@ fn render_reports_a_failing_transform_or_skips_it_under_ignore() {
     assert_eq!(
         yaml["resources"]["bucket"]["properties"]["bucket"],
         "team-a-logs"
+    );
+}
+
+/// Copies the files of `from` (recursively, but not `target/` or `__pycache__/`) into `to`.
+fn copy_tree(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).expect("mkdir");
+    for entry in std::fs::read_dir(from).expect("read_dir") {
+        let entry = entry.expect("entry");
+        let name = entry.file_name();
+        if name == "target" || name == "__pycache__" {
+            continue;
+        }
+        let path = entry.path();
+        if path.is_dir() {
+            copy_tree(&path, &to.join(&name));
+        } else {
+            std::fs::copy(&path, to.join(&name)).expect("copy");
+        }
+    }
+}
+
+/// Runs `command`, failing the test with its output when it fails.
+fn must(mut command: Command, what: &str) {
+    let out = command.output().unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert!(
+        out.status.success(),
+        "{what}: {}{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+}
+
+/// `plugin test CASES --module WASM` passes every case.
+fn fixtures_pass(cases: &Path, wasm: &Path, what: &str) {
+    let out = run(&[
+        "plugin",
+        "test",
+        &cases.display().to_string(),
+        "--module",
+        &wasm.display().to_string(),
+    ]);
+    let stdout = text(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{what}: {stdout}{}",
+        text(&out.stderr)
+    );
+    assert!(stdout.contains(" passed, 0 failed"), "{what}: {stdout}");
+}
+
+/// A plugin author's own repository: the Rust template, copied outside this one with its
+/// standalone manifest and the SDK copied beside it, builds into a component that passes the
+/// template's fixtures. The build shares `make plugins`' target
+/// folder and lock file, so only the SDK and the template are compiled.
+#[test]
+fn the_rust_template_builds_outside_the_repository() {
+    let _machine = pko_tests::serial::shared_blocking();
+    let repo = repo_root();
+    let outside = tempfile::tempdir().expect("tempdir");
+    let dir = outside.path().join("my-plugin");
+    copy_tree(&repo.join("plugins/template"), &dir);
+    // The SDK copied beside it, as a vendored dependency or a published crate is: nothing of
+    // this repository around it.
+    let sdk = outside.path().join("pko-transform-sdk");
+    copy_tree(&repo.join("plugins/sdk"), &sdk);
+    let manifest = std::fs::read_to_string(dir.join("standalone.Cargo.toml"))
+        .expect("standalone manifest")
+        .replace(
+            r#"{ path = "../pko-rs/plugins/sdk" }"#,
+            &format!("{{ path = {:?} }}", sdk.display().to_string()),
+        );
+    assert!(manifest.contains("pko-transform-sdk\" }"), "{manifest}");
+    std::fs::write(dir.join("Cargo.toml"), manifest).expect("manifest");
+    std::fs::copy(repo.join("plugins/Cargo.lock"), dir.join("Cargo.lock")).expect("lock");
+    // The template's toolchain file pins the repository's toolchain: the copy never falls back
+    // to the machine's default toolchain (which may lack the target, or be another version).
+    let toolchain = std::fs::read_to_string(dir.join("standalone.rust-toolchain.toml"))
+        .expect("standalone toolchain file");
+    let pinned = std::fs::read_to_string(repo.join("rust-toolchain.toml")).expect("toolchain");
+    let channel = |text: &str| {
+        text.lines()
+            .find(|l| l.starts_with("channel"))
+            .map(str::to_owned)
+    };
+    assert_eq!(
+        channel(&toolchain),
+        channel(&pinned),
+        "plugins/template/standalone.rust-toolchain.toml pins another toolchain than rust-toolchain.toml"
+    );
+    std::fs::write(dir.join("rust-toolchain.toml"), toolchain).expect("toolchain file");
+    let release = channel(&pinned)
+        .and_then(|l| l.split('"').nth(1).map(str::to_owned))
+        .expect("the pinned channel");
+    // A folder per toolchain: artifacts of another compiler are never mixed in.
+    let target = plugins_dir()
+        .ancestors()
+        .nth(2)
+        .map(|d| d.join(format!("out-of-tree-{release}")))
+        .expect("plugins target dir");
+    // rustup's `cargo` on the PATH, as in an author's shell: the copy's own toolchain file
+    // chooses the toolchain for every crate. (`$CARGO`, this toolchain's binary itself, would
+    // leave each dependency's `rustc` to the machine's default toolchain.)
+    let mut cargo = Command::new("cargo");
+    cargo
+        .current_dir(&dir)
+        .args(["build", "--release", "--target", "wasm32-wasip2", "--quiet"])
+        .env("CARGO_TARGET_DIR", &target)
+        // Every nested rustup call (each crate's rustc, build scripts probing rustc) on the
+        // pinned toolchain: run from a registry folder, a rustc would resolve the default one.
+        .env("RUSTUP_TOOLCHAIN", &release)
+        .env_remove("RUSTC")
+        .env_remove("CARGO");
+    must(cargo, "cargo build of the template outside the repository");
+    // Built by the pinned toolchain: cargo records the `rustc -vV` it used in the target dir.
+    let used = std::fs::read_to_string(target.join(".rustc_info.json")).expect("rustc info");
+    assert!(
+        used.contains(&format!("release: {release}\\n")),
+        "the copy was not built by rustc {release}: {used:.600}"
+    );
+    let wasm = target.join("wasm32-wasip2/release/template.wasm");
+    fixtures_pass(&dir.join("tests"), &wasm, "out-of-tree template");
+}
+
+/// The Python and JavaScript plugins, copied outside this repository, build with their
+/// toolchains alone (componentize-py, componentize-js: no script or file of this repository)
+/// and pass their Rust twins' fixtures.
+#[test]
+fn python_and_javascript_plugins_build_outside_the_repository() {
+    let _machine = pko_tests::serial::shared_blocking();
+    let repo = repo_root();
+    let outside = tempfile::tempdir().expect("tempdir");
+    let toolchain = |kind: &str| {
+        let out = Command::new(repo.join("tools/guest-plugins.sh"))
+            .args(["install", kind])
+            .output()
+            .expect("install");
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let out = Command::new(repo.join("tools/guest-plugins.sh"))
+            .args(["dir", kind])
+            .output()
+            .expect("dir");
+        std::path::PathBuf::from(text(&out.stdout).trim())
+    };
+
+    let py = outside.path().join("py");
+    copy_tree(&repo.join("plugins/python-example"), &py);
+    let mut build = Command::new(toolchain("py").join("componentize-py"));
+    build
+        .current_dir(&py)
+        .args([
+            "-q",
+            "-d",
+            "wit",
+            "-w",
+            "plugin",
+            "componentize",
+            "app",
+            "-p",
+            ".",
+        ])
+        .args(["-o", "my_plugin.wasm"]);
+    must(build, "componentize-py outside the repository");
+    fixtures_pass(
+        &repo.join("plugins/default-tags/tests"),
+        &py.join("my_plugin.wasm"),
+        "python",
+    );
+
+    let js = outside.path().join("js");
+    copy_tree(&repo.join("plugins/js-example"), &js);
+    let mut build = Command::new(toolchain("js").join("componentize-js"));
+    build
+        .current_dir(&js)
+        .args([
+            "plugin.js",
+            "--wit",
+            "wit",
+            "-n",
+            "plugin",
+            "--disable",
+            "http",
+        ])
+        .args(["fetch-event", "-o", "my_plugin.wasm"]);
+    must(build, "componentize-js outside the repository");
+    fixtures_pass(
+        &repo.join("plugins/naming-policy/tests"),
+        &js.join("my_plugin.wasm"),
+        "javascript",
     );
 }

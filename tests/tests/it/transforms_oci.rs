@@ -2,59 +2,31 @@
 //! TLS), published with `pko-operator plugin push` and signed with the real `cosign`.
 
 use std::path::Path;
-use std::process::Command;
 
 use k8s_openapi::api::core::v1::Secret;
 use pko_operator::oci::registry::{Descriptor, Manifest, Session};
 use pko_operator::oci::{MANIFEST_TYPE, Reference, cosign as cosign_format};
-use pko_tests::operator::operator_binary;
 use pko_tests::registry::{Cosign, Registry};
 
 use super::*;
 
-/// `pko-operator plugin push`; returns (manifest digest, module sha256).
+/// `pko-operator plugin push` of module `module`; returns (manifest digest, module sha256).
 fn push(registry: &Registry, module: &str, reference: &str) -> (String, String) {
     push_as(registry, module, reference, None)
 }
 
-/// `pko-operator plugin push`, logged in as `login` (the password on stdin).
+/// [`push`], logged in as `login` (the password on stdin).
 fn push_as(
     registry: &Registry,
     module: &str,
     reference: &str,
     login: Option<(&str, &str)>,
 ) -> (String, String) {
-    use std::io::Write;
-    let path = plugins_dir().join(format!("{module}.wasm"));
-    let mut cmd = Command::new(operator_binary().expect("pko-operator binary"));
-    cmd.args(["plugin", "push", "--ca-file"])
-        .arg(registry.ca_file())
-        .arg(&path)
-        .arg(reference)
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped());
-    if let Some((user, _)) = login {
-        cmd.args(["--username", user]);
-    }
-    let mut child = cmd.spawn().expect("run plugin push");
-    if let (Some((_, password)), Some(mut stdin)) = (login, child.stdin.take()) {
-        writeln!(stdin, "{password}").expect("password on stdin");
-    }
-    let out = child.wait_with_output().expect("plugin push output");
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "plugin push failed: {text}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let field = |label: &str| {
-        text.lines()
-            .find_map(|l| l.strip_prefix(label))
-            .map(|v| v.trim().to_owned())
-            .unwrap_or_else(|| panic!("no {label:?} in {text}"))
-    };
-    (field("manifest digest:"), field("module sha256:"))
+    let module = plugins_dir().join(format!("{module}.wasm"));
+    let pushed = registry
+        .push_plugin(&module, reference, login)
+        .expect("plugin push");
+    (pushed.manifest, pushed.module)
 }
 
 fn oci_spec(name: &str, digest: &str, sha256: &str, fetched: &str, rest: Value) -> Value {

@@ -8,12 +8,11 @@ use std::time::{Duration, Instant};
 use tokio::sync::Semaphore;
 use tracing::{Instrument, debug, info_span, warn};
 use wasmtime::{Store, Trap, UpdateDeadline};
-use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 
 use super::bindings;
 use super::bindings::exports::pko::transform::transformer as wit;
 use super::engine::EPOCH_TICK;
-use super::sandbox::CallState;
+use super::sandbox::{CallState, DeniedCall, Output};
 use super::{CallSite, Inner, Module, PluginHost, ProgramInput, TransformOutput, bounded};
 use crate::errors::PluginError;
 use crate::json;
@@ -238,7 +237,7 @@ async fn run(
 ) -> Result<(Response, CallStats), PluginError> {
     let started = Instant::now();
     let memory_bytes = usize::try_from(limits.memory_bytes).unwrap_or(usize::MAX);
-    let (state, stderr) = CallState::new(transform, memory_bytes);
+    let (state, output) = CallState::new(transform, memory_bytes);
     let mut store = Store::new(&inner.engine, state);
     store.limiter(|state| &mut state.limiter);
     store
@@ -268,11 +267,12 @@ async fn run(
         Err(err) => Err(err),
     };
     stats.fuel = limits.fuel.saturating_sub(store.get_fuel().unwrap_or(0));
+    store.data_mut().log_output(&output);
     match outcome {
         Ok(Ok(value)) => Ok((value, stats)),
         Ok(Err(refused)) => Err(refused),
         Err(err) => {
-            let err = classify(&err, &store, limits, &stderr);
+            let err = classify(&err, &store, limits, &output);
             debug!(function, error = %err, fuel = stats.fuel, "plugin call failed");
             Err(err)
         }
@@ -309,21 +309,25 @@ async fn invoke(
 }
 
 /// Names the cause of a failed call: the memory cap (our flag), fuel and epoch traps, other
-/// traps (with what the guest wrote to stderr, e.g. a panic message).
+/// traps (with what the guest wrote to stderr, e.g. a panic message), calls into a denied
+/// interface (named).
 fn classify(
     err: &wasmtime::Error,
     store: &Store<CallState>,
     limits: Limits,
-    stderr: &MemoryOutputPipe,
+    output: &Output,
 ) -> PluginError {
     if store.data().limiter.hit {
         return PluginError::MemoryLimit(limits.memory_bytes);
+    }
+    if let Some(denied) = err.downcast_ref::<DeniedCall>() {
+        return PluginError::Denied(denied.to_string());
     }
     match err.downcast_ref::<Trap>() {
         Some(Trap::OutOfFuel) => PluginError::FuelExhausted(limits.fuel),
         Some(Trap::Interrupt) => PluginError::Timeout(limits.timeout),
         Some(trap) => {
-            let said = String::from_utf8_lossy(&stderr.contents())
+            let said = String::from_utf8_lossy(&output.stderr.contents())
                 .trim()
                 .to_owned();
             if said.is_empty() {

@@ -79,7 +79,7 @@ impl Default for HostConfig {
             default_limits: Limits::DEFAULT,
             ceiling: Limits::CEILING,
             cache_dir: None,
-            cache_max_bytes: 128 << 20,
+            cache_max_bytes: 512 << 20,
             max_module_bytes: 32 << 20,
             memory_budget_bytes: 4 * Limits::CEILING.memory_bytes,
             compiler: Compiler::InProcess,
@@ -348,9 +348,10 @@ impl PluginHost {
 
         sandbox::check_imports(&component, &self.inner.engine)?;
         engine::check_exports(&component, &self.inner.engine)?;
-        let pre = self
-            .inner
-            .linker
+        // The shared linker plus failing stubs of the denied interfaces this module imports.
+        let linker = sandbox::with_denied_stubs(&self.inner.linker, &component, &self.inner.engine)
+            .map_err(|e| PluginError::NotAPlugin(format!("{e:#}")))?;
+        let pre = linker
             .instantiate_pre(&component)
             .map_err(|e| PluginError::NotAPlugin(format!("{e:#}")))?;
         let pre =

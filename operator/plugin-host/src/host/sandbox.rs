@@ -7,22 +7,57 @@ use std::time::Duration;
 
 use wasmtime::component::{Component, HasData, HasSelf, Linker, ResourceTable};
 use wasmtime::{Engine, ResourceLimiter};
-use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::{Deterministic, HostWallClock, WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
 use super::bindings;
 use super::bindings::pko::transform::log::Level;
 use crate::errors::PluginError;
 
-/// Interfaces a plugin may import: what a Rust `wasm32-wasip2` guest needs to start (stdio,
-/// environment, exit, clocks, random) plus the plugin log. Stdio goes nowhere (stderr is kept
-/// for error messages), the environment is empty, clocks are fixed and random is a fixed
-/// sequence. Filesystem, sockets, HTTP and everything else are refused at load.
-const GRANTED: [(&str, &[&str]); 5] = [
-    ("wasi:io", &["error", "poll", "streams"]),
-    (
-        "wasi:cli",
-        &[
+/// How the host answers an interface a plugin imports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Grant {
+    /// Linked to the host's deterministic implementation.
+    Served,
+    /// Linked to stubs that fail the call, naming the function and why: language runtimes
+    /// (CPython under componentize-py, SpiderMonkey under componentize-js) import these whether
+    /// or not the plugin uses them, so refusing them at load would refuse every such plugin.
+    Denied(&'static str),
+}
+
+/// One line of the import allowlist: interfaces of a package, the versions known to link, and
+/// how they are answered.
+struct Allowed {
+    package: &'static str,
+    interfaces: &'static [&'static str],
+    /// `major.minor` of the versions accepted.
+    line: &'static str,
+    /// Highest patch accepted: the newest seen from the supported toolchains and tested
+    /// (`None`: every patch of the line, for our own package, whose 0.1.x changes are additive).
+    max_patch: Option<u32>,
+    grant: Grant,
+}
+
+/// WASI 0.2 up to the newest patch the supported guest toolchains import: Rust's
+/// `wasm32-wasip2` (0.2.x), componentize-py 0.25 (0.2.9), componentize-js 0.23 (0.2.12).
+const WASI_MAX_PATCH: Option<u32> = Some(12);
+const NO_FILESYSTEM: &str = "plugins have no filesystem";
+const NO_NETWORK: &str = "plugins have no network";
+
+/// The import allowlist: what a plugin may import, per interface and version. Stdio goes to the
+/// plugin log, the environment and arguments are empty, the clocks are fixed and random is a
+/// fixed sequence (see [`CallState::new`]); the filesystem and the network are linked only to
+/// fail. Everything else (`wasi:http`, other packages, other versions) is refused at load.
+const ALLOWLIST: &[Allowed] = &[
+    Allowed {
+        package: "wasi:io",
+        interfaces: &["error", "poll", "streams"],
+        line: "0.2",
+        max_patch: WASI_MAX_PATCH,
+        grant: Grant::Served,
+    },
+    Allowed {
+        package: "wasi:cli",
+        interfaces: &[
             "environment",
             "exit",
             "stdin",
@@ -34,16 +69,100 @@ const GRANTED: [(&str, &[&str]); 5] = [
             "terminal-stdout",
             "terminal-stderr",
         ],
-    ),
-    ("wasi:clocks", &["wall-clock", "monotonic-clock"]),
-    ("wasi:random", &["random", "insecure", "insecure-seed"]),
-    ("pko:transform", &["log", "types"]),
+        line: "0.2",
+        max_patch: WASI_MAX_PATCH,
+        grant: Grant::Served,
+    },
+    Allowed {
+        package: "wasi:clocks",
+        interfaces: &["wall-clock", "monotonic-clock"],
+        line: "0.2",
+        max_patch: WASI_MAX_PATCH,
+        grant: Grant::Served,
+    },
+    Allowed {
+        package: "wasi:random",
+        interfaces: &["random", "insecure", "insecure-seed"],
+        line: "0.2",
+        max_patch: WASI_MAX_PATCH,
+        grant: Grant::Served,
+    },
+    Allowed {
+        package: "wasi:filesystem",
+        interfaces: &["types", "preopens"],
+        line: "0.2",
+        max_patch: WASI_MAX_PATCH,
+        grant: Grant::Denied(NO_FILESYSTEM),
+    },
+    Allowed {
+        package: "wasi:sockets",
+        interfaces: &[
+            "network",
+            "instance-network",
+            "tcp",
+            "tcp-create-socket",
+            "udp",
+            "udp-create-socket",
+            "ip-name-lookup",
+        ],
+        line: "0.2",
+        max_patch: WASI_MAX_PATCH,
+        grant: Grant::Denied(NO_NETWORK),
+    },
+    Allowed {
+        package: "pko:transform",
+        interfaces: &["log", "types"],
+        line: "0.1",
+        max_patch: None,
+        grant: Grant::Served,
+    },
 ];
 
-/// Guest log budget per call; the rest is dropped (with one note).
+/// What the allowlist says of one import name (`wasi:io/streams@0.2.6`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum ImportDecision {
+    Granted(Grant),
+    /// Refused at load, with why.
+    Refused(String),
+}
+
+/// Decides one import against [`ALLOWLIST`]: a pure function of the name.
+pub(super) fn decide(import: &str) -> ImportDecision {
+    let Some((path, version)) = import.split_once('@') else {
+        return ImportDecision::Refused("an unversioned import".into());
+    };
+    let Some((package, interface)) = path.split_once('/') else {
+        return ImportDecision::Refused("not an interface of a package".into());
+    };
+    let Some(entry) = ALLOWLIST
+        .iter()
+        .find(|a| a.package == package && a.interfaces.contains(&interface))
+    else {
+        return ImportDecision::Refused("not an interface plugins are granted".into());
+    };
+    let patch = version
+        .strip_prefix(entry.line)
+        .and_then(|rest| rest.strip_prefix('.'))
+        .and_then(|patch| patch.parse::<u32>().ok());
+    match (patch, entry.max_patch) {
+        (Some(patch), Some(max)) if patch <= max => ImportDecision::Granted(entry.grant),
+        (Some(_), None) => ImportDecision::Granted(entry.grant),
+        _ => ImportDecision::Refused(format!(
+            "version {version} is not one this host links ({}.{})",
+            entry.line,
+            entry
+                .max_patch
+                .map_or_else(|| "x".to_owned(), |max| format!("0-{max}"))
+        )),
+    }
+}
+
+/// Guest log budget per call (log lines, stdout and stderr together); the rest is dropped
+/// (with one note).
 const LOG_BYTES_PER_CALL: usize = 16 * 1024;
-/// Guest stderr kept per call (panic messages end up there).
-const STDERR_BYTES: usize = 4 * 1024;
+/// What is kept of each of stdout and stderr per call: their lines go to the guest log after
+/// the call, and stderr's also into a trap's message (a panic or a traceback ends up there).
+const CAPTURE_BYTES: usize = 16 * 1024;
 /// Wasm table elements an instance may grow to.
 pub(super) const MAX_TABLE_ELEMENTS: usize = 100_000;
 /// Core instances, memories and tables per component instance (a Rust guest uses a handful).
@@ -61,12 +180,23 @@ pub(super) struct CallState {
     log: GuestLog,
 }
 
+/// What a call's guest wrote to stdout and stderr.
+pub(super) struct Output {
+    pub(super) stdout: Captured,
+    pub(super) stderr: Captured,
+}
+
 impl CallState {
-    /// A fresh state for one call, and the pipe that keeps what the guest writes to stderr.
-    pub(super) fn new(transform: Arc<str>, memory_bytes: usize) -> (Self, MemoryOutputPipe) {
-        let stderr = MemoryOutputPipe::new(STDERR_BYTES);
+    /// A fresh state for one call, and what keeps the guest's stdout and stderr. The
+    /// environment and the arguments are empty (the builder's default), stdin is empty.
+    pub(super) fn new(transform: Arc<str>, memory_bytes: usize) -> (Self, Output) {
+        let output = Output {
+            stdout: Captured::default(),
+            stderr: Captured::default(),
+        };
         let wasi = WasiCtxBuilder::new()
-            .stderr(stderr.clone())
+            .stdout(output.stdout.clone())
+            .stderr(output.stderr.clone())
             .wall_clock(FixedWallClock)
             .secure_random(Deterministic::new(RANDOM_SEED.to_vec()))
             .insecure_random(Deterministic::new(RANDOM_SEED.to_vec()))
@@ -82,7 +212,108 @@ impl CallState {
                 truncated: false,
             },
         };
-        (state, stderr)
+        (state, output)
+    }
+
+    /// Writes what the guest printed to the guest log, a line at a time (stdout at info,
+    /// stderr at warn), within the call's log budget.
+    pub(super) fn log_output(&mut self, output: &Output) {
+        for (captured, level) in [(&output.stdout, Level::Info), (&output.stderr, Level::Warn)] {
+            let bytes = captured.contents();
+            let text = String::from_utf8_lossy(&bytes);
+            for line in text.lines().filter(|l| !l.trim().is_empty()) {
+                self.log.write(level, line);
+            }
+        }
+    }
+}
+
+/// A guest's stdout or stderr: keeps the first [`CAPTURE_BYTES`] and drops the rest, and is
+/// always ready, so a chatty guest neither blocks nor sees its writes fail.
+#[derive(Clone, Default)]
+pub(super) struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl Captured {
+    pub(super) fn contents(&self) -> Vec<u8> {
+        self.lock().clone()
+    }
+
+    fn push(&self, bytes: &[u8]) {
+        let mut buffer = self.lock();
+        let room = CAPTURE_BYTES.saturating_sub(buffer.len());
+        buffer.extend_from_slice(&bytes[..bytes.len().min(room)]);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<u8>> {
+        // A plain buffer: still consistent if a holder panicked.
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl wasmtime_wasi::cli::IsTerminal for Captured {
+    fn is_terminal(&self) -> bool {
+        false
+    }
+}
+
+impl wasmtime_wasi::cli::StdoutStream for Captured {
+    fn p2_stream(&self) -> Box<dyn wasmtime_wasi::p2::OutputStream> {
+        Box::new(self.clone())
+    }
+
+    fn async_stream(&self) -> Box<dyn tokio::io::AsyncWrite + Send + Sync> {
+        Box::new(self.clone())
+    }
+}
+
+/// Bytes a write may carry (what WASI streams usually grant).
+const WRITE_PERMIT: usize = 64 << 10;
+
+#[wasmtime_wasi::async_trait]
+impl wasmtime_wasi::p2::OutputStream for Captured {
+    fn write(&mut self, bytes: bytes::Bytes) -> wasmtime_wasi::p2::StreamResult<()> {
+        self.push(&bytes);
+        Ok(())
+    }
+
+    fn flush(&mut self) -> wasmtime_wasi::p2::StreamResult<()> {
+        Ok(())
+    }
+
+    fn check_write(&mut self) -> wasmtime_wasi::p2::StreamResult<usize> {
+        Ok(WRITE_PERMIT)
+    }
+}
+
+#[wasmtime_wasi::async_trait]
+impl wasmtime_wasi::p2::Pollable for Captured {
+    async fn ready(&mut self) {}
+}
+
+impl tokio::io::AsyncWrite for Captured {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        self.push(buf);
+        std::task::Poll::Ready(Ok(buf.len()))
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
     }
 }
 
@@ -346,44 +577,114 @@ pub(super) fn linker(engine: &Engine) -> wasmtime::Result<Linker<CallState>> {
     Ok(linker)
 }
 
-/// Every import must be a granted interface; the first one that is not is named.
+/// Every import must be on the allowlist; the first one that is not is named, with why.
 pub(super) fn check_imports(component: &Component, engine: &Engine) -> Result<(), PluginError> {
     for (name, _) in component.component_type().imports(engine) {
-        if !is_granted(name) {
+        if let ImportDecision::Refused(why) = decide(name) {
             return Err(PluginError::ForbiddenImport {
                 import: name.to_owned(),
-                granted: granted_list(),
+                why,
+                granted: allowlist_summary(),
             });
         }
     }
     Ok(())
 }
 
-/// `wasi:io/streams@0.2.6` → granted when the package and interface are listed (any version of
-/// the package's major line: 0.2.x for WASI, 0.1.x for ours).
-fn is_granted(import: &str) -> bool {
-    let (path, version) = match import.split_once('@') {
-        Some((path, version)) => (path, Some(version)),
-        None => (import, None),
-    };
-    let Some((package, interface)) = path.split_once('/') else {
-        return false;
-    };
-    let Some((_, interfaces)) = GRANTED.iter().find(|(p, _)| *p == package) else {
-        return false;
-    };
-    let line_ok = match (package, version) {
-        ("pko:transform", Some(v)) => v.starts_with("0.1."),
-        (_, Some(v)) => v.starts_with("0.2."),
-        (_, None) => false,
-    };
-    line_ok && interfaces.contains(&interface)
+/// `linker` plus, for each denied interface `component` imports, stubs of its functions that
+/// fail the call with a [`DeniedCall`] naming the function, and stand-ins for the resources it
+/// defines (never created: only the denied functions could make one). Only what the component
+/// imports is stubbed, under the exact names and versions it imports.
+pub(super) fn with_denied_stubs(
+    linker: &Linker<CallState>,
+    component: &Component,
+    engine: &Engine,
+) -> wasmtime::Result<Linker<CallState>> {
+    use wasmtime::component::types::ComponentItem;
+    use wasmtime::component::{ResourceType, Val};
+
+    let mut linker = linker.clone();
+    // A resource another interface defines shows up again where it is `use`d (an `eq` bound):
+    // that alias must not be defined twice, so the resources seen so far are remembered.
+    let mut seen: Vec<ResourceType> = Vec::new();
+    for (name, item) in component.component_type().imports(engine) {
+        let ComponentItem::ComponentInstance(instance) = item.ty else {
+            continue;
+        };
+        let denied = match decide(name) {
+            ImportDecision::Granted(Grant::Denied(why)) => Some(why),
+            _ => None,
+        };
+        let mut stubs = match denied {
+            Some(_) => Some(linker.instance(name)?),
+            None => None,
+        };
+        for (export, item) in instance.exports(engine) {
+            match item.ty {
+                ComponentItem::Resource(ty) => {
+                    if seen.contains(&ty) {
+                        continue;
+                    }
+                    seen.push(ty);
+                    if let Some(stubs) = stubs.as_mut() {
+                        stubs.resource(
+                            export,
+                            ResourceType::host::<DeniedResource>(),
+                            |_, _| Ok(()),
+                        )?;
+                    }
+                }
+                ComponentItem::ComponentFunc(_) => {
+                    if let (Some(stubs), Some(why)) = (stubs.as_mut(), denied) {
+                        let function = format!("{name}#{export}");
+                        stubs.func_new(
+                            export,
+                            move |_, _, _: &[Val], _: &mut [Val]| -> wasmtime::Result<()> {
+                                Err(wasmtime::Error::new(DeniedCall {
+                                    function: function.clone(),
+                                    why,
+                                }))
+                            },
+                        )?;
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    Ok(linker)
 }
 
-fn granted_list() -> String {
-    GRANTED
+/// The host type of a denied interface's resources (none is ever created).
+struct DeniedResource;
+
+/// A plugin called a function of a denied interface: the call fails with this.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("the plugin called {function}: {why}")]
+pub(super) struct DeniedCall {
+    pub(super) function: String,
+    pub(super) why: &'static str,
+}
+
+/// The allowlist in one line, for messages: `wasi:io/{error,poll,streams}@0.2.0-12 …`.
+fn allowlist_summary() -> String {
+    ALLOWLIST
         .iter()
-        .map(|(package, interfaces)| format!("{package}/{{{}}}", interfaces.join(",")))
+        .map(|a| {
+            let patches = a
+                .max_patch
+                .map_or_else(|| "x".to_owned(), |max| format!("0-{max}"));
+            let denied = match a.grant {
+                Grant::Served => "",
+                Grant::Denied(_) => " (denied)",
+            };
+            format!(
+                "{}/{{{}}}@{}.{patches}{denied}",
+                a.package,
+                a.interfaces.join(","),
+                a.line
+            )
+        })
         .collect::<Vec<_>>()
         .join(" ")
 }
@@ -478,31 +779,97 @@ mod tests {
     }
 
     #[test]
-    fn grants_what_a_rust_guest_needs_and_nothing_else() {
-        for ok in [
-            "wasi:io/streams@0.2.6",
-            "wasi:io/error@0.2.0",
-            "wasi:cli/environment@0.2.6",
-            "wasi:cli/terminal-stdout@0.2.6",
-            "wasi:clocks/wall-clock@0.2.6",
-            "wasi:random/insecure-seed@0.2.4",
-            "pko:transform/log@0.1.0",
-            "pko:transform/types@0.1.3",
+    fn stdout_and_stderr_reach_the_guest_log_bounded() {
+        let (mut state, output) = CallState::new(Arc::from("team-a/t"), 1 << 20);
+        output.stdout.push(b"hello from print\n\n");
+        output
+            .stderr
+            .push(b"Traceback (most recent call last):\n  boom\n");
+        // Past its capacity a stream keeps nothing more, and never fails the writer.
+        output.stderr.push(&vec![b'x'; CAPTURE_BYTES * 2]);
+        assert_eq!(output.stderr.contents().len(), CAPTURE_BYTES);
+        let mut stream = output.stdout.clone();
+        assert_eq!(
+            wasmtime_wasi::p2::OutputStream::check_write(&mut stream).ok(),
+            Some(WRITE_PERMIT)
+        );
+        let out = text_log(|| state.log_output(&output));
+        let lines: Vec<&str> = out.lines().collect();
+        assert!(
+            lines[0].contains("INFO") && lines[0].contains("hello from print"),
+            "{out}"
+        );
+        assert!(
+            lines[1].contains("WARN") && lines[1].contains("Traceback"),
+            "{out}"
+        );
+        assert!(
+            lines[2].contains("WARN") && lines[2].contains("  boom"),
+            "{out}"
+        );
+        // The 32 KiB line is over the call's 16 KiB log budget: dropped, with one note.
+        assert!(out.contains("plugin log budget exhausted"), "{out}");
+        assert!(!out.contains("xxxx"), "{out}");
+    }
+
+    #[test]
+    fn the_allowlist_decides_per_interface_and_version() {
+        use Grant::{Denied, Served};
+        for (import, grant) in [
+            ("wasi:io/streams@0.2.6", Served),
+            ("wasi:io/error@0.2.0", Served),
+            ("wasi:io/poll@0.2.12", Served),
+            ("wasi:cli/environment@0.2.6", Served),
+            ("wasi:cli/terminal-stdout@0.2.9", Served),
+            ("wasi:clocks/wall-clock@0.2.6", Served),
+            ("wasi:clocks/monotonic-clock@0.2.12", Served),
+            ("wasi:random/insecure-seed@0.2.4", Served),
+            ("wasi:random/random@0.2.9", Served),
+            ("pko:transform/log@0.1.0", Served),
+            ("pko:transform/types@0.1.3", Served),
+            // What componentize-py and componentize-js components import besides: linked,
+            // but every call fails.
+            ("wasi:filesystem/preopens@0.2.9", Denied(NO_FILESYSTEM)),
+            ("wasi:filesystem/types@0.2.12", Denied(NO_FILESYSTEM)),
+            ("wasi:sockets/tcp@0.2.9", Denied(NO_NETWORK)),
+            ("wasi:sockets/instance-network@0.2.9", Denied(NO_NETWORK)),
+            ("wasi:sockets/ip-name-lookup@0.2.0", Denied(NO_NETWORK)),
         ] {
-            assert!(is_granted(ok), "{ok}");
+            assert_eq!(decide(import), ImportDecision::Granted(grant), "{import}");
         }
-        for refused in [
-            "wasi:filesystem/preopens@0.2.6",
-            "wasi:filesystem/types@0.2.6",
-            "wasi:sockets/tcp@0.2.6",
-            "wasi:http/outgoing-handler@0.2.6",
-            "wasi:io/streams@0.3.0",
-            "wasi:io/streams",
-            "pko:transform/log@0.2.0",
-            "pko:transform/secrets@0.1.0",
-            "env",
+        for (refused, why) in [
+            ("wasi:http/outgoing-handler@0.2.6", "not an interface"),
+            ("wasi:http/types@0.2.10", "not an interface"),
+            ("wasi:filesystem/other@0.2.6", "not an interface"),
+            ("wasi:keyvalue/store@0.2.0-draft", "not an interface"),
+            ("wasi:io/streams@0.3.0", "version 0.3.0"),
+            ("wasi:io/streams@0.2.13", "version 0.2.13"),
+            ("wasi:io/streams@0.2.1-rc", "version 0.2.1-rc"),
+            ("wasi:io/streams", "unversioned"),
+            ("pko:transform/log@0.2.0", "version 0.2.0"),
+            ("pko:transform/secrets@0.1.0", "not an interface"),
+            ("env", "unversioned"),
+            ("pkg@1.0.0", "not an interface of a package"),
         ] {
-            assert!(!is_granted(refused), "{refused}");
+            match decide(refused) {
+                ImportDecision::Refused(reason) => {
+                    assert!(reason.contains(why), "{refused}: {reason}")
+                }
+                other => panic!("{refused}: {other:?}"),
+            }
         }
+        let summary = allowlist_summary();
+        assert!(
+            summary.contains("wasi:io/{error,poll,streams}@0.2.0-12"),
+            "{summary}"
+        );
+        assert!(
+            summary.contains("wasi:filesystem/{types,preopens}@0.2.0-12 (denied)"),
+            "{summary}"
+        );
+        assert!(
+            summary.contains("pko:transform/{log,types}@0.1.x"),
+            "{summary}"
+        );
     }
 }

@@ -1,6 +1,22 @@
-//! Hostile test plugin: reads a file, so it imports wasi:filesystem.
+//! Hostile test plugin: imports an interface no plugin is granted (`hostile:secrets/store`), so
+//! the host refuses it when it loads, naming the import.
 
 use pko_transform_sdk::{Output, PluginInfo, Program, TransformError, Transformer};
+
+wit_bindgen::generate!({
+    inline: r#"
+        package hostile:secrets@0.1.0;
+
+        interface store {
+            get: func(key: string) -> string;
+        }
+
+        world secrets {
+            import store;
+        }
+    "#,
+    world: "secrets",
+});
 
 struct Hostile;
 
@@ -8,7 +24,7 @@ impl Transformer for Hostile {
     fn info() -> PluginInfo {
         pko_transform_sdk::info!(
             "hostile-forbidden-import",
-            "reads a file, so it imports wasi:filesystem"
+            "imports hostile:secrets/store, which no plugin is granted"
         )
     }
 
@@ -17,10 +33,9 @@ impl Transformer for Hostile {
     }
 
     fn transform(input: Program, _config_json: String) -> Result<Output, TransformError> {
-        let text = std::fs::read_to_string("/etc/hostname").unwrap_or_default();
         Ok(Output {
             spec_json: input.spec_json,
-            warnings: vec![text],
+            warnings: vec![hostile::secrets::store::get("token")],
         })
     }
 }
