@@ -40,16 +40,7 @@ fn plugin_test_runs_the_fixtures_shipped_with_each_plugin() {
     ] {
         let cases = repo_root().join("plugins").join(dir).join("tests");
         let wasm = module(name).expect("module").path;
-        let out = run(&[
-            "plugin",
-            "test",
-            &cases.display().to_string(),
-            "--module",
-            &wasm.display().to_string(),
-        ]);
-        let stdout = text(&out.stdout);
-        assert!(out.status.success(), "{dir}: {stdout}{}", text(&out.stderr));
-        assert!(stdout.contains(" passed, 0 failed"), "{dir}: {stdout}");
+        let stdout = fixtures_pass(&cases, &wasm, dir);
         assert!(!stdout.contains("FAIL"), "{dir}: {stdout}");
     }
 
@@ -264,8 +255,8 @@ fn must(mut command: Command, what: &str) {
     );
 }
 
-/// `plugin test CASES --module WASM` passes every case.
-fn fixtures_pass(cases: &Path, wasm: &Path, what: &str) {
+/// `plugin test CASES --module WASM` passes every case; its report.
+fn fixtures_pass(cases: &Path, wasm: &Path, what: &str) -> String {
     let out = run(&[
         "plugin",
         "test",
@@ -280,6 +271,7 @@ fn fixtures_pass(cases: &Path, wasm: &Path, what: &str) {
         text(&out.stderr)
     );
     assert!(stdout.contains(" passed, 0 failed"), "{what}: {stdout}");
+    stdout
 }
 
 /// A plugin author's own repository: the Rust template, copied outside this one with its
