@@ -53,10 +53,15 @@ go-toolchain:
 
 .PHONY: tools
 tools: toolchain go-toolchain ## build kube-apiserver, etcd, kubectl, opa, pulumi (+ YAML host), helm, registry, cosign, promtool, kstatus, the test node (kubelet, containerd, CNI, kube-proxy, CoreDNS, controller-manager, scheduler, kube-router's NetworkPolicy controller, crictl) from Go modules into $(PKO_TOOLS_CACHE)
-	$(BUILD_TOOLS)
-
-# The components `make tools` builds, in order; `make test` also runs this beside the Rust builds.
-BUILD_TOOLS := for c in kube opa pulumi helm oci pko promtool kstatus node; do tools/build.sh $$c; done
+	tools/build.sh kube
+	tools/build.sh opa
+	tools/build.sh pulumi
+	tools/build.sh helm
+	tools/build.sh oci
+	tools/build.sh pko
+	tools/build.sh promtool
+	tools/build.sh kstatus
+	tools/build.sh node
 
 .PHONY: crds
 crds: ## regenerate deploy/crds from the Rust types
@@ -104,26 +109,8 @@ lint: toolchain ## rustfmt and clippy, warnings are errors
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 .PHONY: test
-test: test-deps toolchain go-toolchain ## every test: unit + integration on a real etcd + kube-apiserver
-	$(MAKE) --no-print-directory test-build
+test: test-deps tools policies plugins test-guests build lint image ## every test: unit + integration on a real etcd + kube-apiserver
 	$(CARGO) test --workspace --all-targets --no-fail-fast
-
-# Everything `make test` runs its tests with. The Go tools and the Rust builds do not depend on
-# each other until the policies and the images, so they are built side by side: on a machine
-# with an empty cache each fills the core the other leaves idle (module downloads, link steps,
-# the serial tail of a crate graph). The Go tools' lines are prefixed `[tools]`. Debian packages
-# are installed first: apt takes one lock, so nothing that runs side by side installs any.
-.PHONY: test-build
-test-build:
-	tools/image.sh deps
-	tools/image.sh busybox
-	tools/build.sh node-deps
-	( $(BUILD_TOOLS) ) > >(sed -u 's/^/[tools] /') 2>&1 & tools_pid=$$!; \
-	trap 'kill $$tools_pid 2>/dev/null || true' EXIT; \
-	$(MAKE) --no-print-directory plugins test-guests build lint dist dist-plugins dist-rootfs image-deps; \
-	wait $$tools_pid || { echo "building the Go tools failed (lines prefixed [tools] above)" >&2; exit 1; }; \
-	trap - EXIT
-	$(MAKE) --no-print-directory policies image
 
 # Property tests (proptest) of every parser of outside input run in `make test` with a bounded
 # case count each (PKO_PROPTEST_CASES overrides them all); this target runs the same properties

@@ -17,7 +17,6 @@
 #
 #   tools/build.sh kube|opa|pulumi|pko|helm|oci|promtool|kstatus|node|all  prints nothing but progress; exits non-zero on failure
 #   tools/build.sh dir kube|opa|pulumi|pko|helm|oci|promtool|kstatus|node  prints the bin folder of a component
-#   tools/build.sh node-deps  installs the Debian packages the test node runs (apt), nothing else
 set -euo pipefail
 # shellcheck source=tools/apt.sh
 . "$(dirname "$0")/apt.sh"
@@ -319,7 +318,6 @@ case ${1:-all} in
   promtool) build_promtool ;;
   kstatus) build_kstatus ;;
   node) build_node ;;
-  node-deps) node_deps ;;
   all) build_kube; build_opa; build_pulumi; build_helm; build_oci; build_promtool; build_kstatus; build_node ;;
-  *) echo "usage: $0 kube|opa|pulumi|pko|helm|oci|promtool|kstatus|node|node-deps|all | dir COMPONENT" >&2; exit 2 ;;
+  *) echo "usage: $0 kube|opa|pulumi|pko|helm|oci|promtool|kstatus|node|all | dir COMPONENT" >&2; exit 2 ;;
 esac
