@@ -25,16 +25,26 @@ const WAIT: Duration = Duration::from_secs(120);
 /// Both operators of a test advertise this address, so they agree on `status.artifact.url`.
 const ADVERTISED: &str = "http://pko-rs-fileserver.test";
 
+/// An operator watching `ns` that loads plugins from the shared cache and the plugins folder.
 async fn operator(plane: &ControlPlane, ns: &str) -> Operator {
+    operator_with(
+        plane,
+        vec![
+            format!("--watch-namespace={ns}"),
+            format!("--plugin-cache-dir={}", shared_cache_dir().display()),
+            format!("--plugin-file-root={}", plugins_dir().display()),
+        ],
+    )
+    .await
+}
+
+/// An operator with exactly `args`, advertising [`ADVERTISED`].
+async fn operator_with(plane: &ControlPlane, args: Vec<String>) -> Operator {
     Operator::start(
         plane,
         OperatorOptions {
             advertised: Some(ADVERTISED.into()),
-            args: vec![
-                format!("--watch-namespace={ns}"),
-                format!("--plugin-cache-dir={}", shared_cache_dir().display()),
-                format!("--plugin-file-root={}", plugins_dir().display()),
-            ],
+            args,
         },
     )
     .await
@@ -1242,15 +1252,7 @@ async fn https_module_server(
         format!("--plugin-ca-file={}", ca_file.display()),
     ];
     args.extend(extra.iter().map(|a| (*a).to_owned()));
-    let op = Operator::start(
-        plane,
-        OperatorOptions {
-            advertised: Some(ADVERTISED.into()),
-            args,
-        },
-    )
-    .await
-    .expect("operator starts");
+    let op = operator_with(plane, args).await;
     (port, op)
 }
 
@@ -1344,22 +1346,18 @@ async fn module_loads_hold_at_most_their_slots_together() {
     let (port, ca) = https_server_with(tags.bytes.clone(), Some(gate.clone()));
     let ca_file = plane.dir().join(format!("plugin-ca-{ns}.pem"));
     std::fs::write(&ca_file, ca).expect("write CA");
-    let op = Operator::start(
+    let op = operator_with(
         plane,
-        OperatorOptions {
-            advertised: Some(ADVERTISED.into()),
-            args: vec![
-                format!("--watch-namespace={ns}"),
-                format!("--plugin-ca-file={}", ca_file.display()),
-                "--plugin-max-concurrent-loads=2".into(),
-                // One namespace's loads may hold both here: the slots themselves are tested.
-                "--plugin-max-concurrent-loads-per-namespace=2".into(),
-                "--plugin-load-timeout-seconds=600".into(),
-            ],
-        },
+        vec![
+            format!("--watch-namespace={ns}"),
+            format!("--plugin-ca-file={}", ca_file.display()),
+            "--plugin-max-concurrent-loads=2".into(),
+            // One namespace's loads may hold both here: the slots themselves are tested.
+            "--plugin-max-concurrent-loads-per-namespace=2".into(),
+            "--plugin-load-timeout-seconds=600".into(),
+        ],
     )
-    .await
-    .expect("operator starts");
+    .await;
     let transforms: Api<ProgramTransform> = Api::namespaced(plane.client(), &ns);
     const LOADS: usize = 6;
     for i in 0..LOADS {
@@ -1473,19 +1471,15 @@ async fn a_plugin_asking_more_memory_than_the_budget_fails_alone_and_nothing_res
     let ns = plane.namespace("tf-budget").await.expect("namespace");
     // 128 MiB for every plugin call together: a plugin asking 512 MiB can never run; before
     // the budget, its start-up validation call ran and could take the container down.
-    let op = Operator::start(
+    let op = operator_with(
         plane,
-        OperatorOptions {
-            advertised: Some(ADVERTISED.into()),
-            args: vec![
-                format!("--watch-namespace={ns}"),
-                format!("--plugin-cache-dir={}", shared_cache_dir().display()),
-                "--plugin-memory-budget-mib=128".into(),
-            ],
-        },
+        vec![
+            format!("--watch-namespace={ns}"),
+            format!("--plugin-cache-dir={}", shared_cache_dir().display()),
+            "--plugin-memory-budget-mib=128".into(),
+        ],
     )
-    .await
-    .expect("operator starts");
+    .await;
     let pid = op.pid();
     let programs: Api<Program> = Api::namespaced(plane.client(), &ns);
     let transforms: Api<ProgramTransform> = Api::namespaced(plane.client(), &ns);
@@ -1558,22 +1552,18 @@ async fn python_javascript_and_rust_plugins_run_in_one_chain() {
     // build of the compiler: about a minute and several hundred MiB for the Python one): the
     // bounds are raised here, as docs/plugins.md says to for such plugins. A warm
     // precompiled cache (shared by the tests) skips the compile.
-    let op = Operator::start(
+    let op = operator_with(
         plane,
-        OperatorOptions {
-            advertised: Some(ADVERTISED.into()),
-            args: vec![
-                format!("--watch-namespace={ns}"),
-                format!("--plugin-cache-dir={}", shared_cache_dir().display()),
-                format!("--plugin-file-root={}", plugins_dir().display()),
-                "--plugin-compile-memory-mib=2048".into(),
-                "--plugin-compile-timeout-seconds=900".into(),
-                "--plugin-load-timeout-seconds=900".into(),
-            ],
-        },
+        vec![
+            format!("--watch-namespace={ns}"),
+            format!("--plugin-cache-dir={}", shared_cache_dir().display()),
+            format!("--plugin-file-root={}", plugins_dir().display()),
+            "--plugin-compile-memory-mib=2048".into(),
+            "--plugin-compile-timeout-seconds=900".into(),
+            "--plugin-load-timeout-seconds=900".into(),
+        ],
     )
-    .await
-    .expect("operator starts");
+    .await;
     let programs: Api<Program> = Api::namespaced(plane.client(), &ns);
     let transforms: Api<ProgramTransform> = Api::namespaced(plane.client(), &ns);
     let from_file = |m: &PluginModule, rest: Value| {
