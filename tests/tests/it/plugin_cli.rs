@@ -308,13 +308,14 @@ fn the_rust_template_builds_outside_the_repository() {
             .find(|l| l.starts_with("channel"))
             .map(str::to_owned)
     };
+    let pinned_channel = channel(&pinned);
     assert_eq!(
         channel(&toolchain),
-        channel(&pinned),
+        pinned_channel,
         "plugins/template/standalone.rust-toolchain.toml pins another toolchain than rust-toolchain.toml"
     );
     std::fs::write(dir.join("rust-toolchain.toml"), toolchain).expect("toolchain file");
-    let release = channel(&pinned)
+    let release = pinned_channel
         .and_then(|l| l.split('"').nth(1).map(str::to_owned))
         .expect("the pinned channel");
     // A folder per toolchain: artifacts of another compiler are never mixed in.
@@ -323,9 +324,9 @@ fn the_rust_template_builds_outside_the_repository() {
         .nth(2)
         .map(|d| d.join(format!("out-of-tree-{release}")))
         .expect("plugins target dir");
-    // rustup's `cargo` on the PATH, as in an author's shell: the copy's own toolchain file
-    // chooses the toolchain for every crate. (`$CARGO`, this toolchain's binary itself, would
-    // leave each dependency's `rustc` to the machine's default toolchain.)
+    // rustup's `cargo` on the PATH, as in an author's shell, on the toolchain the copy's file
+    // pins (checked equal above). (`$CARGO`, this toolchain's binary itself, would leave each
+    // dependency's `rustc` to the machine's default toolchain.)
     let mut cargo = Command::new("cargo");
     cargo
         .current_dir(&dir)
