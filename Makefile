@@ -143,8 +143,10 @@ BENCH_TARGET_DIR ?= $(CACHE_DIR)/target-release-$(CHECKOUT_KEY)
 BENCH_BIN := $(BENCH_TARGET_DIR)/release
 # PKO v2.9.0 next to pko-rs at 1,000, 5,000 and 10,000 Programs; BENCH_FLAGS adds or overrides.
 BENCH_FLAGS ?= --with-10k
-# The Stack section at 3 (the scale `bench-check`'s short run compares with), 10 and 50 Stacks.
-BENCH_STACKS_FLAGS ?= --stacks 3,10,50 --idle-seconds 600 --musl-operator $(DIST_DIR)/pko-operator --musl-at 10
+# The Stack section at 3 (the scale `bench-check`'s short run compares with), 10 and 50 Stacks;
+# the 10-minute steady window at 10 and 50; pko-rs's drift checks at 10, its cold starts and
+# stopped fleet at 10 and 50; the shipped musl build beside the glibc one at 10.
+BENCH_STACKS_FLAGS ?= --stacks 3,10,50 --idle-seconds 600 --windows-at 10,50 --idle --idle-at 10,50 --cold-starts 10 --drift --drift-at 10 --musl-operator $(DIST_DIR)/pko-operator --musl-at 10
 
 .PHONY: bench-build
 bench-build: toolchain

@@ -150,6 +150,41 @@ impl LeaseSettings {
             Peer::PkoRs => "pko-rs-operator",
         }
     }
+
+    /// What the benchmarks' failovers give both operators: the usual Kubernetes client
+    /// defaults (PKO's own are 60 s / 45 s / 10 s).
+    pub const FAILOVER: LeaseSettings = LeaseSettings {
+        lease_duration: Duration::from_secs(15),
+        renew_deadline: Duration::from_secs(10),
+        retry_period: Duration::from_secs(2),
+    };
+}
+
+/// The holder of Lease `name`, once it has one other than `not` (polled every 20 ms: a
+/// failover's time is read off it).
+pub async fn lease_holder(
+    leases: &kube::Api<k8s_openapi::api::coordination::v1::Lease>,
+    name: &str,
+    not: Option<&str>,
+    timeout: Duration,
+) -> Result<String, HarnessError> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Ok(lease) = leases.get(name).await
+            && let Some(holder) = lease.spec.and_then(|s| s.holder_identity)
+            && !holder.is_empty()
+            && Some(holder.as_str()) != not
+        {
+            return Ok(holder);
+        }
+        if Instant::now() > deadline {
+            return Err(HarnessError::Timeout {
+                what: format!("a (new) holder of Lease {name}"),
+                timeout,
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// How [`start_with`] starts an operator beyond [`start`]'s defaults.

@@ -14,17 +14,28 @@
 //! - operator restart (SIGTERM, a new process) with N Ready Stacks: spawn → every Stack and
 //!   Workspace reconciled by the new process, nothing queued or running, all Ready; installs
 //!   (each operator's own log line for a `pulumi install`) and Updates started;
-//! - the steady state over `--idle-seconds`, `continueResyncOnCommitMatch` off (the default)
-//!   and then on (with `resyncFrequencySeconds: 60`): Updates run, `pulumi` processes started
-//!   below the agents, and the operator's apiserver writes, per Stack per hour.
+//! - leader failover with N Ready Stacks: two replicas with leader election, the leader
+//!   `kill -9`'d; → the standby leads, → it has reconciled every Stack and Workspace and all are
+//!   Ready; installs and Updates started;
+//! - the steady state over one `--idle-seconds` window (at the Ns of `--windows-at`), the first
+//!   half of the Stacks with `continueResyncOnCommitMatch` off (the default), the second half
+//!   with it on (and `resyncFrequencySeconds: 60`): per Stack per hour, Updates run, `pulumi`
+//!   processes started below its agent, and the operator's apiserver writes to its objects.
 //!
-//! `--idle` adds pko-rs's cold starts (scale to zero, `spec.idle`): after the steady state,
-//! each edit waits for its Stack's workspace to be stopped first, and the cold `up`'s p50/p99
-//! are printed beside the warm edits' p50 (not yet in the table).
+//! pko-rs's beyond-PKO phases, at the Ns of `--drift-at` and `--idle-at` (all when not given),
+//! after the steady state: `--drift` measures one round of drift checks alone (every Stack on a schedule
+//! of every minute: the tick → all finished, the check's mean duration, and per check the
+//! operator's writes, `pulumi` processes and CPU); after the failover, `--idle` gives every
+//! workspace `spec.idle`, times `--cold-starts` cold starts (20; each edit waits for its Stack's workspace to be
+//! stopped first), then the RSS of the fleet with every workspace stopped, beside the
+//! always-on fleets of both operators.
 //!
 //! `--musl-operator <path>` adds a third column: the static musl build the images ship
 //! (`make dist`), run the same way as the glibc release build beside it (at the Ns of
 //! `--musl-at`, or all).
+//!
+//! `--pulumi-calls` logs pko-rs's `pulumi` commands (a shell wrapper: not for figures) and
+//! prints each steady-state window's: where its `pulumi` processes come from.
 //!
 //! `--pko-rs-only` runs pko-rs alone and prints its measures raw (a quick look; nothing written,
 //! PKO not needed).
@@ -46,6 +57,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use futures::StreamExt;
+use k8s_openapi::api::coordination::v1::Lease;
 use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, ResourceExt};
@@ -55,7 +67,7 @@ use pko_api::update::Update;
 use pko_tests::bench_baseline::Baseline;
 use pko_tests::kubelet::{AgentPids, ApiAccess, Kubelet, KubeletOptions, PodNetwork};
 use pko_tests::measure::{self, percentile};
-use pko_tests::pko_peer::{self, Peer, PeerBinaries, PeerOptions, RunningPeer};
+use pko_tests::pko_peer::{self, LeaseSettings, Peer, PeerBinaries, PeerOptions, RunningPeer};
 use pko_tests::prom::{self, Labels};
 use pko_tests::{ControlPlane, StartOptions, fixtures, kubeauth, wait_for};
 use serde_json::{Value, json};
@@ -86,16 +98,36 @@ struct Args {
     /// Fails when a ratio of this run falls more than `tolerance` below the baseline's.
     check: Option<PathBuf>,
     tolerance: f64,
-    /// Each steady-state window (resync off, then on); 0 skips them.
+    /// The steady-state window; 0 skips it.
     idle_seconds: u64,
+    /// The Ns with a steady-state window (all of `--stacks` when empty).
+    windows_at: Vec<usize>,
+    /// The Ns of `--idle` and `--drift` (all of `--stacks` when empty).
+    idle_at: Vec<usize>,
+    drift_at: Vec<usize>,
+    /// How many cold starts `--idle` times.
+    cold_starts: usize,
     /// The shipped static (musl) `pko-operator`, measured beside the glibc release build.
     musl: Option<PathBuf>,
     /// The Ns the musl build runs at (all of `--stacks` when empty).
     musl_at: Vec<usize>,
     /// pko-rs's cold starts from an idle workspace (`spec.idle`), beside its warm edits.
     cold: bool,
+    /// pko-rs's drift checks: one round's cost.
+    drift: bool,
     /// pko-rs alone, its measures printed raw and nothing written (a quick look, no PKO build).
     pko_rs_only: bool,
+    /// pko-rs's `pulumi` commands logged (through a shell wrapper, so not for figures), and
+    /// each steady-state window's printed: where its processes come from.
+    pulumi_calls: bool,
+}
+
+/// A comma-separated list of Ns.
+fn ns(value: &str, flag: &str) -> anyhow::Result<Vec<usize>> {
+    value
+        .split(',')
+        .map(|n| n.trim().parse::<usize>().with_context(|| flag.to_owned()))
+        .collect()
 }
 
 fn parse_args() -> anyhow::Result<Args> {
@@ -108,10 +140,16 @@ fn parse_args() -> anyhow::Result<Args> {
         check: None,
         tolerance: 0.25,
         idle_seconds: 600,
+        windows_at: Vec::new(),
+        idle_at: Vec::new(),
+        drift_at: Vec::new(),
+        cold_starts: 20,
         musl: None,
         musl_at: Vec::new(),
         cold: false,
+        drift: false,
         pko_rs_only: false,
+        pulumi_calls: false,
     };
     let mut out_given = false;
     let mut it = std::env::args().skip(1);
@@ -124,8 +162,16 @@ fn parse_args() -> anyhow::Result<Args> {
             args.cold = true;
             continue;
         }
+        if flag == "--drift" {
+            args.drift = true;
+            continue;
+        }
         if flag == "--pko-rs-only" {
             args.pko_rs_only = true;
+            continue;
+        }
+        if flag == "--pulumi-calls" {
+            args.pulumi_calls = true;
             continue;
         }
         let value = it.next().with_context(|| format!("{flag} needs a value"))?;
@@ -145,13 +191,12 @@ fn parse_args() -> anyhow::Result<Args> {
             "--check" => args.check = Some(PathBuf::from(value)),
             "--tolerance" => args.tolerance = value.parse().context("--tolerance")?,
             "--idle-seconds" => args.idle_seconds = value.parse().context("--idle-seconds")?,
+            "--windows-at" => args.windows_at = ns(&value, "--windows-at")?,
+            "--idle-at" => args.idle_at = ns(&value, "--idle-at")?,
+            "--drift-at" => args.drift_at = ns(&value, "--drift-at")?,
+            "--cold-starts" => args.cold_starts = value.parse().context("--cold-starts")?,
             "--musl-operator" => args.musl = Some(PathBuf::from(value)),
-            "--musl-at" => {
-                args.musl_at = value
-                    .split(',')
-                    .map(|n| n.trim().parse::<usize>().context("--musl-at"))
-                    .collect::<anyhow::Result<_>>()?;
-            }
+            "--musl-at" => args.musl_at = ns(&value, "--musl-at")?,
             other => bail!("unknown flag {other}"),
         }
     }
@@ -207,12 +252,20 @@ struct PeerRun {
     /// The steady state, resync on commit match off and on.
     idle_off: Option<Window>,
     idle_on: Option<Window>,
+    failover: FailedOver,
+    /// pko-rs's beyond-PKO phases: a round of drift checks, cold starts from idle workspaces,
+    /// and the fleet's RSS once every workspace is stopped.
+    drift: Option<DriftCost>,
+    cold_starts: Vec<Duration>,
+    fleet_idle_kib: Option<u64>,
 }
 
 /// What a steady-state window of `seconds` saw.
 #[derive(Debug, Default, Clone)]
 struct Window {
     seconds: f64,
+    /// The Stacks it watched.
+    stacks: usize,
     updates: usize,
     pulumi_started: usize,
     writes: usize,
@@ -220,11 +273,11 @@ struct Window {
 
 impl Window {
     /// `count` per Stack per hour.
-    fn per_stack_hour(&self, count: usize, n: usize) -> f64 {
-        if self.seconds <= 0.0 || n == 0 {
+    fn per_stack_hour(&self, count: usize) -> f64 {
+        if self.seconds <= 0.0 || self.stacks == 0 {
             return 0.0;
         }
-        count as f64 / n as f64 * 3600.0 / self.seconds
+        count as f64 / self.stacks as f64 * 3600.0 / self.seconds
     }
 }
 
@@ -302,6 +355,15 @@ impl Observer {
         self.lock().updates.len()
     }
 
+    /// The Updates of `stacks` (each named `<stack>-…`).
+    fn updates_of(&self, stacks: &[String]) -> usize {
+        let s = self.lock();
+        s.updates
+            .iter()
+            .filter(|u| stacks.iter().any(|st| named_after(u, st)))
+            .count()
+    }
+
     fn latest(&self, stack: &str) -> Option<String> {
         self.lock().latest.get(stack).cloned()
     }
@@ -347,16 +409,22 @@ fn operator_kubeconfig(plane: &ControlPlane, out: &Path) -> anyhow::Result<PathB
 
 /// The operator's writes in the audit log after line `from`, by resource(/subresource); each
 /// one (time, verb, resource, name) is listed in `trace`.
+/// The operator's apiserver writes from line `from` of the audit log on, by resource.
 fn operator_writes(audit: &Path, from: usize, trace: &Path) -> BTreeMap<String, usize> {
-    let text = std::fs::read_to_string(audit).unwrap_or_default();
     let mut by = BTreeMap::new();
+    for (resource, _) in operator_writes_to(audit, from, trace) {
+        *by.entry(resource).or_default() += 1;
+    }
+    by
+}
+
+/// The operator's apiserver writes from line `from` of the audit log on, each as (resource,
+/// object name); listed in `trace` with their times and verbs.
+fn operator_writes_to(audit: &Path, from: usize, trace: &Path) -> Vec<(String, String)> {
+    let text = std::fs::read_to_string(audit).unwrap_or_default();
+    let mut writes = Vec::new();
     let mut listed = String::new();
-    let mut lines = 0;
-    for line in text.lines() {
-        lines += 1;
-        if lines <= from {
-            continue;
-        }
+    for line in text.lines().skip(from) {
         let Ok(e) = serde_json::from_str::<Value>(line) else {
             continue;
         };
@@ -372,16 +440,16 @@ fn operator_writes(audit: &Path, from: usize, trace: &Path) -> BTreeMap<String, 
         if let Some(sub) = r["subresource"].as_str() {
             resource = format!("{resource}/{sub}");
         }
+        let name = r["name"].as_str().unwrap_or_default().to_owned();
         let _ = writeln!(
             listed,
-            "{} {verb} {resource} {}",
+            "{} {verb} {resource} {name}",
             e["requestReceivedTimestamp"].as_str().unwrap_or_default(),
-            r["name"].as_str().unwrap_or_default()
         );
-        *by.entry(resource).or_default() += 1;
+        writes.push((resource, name));
     }
     let _ = std::fs::write(trace, listed);
-    by
+    writes
 }
 
 fn audit_lines(audit: &Path) -> usize {
@@ -540,18 +608,34 @@ async fn metrics_text(op: &RunningPeer) -> Option<String> {
         .ok()
 }
 
+/// How often [`quiet`] reads the metrics: the restart and failover times are read off it, so
+/// at a fixed fine step (not `wait_for`'s backoff, whose 500 ms steps would be the figure).
+const QUIET_POLL: Duration = Duration::from_millis(25);
+
 /// Waits until both controllers have run at least `n` reconciles each (since the process
 /// started) and have nothing queued or running.
 async fn quiet(op: &RunningPeer, n: usize, what: &str) -> anyhow::Result<()> {
-    wait_for(what, PHASE_TIMEOUT, || async {
-        let text = metrics_text(op).await?;
-        let s = progress(&text, STACKS);
-        let w = progress(&text, WORKSPACES);
-        (s.reconciles >= n as f64 && w.reconciles >= n as f64 && s.busy == 0.0 && w.busy == 0.0)
-            .then_some(())
-    })
-    .await
-    .with_context(|| op.log_tail(40))
+    let deadline = Instant::now() + PHASE_TIMEOUT;
+    loop {
+        if let Some(text) = metrics_text(op).await {
+            let s = progress(&text, STACKS);
+            let w = progress(&text, WORKSPACES);
+            if s.reconciles >= n as f64
+                && w.reconciles >= n as f64
+                && s.busy == 0.0
+                && w.busy == 0.0
+            {
+                return Ok(());
+            }
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "timed out after {PHASE_TIMEOUT:?} waiting for {what}\n{}",
+                op.log_tail(40)
+            );
+        }
+        tokio::time::sleep(QUIET_POLL).await;
+    }
 }
 
 /// The line each operator logs when it runs `pulumi install` for a workspace.
@@ -577,6 +661,12 @@ struct Plan {
     idle: Duration,
     /// `--idle`: cold starts from idle workspaces (pko-rs only).
     cold: bool,
+    /// `--pulumi-calls`.
+    pulumi_calls: bool,
+    /// `--drift` at this N.
+    drift: bool,
+    /// How many cold starts `cold` times.
+    cold_starts: usize,
 }
 
 async fn peer_run(
@@ -587,7 +677,14 @@ async fn peer_run(
     plan: Plan,
     logs: &Path,
 ) -> anyhow::Result<PeerRun> {
-    let Plan { edits, idle, cold } = plan;
+    let Plan {
+        edits,
+        idle,
+        cold,
+        pulumi_calls,
+        drift,
+        cold_starts: cold_count,
+    } = plan;
     let log = |what: &str| logs.join(format!("{}-{n}-{what}.log", slug(label)));
     let plane = ControlPlane::start(StartOptions {
         crds_dir: Some(bins.crds_dir(peer).to_path_buf()),
@@ -606,6 +703,7 @@ async fn peer_run(
     let kubeconfig = operator_kubeconfig(&plane, &tmp.path().join("operator-kubeconfig"))?;
     let mut kubelet_options = KubeletOptions {
         api: Some(ApiAccess::of(&plane)),
+        log_pulumi_calls: pulumi_calls,
         ..KubeletOptions::default()
     };
     let mut opts = PeerOptions {
@@ -742,7 +840,7 @@ async fn peer_run(
     op.stop(STOP_GRACE);
     let updates_before = observer.updates();
     let restart_log = log("restart");
-    let restarted = pko_peer::start_with(
+    let mut restarted = pko_peer::start_with(
         peer,
         bins,
         &plane,
@@ -769,59 +867,86 @@ async fn peer_run(
     let restart_installs = count_in(&restart_log, install_line(peer));
     let restart_updates = observer.updates() - updates_before;
 
-    // The steady state: resync on commit match off (the default), then on.
+    // The steady state, one window for both settings: the first half of the Stacks keeps
+    // resync on commit match off (the default), the second half turns it on.
     let (mut idle_off, mut idle_on) = (None, None);
     if !idle.is_zero() {
-        let steady = Steady {
-            op: &restarted,
-            observer: &observer,
-            kubelet: &kubelet,
-            names: &names,
-            audit: &audit,
-        };
-        println!(
-            "   {label}: {} s steady, resync on commit match off",
-            idle.as_secs()
-        );
-        idle_off = Some(steady.window(idle).await);
+        let (off, on) = names.split_at(n / 2);
         let patch =
             json!({"spec": {"continueResyncOnCommitMatch": true, "resyncFrequencySeconds": 60}});
-        for name in &names {
+        for name in on {
             stacks
                 .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
                 .await?;
         }
-        wait_for(
-            "every Stack Ready with resync on",
-            PHASE_TIMEOUT,
-            || async {
-                let list = stacks.list(&ListParams::default()).await.ok()?;
-                list.items
-                    .iter()
-                    .all(|s| {
-                        let st = s.status.as_ref();
-                        st.is_some_and(|st| {
-                            st.observed_generation == s.metadata.generation
-                                && st.current_update.is_none()
-                                && st
-                                    .conditions
-                                    .iter()
-                                    .any(|c| c.type_ == "Ready" && c.status == "True")
-                        })
-                    })
-                    .then_some(())
-            },
-        )
-        .await
-        .with_context(|| restarted.log_tail(40))?;
+        all_settled(&stacks, "every Stack Ready with its resync setting")
+            .await
+            .with_context(|| restarted.log_tail(40))?;
         println!(
-            "   {label}: {} s steady, resync on commit match on",
-            idle.as_secs()
+            "   {label}: {} s steady, resync on commit match off for {} Stacks, on for {}",
+            idle.as_secs(),
+            off.len(),
+            on.len()
         );
-        idle_on = Some(steady.window(idle).await);
+        let steady = Steady {
+            op: &restarted,
+            observer: &observer,
+            kubelet: &kubelet,
+            audit: &audit,
+            pulumi_calls,
+        };
+        let [w_off, w_on] = steady.window(idle, [off, on]).await;
+        (idle_off, idle_on) = (Some(w_off), Some(w_on));
+        // Back to the default, so the resyncs do not run through the phases after.
+        let patch =
+            json!({"spec": {"continueResyncOnCommitMatch": null, "resyncFrequencySeconds": null}});
+        for name in on {
+            stacks
+                .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await?;
+        }
+        all_settled(&stacks, "every Stack Ready with resync off again")
+            .await
+            .with_context(|| restarted.log_tail(40))?;
     }
+    let drift = if drift && peer == Peer::PkoRs {
+        println!("   {label}: drift checks");
+        Some(
+            DriftPhase {
+                stacks: &stacks,
+                names: &names,
+                kubelet: &kubelet,
+                op: &restarted,
+                audit: &audit,
+                apiserver,
+            }
+            .run()
+            .await?,
+        )
+    } else {
+        None
+    };
+    // Leader failover with N Ready Stacks.
+    println!("   {label}: leader failover");
+    restarted.stop(STOP_GRACE);
+    drop(restarted);
+    // The standby, leading now, runs the phases after.
+    let (failover, leader, service) = Failover {
+        bins,
+        peer,
+        plane: &plane,
+        system: &system,
+        opts: &opts,
+        fs_port,
+        observer: &observer,
+        stacks: &stacks,
+        n,
+    }
+    .run(&log("failover"))
+    .await?;
+    let (mut cold_starts, mut fleet_idle_kib) = (Vec::new(), None);
     if cold && peer == Peer::PkoRs {
-        println!("   {label}: {edits} cold starts from idle workspaces");
+        println!("   {label}: {cold_count} cold starts from idle workspaces");
         let starts = Cold {
             programs: &programs,
             stacks: &stacks,
@@ -829,22 +954,24 @@ async fn peer_run(
             observer: &observer,
             kubelet: &kubelet,
             names: &names,
-            op: &restarted,
+            op: &leader,
         }
-        .run(edits)
+        .run(cold_count)
         .await?;
-        let (cold, warm) = (sorted(&starts), sorted(&edit_times));
+        let (cold, warm) = (sorted(&starts.0), sorted(&edit_times));
         println!(
             "   {label}: cold start (Program edit on an idle workspace → up done) p50 {}, p99 {}; warm edit p50 {}",
             secs(percentile(&cold, 0.5)),
             secs(percentile(&cold, 0.99)),
             secs(percentile(&warm, 0.5))
         );
+        (cold_starts, fleet_idle_kib) = (starts.0, Some(starts.1));
     }
     for w in watches {
         w.abort();
     }
-    drop(restarted);
+    service.abort();
+    drop(leader);
     drop(kubelet);
     Ok(PeerRun {
         n,
@@ -865,7 +992,289 @@ async fn peer_run(
         workspace_rss_up_kib,
         idle_off,
         idle_on,
+        failover,
+        drift,
+        cold_starts,
+        fleet_idle_kib,
     })
+}
+
+/// A Service's stand-in: loopback port `listen` (the killed leader's file server, which every
+/// artifact URL names) forwarded to port `to`, so a pod started later fetches its program.
+async fn forward(listen: u16, to: u16) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+    // The killed process's socket is closed once it has exited; give that a moment.
+    let listener = wait_for("the killed leader's port free", STOP_GRACE, || async {
+        tokio::net::TcpListener::bind(("127.0.0.1", listen))
+            .await
+            .ok()
+    })
+    .await?;
+    Ok(tokio::spawn(async move {
+        while let Ok((mut inbound, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                if let Ok(mut outbound) = tokio::net::TcpStream::connect(("127.0.0.1", to)).await {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                }
+            });
+        }
+    }))
+}
+
+/// Waits until every Stack is Ready for its generation with no Update in flight.
+async fn all_settled(stacks: &Api<Stack>, what: &str) -> anyhow::Result<()> {
+    wait_for(what, PHASE_TIMEOUT, || async {
+        let list = stacks.list(&ListParams::default()).await.ok()?;
+        list.items.iter().all(settled).then_some(())
+    })
+    .await?;
+    Ok(())
+}
+
+/// Ready for its generation, with no Update in flight.
+fn settled(s: &Stack) -> bool {
+    s.status.as_ref().is_some_and(|st| {
+        st.observed_generation == s.metadata.generation
+            && st.current_update.is_none()
+            && st
+                .conditions
+                .iter()
+                .any(|c| c.type_ == "Ready" && c.status == "True")
+    })
+}
+
+/// `--drift`: what a round of drift checks costs pko-rs. Every Stack gets a schedule of every
+/// minute; the first round (due at once) and the new generation's `up`s are let finish, then
+/// the next tick's round is measured alone: nothing else runs.
+struct DriftPhase<'a> {
+    stacks: &'a Api<Stack>,
+    names: &'a [String],
+    kubelet: &'a Kubelet,
+    op: &'a RunningPeer,
+    audit: &'a Path,
+    apiserver: u32,
+}
+
+/// One round of drift checks, measured.
+#[derive(Debug, Default, Clone)]
+struct DriftCost {
+    checks: usize,
+    /// The tick → every check of it finished.
+    round: Duration,
+    /// Start → end of a check, the mean (the operator's histogram).
+    mean_check: f64,
+    writes: usize,
+    pulumi: usize,
+    operator_cpu: f64,
+    apiserver_cpu: f64,
+}
+
+const EVERY_MINUTE: &str = "* * * * *";
+
+impl DriftPhase<'_> {
+    /// Whether every Stack is settled with a finished check that started at `since` or later.
+    async fn checked_since(&self, since: k8s_openapi::jiff::Timestamp) -> bool {
+        let Ok(list) = self.stacks.list(&ListParams::default()).await else {
+            return false;
+        };
+        list.items.len() == self.names.len()
+            && list.items.iter().all(|s| {
+                let d = s.status.as_ref().and_then(|st| st.drift_detection.as_ref());
+                settled(s)
+                    && d.is_some_and(|d| {
+                        d.current_check.is_none()
+                            && d.last_check.is_some()
+                            && d.last_check_time.as_ref().is_some_and(|t| t.0 >= since)
+                    })
+            })
+    }
+
+    async fn histogram(&self) -> (f64, f64) {
+        let text = metrics_text(self.op).await.unwrap_or_default();
+        let all = |_: &Labels| true;
+        (
+            prom::scrape_sum(&text, "pko_drift_check_duration_seconds_sum", all),
+            prom::scrape_sum(&text, "pko_drift_check_duration_seconds_count", all),
+        )
+    }
+
+    async fn run(&self) -> anyhow::Result<DriftCost> {
+        use k8s_openapi::jiff::{SignedDuration, Timestamp};
+        let set = |cron: Option<&str>| match cron {
+            Some(cron) => json!({"spec": {"driftDetection": {"schedules": [{"cron": cron}]}}}),
+            None => json!({"spec": {"driftDetection": null}}),
+        };
+        let began = Timestamp::now();
+        for name in self.names {
+            self.stacks
+                .patch(
+                    name,
+                    &PatchParams::default(),
+                    &Patch::Merge(&set(Some(EVERY_MINUTE))),
+                )
+                .await?;
+        }
+        // The round due at once: the Stacks are older than the last tick.
+        let first = began
+            .checked_sub(SignedDuration::from_secs(began.as_second().rem_euclid(60)))
+            .unwrap_or(began);
+        wait_for("the first round of drift checks", PHASE_TIMEOUT, || async {
+            self.checked_since(first).await.then_some(())
+        })
+        .await
+        .with_context(|| self.op.log_tail(40))?;
+        // The next tick with at least 3 s to spare, waited for: the round is measured from it.
+        let now = Timestamp::now().as_second();
+        let mut tick = now - now.rem_euclid(60) + 60;
+        if tick - now < 3 {
+            tick += 60;
+        }
+        let tick_at = Instant::now() + Duration::from_secs((tick - now - 2).max(0) as u64);
+        tokio::time::sleep_until(tick_at.into()).await;
+        let from = audit_lines(self.audit);
+        let cpu = |pid: u32| pko_peer::cpu_seconds(pid).unwrap_or(0.0);
+        let (op0, api0) = (cpu(self.op.pid()), cpu(self.apiserver));
+        let (sum0, count0) = self.histogram().await;
+        let agents: HashSet<u32> = self
+            .names
+            .iter()
+            .filter_map(|n| self.kubelet.agent_pid(n))
+            .collect();
+        let tick_ts = Timestamp::from_second(tick).unwrap_or(Timestamp::now());
+        let mut pulumi = HashSet::new();
+        let deadline = Instant::now() + PHASE_TIMEOUT;
+        let finished = loop {
+            pulumi.extend(Procs::read().pulumi_below(&agents));
+            if Timestamp::now() >= tick_ts && self.checked_since(tick_ts).await {
+                break Instant::now();
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "the drift checks of the tick did not finish\n{}",
+                    self.op.log_tail(40)
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        let round = finished.saturating_duration_since(tick_at + Duration::from_secs(2));
+        let (sum1, count1) = self.histogram().await;
+        let writes = operator_writes_to(self.audit, from, &self.audit.with_extension("drift"));
+        let cost = DriftCost {
+            checks: (count1 - count0).max(0.0) as usize,
+            round,
+            mean_check: (sum1 - sum0) / (count1 - count0).max(1.0),
+            writes: writes.len(),
+            pulumi: pulumi.len(),
+            operator_cpu: cpu(self.op.pid()) - op0,
+            apiserver_cpu: cpu(self.apiserver) - api0,
+        };
+        println!("   drift checks: {cost:?}");
+        for name in self.names {
+            self.stacks
+                .patch(name, &PatchParams::default(), &Patch::Merge(&set(None)))
+                .await?;
+        }
+        all_settled(self.stacks, "every Stack Ready without drift detection")
+            .await
+            .with_context(|| self.op.log_tail(40))?;
+        Ok(cost)
+    }
+}
+
+/// The leader failover phase: what it needs of the run.
+struct Failover<'a> {
+    bins: &'a PeerBinaries,
+    peer: Peer,
+    plane: &'a ControlPlane,
+    system: &'a str,
+    opts: &'a PeerOptions,
+    /// The file server's port of the run (the Programs' artifact URLs name it).
+    fs_port: u16,
+    observer: &'a Observer,
+    stacks: &'a Api<Stack>,
+    n: usize,
+}
+
+/// What a leader failover measured.
+#[derive(Debug, Default, Clone)]
+struct FailedOver {
+    /// `kill -9` of the leader → the standby holds the Lease.
+    to_leader: Duration,
+    /// `kill -9` of the leader → every Stack and Workspace reconciled by the standby, nothing
+    /// queued or running, every Stack Ready.
+    to_ready: Duration,
+    installs: usize,
+    updates: usize,
+}
+
+impl Failover<'_> {
+    /// Two replicas with leader election ([`LeaseSettings::FAILOVER`], both advertising the
+    /// run's file-server address, as behind a Service): the first leads and reconciles the
+    /// Ready Stacks (a restart), the second stands by; the leader is `kill -9`'d (its lease is
+    /// not released), and the standby is timed until it has reconciled them all. Returns the
+    /// standby, the leader now, with the file-server address forwarded to it.
+    async fn run(
+        &self,
+        log: &Path,
+    ) -> anyhow::Result<(FailedOver, RunningPeer, tokio::task::JoinHandle<()>)> {
+        let leases: Api<Lease> = Api::namespaced(self.plane.try_client()?, self.system);
+        let lease_name = LeaseSettings::lease_name(self.peer);
+        let replica = |fs_port: Option<u16>| PeerOptions {
+            fs_port,
+            advertised: Some(format!("127.0.0.1:{}", self.fs_port)),
+            lease: Some(LeaseSettings::FAILOVER),
+            ..self.opts.clone()
+        };
+        let start = |which: &str, fs_port| {
+            let log = log.with_extension(format!("{which}.log"));
+            let opts = replica(fs_port);
+            async move {
+                pko_peer::start_with(self.peer, self.bins, self.plane, self.system, &log, &opts)
+                    .await
+            }
+        };
+        let mut leader = start("a", Some(self.fs_port)).await?;
+        let holder = pko_peer::lease_holder(&leases, lease_name, None, PHASE_TIMEOUT).await?;
+        quiet(
+            &leader,
+            self.n,
+            "the first replica leading, every Stack reconciled",
+        )
+        .await?;
+        let standby_log = log.with_extension("b.log");
+        let standby = start("b", None).await?;
+        let updates_before = self.observer.updates();
+        let killed = Instant::now();
+        leader.kill();
+        // The Service's part: the address every artifact URL names reaches the standby now.
+        let service = forward(self.fs_port, standby.fs_port).await?;
+        pko_peer::lease_holder(&leases, lease_name, Some(&holder), PHASE_TIMEOUT).await?;
+        let to_leader = killed.elapsed();
+        quiet(
+            &standby,
+            self.n,
+            "the standby leading, every Stack reconciled",
+        )
+        .await?;
+        let ready = self
+            .stacks
+            .list(&ListParams::default())
+            .await?
+            .items
+            .iter()
+            .filter(|s| deployed(s).is_some())
+            .count();
+        let to_ready = killed.elapsed();
+        if ready != self.n {
+            bail!("{ready} of {} Stacks Ready after the failover", self.n);
+        }
+        let measured = FailedOver {
+            to_leader,
+            to_ready,
+            installs: count_in(&standby_log, install_line(self.peer)),
+            updates: self.observer.updates() - updates_before,
+        };
+        Ok((measured, standby, service))
+    }
 }
 
 /// What a steady-state window watches.
@@ -873,39 +1282,82 @@ struct Steady<'a> {
     op: &'a RunningPeer,
     observer: &'a Observer,
     kubelet: &'a Kubelet,
-    names: &'a [String],
     audit: &'a Path,
+    pulumi_calls: bool,
 }
 
 impl Steady<'_> {
-    /// Watches for `length` (the window is the measurement, so it is waited out): Updates
-    /// created, `pulumi` processes seen below the agents (polled every 100 ms; a CLI run lives
-    /// far longer), and the operator's apiserver writes.
-    async fn window(&self, length: Duration) -> Window {
+    /// Watches `groups` of Stacks for `length` (the window is the measurement, so it is waited
+    /// out): per group, the Updates created, the `pulumi` processes seen below its agents
+    /// (polled every 100 ms; a CLI run lives far longer), and the operator's apiserver writes
+    /// to its objects (each object of a Stack is named after it: its Workspace, Updates,
+    /// outputs Secrets, StatefulSet, Service, pod and Events).
+    async fn window<const G: usize>(
+        &self,
+        length: Duration,
+        groups: [&[String]; G],
+    ) -> [Window; G] {
         let from = audit_lines(self.audit);
-        let updates = self.observer.updates();
-        let agents: HashSet<u32> = self
-            .names
-            .iter()
-            .filter_map(|n| self.kubelet.agent_pid(n))
-            .collect();
-        let mut pulumi = HashSet::new();
+        let updates = groups.map(|g| self.observer.updates_of(g));
+        let agents = groups.map(|g| {
+            g.iter()
+                .filter_map(|n| self.kubelet.agent_pid(n))
+                .collect::<HashSet<u32>>()
+        });
+        let mut pulumi: [HashSet<(u32, u64)>; G] = std::array::from_fn(|_| HashSet::new());
         let began = Instant::now();
         while began.elapsed() < length {
-            pulumi.extend(Procs::read().pulumi_below(&agents));
+            let procs = Procs::read();
+            for (seen, agents) in pulumi.iter_mut().zip(&agents) {
+                seen.extend(procs.pulumi_below(agents));
+            }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         let seconds = began.elapsed().as_secs_f64();
+        if self.pulumi_calls {
+            let from = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64())
+                - seconds;
+            for name in groups.iter().flat_map(|g| g.iter()) {
+                for call in self.kubelet.pulumi_calls(name) {
+                    let at = call
+                        .split(' ')
+                        .next()
+                        .and_then(|t| t.parse::<f64>().ok())
+                        .unwrap_or(0.0);
+                    if at >= from {
+                        println!("     {name}: pulumi {call}");
+                    }
+                }
+            }
+        }
         let trace = self
             .audit
             .with_extension(format!("steady-{}", self.op.pid()));
-        Window {
-            seconds,
-            updates: self.observer.updates() - updates,
-            pulumi_started: pulumi.len(),
-            writes: operator_writes(self.audit, from, &trace).values().sum(),
+        let writes = operator_writes_to(self.audit, from, &trace);
+        let mut out = std::array::from_fn(|_| Window::default());
+        for (i, group) in groups.iter().enumerate() {
+            out[i] = Window {
+                seconds,
+                stacks: group.len(),
+                updates: self.observer.updates_of(group) - updates[i],
+                pulumi_started: pulumi[i].len(),
+                writes: writes
+                    .iter()
+                    .filter(|(_, object)| group.iter().any(|g| named_after(object, g)))
+                    .count(),
+            };
         }
+        out
     }
+}
+
+/// Whether object `name` is Stack `stack`'s (its own name, or `<stack>-…` / `<stack>.…`: the
+/// bench's Stacks are all named `sNNN`, so no Stack's name starts another's).
+fn named_after(name: &str, stack: &str) -> bool {
+    name.strip_prefix(stack)
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with(['-', '.']))
 }
 
 /// `--idle`: pko-rs's scale to zero, measured where users feel it. Every Stack's workspace gets
@@ -926,8 +1378,25 @@ struct Cold<'a> {
 const COLD_IDLE_AFTER: &str = "5s";
 
 impl Cold<'_> {
-    /// `edits` cold starts, round robin over the Stacks.
-    async fn run(&self, edits: usize) -> anyhow::Result<Vec<Duration>> {
+    /// Whether `name`'s workspace is stopped by `spec.idle`: `Ready=False, reason=Idle` for
+    /// its generation, and no agent process left.
+    async fn stopped(&self, name: &str) -> bool {
+        let Ok(ws) = self.workspaces.get(name).await else {
+            return false;
+        };
+        let idle = ws.status.as_ref().is_some_and(|status| {
+            status.observed_generation == ws.metadata.generation
+                && status
+                    .conditions
+                    .iter()
+                    .any(|c| c.type_ == "Ready" && c.status == "False" && c.reason == "Idle")
+        });
+        idle && self.kubelet.agent_pid(name).is_none()
+    }
+
+    /// `edits` cold starts, round robin over the Stacks; then, once every workspace is stopped,
+    /// the fleet's RSS (the operator and every process left below the agents: none).
+    async fn run(&self, edits: usize) -> anyhow::Result<(Vec<Duration>, u64)> {
         let patch =
             json!({"spec": {"workspaceTemplate": {"spec": {"idle": {"after": COLD_IDLE_AFTER}}}}});
         for name in self.names {
@@ -940,14 +1409,7 @@ impl Cold<'_> {
             let i = k % self.names.len();
             let name = &self.names[i];
             wait_for(&format!("workspace {name} idle"), PHASE_TIMEOUT, || async {
-                let ws = self.workspaces.get(name).await.ok()?;
-                let status = ws.status.as_ref()?;
-                let idle = status.observed_generation == ws.metadata.generation
-                    && status
-                        .conditions
-                        .iter()
-                        .any(|c| c.type_ == "Ready" && c.status == "False" && c.reason == "Idle");
-                (idle && self.kubelet.agent_pid(name).is_none()).then_some(())
+                self.stopped(name).await.then_some(())
             })
             .await
             .with_context(|| self.op.log_tail(40))?;
@@ -969,7 +1431,23 @@ impl Cold<'_> {
             .with_context(|| format!("{}\n{}", self.op.log_tail(40), self.kubelet.logs(name)))?;
             times.push(done.saturating_duration_since(at));
         }
-        Ok(times)
+        wait_for("every workspace idle", PHASE_TIMEOUT, || async {
+            for name in self.names {
+                if !self.stopped(name).await {
+                    return None;
+                }
+            }
+            Some(())
+        })
+        .await
+        .with_context(|| self.op.log_tail(40))?;
+        let agents: u64 = self
+            .names
+            .iter()
+            .filter_map(|name| self.kubelet.agent_pid(name))
+            .map(tree_rss_kib)
+            .sum();
+        Ok((times, tree_rss_kib(self.op.pid()) + agents))
     }
 }
 
@@ -1124,22 +1602,35 @@ fn section(args: &Args, runs: &[Trio]) -> anyhow::Result<String> {
          (audit log; each operator runs as a user of its own), divided by the edits. *CPU per \
          Stack*: the operator's and kube-apiserver's CPU time over the N new Stacks phase, \
          divided by N. *Restart*: SIGTERM, a new process; spawn → every Stack and Workspace \
-         reconciled by it with nothing queued or running and every Stack Ready. *Installs*: the \
+         reconciled by it with nothing queued or running and every Stack Ready. *Failover*: two \
+         replicas with leader election (lease 15 s, renew deadline 10 s, retry 2 s), the first \
+         leading; it is `kill -9`'d, and the standby is timed until it holds the Lease and \
+         until it has reconciled every Stack and Workspace with every Stack Ready. *Installs*: the \
          operator's log lines for a workspace installed (pko-rs: `workspace initialized`; PKO: \
          `Running pulumi install`). RSS: idle, after the edits; per workspace: the agent and \
          every process below it, idle, and its peak during its edit's `up` (sampled every 50 \
-         ms). *Steady state*: after the restart, {} s with `continueResyncOnCommitMatch` off \
-         (the default), then {} s with it on and `resyncFrequencySeconds: 60`; Updates, `pulumi` \
-         processes started below the agents, and the operator's apiserver writes, per Stack per \
-         hour. Advantage: PKO ÷ pko-rs.{}\n",
+         ms). *Steady state*: after the restart, one {} s window in which the first half of the \
+         Stacks keeps `continueResyncOnCommitMatch` off (the default) and the second half has it \
+         on with `resyncFrequencySeconds: 60` (N = {}); per Stack per hour: Updates, `pulumi` \
+         processes started below its agent, and the operator's apiserver writes to its objects \
+         (each named after the Stack). Advantage: PKO ÷ pko-rs.{}\n",
         args.edits,
         args.idle_seconds,
-        args.idle_seconds,
+        if args.windows_at.is_empty() {
+            "every N".to_owned()
+        } else {
+            args.windows_at
+                .iter()
+                .map(usize::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        },
         if args.musl.is_some() {
             format!(
                 " *{MUSL}*: the static x86_64-unknown-linux-musl release binary `make dist` \
-                 builds and the images ship, run the same way; *musl ÷ glibc* is its figure \
-                 over the glibc build's (above 1: the shipped build costs more)."
+                 builds and the images ship, run the same way (the timed phases: the steady \
+                 window counts operations, the same in either build); *musl ÷ glibc* is its \
+                 figure over the glibc build's (above 1: the shipped build costs more)."
             )
         } else {
             String::new()
@@ -1326,6 +1817,32 @@ fn rows_of(trio: &Trio, n: usize) -> Vec<Row> {
             |r| (r.restart_updates.to_string(), 0.0),
             false,
         ),
+        (
+            format!("leader failover with {n} Ready Stacks: kill -9 → standby leads"),
+            |r| {
+                let d = r.failover.to_leader;
+                (secs(d), d.as_secs_f64())
+            },
+            true,
+        ),
+        (
+            format!("leader failover with {n} Ready Stacks: kill -9 → all reconciled and Ready"),
+            |r| {
+                let d = r.failover.to_ready;
+                (secs(d), d.as_secs_f64())
+            },
+            true,
+        ),
+        (
+            "installs and Updates started by the failover".into(),
+            |r| {
+                (
+                    format!("{} and {}", r.failover.installs, r.failover.updates),
+                    0.0,
+                )
+            },
+            false,
+        ),
     ];
     let mut rows: Vec<Row> = figures
         .into_iter()
@@ -1354,6 +1871,7 @@ fn rows_of(trio: &Trio, n: usize) -> Vec<Row> {
             }
         })
         .collect();
+    rows.extend(extra_rows(trio, n));
     for (when, pick) in [
         (
             "off",
@@ -1369,7 +1887,7 @@ fn rows_of(trio: &Trio, n: usize) -> Vec<Row> {
         for (what, count) in counts {
             let cell = |r: &PeerRun| {
                 pick(r).map(|w| {
-                    let v = w.per_stack_hour(count(&w), r.n);
+                    let v = w.per_stack_hour(count(&w));
                     (format!("{v:.1}"), v)
                 })
             };
@@ -1391,6 +1909,90 @@ fn rows_of(trio: &Trio, n: usize) -> Vec<Row> {
                 }),
             });
         }
+    }
+    rows
+}
+
+/// pko-rs's beyond-PKO rows (drift checks, cold starts, the fleet with workspaces stopped),
+/// where its run measured them; PKO has none of these.
+fn extra_rows(trio: &Trio, n: usize) -> Vec<Row> {
+    let (pko, ours) = (&trio.pko, &trio.ours);
+    let only_ours = |what: String, ours: String, pko: &str| Row {
+        what,
+        pko: pko.to_owned(),
+        ours,
+        advantage: String::new(),
+        musl: None,
+    };
+    let mut rows = Vec::new();
+    if let Some(d) = &ours.drift {
+        let per = |x: f64| x / d.checks.max(1) as f64;
+        let none = "– (no drift detection)";
+        rows.push(only_ours(
+            format!(
+                "drift checks (refresh, preview only), {} due at one tick: tick → all finished",
+                d.checks
+            ),
+            secs(d.round),
+            none,
+        ));
+        rows.push(only_ours(
+            "drift check, start → end, mean (the Update's times: whole seconds)".into(),
+            format!("{:.2} s", d.mean_check),
+            none,
+        ));
+        rows.push(only_ours(
+            "drift check: operator's apiserver writes per check".into(),
+            format!("{:.1}", per(d.writes as f64)),
+            none,
+        ));
+        rows.push(only_ours(
+            "drift check: `pulumi` processes started per check".into(),
+            format!("{:.1}", per(d.pulumi as f64)),
+            none,
+        ));
+        rows.push(only_ours(
+            "drift check: operator CPU per check".into(),
+            format!("{:.0} ms", per(d.operator_cpu) * 1000.0),
+            none,
+        ));
+        rows.push(only_ours(
+            "drift check: kube-apiserver CPU per check".into(),
+            format!("{:.0} ms", per(d.apiserver_cpu) * 1000.0),
+            none,
+        ));
+    }
+    if !ours.cold_starts.is_empty() {
+        let cold = sorted(&ours.cold_starts);
+        let always = "– (always on)";
+        for (q, label) in [(0.5, "p50"), (0.99, "p99")] {
+            rows.push(only_ours(
+                format!("cold start, workspace stopped by `spec.idle`: Program edit → its Stack's `up` done, {label}"),
+                secs(percentile(&cold, q)),
+                always,
+            ));
+        }
+    }
+    if let Some(stopped) = ours.fleet_idle_kib {
+        let always_on = |r: &PeerRun| r.operator_rss_kib + r.workspace_rss_kib.iter().sum::<u64>();
+        rows.push(Row {
+            what: format!(
+                "{n} idle Stacks, workspaces always on: operator + every workspace process, RSS"
+            ),
+            pko: mib(always_on(pko)),
+            ours: mib(always_on(ours)),
+            advantage: advantage(always_on(pko) as f64, always_on(ours) as f64),
+            musl: None,
+        });
+        rows.push(Row {
+            what: format!(
+                "{n} idle Stacks, pko-rs's workspaces stopped by `spec.idle`: the same RSS"
+            ),
+            pko: format!("{} (always on)", mib(always_on(pko))),
+            ours: mib(stopped),
+            advantage: advantage(always_on(pko) as f64, stopped as f64),
+            musl: None,
+        });
     }
     rows
 }
@@ -1446,6 +2048,9 @@ async fn main() -> anyhow::Result<()> {
         edits: args.edits,
         idle: Duration::from_secs(args.idle_seconds),
         cold: args.cold,
+        pulumi_calls: args.pulumi_calls,
+        drift: args.drift,
+        cold_starts: args.cold_starts,
     };
     let musl_bins = args.musl.as_ref().map(|path| PeerBinaries {
         pko_rs: path.clone(),
@@ -1461,6 +2066,21 @@ async fn main() -> anyhow::Result<()> {
     }
     let mut runs = Vec::new();
     for &n in &args.stacks {
+        let windowed = args.windows_at.is_empty() || args.windows_at.contains(&n);
+        let plan = Plan {
+            idle: if windowed { plan.idle } else { Duration::ZERO },
+            cold: plan.cold && (args.idle_at.is_empty() || args.idle_at.contains(&n)),
+            drift: plan.drift && (args.drift_at.is_empty() || args.drift_at.contains(&n)),
+            ..plan
+        };
+        // The shipped build runs the timed phases only: the window and the beyond-PKO phases
+        // count operations, which the same code makes in either build.
+        let musl_plan = Plan {
+            idle: Duration::ZERO,
+            cold: false,
+            drift: false,
+            ..plan
+        };
         if args.pko_rs_only {
             let label = Peer::PkoRs.label();
             let ours = peer_run(&bins, Peer::PkoRs, label, n, plan, &logs).await?;
@@ -1471,7 +2091,7 @@ async fn main() -> anyhow::Result<()> {
         let ours = peer_run(&bins, Peer::PkoRs, Peer::PkoRs.label(), n, plan, &logs).await?;
         let musl = match &musl_bins {
             Some(mb) if args.musl_at.is_empty() || args.musl_at.contains(&n) => {
-                Some(peer_run(mb, Peer::PkoRs, MUSL, n, plan, &logs).await?)
+                Some(peer_run(mb, Peer::PkoRs, MUSL, n, musl_plan, &logs).await?)
             }
             _ => None,
         };

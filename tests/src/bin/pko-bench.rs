@@ -957,37 +957,8 @@ async fn status_patch_run(
     })
 }
 
-/// Leader election of the failover run, the same flags for both operators: the usual
-/// Kubernetes client defaults (PKO's own are 60 s / 45 s / 10 s).
-const FAILOVER_LEASE: LeaseSettings = LeaseSettings {
-    lease_duration: Duration::from_secs(15),
-    renew_deadline: Duration::from_secs(10),
-    retry_period: Duration::from_secs(2),
-};
 /// Programs published before the leader is killed.
 const FAILOVER_PROGRAMS: usize = 100;
-
-/// The Lease's holder, once it has one other than `not`.
-async fn lease_holder(
-    leases: &Api<Lease>,
-    name: &str,
-    not: Option<&str>,
-) -> anyhow::Result<String> {
-    let deadline = Instant::now() + RUN_TIMEOUT;
-    loop {
-        if let Ok(lease) = leases.get(name).await
-            && let Some(holder) = lease.spec.and_then(|s| s.holder_identity)
-            && !holder.is_empty()
-            && Some(holder.as_str()) != not
-        {
-            return Ok(holder);
-        }
-        if Instant::now() > deadline {
-            bail!("Lease {name} got no (new) holder");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
 
 /// Two replicas of `peer` with leader election, both advertising the first one's file-server
 /// address (as behind a Service); the first leads. After 100 Programs are published, the leader
@@ -1003,7 +974,7 @@ async fn failover_run(bins: &PeerBinaries, peer: Peer, log: &Path) -> anyhow::Re
     let opts = |fs_port| PeerOptions {
         fs_port,
         advertised: Some(format!("127.0.0.1:{first_port}")),
-        lease: Some(FAILOVER_LEASE),
+        lease: Some(LeaseSettings::FAILOVER),
         ..PeerOptions::default()
     };
     let mut leader = pko_peer::start_with(
@@ -1016,7 +987,7 @@ async fn failover_run(bins: &PeerBinaries, peer: Peer, log: &Path) -> anyhow::Re
     )
     .await?;
     // The first replica leads before the second exists.
-    let holder = lease_holder(&leases, lease_name, None).await?;
+    let holder = pko_peer::lease_holder(&leases, lease_name, None, RUN_TIMEOUT).await?;
     let survivor = pko_peer::start_with(
         peer,
         bins,
@@ -1057,7 +1028,7 @@ async fn failover_run(bins: &PeerBinaries, peer: Peer, log: &Path) -> anyhow::Re
     leader.kill();
     create_programs(&api, "f", 1).await?;
     let new_leader = async {
-        lease_holder(&leases, lease_name, Some(&holder)).await?;
+        pko_peer::lease_holder(&leases, lease_name, Some(&holder), RUN_TIMEOUT).await?;
         anyhow::Ok(killed.elapsed())
     };
     let new_ready = async {
