@@ -1374,6 +1374,10 @@ struct Cold<'a> {
     op: &'a RunningPeer,
 }
 
+/// The cold starts' edit numbers start here, above any warm edit's: an edit that left the
+/// Program as it was would start no `up`.
+const COLD_EDITS_FROM: usize = 1_000_000;
+
 /// How long an idle workspace of the cold-start phase waits before its pod is stopped.
 const COLD_IDLE_AFTER: &str = "5s";
 
@@ -1394,9 +1398,9 @@ impl Cold<'_> {
         idle && self.kubelet.agent_pid(name).is_none()
     }
 
-    /// `edits` cold starts, round robin over the Stacks; then, once every workspace is stopped,
+    /// `starts` cold starts, round robin over the Stacks; then, once every workspace is stopped,
     /// the fleet's RSS (the operator and every process left below the agents: none).
-    async fn run(&self, edits: usize) -> anyhow::Result<(Vec<Duration>, u64)> {
+    async fn run(&self, starts: usize) -> anyhow::Result<(Vec<Duration>, u64)> {
         let patch =
             json!({"spec": {"workspaceTemplate": {"spec": {"idle": {"after": COLD_IDLE_AFTER}}}}});
         for name in self.names {
@@ -1405,7 +1409,7 @@ impl Cold<'_> {
                 .await?;
         }
         let mut times = Vec::new();
-        for k in 0..edits {
+        for k in 0..starts {
             let i = k % self.names.len();
             let name = &self.names[i];
             wait_for(&format!("workspace {name} idle"), PHASE_TIMEOUT, || async {
@@ -1414,7 +1418,7 @@ impl Cold<'_> {
             .await
             .with_context(|| self.op.log_tail(40))?;
             let before = self.observer.latest(name);
-            let patch = json!({"program": program(i, edits + k + 1)});
+            let patch = json!({"program": program(i, COLD_EDITS_FROM + k)});
             let at = Instant::now();
             self.programs
                 .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
@@ -1641,7 +1645,19 @@ fn section(args: &Args, runs: &[Trio]) -> anyhow::Result<String> {
     } else {
         "release build (`make bench`)"
     };
-    writeln!(s, "Operator: {build}. Machine: {}.\n", measure::machine())?;
+    // The agent pko-rs's pods run (PKO's run its own release agent).
+    let agent = match pko_tests::agent::agent_binary() {
+        Ok(path) if path.components().any(|c| c.as_os_str() == "debug") => {
+            "debug build (`make agent-static`)"
+        }
+        Ok(_) => "release build (`make dist`, as the image ships it)",
+        Err(_) => "not found",
+    };
+    writeln!(
+        s,
+        "Operator: {build}. pko-rs's workspace agent: {agent}. Machine: {}.\n",
+        measure::machine()
+    )?;
     let musl = runs.iter().any(|t| t.musl.is_some());
     if musl {
         writeln!(
