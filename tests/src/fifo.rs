@@ -37,6 +37,54 @@ pub fn make(path: &Path) -> Result<(), HarnessError> {
     }
 }
 
+/// Whether a process below `ancestor` waits in `open(2)` for the other end of a pipe (its
+/// kernel wait channel is `wait_for_partner`): a program blocked on a test's pipe. The open has
+/// not returned, so the pipe is in no fd table yet; and a test's own probe that opened the pipe
+/// would hand the program an end of file.
+pub fn reader_waiting_below(ancestor: u32) -> bool {
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return false;
+    };
+    let parents: std::collections::HashMap<u32, u32> = procs
+        .flatten()
+        .filter_map(|entry| {
+            let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(entry.path().join("stat")).ok()?;
+            // `pid (comm) state ppid …`: comm may hold spaces and parentheses.
+            let ppid = stat
+                .rsplit_once(')')?
+                .1
+                .split_whitespace()
+                .nth(1)?
+                .parse()
+                .ok()?;
+            Some((pid, ppid))
+        })
+        .collect();
+    let below = |mut pid: u32| {
+        while let Some(&parent) = parents.get(&pid) {
+            if parent == ancestor {
+                return true;
+            }
+            if parent == 0 || parent == pid {
+                return false;
+            }
+            pid = parent;
+        }
+        false
+    };
+    parents.keys().filter(|pid| below(**pid)).any(|pid| {
+        std::fs::read_dir(format!("/proc/{pid}/task"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|task| {
+                std::fs::read_to_string(task.path().join("wchan"))
+                    .is_ok_and(|w| w.trim() == "wait_for_partner")
+            })
+    })
+}
+
 /// One write attempt: `Ok(true)` when a reader got `data`, `Ok(false)` when nobody reads.
 fn try_write(path: &Path, data: &[u8]) -> std::io::Result<bool> {
     match OpenOptions::new()

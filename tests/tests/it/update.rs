@@ -211,6 +211,31 @@ fn stack_locked(backend: &Path) -> bool {
     any_json(&backend.join(".pulumi/locks"))
 }
 
+/// Whether the file backend at `backend` is part way through a write: a temporary file, or an
+/// empty metadata sidecar (gocloud's fileblob renames the data into place but writes its
+/// `.attrs` in place, so a kill at that moment leaves a stack the CLI cannot load: "failed to
+/// load checkpoint: EOF").
+fn backend_writing(backend: &Path) -> bool {
+    fn any_partial(dir: &Path) -> bool {
+        std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|entry| {
+                let path = entry.path();
+                let name = entry.file_name().to_string_lossy().into_owned();
+                if path.is_dir() {
+                    any_partial(&path)
+                } else {
+                    name.ends_with(".tmp")
+                        || (name.ends_with(".attrs")
+                            && std::fs::metadata(&path).is_ok_and(|m| m.len() == 0))
+                }
+            })
+    }
+    any_partial(&backend.join(".pulumi"))
+}
+
 #[tokio::test]
 async fn up_preview_destroy_with_outputs_secret_and_pko_conditions() {
     let _machine = pko_tests::serial::shared().await;
@@ -390,11 +415,21 @@ async fn killed_agent_then_next_update(prefix: &str, lose_marker: bool, released
     .expect("operation started");
     // "operation started" is logged before pulumi runs: kill only once pulumi holds the stack
     // lock (it keeps it, as the program blocks on the pipe), since a lock left behind is the
-    // point.
+    // point; and only once the program waits on the pipe with no backend write half done (the
+    // stack's registration writes the checkpoint just before), which a real kill could
+    // interrupt too but this test is not about.
     let backend = env.tmp.path().join("backend");
-    wait_for("pulumi to lock the stack", WAIT, || async {
-        stack_locked(&backend).then_some(())
-    })
+    wait_for(
+        "the program blocked on the pipe, the stack locked",
+        WAIT,
+        || async {
+            let blocked = env
+                .kubelet
+                .agent_pid("reader")
+                .is_some_and(fifo::reader_waiting_below);
+            (blocked && stack_locked(&backend) && !backend_writing(&backend)).then_some(())
+        },
+    )
     .await
     .expect("stack locked");
     assert!(env.kubelet.kill_agent("reader"));
