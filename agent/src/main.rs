@@ -433,6 +433,7 @@ async fn serve(a: ServeArgs, kube: KubeAccess) -> anyhow::Result<()> {
 
     let shutdown = CancellationToken::new();
     let agent = Agent::new(cli.clone(), shutdown.clone(), limits);
+    agent.prefetch_version();
     if !a.skip_install {
         cli.run(&["install".to_owned()])
             .await

@@ -25,7 +25,7 @@ use crate::proto as pb;
 use crate::pulumi::{Cli, PulumiError};
 use pko_agent_api::INSTANCE_HEADER;
 
-pub use status::{OpTimes, to_status};
+pub use status::{OpReport, to_status};
 
 /// Failures of the agent's own steps (the CLI's are [`PulumiError`]).
 #[derive(Debug, thiserror::Error)]
@@ -99,6 +99,19 @@ impl Agent {
             .stack
             .lock()
             .unwrap_or_else(PoisonError::into_inner) = stack;
+    }
+
+    /// A CLI failure on the selected stack as a status. A stack the CLI no longer finds (removed
+    /// behind this process) is forgotten, so the next selection asks the CLI again.
+    fn stack_failure(&self, op: &str, e: PulumiError) -> Status {
+        if is_stack_missing(&e) {
+            warn!(
+                operation = op,
+                "the selected stack is gone; it will be selected again"
+            );
+            self.set_stack(None);
+        }
+        to_status(op, e)
     }
 
     fn require_stack(&self) -> Result<String, Status> {

@@ -11,7 +11,7 @@ use tonic::{Code, Response, Status};
 use tracing::{info, warn};
 
 use super::Agent;
-use super::status::{OpTimes, to_status};
+use super::status::{OpReport, RootOutputs, root_outputs};
 use crate::limits::MAX_MESSAGE_BYTES;
 use crate::pulumi::Output;
 use crate::values;
@@ -34,7 +34,7 @@ impl Agent {
     ) -> Result<Response<RpcStream<T>>, Status>
     where
         T: prost::Message + Send + 'static,
-        F: FnOnce(Agent, String, Output, OpTimes) -> Fut + Send + 'static,
+        F: FnOnce(Agent, String, Output, OpReport) -> Fut + Send + 'static,
         Fut: std::future::Future<Output = Result<T, Status>> + Send,
     {
         let stack = self.require_stack()?;
@@ -45,16 +45,17 @@ impl Agent {
             let (events_tx, events_rx) = mpsc::channel::<Value>(EVENT_BUFFER);
             let forward = forward_events(kind, wrap_event, events_rx, tx.clone());
             let (result, started) = agent.run_marked(kind, &stack, cli_args, events_tx).await;
-            let _ = forward.await;
-            let times = OpTimes {
+            let root_outputs = forward.await.ok().flatten();
+            let times = OpReport {
                 start: started,
                 end: jiff::Timestamp::now(),
+                root_outputs,
             };
             let message = match result {
                 Ok(output) => finish(agent.clone(), stack, output, times)
                     .await
                     .and_then(|m| within_message_limit(kind, m)),
-                Err(e) => Err(to_status(kind, e)),
+                Err(e) => Err(agent.stack_failure(kind, e)),
             };
             if let Err(status) = &message {
                 warn!(operation = kind, code = ?status.code(), message = status.message(), "operation failed");
@@ -69,17 +70,19 @@ impl Agent {
 }
 
 /// Forwards engine events to the client until the CLI stops writing them or the client is
-/// gone; dropping `events_rx` then tells the CLI runner to interrupt pulumi.
+/// gone; dropping `events_rx` then tells the CLI runner to interrupt pulumi. Returns the root
+/// stack's outputs from the last outputs event that named them.
 fn forward_events<T>(
     kind: &'static str,
     wrap_event: fn(prost_types::Struct) -> T,
     mut events_rx: mpsc::Receiver<Value>,
     forward_tx: mpsc::Sender<Result<T, Status>>,
-) -> tokio::task::JoinHandle<()>
+) -> tokio::task::JoinHandle<Option<RootOutputs>>
 where
     T: prost::Message + Send + 'static,
 {
     tokio::spawn(async move {
+        let mut root = None;
         loop {
             // A blocked program writes no events: notice the client leaving anyway.
             let event = tokio::select! {
@@ -88,6 +91,9 @@ where
             };
             let Some(event) = event else { break };
             let Value::Object(map) = event else { continue };
+            if let Some(outputs) = root_outputs(&map) {
+                root = Some(outputs);
+            }
             let message = wrap_event(values::to_struct(&map));
             // Its strings are bounded already; only an event of very many of them
             // gets here, and sending it would end the whole stream.
@@ -105,6 +111,7 @@ where
                 break;
             }
         }
+        root
     })
 }
 

@@ -59,6 +59,11 @@ impl AutomationService for Agent {
             req.secrets_provider.as_deref(),
         )
         .await?;
+        if req.skip_summary == Some(true) {
+            // Unchecked when this process selected it before: an operation on a stack removed
+            // behind it fails with the CLI's "no stack named", which forgets the selection.
+            return Ok(self.respond(pb::SelectStackResult { summary: None }));
+        }
         let summary = match self.summary().await {
             Ok(summary) => summary,
             Err(s) => {
@@ -104,7 +109,7 @@ impl AutomationService for Agent {
                 .cli
                 .run(&cli_args)
                 .await
-                .map_err(|e| to_status("config set-all", e))?;
+                .map_err(|e| self.stack_failure("config set-all", e))?;
         }
         Ok(self.respond(pb::SetAllConfigResult {}))
     }
@@ -130,7 +135,7 @@ impl AutomationService for Agent {
             .cli
             .run(&cli_args)
             .await
-            .map_err(|e| to_status("config env add", e))?;
+            .map_err(|e| self.stack_failure("config env add", e))?;
         Ok(self.respond(pb::AddEnvironmentsResult {}))
     }
 
@@ -308,8 +313,12 @@ impl AutomationService for Agent {
                 response: Some(pb::up_stream::Response::Event(s)),
             },
             |agent: Agent, stack, output: Output, times| async move {
-                let summary = agent.last_summary(&stack, &times).await;
-                let outputs = agent.outputs(&stack).await?;
+                // Both only read the backend: side by side, one CLI start off the path.
+                let (summary, outputs) = tokio::join!(
+                    agent.last_summary(&stack, &times),
+                    agent.outputs(&stack, times.root_outputs.as_ref())
+                );
+                let outputs = outputs?;
                 Ok(pb::UpStream {
                     response: Some(pb::up_stream::Response::Result(pb::UpResult {
                         summary: Some(summary),
@@ -385,8 +394,17 @@ impl AutomationService for Agent {
         &self,
         _request: Request<pb::PulumiVersionRequest>,
     ) -> Result<Response<pb::PulumiVersionResult>, Status> {
-        let version = self
-            .inner
+        let version = self.version().await?;
+        Ok(self.respond(pb::PulumiVersionResult {
+            version: version.clone(),
+        }))
+    }
+}
+
+impl Agent {
+    /// `pulumi version`, run once per process.
+    async fn version(&self) -> Result<&String, Status> {
+        self.inner
             .version
             .get_or_try_init(|| async {
                 let out = self
@@ -397,14 +415,19 @@ impl AutomationService for Agent {
                     .map_err(|e| to_status("version", e))?;
                 Ok::<_, Status>(out.stdout.trim().to_owned())
             })
-            .await?;
-        Ok(self.respond(pb::PulumiVersionResult {
-            version: version.clone(),
-        }))
+            .await
     }
-}
 
-impl Agent {
+    /// Starts `pulumi version` in the background: an operator asks it first on a new pod, and
+    /// the answer is then ready (or under way) instead of one more CLI start on the path of
+    /// the pod's first operation. A failure here is asked again by the RPC.
+    pub fn prefetch_version(&self) {
+        let agent = self.clone();
+        tokio::spawn(async move {
+            let _ = agent.version().await;
+        });
+    }
+
     /// The file of the update plan `id`, a checked name (it becomes a file name).
     fn plan_path(&self, id: &str) -> Result<std::path::PathBuf, Status> {
         check_plan_id(id)?;

@@ -1,6 +1,8 @@
 //! What the CLI reports, as the service's messages: the stack summary, the last update's
 //! summary, the outputs with secrets marked, the permalink, and CLI failures as gRPC statuses.
 
+use std::collections::BTreeSet;
+
 use serde_json::{Value, json};
 use tonic::{Code, Status};
 use tracing::warn;
@@ -52,10 +54,13 @@ impl Agent {
         })
     }
 
-    /// Outputs of the stack as `stack output --json` shows them, with secrets marked.
+    /// Outputs of the stack as `stack output --json` shows them, with secrets marked: by the
+    /// operation's own outputs event when it names the same outputs, else by a masked
+    /// `stack output` (a secret shows as "[secret]" there, the Automation API's rule).
     pub(super) async fn outputs(
         &self,
         stack: &str,
+        root: Option<&RootOutputs>,
     ) -> Result<std::collections::HashMap<String, pb::OutputValue>, Status> {
         let cli = &self.inner.cli;
         let stack_flag = format!("--stack={stack}");
@@ -69,40 +74,57 @@ impl Agent {
             ]))
             .await
             .map_err(|e| to_status("stack output", e))?;
-        let masked = cli
-            .run_json(&args(["stack", "output", "--json", &stack_flag]))
-            .await
-            .map_err(|e| to_status("stack output", e))?;
+        let Value::Object(plain) = plain else {
+            return Ok(std::collections::HashMap::new());
+        };
+        let secret: BTreeSet<String> = match root {
+            Some(root)
+                if plain.len() == root.names.len()
+                    && plain.keys().all(|k| root.names.contains(k)) =>
+            {
+                root.secret.clone()
+            }
+            _ => {
+                let masked = cli
+                    .run_json(&args(["stack", "output", "--json", &stack_flag]))
+                    .await
+                    .map_err(|e| to_status("stack output", e))?;
+                plain
+                    .iter()
+                    .filter(|(key, value)| {
+                        masked.get(key.as_str()) == Some(&json!("[secret]"))
+                            && **value != json!("[secret]")
+                    })
+                    .map(|(key, _)| key.clone())
+                    .collect()
+            }
+        };
         let mut outputs = std::collections::HashMap::new();
-        if let Value::Object(map) = plain {
-            for (key, value) in map {
-                // The Automation API's rule: a secret shows as "[secret]" without --show-secrets.
-                let secret =
-                    masked.get(&key) == Some(&json!("[secret]")) && value != json!("[secret]");
-                let (bytes, cut) =
-                    limits::output_value(&value, self.inner.limits.max_output_value_bytes);
-                if cut {
-                    warn!(
-                        output = %key,
-                        limit = self.inner.limits.max_output_value_bytes,
-                        "stack output value truncated"
-                    );
-                }
-                outputs.insert(
-                    key,
-                    pb::OutputValue {
-                        value: bytes,
-                        secret,
-                    },
+        for (key, value) in plain {
+            let secret = secret.contains(&key);
+            let (bytes, cut) =
+                limits::output_value(&value, self.inner.limits.max_output_value_bytes);
+            if cut {
+                warn!(
+                    output = %key,
+                    limit = self.inner.limits.max_output_value_bytes,
+                    "stack output value truncated"
                 );
             }
+            outputs.insert(
+                key,
+                pb::OutputValue {
+                    value: bytes,
+                    secret,
+                },
+            );
         }
         Ok(outputs)
     }
 
     /// The last history entry of the stack as an `UpdateSummary`; the local times when the
     /// backend keeps no history entry (e.g. after `destroy --remove`).
-    pub(super) async fn last_summary(&self, stack: &str, times: &OpTimes) -> pb::UpdateSummary {
+    pub(super) async fn last_summary(&self, stack: &str, times: &OpReport) -> pb::UpdateSummary {
         let history = self
             .inner
             .cli
@@ -145,13 +167,59 @@ impl Agent {
     }
 }
 
-/// Wall-clock bounds of one operation, measured by the agent.
-pub struct OpTimes {
+/// What the agent saw of one operation: its wall-clock bounds, and the root stack's outputs as
+/// its engine events showed them.
+pub struct OpReport {
     pub(super) start: jiff::Timestamp,
     pub(super) end: jiff::Timestamp,
+    pub(super) root_outputs: Option<RootOutputs>,
 }
 
-pub(super) fn local_summary(times: &OpTimes, message: &str) -> pb::UpdateSummary {
+/// The root stack's top-level output names from an operation's outputs event, and which of
+/// them are secret. Events carry secrets as the engine's secret signature (value masked), so
+/// one `stack output --show-secrets` then gives every value with its secrecy: no second,
+/// masked `stack output` to compare against.
+#[derive(Debug, Default, PartialEq)]
+pub(super) struct RootOutputs {
+    names: BTreeSet<String>,
+    secret: BTreeSet<String>,
+}
+
+/// The key and value that mark a secret in the engine's JSON (its `resource.SecretSig`).
+const SECRET_SIG_KEY: &str = "4dabf18193072939515e22adb298388d";
+const SECRET_SIG: &str = "1b47061264138c4ac30d75fd1eb44270";
+
+/// The root stack's outputs when `event` is its `resOutputsEvent` (the engine sends one at the
+/// end of every `up`, changed or not).
+pub(super) fn root_outputs(event: &serde_json::Map<String, Value>) -> Option<RootOutputs> {
+    let meta = event.get("resOutputsEvent")?.get("metadata")?;
+    if meta.get("type").and_then(Value::as_str) != Some(ROOT_STACK_TYPE) {
+        return None;
+    }
+    let new = meta.get("new")?;
+    // A component a program names like the root would have a parent.
+    if new
+        .get("parent")
+        .and_then(Value::as_str)
+        .is_some_and(|p| !p.is_empty())
+    {
+        return None;
+    }
+    let outputs = new.get("outputs")?.as_object()?;
+    let is_secret = |v: &Value| v.get(SECRET_SIG_KEY).and_then(Value::as_str) == Some(SECRET_SIG);
+    Some(RootOutputs {
+        names: outputs.keys().cloned().collect(),
+        secret: outputs
+            .iter()
+            .filter(|(_, v)| is_secret(v))
+            .map(|(k, _)| k.clone())
+            .collect(),
+    })
+}
+
+const ROOT_STACK_TYPE: &str = "pulumi:pulumi:Stack";
+
+pub(super) fn local_summary(times: &OpReport, message: &str) -> pb::UpdateSummary {
     pb::UpdateSummary {
         start_time: Some(pb_time(times.start)),
         end_time: Some(pb_time(times.end)),
@@ -227,6 +295,40 @@ pub(super) fn permalink(stdout: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_root_stacks_outputs_event_names_its_secrets() {
+        let event = |ty: &str, parent: &str| {
+            json!({"resOutputsEvent": {"metadata": {"type": ty, "new": {
+                "parent": parent,
+                "outputs": {
+                    "plain": "hello",
+                    "obj": {"a": 1},
+                    "sec": {SECRET_SIG_KEY: SECRET_SIG, "ciphertext": "[secret]"},
+                    "fake": {SECRET_SIG_KEY: "something else"},
+                }
+            }}}})
+        };
+        let root = |v: Value| match v {
+            Value::Object(map) => root_outputs(&map),
+            _ => None,
+        };
+        let names = ["fake", "obj", "plain", "sec"].map(String::from);
+        assert_eq!(
+            root(event(ROOT_STACK_TYPE, "")),
+            Some(RootOutputs {
+                names: names.into_iter().collect(),
+                secret: BTreeSet::from(["sec".to_owned()]),
+            })
+        );
+        // A resource's outputs, or a component typed like the root, say nothing of the stack's.
+        assert_eq!(root(event("kubernetes:core/v1:ConfigMap", "")), None);
+        assert_eq!(
+            root(event(ROOT_STACK_TYPE, "urn:pulumi:dev::p::x::parent")),
+            None
+        );
+        assert_eq!(root(json!({"summaryEvent": {}})), None);
+    }
 
     #[test]
     fn permalink_is_found() {

@@ -76,6 +76,16 @@ fn has_event(events: &[Value], kind: &str) -> bool {
     events.iter().any(|e| e.get(kind).is_some())
 }
 
+/// The CLI commands the agent ran, in order, from its log (it logs each at debug level).
+fn cli_calls(log: &str) -> Vec<String> {
+    log.lines()
+        .filter_map(|line| {
+            let (_, rest) = line.split_once(" command=")?;
+            Some(rest.trim_matches('"').to_owned())
+        })
+        .collect()
+}
+
 /// A plaintext agent serving the project in `ws`, with stack `dev` created and selected.
 async fn agent_with_dev_stack(
     state: &Path,
@@ -95,6 +105,7 @@ async fn agent_with_dev_stack(
             stack_name: "dev".into(),
             create: Some(true),
             secrets_provider: None,
+            skip_summary: None,
         })
         .await
         .expect("select");
@@ -135,6 +146,7 @@ async fn up_preview_destroy_with_config_and_outputs_over_tls() {
                 stack_name: name.into(),
                 create: Some(true),
                 secrets_provider: None,
+                skip_summary: None,
             })
             .await
             .expect_err("refused");
@@ -145,6 +157,7 @@ async fn up_preview_destroy_with_config_and_outputs_over_tls() {
             stack_name: "dev".into(),
             create: Some(false),
             secrets_provider: None,
+            skip_summary: None,
         })
         .await
         .expect_err("missing stack");
@@ -154,11 +167,31 @@ async fn up_preview_destroy_with_config_and_outputs_over_tls() {
             stack_name: "dev".into(),
             create: Some(true),
             secrets_provider: None,
+            skip_summary: None,
         })
         .await
         .expect("select")
         .into_inner();
     assert_eq!(selected.summary.expect("summary").name, "dev");
+    // Selected again without the summary: no CLI call at all (the selection is this
+    // process's, and the summary's `stack ls` is skipped).
+    let calls_before = cli_calls(&agent.log_text());
+    assert!(
+        calls_before.iter().any(|c| c.starts_with("stack ls")),
+        "the summary is the stack's line of `stack ls`: {calls_before:?}"
+    );
+    let again = client
+        .select_stack(pb::SelectStackRequest {
+            stack_name: "dev".into(),
+            create: Some(true),
+            secrets_provider: None,
+            skip_summary: Some(true),
+        })
+        .await
+        .expect("select again")
+        .into_inner();
+    assert!(again.summary.is_none(), "{again:?}");
+    assert_eq!(cli_calls(&agent.log_text()), calls_before);
 
     client
         .set_all_config(pb::SetAllConfigRequest {
@@ -201,6 +234,7 @@ async fn up_preview_destroy_with_config_and_outputs_over_tls() {
     assert_eq!(preview.summary.expect("summary").result, "succeeded");
     assert_eq!(preview.project_info.expect("project").name, "greeter");
 
+    let calls_before = cli_calls(&agent.log_text()).len();
     let up = client
         .up(pb::UpRequest::default())
         .await
@@ -231,6 +265,14 @@ async fn up_preview_destroy_with_config_and_outputs_over_tls() {
     assert_eq!(output("message"), (json!("hello-world"), false));
     assert_eq!(output("secretOut"), (json!("hunter2"), true));
     assert_eq!(output("count"), (json!(3), false));
+    // Which outputs are secret came from the up's own engine events: one `stack output`,
+    // not a second, masked one to compare with.
+    let calls = cli_calls(&agent.log_text());
+    let outputs_read = calls[calls_before..]
+        .iter()
+        .filter(|c| c.starts_with("stack output"))
+        .count();
+    assert_eq!(outputs_read, 1, "{:?}", &calls[calls_before..]);
     // The secret went through `config set-all`, the program and the outputs: the agent's log,
     // at its most verbose, never shows it.
     let log = agent.log_text();
@@ -294,6 +336,88 @@ async fn up_preview_destroy_with_config_and_outputs_over_tls() {
     ));
 }
 
+/// One `up` through the agent: its result, or the status that ended the stream.
+async fn up_once(
+    client: &mut pko_agent::client::AgentClient,
+) -> Result<pb::UpResult, tonic::Status> {
+    let stream = client.up(pb::UpRequest::default()).await?.into_inner();
+    let (_, last) = drain(stream, |m: &pb::UpStream| match &m.response {
+        Some(pb::up_stream::Response::Event(_)) => Some(Value::Null),
+        _ => None,
+    })
+    .await?;
+    match last.response {
+        Some(pb::up_stream::Response::Result(r)) => Ok(r),
+        other => panic!("up ended with {other:?}"),
+    }
+}
+
+/// Selection without the summary is not checked against the backend: a stack removed behind
+/// the agent fails the next operation with the CLI's own words, and the selection after it
+/// asks the CLI again (and creates the stack when asked to).
+#[tokio::test]
+async fn a_stack_removed_behind_the_agent_is_selected_again() {
+    let _machine = pko_tests::serial::shared().await;
+    let tmp = tempfile::tempdir().expect("tmp");
+    let agent = start(tmp.path(), false, None).await;
+    let mut client = agent.client().await.expect("client");
+    let select = pb::SelectStackRequest {
+        stack_name: "dev".into(),
+        create: Some(true),
+        secrets_provider: None,
+        skip_summary: Some(true),
+    };
+    client.select_stack(select.clone()).await.expect("select");
+    client
+        .set_all_config(pb::SetAllConfigRequest {
+            config: vec![
+                literal("greeting", "hi", false),
+                literal("password", "pw", true),
+            ],
+        })
+        .await
+        .expect("config");
+    up_once(&mut client).await.expect("first up");
+
+    let removed = Command::new("pulumi")
+        .args(["stack", "rm", "--yes", "--force", "dev"])
+        .current_dir(tmp.path().join("workspace"))
+        .envs(pko_tests::agent::pulumi_env(tmp.path()).expect("env"))
+        .output()
+        .await
+        .expect("pulumi stack rm");
+    assert!(removed.status.success(), "{removed:?}");
+
+    // Still selected in the agent, unchecked: the operation says what happened.
+    client
+        .select_stack(select.clone())
+        .await
+        .expect("select, cached");
+    let err = up_once(&mut client).await.expect_err("the stack is gone");
+    assert!(
+        err.message().contains("no stack named"),
+        "{}\n{}",
+        err.message(),
+        agent.log_text()
+    );
+    // Forgotten: the next selection runs the CLI, which creates the stack again.
+    client.select_stack(select).await.expect("select, created");
+    client
+        .set_all_config(pb::SetAllConfigRequest {
+            config: vec![
+                literal("greeting", "again", false),
+                literal("password", "pw", true),
+            ],
+        })
+        .await
+        .expect("config");
+    let up = up_once(&mut client)
+        .await
+        .expect("up after the stack came back");
+    assert_eq!(up.outputs["message"].value, br#""again-world""#.to_vec());
+    assert!(up.outputs["secretOut"].secret);
+}
+
 #[tokio::test]
 async fn failed_update_is_an_error_with_the_cli_diagnosis() {
     let _machine = pko_tests::serial::shared().await;
@@ -305,6 +429,7 @@ async fn failed_update_is_an_error_with_the_cli_diagnosis() {
             stack_name: "dev".into(),
             create: Some(true),
             secrets_provider: None,
+            skip_summary: None,
         })
         .await
         .expect("select");
@@ -760,6 +885,7 @@ async fn huge_outputs_and_lines_reach_the_client_cut_with_a_marker() {
             stack_name: "dev".into(),
             create: Some(true),
             secrets_provider: None,
+            skip_summary: None,
         })
         .await
         .expect("select");

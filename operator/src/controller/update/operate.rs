@@ -196,6 +196,8 @@ pub(super) async fn operate(
             stack_name: stack.clone(),
             create: Some(true),
             secrets_provider: None,
+            // Never read here; it costs the agent a `stack ls`.
+            skip_summary: Some(true),
         })
         .await
     {

@@ -712,6 +712,8 @@ async fn initialize_stacks(client: &mut AgentClient, ws: &Workspace) -> Result<(
                 stack_name: stack.name.clone(),
                 create: stack.create,
                 secrets_provider: stack.secrets_provider.clone(),
+                // Never read here; it costs the agent a `stack ls`.
+                skip_summary: Some(true),
             })
             .await
             .map_err(|s| failed("Failed to initialize stack", s))?;
