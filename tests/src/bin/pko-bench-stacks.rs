@@ -35,7 +35,7 @@
 //! `--musl-at`, or all).
 //!
 //! `--pulumi-calls` logs pko-rs's `pulumi` commands (a shell wrapper: not for figures) and
-//! prints each steady-state window's: where its `pulumi` processes come from.
+//! prints the last edit's and each steady-state window's: where its `pulumi` processes come from.
 //!
 //! `--pko-rs-only` runs pko-rs alone and prints its measures raw (a quick look; nothing written,
 //! PKO not needed).
@@ -804,6 +804,7 @@ async fn peer_run(
         let before = observer.latest(name);
         let patch = json!({"program": program(i, k + 1)});
         let at = Instant::now();
+        let wall = unix_now();
         programs
             .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
             .await?;
@@ -816,6 +817,21 @@ async fn peer_run(
         .with_context(|| format!("{}\n{}", op.log_tail(40), kubelet.logs(name)))?;
         edit_times.push(done.saturating_duration_since(at));
         edited.insert(name.clone());
+        // The last edit's calls: what one edit costs in CLI processes, offset from the edit.
+        if pulumi_calls && k + 1 == edits {
+            println!(
+                "   {label}: the last edit's pulumi calls (s after the edit; done at {:.2} s)",
+                done.saturating_duration_since(at).as_secs_f64()
+            );
+            for call in kubelet.pulumi_calls(name) {
+                if let Some((t, rest)) = call.split_once(' ')
+                    && let Ok(t) = t.parse::<f64>()
+                    && t >= wall
+                {
+                    println!("     +{:.2} {rest}", t - wall);
+                }
+            }
+        }
     }
     let peaks = sampler.finish();
     let workspace_rss_up_kib = edited
@@ -1315,10 +1331,7 @@ impl Steady<'_> {
         }
         let seconds = began.elapsed().as_secs_f64();
         if self.pulumi_calls {
-            let from = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0.0, |d| d.as_secs_f64())
-                - seconds;
+            let from = unix_now() - seconds;
             for name in groups.iter().flat_map(|g| g.iter()) {
                 for call in self.kubelet.pulumi_calls(name) {
                     let at = call
@@ -2121,4 +2134,11 @@ async fn main() -> anyhow::Result<()> {
     }
     baseline(&args, &ratios(&runs))?;
     Ok(())
+}
+
+/// Seconds since the epoch, as the `pulumi` call log stamps its lines.
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
