@@ -15,6 +15,11 @@
 //! - the apiserver's own rate for N bare status patches (server-side apply and JSON merge
 //!   patch) from the same client, no operator running.
 //!
+//! `--musl-operator <path>` runs pko-rs a second time with the static musl build the images ship
+//! (`make dist`), the same way as the glibc release build (at the counts of `--musl-at`, or
+//! all); the table gets its figures and their ratio to the glibc build's. The baseline and
+//! `--check` stay PKO ÷ pko-rs glibc.
+//!
 //! `--check BASELINE` (`make bench-check`) runs a short version and fails when a ratio falls
 //! more than `--tolerance` below the recorded one.
 #![allow(
@@ -46,6 +51,8 @@ const IN_FLIGHT: usize = 32;
 const RUN_TIMEOUT: Duration = Duration::from_secs(1200);
 /// SIGTERM grace of an operator being stopped.
 const STOP_GRACE: Duration = Duration::from_secs(30);
+/// The shipped build's label (its column, sections and log files).
+const MUSL: &str = "pko-rs musl (shipped)";
 
 struct Args {
     out: Option<PathBuf>,
@@ -60,6 +67,10 @@ struct Args {
     tolerance: f64,
     /// `--only …`: one part of the bench, printed, no report (to iterate on one side).
     only: Option<Only>,
+    /// The shipped static (musl) `pko-operator`, measured beside the glibc release build.
+    musl: Option<PathBuf>,
+    /// The counts the musl build runs at (all of `--counts` when empty).
+    musl_at: Vec<usize>,
 }
 
 /// What `--only` runs.
@@ -67,6 +78,8 @@ struct Args {
 enum Only {
     /// `pko-rs` or `pko`: that operator's runs.
     Peer(Peer),
+    /// `musl`: the runs of `--musl-operator`'s build.
+    Musl,
     /// `patches`: the bare status patch runs.
     Patches,
 }
@@ -84,6 +97,8 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> anyhow::Result<Args> {
         check: None,
         tolerance: 0.25,
         only: None,
+        musl: None,
+        musl_at: Vec::new(),
     };
     let mut out_given = false;
     let mut with_10k = false;
@@ -98,12 +113,7 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> anyhow::Result<Args> {
                 out_given = true;
                 args.out = Some(PathBuf::from(value));
             }
-            "--counts" => {
-                args.counts = value
-                    .split(',')
-                    .map(|c| c.parse().context("--counts takes numbers"))
-                    .collect::<anyhow::Result<_>>()?
-            }
+            "--counts" => args.counts = counts(&value, "--counts")?,
             "--load-programs" => args.load_programs = value.parse()?,
             "--load-seconds" => args.load_seconds = value.parse()?,
             "--connections" => args.connections = value.parse()?,
@@ -116,10 +126,13 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> anyhow::Result<Args> {
                 args.only = Some(match value.as_str() {
                     "pko-rs" => Only::Peer(Peer::PkoRs),
                     "pko" => Only::Peer(Peer::Pko),
+                    "musl" => Only::Musl,
                     "patches" => Only::Patches,
-                    other => bail!("--only takes pko-rs, pko or patches, not {other}"),
+                    other => bail!("--only takes pko-rs, pko, musl or patches, not {other}"),
                 })
             }
+            "--musl-operator" => args.musl = Some(PathBuf::from(value)),
+            "--musl-at" => args.musl_at = counts(&value, "--musl-at")?,
             other => bail!("unknown flag {other}"),
         }
     }
@@ -134,11 +147,41 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> anyhow::Result<Args> {
     if args.starts == 0 {
         bail!("--starts must be at least 1");
     }
+    if let Some(path) = &args.musl
+        && !path.is_file()
+    {
+        bail!(
+            "--musl-operator {}: no such file (`make dist`)",
+            path.display()
+        );
+    }
+    if matches!(args.only, Some(Only::Musl)) && args.musl.is_none() {
+        bail!("--only musl needs --musl-operator");
+    }
+    if !args.musl_at.is_empty() && args.musl.is_none() {
+        bail!("--musl-at needs --musl-operator");
+    }
+    // A count the bench does not run would leave the musl column empty without a word.
+    if let Some(n) = args.musl_at.iter().find(|n| !args.counts.contains(n)) {
+        bail!("--musl-at {n}: not one of the counts ({:?})", args.counts);
+    }
     // A check prints its comparison; it writes a report only when asked to.
     if !out_given && args.check.is_none() && args.only.is_none() {
         args.out = Some(PathBuf::from("docs/benchmarks.md"));
     }
     Ok(args)
+}
+
+/// A comma-separated list of Program counts.
+fn counts(value: &str, flag: &str) -> anyhow::Result<Vec<usize>> {
+    value
+        .split(',')
+        .map(|c| {
+            c.trim()
+                .parse()
+                .with_context(|| format!("{flag} takes numbers"))
+        })
+        .collect()
 }
 
 fn main() -> anyhow::Result<()> {
@@ -291,12 +334,19 @@ struct CountRun {
     patches: Patches,
     pko: PeerRun,
     ours: PeerRun,
+    /// The shipped musl build's run, where `--musl-operator` and `--musl-at` ask for it.
+    musl: Option<PeerRun>,
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let began = Instant::now();
     let bins = PeerBinaries::find(std::env::current_exe()?.with_file_name("pko-operator"))?;
+    // The same peer, pko-rs, with the shipped binary: CRDs and PKO's manager stay the same.
+    let musl_bins = args.musl.as_ref().map(|path| PeerBinaries {
+        pko_rs: path.clone(),
+        ..bins.clone()
+    });
     let state = tempfile::Builder::new().prefix("pko-rs-bench-").tempdir()?;
     let mut sections = Sections::default();
     let mut runs = Vec::new();
@@ -308,17 +358,23 @@ async fn run(args: Args) -> anyhow::Result<()> {
         }
         return Ok(());
     }
-    if let Some(Only::Peer(peer)) = args.only {
+    if let Some(only) = args.only {
         if args.out.is_some() || args.check.is_some() || args.write_baseline.is_some() {
             bail!("--only prints one operator's runs; it writes no report, baseline or check");
         }
+        let (bins, peer, label) = match (only, &musl_bins) {
+            (Only::Peer(peer), _) => (&bins, peer, peer.label()),
+            (Only::Musl, Some(mb)) => (mb, Peer::PkoRs, MUSL),
+            // parse_args refuses `--only musl` without `--musl-operator`; patches returned above.
+            (Only::Musl | Only::Patches, _) => bail!("nothing to run for this --only"),
+        };
         for &count in &args.counts {
             peer_run(
                 &mut sections,
-                &bins,
+                bins,
                 state.path(),
                 &args,
-                peer,
+                (peer, label),
                 count,
                 count == first,
                 false,
@@ -335,16 +391,16 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 patch_runs(&bins, count),
             )
             .await?;
+        let with_load = count == args.load_programs
+            || (count == first && !args.counts.contains(&args.load_programs));
         let mut peers = Vec::new();
         for peer in [Peer::Pko, Peer::PkoRs] {
-            let with_load = count == args.load_programs
-                || (count == first && !args.counts.contains(&args.load_programs));
             let run = peer_run(
                 &mut sections,
                 &bins,
                 state.path(),
                 &args,
-                peer,
+                (peer, peer.label()),
                 count,
                 count == first,
                 with_load,
@@ -367,11 +423,30 @@ async fn run(args: Args) -> anyhow::Result<()> {
         let (Some(ours), Some(pko)) = (peers.pop(), peers.pop()) else {
             bail!("a peer run is missing");
         };
+        // The shipped build last, every phase the glibc build ran (the bare server's load
+        // above is the limit for both).
+        let musl = match &musl_bins {
+            Some(mb) if args.musl_at.is_empty() || args.musl_at.contains(&count) => Some(
+                peer_run(
+                    &mut sections,
+                    mb,
+                    state.path(),
+                    &args,
+                    (Peer::PkoRs, MUSL),
+                    count,
+                    count == first,
+                    with_load,
+                )
+                .await?,
+            ),
+            _ => None,
+        };
         runs.push(CountRun {
             count,
             patches,
             pko,
             ours,
+            musl,
         });
     }
     let total = began.elapsed();
@@ -473,12 +548,11 @@ async fn peer_run(
     bins: &PeerBinaries,
     logs: &Path,
     args: &Args,
-    peer: Peer,
+    (peer, label): (Peer, &str),
     count: usize,
     measure_starts: bool,
     with_load: bool,
 ) -> anyhow::Result<PeerRun> {
-    let label = peer.label();
     let log = |what: &str| logs.join(format!("{}-{count}-{what}.log", slug(label)));
     // A plane for the creates in flight, the file-server load and the restart.
     let plane = fresh_plane(bins.crds_dir(peer)).await?;
@@ -1222,15 +1296,99 @@ struct Row {
     /// pko-rs's advantage: > 1 means pko-rs did better.
     advantage: f64,
     /// How the advantage was computed.
-    way: &'static str,
+    way: Way,
     /// The advantage pko-rs aims for.
     goal: f64,
     /// Whether `make bench-check` guards it.
     guarded: bool,
+    /// The shipped musl build's figure and what it costs over the glibc build's (> 1: more;
+    /// none when the glibc figure is zero), where it ran.
+    musl: Option<(String, Option<f64>)>,
 }
 
-const LOWER: &str = "PKO ÷ pko-rs";
-const HIGHER: &str = "pko-rs ÷ PKO";
+/// Which way a measure is better.
+#[derive(Clone, Copy)]
+enum Way {
+    /// Times, CPU and memory.
+    Lower,
+    /// Rates and shares.
+    Higher,
+}
+
+impl Way {
+    /// How the advantage is computed, as the table says it.
+    fn label(self) -> &'static str {
+        match self {
+            Way::Lower => "PKO ÷ pko-rs",
+            Way::Higher => "pko-rs ÷ PKO",
+        }
+    }
+}
+
+/// A figure of one run: its text, and its value for the ratios.
+type Figure = (String, f64);
+
+impl Row {
+    /// A guarded row with the goal of its key; callers unguard the ones `bench-check` skips.
+    fn new(
+        measure: String,
+        key: String,
+        way: Way,
+        (pko, pv): Figure,
+        (ours, ov): Figure,
+        musl: Option<Figure>,
+    ) -> Row {
+        let advantage = match way {
+            Way::Lower => ratio_lower(pv, ov),
+            Way::Higher => ratio_higher(pv, ov),
+        };
+        // What the shipped build costs: musl ÷ glibc for lower-is-better measures, glibc ÷
+        // musl for rates, so above 1 it does worse either way.
+        let musl = musl.map(|(text, mv)| {
+            let cost = match way {
+                Way::Lower => (ov > 0.0).then(|| mv / ov),
+                Way::Higher => (mv > 0.0).then(|| ov / mv),
+            };
+            (text, cost)
+        });
+        Row {
+            goal: goal(&key),
+            measure,
+            key,
+            pko,
+            ours,
+            advantage,
+            way,
+            guarded: true,
+            musl,
+        }
+    }
+
+    /// `figure` of each operator's run of `r`.
+    fn of(
+        r: &CountRun,
+        measure: String,
+        key: String,
+        way: Way,
+        figure: impl Fn(&PeerRun) -> Figure,
+    ) -> Row {
+        Row::new(
+            measure,
+            key,
+            way,
+            figure(&r.pko),
+            figure(&r.ours),
+            r.musl.as_ref().map(figure),
+        )
+    }
+
+    fn unguarded(self) -> Row {
+        Row {
+            guarded: false,
+            ..self
+        }
+    }
+}
 
 fn ratio_lower(pko: f64, ours: f64) -> f64 {
     if ours > 0.0 {
@@ -1256,265 +1414,238 @@ fn goal(key: &str) -> f64 {
     }
 }
 
+fn seconds(d: Duration) -> Figure {
+    (secs(d), d.as_secs_f64())
+}
+
+fn cpu_seconds(s: f64) -> Figure {
+    (format!("{s:.2} s"), s)
+}
+
+fn rss(kib: u64) -> Figure {
+    (mib(kib), kib as f64)
+}
+
 fn rows(runs: &[CountRun]) -> Vec<Row> {
     let mut rows = Vec::new();
-    let mut row = |measure: String, key: String, pko: String, ours: String, adv: f64, way| {
-        rows.push(Row {
-            measure,
-            goal: goal(&key),
-            key,
-            pko,
-            ours,
-            advantage: adv,
-            way,
-            guarded: true,
-        });
-    };
     for r in runs {
         let n = r.count;
-        let (p, o) = (&r.pko.in_flight, &r.ours.in_flight);
+        let mut row = |measure: String, key: String, figure: fn(&PeerRun) -> Figure| {
+            rows.push(Row::of(r, measure, key, Way::Lower, figure));
+        };
         row(
             format!("reconcile, {n} created ({IN_FLIGHT} in flight): first create → all ready"),
             format!("reconcile-in-flight/{n}"),
-            secs(p.ready),
-            secs(o.ready),
-            ratio_lower(p.ready.as_secs_f64(), o.ready.as_secs_f64()),
-            LOWER,
+            |p| seconds(p.in_flight.ready),
         );
         row(
             format!("per-Program create → ready p50, {n} in flight"),
             format!("program-ready-p50/{n}"),
-            secs(p.p50),
-            secs(o.p50),
-            ratio_lower(p.p50.as_secs_f64(), o.p50.as_secs_f64()),
-            LOWER,
+            |p| seconds(p.in_flight.p50),
         );
         row(
             format!("per-Program create → ready p99, {n} in flight"),
             format!("program-ready-p99/{n}"),
-            secs(p.p99),
-            secs(o.p99),
-            ratio_lower(p.p99.as_secs_f64(), o.p99.as_secs_f64()),
-            LOWER,
+            |p| seconds(p.in_flight.p99),
         );
         row(
             format!("operator CPU, {n} in flight"),
             format!("operator-cpu-in-flight/{n}"),
-            format!("{:.2} s", p.operator_cpu),
-            format!("{:.2} s", o.operator_cpu),
-            ratio_lower(p.operator_cpu, o.operator_cpu),
-            LOWER,
+            |p| cpu_seconds(p.in_flight.operator_cpu),
         );
         row(
             format!("kube-apiserver CPU, {n} in flight"),
             format!("apiserver-cpu-in-flight/{n}"),
-            format!("{:.2} s", p.apiserver_cpu),
-            format!("{:.2} s", o.apiserver_cpu),
-            ratio_lower(p.apiserver_cpu, o.apiserver_cpu),
-            LOWER,
+            |p| cpu_seconds(p.in_flight.apiserver_cpu),
         );
         row(
             format!("operator peak RSS, {n} in flight"),
             format!("peak-rss/{n}"),
-            mib(p.peak_kib),
-            mib(o.peak_kib),
-            ratio_lower(p.peak_kib as f64, o.peak_kib as f64),
-            LOWER,
+            |p| rss(p.in_flight.peak_kib),
         );
-        let (p, o) = (&r.pko.backlog, &r.ours.backlog);
         row(
             format!("backlog of {n}: operator spawn → all ready"),
             format!("backlog/{n}"),
-            secs(p.ready),
-            secs(o.ready),
-            ratio_lower(p.ready.as_secs_f64(), o.ready.as_secs_f64()),
-            LOWER,
+            |p| seconds(p.backlog.ready),
         );
         row(
             format!("operator CPU, backlog of {n}"),
             format!("operator-cpu-backlog/{n}"),
-            format!("{:.2} s", p.operator_cpu),
-            format!("{:.2} s", o.operator_cpu),
-            ratio_lower(p.operator_cpu, o.operator_cpu),
-            LOWER,
+            |p| cpu_seconds(p.backlog.operator_cpu),
         );
         row(
             format!("kube-apiserver CPU, backlog of {n}"),
             format!("apiserver-cpu-backlog/{n}"),
-            format!("{:.2} s", p.apiserver_cpu),
-            format!("{:.2} s", o.apiserver_cpu),
-            ratio_lower(p.apiserver_cpu, o.apiserver_cpu),
-            LOWER,
+            |p| cpu_seconds(p.backlog.apiserver_cpu),
         );
         row(
             format!("operator peak RSS, backlog of {n}"),
             format!("peak-rss-backlog/{n}"),
-            mib(p.peak_kib),
-            mib(o.peak_kib),
-            ratio_lower(p.peak_kib as f64, o.peak_kib as f64),
-            LOWER,
+            |p| rss(p.backlog.peak_kib),
         );
     }
     if let (Some(lo), Some(hi)) = (runs.first(), runs.last())
         && hi.count > lo.count
     {
-        let per =
-            |a: u64, b: u64| (b.saturating_sub(a) as f64 * 1024.0) / (hi.count - lo.count) as f64;
-        let p = per(lo.pko.in_flight.peak_kib, hi.pko.in_flight.peak_kib);
-        let o = per(lo.ours.in_flight.peak_kib, hi.ours.in_flight.peak_kib);
-        row(
+        let per = |a: &PeerRun, b: &PeerRun| {
+            let bytes = (b.in_flight.peak_kib.saturating_sub(a.in_flight.peak_kib) as f64 * 1024.0)
+                / (hi.count - lo.count) as f64;
+            (format!("{bytes:.0} B"), bytes)
+        };
+        rows.push(Row::new(
             format!(
                 "peak RSS per added Program ({} → {}, in flight)",
                 lo.count, hi.count
             ),
             format!("bytes-per-program/{}-{}", lo.count, hi.count),
-            format!("{p:.0} B"),
-            format!("{o:.0} B"),
-            ratio_lower(p, o),
-            LOWER,
-        );
+            Way::Lower,
+            per(&lo.pko, &hi.pko),
+            per(&lo.ours, &hi.ours),
+            // Only when the shipped build ran at both ends.
+            lo.musl
+                .as_ref()
+                .zip(hi.musl.as_ref())
+                .map(|(a, b)| per(a, b)),
+        ));
     }
     if let Some(first) = runs.first() {
-        let (p, o) = (median(&first.pko.starts), median(&first.ours.starts));
-        row(
+        rows.push(Row::of(
+            first,
             format!(
                 "start → ready (`/readyz` 200), no Programs, median of {}",
                 first.ours.starts.len()
             ),
             "start-to-ready".into(),
-            millis(p),
-            millis(o),
-            ratio_lower(p.as_secs_f64(), o.as_secs_f64()),
-            LOWER,
-        );
+            Way::Lower,
+            |p| {
+                let m = median(&p.starts);
+                (millis(m), m.as_secs_f64())
+            },
+        ));
     }
     if let Some(first) = runs.first()
         && let (Some(p), Some(o)) = (&first.pko.failover, &first.ours.failover)
     {
-        for (what, key, p, o) in [
+        let m = first.musl.as_ref().and_then(|m| m.failover.as_ref());
+        let to_leader = |f: &Failover| seconds(f.to_leader);
+        let to_ready = |f: &Failover| seconds(f.to_ready);
+        for (what, key, figure) in [
             (
                 "standby leads",
                 "failover-to-leader",
-                p.to_leader,
-                o.to_leader,
+                &to_leader as &dyn Fn(&Failover) -> Figure,
             ),
             (
                 "a Program created after the kill is ready",
                 "failover-to-ready",
-                p.to_ready,
-                o.to_ready,
+                &to_ready,
             ),
         ] {
-            rows.push(Row {
-                measure: format!(
-                    "failover, 2 replicas, lease 15 s / 10 s / 2 s: leader kill -9 → {what}"
-                ),
-                key: key.into(),
-                pko: secs(p),
-                ours: secs(o),
-                advantage: ratio_lower(p.as_secs_f64(), o.as_secs_f64()),
-                way: LOWER,
-                goal: 1.0,
-                guarded: false,
-            });
+            rows.push(
+                Row::new(
+                    format!(
+                        "failover, 2 replicas, lease 15 s / 10 s / 2 s: leader kill -9 → {what}"
+                    ),
+                    key.into(),
+                    Way::Lower,
+                    figure(p),
+                    figure(o),
+                    m.map(figure),
+                )
+                .unguarded(),
+            );
         }
-        let share = |f: &Failover| f.served as f64 / (f.served + f.failed).max(1) as f64;
-        rows.push(Row {
-            measure: "failover: artifacts the surviving replica served between the kill and the new Program ready".into(),
-            key: "failover-served".into(),
-            pko: format!("{} of {}", p.served, p.served + p.failed),
-            ours: format!("{} of {}", o.served, o.served + o.failed),
-            advantage: ratio_higher(share(p), share(o)),
-            way: HIGHER,
-            goal: 1.0,
-            guarded: false,
-        });
+        let served = |f: &Failover| {
+            (
+                format!("{} of {}", f.served, f.served + f.failed),
+                f.served as f64 / (f.served + f.failed).max(1) as f64,
+            )
+        };
+        rows.push(
+            Row::new(
+                "failover: artifacts the surviving replica served between the kill and the new Program ready".into(),
+                "failover-served".into(),
+                Way::Higher,
+                served(p),
+                served(o),
+                m.map(served),
+            )
+            .unguarded(),
+        );
     }
     for r in runs {
-        let (p, o) = (&r.pko.restart, &r.ours.restart);
-        rows.push(Row {
-            measure: format!(
-                "start → ready with {} ready Programs (one restart)",
-                r.count
-            ),
-            key: format!("restart-start-to-ready/{}", r.count),
-            pko: millis(p.spawn_to_ready),
-            ours: millis(o.spawn_to_ready),
-            advantage: ratio_lower(
-                p.spawn_to_ready.as_secs_f64(),
-                o.spawn_to_ready.as_secs_f64(),
-            ),
-            way: LOWER,
-            goal: 1.0,
-            guarded: false,
-        });
+        rows.push(
+            Row::of(
+                r,
+                format!(
+                    "start → ready with {} ready Programs (one restart)",
+                    r.count
+                ),
+                format!("restart-start-to-ready/{}", r.count),
+                Way::Lower,
+                |p| {
+                    let d = p.restart.spawn_to_ready;
+                    (millis(d), d.as_secs_f64())
+                },
+            )
+            .unguarded(),
+        );
     }
     for r in runs {
-        let (p, o) = (r.pko.restart.stop_took, r.ours.restart.stop_took);
-        rows.push(Row {
-            measure: format!(
-                "SIGTERM → exit with {} ready Programs (SIGKILL after {} s)",
-                r.count,
-                STOP_GRACE.as_secs()
-            ),
-            key: format!("sigterm-to-exit/{}", r.count),
-            pko: millis(p),
-            ours: millis(o),
-            advantage: ratio_lower(p.as_secs_f64(), o.as_secs_f64()),
-            way: LOWER,
-            goal: 1.0,
-            guarded: false,
-        });
+        rows.push(
+            Row::of(
+                r,
+                format!(
+                    "SIGTERM → exit with {} ready Programs (SIGKILL after {} s)",
+                    r.count,
+                    STOP_GRACE.as_secs()
+                ),
+                format!("sigterm-to-exit/{}", r.count),
+                Way::Lower,
+                |p| {
+                    let d = p.restart.stop_took;
+                    (millis(d), d.as_secs_f64())
+                },
+            )
+            .unguarded(),
+        );
     }
     if let Some(r) = runs.iter().find(|r| r.pko.load.is_some())
         && let (Some(p), Some(o)) = (&r.pko.load, &r.ours.load)
     {
-        let mut row = |measure: &str, key: &str, pko: String, ours: String, adv: f64, way| {
-            rows.push(Row {
-                measure: measure.into(),
-                key: key.into(),
-                pko,
-                ours,
-                advantage: adv,
+        let m = r.musl.as_ref().and_then(|m| m.load.as_ref());
+        let mut row = |measure: &str, key: &str, way, figure: fn(&Load) -> Figure| {
+            rows.push(Row::new(
+                measure.into(),
+                key.into(),
                 way,
-                goal: 1.0,
-                guarded: true,
-            });
+                figure(p),
+                figure(o),
+                m.map(figure),
+            ));
         };
         row(
             "file server requests/s",
             "fileserver-rps",
-            format!("{:.0}", p.per_second()),
-            format!("{:.0}", o.per_second()),
-            ratio_higher(p.per_second(), o.per_second()),
-            HIGHER,
+            Way::Higher,
+            |l| (format!("{:.0}", l.per_second()), l.per_second()),
         );
-        row(
-            "file server p50",
-            "fileserver-p50",
-            micros(p.p50),
-            micros(o.p50),
-            ratio_lower(p.p50.as_secs_f64(), o.p50.as_secs_f64()),
-            LOWER,
-        );
-        row(
-            "file server p99",
-            "fileserver-p99",
-            micros(p.p99),
-            micros(o.p99),
-            ratio_lower(p.p99.as_secs_f64(), o.p99.as_secs_f64()),
-            LOWER,
-        );
+        row("file server p50", "fileserver-p50", Way::Lower, |l| {
+            (micros(l.p50), l.p50.as_secs_f64())
+        });
+        row("file server p99", "fileserver-p99", Way::Lower, |l| {
+            (micros(l.p99), l.p99.as_secs_f64())
+        });
         row(
             "file server CPU per request",
             "fileserver-cpu-per-request",
-            micros(p.cpu_per_request()),
-            micros(o.cpu_per_request()),
-            ratio_lower(
-                p.cpu_seconds / p.requests.max(1) as f64,
-                o.cpu_seconds / o.requests.max(1) as f64,
-            ),
-            LOWER,
+            Way::Lower,
+            |l| {
+                (
+                    micros(l.cpu_per_request()),
+                    l.cpu_seconds / l.requests.max(1) as f64,
+                )
+            },
         );
     }
     rows
@@ -1556,22 +1687,38 @@ fn report(
          the operator starts; the time runs from the operator's spawn. CPU is user + system \
          time from `/proc/<pid>/stat` over the run. *Advantage* is pko-rs's: PKO ÷ pko-rs \
          for times, CPU and memory, pko-rs ÷ PKO for rates, so above 1 pko-rs does better; \
-         the goal is the advantage pko-rs aims for.\n"
+         the goal is the advantage pko-rs aims for.{}\n",
+        musl_text(args, runs)
     )?;
-    writeln!(
-        w,
-        "| measure | PKO v2.9.0 | pko-rs | advantage | computed as | goal | met |"
-    )?;
-    writeln!(w, "|---|---:|---:|---:|---|---:|---|")?;
-    for r in rows {
+    let musl = runs.iter().any(|r| r.musl.is_some());
+    if musl {
         writeln!(
             w,
-            "| {} | {} | {} | {} | {} | ≥ {:.2}× | {} |",
+            "| measure | PKO v2.9.0 | pko-rs | advantage | computed as | goal | met | {MUSL} | musl ÷ glibc |"
+        )?;
+        writeln!(w, "|---|---:|---:|---:|---|---:|---|---:|---:|")?;
+    } else {
+        writeln!(
+            w,
+            "| measure | PKO v2.9.0 | pko-rs | advantage | computed as | goal | met |"
+        )?;
+        writeln!(w, "|---|---:|---:|---:|---|---:|---|")?;
+    }
+    for r in rows {
+        let third = match &r.musl {
+            Some((text, Some(cost))) => format!(" {text} | {cost:.2} |"),
+            Some((text, None)) => format!(" {text} | |"),
+            None if musl => " – | |".to_owned(),
+            None => String::new(),
+        };
+        writeln!(
+            w,
+            "| {} | {} | {} | {} | {} | ≥ {:.2}× | {} |{third}",
             r.measure,
             r.pko,
             r.ours,
             times(r.advantage),
-            r.way,
+            r.way.label(),
             r.goal,
             if r.advantage >= r.goal { "yes" } else { "no" },
         )?;
@@ -1586,16 +1733,29 @@ fn report(
          (MODIFIED events) until {} s pass without one after readiness. Goal: none.\n",
         args.quiet_seconds
     )?;
-    writeln!(
-        w,
-        "| ready Programs | PKO v2.9.0 writes | last write after spawn | pko-rs writes | last write after spawn |"
-    )?;
-    writeln!(w, "|---:|---:|---:|---:|---:|")?;
-    for r in runs {
-        let last = |r: &Restart| r.last_write.map(secs).unwrap_or_else(|| "—".into());
+    if musl {
         writeln!(
             w,
-            "| {} | {} | {} | {} | {} |",
+            "| ready Programs | PKO v2.9.0 writes | last write after spawn | pko-rs writes | last write after spawn | {MUSL} writes | last write after spawn |"
+        )?;
+        writeln!(w, "|---:|---:|---:|---:|---:|---:|---:|")?;
+    } else {
+        writeln!(
+            w,
+            "| ready Programs | PKO v2.9.0 writes | last write after spawn | pko-rs writes | last write after spawn |"
+        )?;
+        writeln!(w, "|---:|---:|---:|---:|---:|")?;
+    }
+    for r in runs {
+        let last = |r: &Restart| r.last_write.map(secs).unwrap_or_else(|| "—".into());
+        let third = match &r.musl {
+            Some(m) => format!(" {} | {} |", m.restart.writes, last(&m.restart)),
+            None if musl => " – | – |".to_owned(),
+            None => String::new(),
+        };
+        writeln!(
+            w,
+            "| {} | {} | {} | {} | {} |{third}",
             r.count,
             r.pko.restart.writes,
             last(&r.pko.restart),
@@ -1612,7 +1772,11 @@ fn report(
     )?;
     writeln!(w, "|---:|---|---:|---:|---:|---:|---:|")?;
     for r in runs {
-        for (label, p) in [("PKO v2.9.0", &r.pko), ("pko-rs", &r.ours)] {
+        let mut each = vec![(Peer::Pko.label(), &r.pko), (Peer::PkoRs.label(), &r.ours)];
+        if let Some(m) = &r.musl {
+            each.push((MUSL, m));
+        }
+        for (label, p) in each {
             writeln!(
                 w,
                 "| {} | {label} | {} | {} | {:.0} | {} | {:.0} |",
@@ -1699,6 +1863,9 @@ fn report(
         };
         line("PKO v2.9.0", p)?;
         line("pko-rs", o)?;
+        if let Some(m) = r.musl.as_ref().and_then(|m| m.load.as_ref()) {
+            line(MUSL, m)?;
+        }
         if let Some(b) = bare {
             line("bare HTTP server", b)?;
         }
@@ -1735,6 +1902,35 @@ fn report(
          writes, the single restart start and SIGTERM → exit are not guarded.\n"
     )?;
     Ok(out)
+}
+
+/// What the musl column is, for the table's text (empty without `--musl-operator`).
+fn musl_text(args: &Args, runs: &[CountRun]) -> String {
+    if args.musl.is_none() {
+        return String::new();
+    }
+    let ran: Vec<String> = runs
+        .iter()
+        .filter(|r| r.musl.is_some())
+        .map(|r| r.count.to_string())
+        .collect();
+    let at = if ran.len() == runs.len() {
+        "at every count".to_owned()
+    } else if ran.is_empty() {
+        "at none of this run's counts".to_owned()
+    } else {
+        format!("at {} Programs only (`--musl-at`)", ran.join(", "))
+    };
+    format!(
+        " *{MUSL}*: the static x86_64-unknown-linux-musl release binary `make dist` builds \
+         and the images ship, run after the glibc build the same way, {at}: in flight, \
+         backlog, restart, and where the glibc build ran them the starts, the failover and \
+         the file-server load (the bare status patches run no operator; the bare HTTP server's \
+         load is the limit for both builds). *musl ÷ glibc* is its figure over the glibc \
+         build's for times, CPU and memory, glibc ÷ musl for rates and shares, so above 1 the \
+         shipped build costs more; – where it did not run. The advantage, the goal and the \
+         baseline stay PKO next to the glibc build."
+    )
 }
 
 /// Writes `report`, keeping the marked sections other benchmarks own (`<!-- … begin -->`).
