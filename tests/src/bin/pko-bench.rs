@@ -1924,9 +1924,9 @@ fn musl_text(args: &Args, runs: &[CountRun]) -> String {
     format!(
         " *{MUSL}*: the static x86_64-unknown-linux-musl release binary `make dist` builds \
          and the images ship, run after the glibc build the same way, {at}: in flight, \
-         backlog, restart, and where the glibc build ran them the starts, the failover and \
-         the file-server load (the bare status patches run no operator; the bare HTTP server's \
-         load is the limit for both builds). *musl ÷ glibc* is its figure over the glibc \
+         backlog and restart, and the starts, the failover and the file-server load at the \
+         count where the glibc build runs them, if it runs there (the bare status patches run \
+         no operator; the bare HTTP server's load is the limit for both builds). *musl ÷ glibc* is its figure over the glibc \
          build's for times, CPU and memory, glibc ÷ musl for rates and shares, so above 1 the \
          shipped build costs more; – where it did not run. The advantage, the goal and the \
          baseline stay PKO next to the glibc build."
