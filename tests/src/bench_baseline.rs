@@ -10,6 +10,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::HarnessError;
 
+/// The key prefix of the Stack section's ratios (`pko-bench-stacks` adds them to the file the
+/// Program section writes first; each keeps the other's).
+pub const STACKS_PREFIX: &str = "stacks-";
+
 /// A recorded set of ratios, keyed by measure (`reconcile-in-flight/1000`, …).
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct Baseline {

@@ -64,7 +64,7 @@ use kube::{Api, Client, ResourceExt};
 use pko_api::program::Program;
 use pko_api::stack::Stack;
 use pko_api::update::Update;
-use pko_tests::bench_baseline::Baseline;
+use pko_tests::bench_baseline::{Baseline, STACKS_PREFIX};
 use pko_tests::kubelet::{AgentPids, ApiAccess, Kubelet, KubeletOptions, PodNetwork};
 use pko_tests::measure::{self, percentile};
 use pko_tests::pko_peer::{self, LeaseSettings, Peer, PeerBinaries, PeerOptions, RunningPeer};
@@ -1565,7 +1565,7 @@ fn ratios(runs: &[Trio]) -> BTreeMap<String, f64> {
             ),
         ] {
             if a > 0.0 && b > 0.0 {
-                out.insert(format!("stacks-{key}/{n}"), a / b);
+                out.insert(format!("{STACKS_PREFIX}{key}/{n}"), a / b);
             }
         }
     }

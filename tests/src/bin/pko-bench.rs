@@ -41,7 +41,7 @@ use kube::Api;
 use kube::api::{ApiResource, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use kube::core::{GroupVersionKind, WatchEvent};
 use kube::runtime::{WatchStreamExt, watcher};
-use pko_tests::bench_baseline::Baseline;
+use pko_tests::bench_baseline::{Baseline, STACKS_PREFIX};
 use pko_tests::pko_peer::{self, LeaseSettings, Peer, PeerBinaries, PeerOptions, RunningPeer};
 use pko_tests::{ControlPlane, StartOptions, measure, spawn_guarded};
 use serde_json::{Value, json};
@@ -465,6 +465,14 @@ async fn run(args: Args) -> anyhow::Result<()> {
         println!("wrote {}", out.display());
     }
     if let Some(path) = &args.write_baseline {
+        // The Stack section's ratios, recorded by its own run, stay; this section's are new.
+        let mut all: BTreeMap<String, f64> = Baseline::read(path)
+            .map(|b| b.ratios)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|(key, _)| key.starts_with(STACKS_PREFIX))
+            .collect();
+        all.extend(ratios.clone());
         Baseline {
             about: "pko-rs's advantage over PKO v2.9.0 per measure (> 1: pko-rs better), \
                     written by `make bench`; `make bench-check` fails when a ratio falls more \
@@ -474,7 +482,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 .strftime("%Y-%m-%d %H:%M UTC")
                 .to_string(),
             machine: measure::machine(),
-            ratios: ratios.clone(),
+            ratios: all,
         }
         .write(path)?;
         println!("wrote {}", path.display());
