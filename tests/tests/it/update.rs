@@ -191,24 +191,28 @@ fn condition(u: &Update, type_: &str) -> (String, String, String) {
     (c.status.clone(), c.reason.clone(), c.message.clone())
 }
 
+/// Whether some file below `dir` (at any depth) satisfies `pred`.
+fn any_file(dir: &Path, pred: &dyn Fn(&Path) -> bool) -> bool {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .any(|entry| {
+            let path = entry.path();
+            if path.is_dir() {
+                any_file(&path, pred)
+            } else {
+                pred(&path)
+            }
+        })
+}
+
 /// Whether pulumi holds a lock on a stack of the file backend at `backend`
 /// (`.pulumi/locks/<org>/<project>/<stack>/<id>.json`).
 fn stack_locked(backend: &Path) -> bool {
-    fn any_json(dir: &Path) -> bool {
-        std::fs::read_dir(dir)
-            .into_iter()
-            .flatten()
-            .flatten()
-            .any(|entry| {
-                let path = entry.path();
-                if path.is_dir() {
-                    any_json(&path)
-                } else {
-                    path.extension().is_some_and(|e| e == "json")
-                }
-            })
-    }
-    any_json(&backend.join(".pulumi/locks"))
+    any_file(&backend.join(".pulumi/locks"), &|path| {
+        path.extension().is_some_and(|e| e == "json")
+    })
 }
 
 /// Whether the file backend at `backend` is part way through a write: a temporary file, or an
@@ -216,24 +220,11 @@ fn stack_locked(backend: &Path) -> bool {
 /// `.attrs` in place, so a kill at that moment leaves a stack the CLI cannot load: "failed to
 /// load checkpoint: EOF").
 fn backend_writing(backend: &Path) -> bool {
-    fn any_partial(dir: &Path) -> bool {
-        std::fs::read_dir(dir)
-            .into_iter()
-            .flatten()
-            .flatten()
-            .any(|entry| {
-                let path = entry.path();
-                let name = entry.file_name().to_string_lossy().into_owned();
-                if path.is_dir() {
-                    any_partial(&path)
-                } else {
-                    name.ends_with(".tmp")
-                        || (name.ends_with(".attrs")
-                            && std::fs::metadata(&path).is_ok_and(|m| m.len() == 0))
-                }
-            })
-    }
-    any_partial(&backend.join(".pulumi"))
+    any_file(&backend.join(".pulumi"), &|path| {
+        let name = path.file_name().unwrap_or_default().to_string_lossy();
+        name.ends_with(".tmp")
+            || (name.ends_with(".attrs") && std::fs::metadata(path).is_ok_and(|m| m.len() == 0))
+    })
 }
 
 #[tokio::test]
