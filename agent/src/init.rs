@@ -96,11 +96,51 @@ pub async fn fetch_flux(fetch: &FluxFetch, target: &Path) -> Result<(), InitErro
         });
     }
     info!(%url, bytes = bytes.len(), "artifact verified");
-    let target = target.to_path_buf();
+    let staged = target.to_path_buf();
     let limit = fetch.max_bytes;
-    tokio::task::spawn_blocking(move || unpack_into(&bytes, &target, limit))
+    tokio::task::spawn_blocking(move || unpack_into(&bytes, &staged, limit))
         .await
-        .map_err(|e| InitError::Archive(format!("unpack task failed: {e}")))?
+        .map_err(|e| InitError::Archive(format!("unpack task failed: {e}")))??;
+    // Beside the source, not in it: the next revision replaces the folder as a whole.
+    let marker = digest_marker(target);
+    std::fs::write(&marker, format!("sha256:{expected}"))
+        .map_err(io(format!("writing {}", marker.display())))
+}
+
+/// The file beside a fetched source that names its digest, so an agent restarted in the same
+/// pod knows which revision it serves (the init container does not run again).
+pub fn digest_marker(target: &Path) -> PathBuf {
+    let name = target
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "source".into());
+    target.with_file_name(format!(".{name}.digest"))
+}
+
+/// The digest of the source fetched into `target`, if it was fetched by this agent.
+pub fn current_digest(target: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(digest_marker(target)).ok()?;
+    parse_digest(text.trim())
+        .ok()
+        .map(|hex| format!("sha256:{hex}"))
+}
+
+/// Whether `digest` is the one `current` names (either may be upper or lower case).
+pub fn same_digest(current: Option<&str>, digest: &str) -> bool {
+    match (current.map(parse_digest), parse_digest(digest)) {
+        (Some(Ok(a)), Ok(b)) => a == b,
+        _ => false,
+    }
+}
+
+/// The project folder `dir` of a source unpacked into `root` (`root` itself when empty).
+pub fn project_dir(root: &Path, dir: Option<&str>) -> Result<PathBuf, InitError> {
+    let mut target = root.to_path_buf();
+    if let Some(dir) = dir.filter(|d| !d.is_empty()) {
+        let rel = safe_relative(Path::new(dir)).map_err(|_| InitError::BadDir(dir.to_owned()))?;
+        target.push(rel);
+    }
+    Ok(target)
 }
 
 fn parse_digest(digest: &str) -> Result<String, InitError> {
@@ -544,11 +584,7 @@ fn resolve_inside(root: &Path, rel: &Path) -> Result<(), String> {
 
 /// Points `link` at `source/dir` (PKO does this with `ln -s` in a shell; no shell is needed).
 pub fn link_workspace(source: &Path, dir: Option<&str>, link: &Path) -> Result<PathBuf, InitError> {
-    let mut target = source.to_path_buf();
-    if let Some(dir) = dir.filter(|d| !d.is_empty()) {
-        let rel = safe_relative(Path::new(dir)).map_err(|_| InitError::BadDir(dir.to_owned()))?;
-        target.push(rel);
-    }
+    let target = project_dir(source, dir)?;
     if link.symlink_metadata().is_ok() {
         std::fs::remove_file(link).map_err(io(format!("replacing {}", link.display())))?;
     }

@@ -121,6 +121,13 @@ struct ServeArgs {
     /// The pulumi executable.
     #[arg(long, env = "PULUMI_CLI", default_value = "pulumi")]
     pulumi: PathBuf,
+    /// The folder the pod's Flux-style source was unpacked into (`init --target-dir`): a new
+    /// revision goes there (`UpdateSource`) without a new pod. Without it, it cannot.
+    #[arg(long, env = "AGENT_SOURCE_DIR")]
+    source_dir: Option<PathBuf>,
+    /// Development: replaces the artifact URL's host (PKO's SOURCE_CONTROLLER_LOCALHOST).
+    #[arg(long, env = "SOURCE_CONTROLLER_LOCALHOST")]
+    source_host: Option<String>,
     /// Seconds an interrupted operation may take to stop before it is killed.
     #[arg(long, default_value_t = 60)]
     cancel_grace_seconds: u64,
@@ -432,7 +439,11 @@ async fn serve(a: ServeArgs, kube: KubeAccess) -> anyhow::Result<()> {
     info!(project = %project.name, runtime = %project.runtime, workspace = %workdir.display(), "workspace");
 
     let shutdown = CancellationToken::new();
-    let agent = Agent::new(cli.clone(), shutdown.clone(), limits);
+    let source = a.source_dir.clone().map(|root| server::SourceDir {
+        root,
+        host_override: a.source_host.clone(),
+    });
+    let agent = Agent::new(cli.clone(), shutdown.clone(), limits, source);
     agent.prefetch_version();
     if !a.skip_install {
         cli.run(&["install".to_owned()])

@@ -38,12 +38,15 @@ pub mod features {
     pub const INSTANCE_HEADER: &str = "instance-header";
     /// `PreviewRequest.save_plan` and `UpRequest.plan` (update plans) are honoured.
     pub const UPDATE_PLANS: &str = "update-plans";
+    /// `UpdateSource`: a new source revision without a new pod.
+    pub const UPDATE_SOURCE: &str = "update-source";
     /// All of them.
-    pub const ALL: [&str; 4] = [
+    pub const ALL: [&str; 5] = [
         SET_ENVIRONMENT_VARIABLES,
         REFRESH_PREVIEW_ONLY,
         INSTANCE_HEADER,
         UPDATE_PLANS,
+        UPDATE_SOURCE,
     ];
 }
 

@@ -34,6 +34,15 @@ pub enum ServerError {
     Project { dir: String, detail: String },
 }
 
+/// Where the pod's source was unpacked (`serve --source-dir`, the fetch container's target), so
+/// `UpdateSource` can put a new revision there.
+#[derive(Debug, Clone)]
+pub struct SourceDir {
+    pub root: PathBuf,
+    /// Development: replaces the artifact URL's host (PKO's `SOURCE_CONTROLLER_LOCALHOST`).
+    pub host_override: Option<String>,
+}
+
 /// The service: one per workspace (process).
 #[derive(Clone)]
 pub struct Agent {
@@ -52,12 +61,19 @@ struct Inner {
     /// `pulumi version`, asked once: the CLI does not change under a running agent, and the
     /// operator asks on every Workspace reconcile (a CLI start each time, nothing else).
     version: tokio::sync::OnceCell<String>,
+    /// `None`: the source cannot be replaced (not a Flux-style source, or not told where).
+    source: Option<SourceDir>,
 }
 
 impl Agent {
     /// `shutdown` interrupts running operations (agent termination); `limits` bound what is
     /// sent (the CLI's own lines are bounded by the [`Cli`]).
-    pub fn new(cli: Cli, shutdown: CancellationToken, limits: Limits) -> Self {
+    pub fn new(
+        cli: Cli,
+        shutdown: CancellationToken,
+        limits: Limits,
+        source: Option<SourceDir>,
+    ) -> Self {
         Self {
             inner: Arc::new(Inner {
                 cli,
@@ -68,6 +84,7 @@ impl Agent {
                 limits,
                 started: jiff::Timestamp::now(),
                 version: tokio::sync::OnceCell::new(),
+                source,
             }),
         }
     }

@@ -9,6 +9,7 @@ use super::config::{resolve_item, set_all_commands};
 use super::operation::RpcStream;
 use super::status::{local_summary, permalink, to_status};
 use super::{Agent, args, check_name};
+use crate::init::{self, FluxFetch, InitError};
 use crate::proto as pb;
 use crate::proto::automation_service_server::AutomationService;
 use crate::pulumi::{Output, tail};
@@ -388,6 +389,60 @@ impl AutomationService for Agent {
                 .map(|f| (*f).to_owned())
                 .collect(),
         }))
+    }
+
+    async fn update_source(
+        &self,
+        request: Request<pb::UpdateSourceRequest>,
+    ) -> Result<Response<pb::UpdateSourceResult>, Status> {
+        let req = request.into_inner();
+        let Some(source) = &self.inner.source else {
+            return Err(Status::failed_precondition(
+                "this agent was started without a source folder (--source-dir, AGENT_SOURCE_DIR): its source cannot be replaced, its pod must be",
+            ));
+        };
+        let invalid = |e: InitError| Status::invalid_argument(e.to_string());
+        let project = init::project_dir(&source.root, Some(&req.dir)).map_err(invalid)?;
+        // The CLI runs in the folder this agent started in (its path keys the CLI's workspace
+        // state), so a source whose project folder is elsewhere needs a new pod.
+        let workdir = self.inner.cli.workdir();
+        if project != workdir && std::fs::canonicalize(&project).ok().as_deref() != Some(workdir) {
+            return Err(Status::invalid_argument(format!(
+                "dir {:?}: the project folder would be {}, but this agent serves {}",
+                req.dir,
+                project.display(),
+                workdir.display()
+            )));
+        }
+        let max_bytes = match req.max_size_bytes {
+            None => Some(init::DEFAULT_MAX_BYTES),
+            Some(n) => u64::try_from(n).ok(),
+        };
+        let fetch = FluxFetch {
+            url: req.url.clone(),
+            digest: req.digest.clone(),
+            max_bytes,
+            host_override: source.host_override.clone(),
+        };
+        // Waits for a running operation, and keeps the next one out until the source is whole.
+        let _guard = self.inner.lock.lock().await;
+        if init::same_digest(init::current_digest(&source.root).as_deref(), &req.digest) {
+            return Ok(self.respond(pb::UpdateSourceResult { changed: false }));
+        }
+        init::fetch_flux(&fetch, &source.root)
+            .await
+            .map_err(|e| match e {
+                e @ (InitError::BadDigest(_) | InitError::BadUrl { .. } | InitError::BadDir(_)) => {
+                    invalid(e)
+                }
+                e => Status::unavailable(format!("fetching {}: {e}", req.url)),
+            })?;
+        // The stack's config files were in the old source: the next selection runs the CLI, as
+        // in a new pod.
+        self.set_stack(None);
+        let project = self.project()?;
+        info!(digest = %req.digest, project = %project.name, "source updated");
+        Ok(self.respond(pb::UpdateSourceResult { changed: true }))
     }
 
     async fn pulumi_version(

@@ -46,6 +46,12 @@ pub const INITIALIZED_ANNOTATION: &str = "pko-rs.dev/initialized";
 /// and plugins, then selects and configures the stacks (PKO's).
 pub const INSTALLING: &str = "Installing";
 pub const INITIALIZING: &str = "Initializing";
+/// Workspace Event reasons once its agent knows the workspace: a new agent initialized, a new
+/// source revision taken by the running agent, or the environment and stacks told again. Apart,
+/// because Events of one object and reason are folded into one series (the first note stays).
+pub const INITIALIZED: &str = "Initialized";
+pub const SOURCE_UPDATED: &str = "SourceUpdated";
+pub const RECONFIGURED: &str = "Reconfigured";
 /// Workspace `Stalled=True` reasons when those steps failed; they are retried.
 pub const INSTALLATION_FAILED: &str = "InstallationFailed";
 pub const INITIALIZATION_FAILED: &str = "InitializationFailed";
@@ -59,6 +65,11 @@ pub const AGENT_ANNOTATION: &str = "pko-rs.dev/agent";
 /// the environment over RPC, so `spec.env` is on the container (remembered across operator
 /// restarts; asked again when the image changes).
 pub const ENV_IN_POD_ANNOTATION: &str = "pko-rs.dev/env-in-pod-spec";
+/// On a workspace pod template under pko-rs's contract with a Flux-style source: the digest of
+/// the template without the source's revision (URL and digest). A pod whose value matches the
+/// template's differs from it by the revision alone, and its agent takes the new one
+/// (`UpdateSource`) instead of the pod being replaced.
+pub const TEMPLATE_SHAPE_ANNOTATION: &str = "pko-rs.dev/template-shape";
 
 /// kstatus's condition types (sigs.k8s.io/cli-utils `pkg/kstatus`), which GitOps tools (Flux's
 /// `wait`, Argo CD, `kpt live status`) read beside `Ready`: `Reconciling=True` while the

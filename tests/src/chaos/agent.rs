@@ -31,7 +31,9 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Identity, Server, ServerTlsConfig};
 use tonic::{Request, Response, Status};
 
-use crate::kubelet::{annotate_dev_port, create_pod, revision_of, set_sts_status, write_pod_ready};
+use crate::kubelet::{
+    Revisions, annotate_dev_port, create_pod, revision_of, set_sts_status, write_pod_ready,
+};
 use crate::{ControlPlane, HarnessError, wait_for};
 
 const MIB: usize = 1024 * 1024;
@@ -483,6 +485,13 @@ impl AutomationService for StubAgent {
             features: vec![pko_agent::features::SET_ENVIRONMENT_VARIABLES.into()],
         }))
     }
+
+    async fn update_source(
+        &self,
+        _request: Request<pb::UpdateSourceRequest>,
+    ) -> Result<Response<pb::UpdateSourceResult>, Status> {
+        Err(Status::unimplemented("not listed in its capabilities"))
+    }
 }
 
 /// The stub serving on a loopback port; stops on drop.
@@ -637,7 +646,7 @@ async fn stand_in_kubelet(
         namespace,
         &sts_name,
         current.metadata.generation.unwrap_or(0),
-        &revision_of(&current),
+        Revisions::same(&revision_of(&current)),
         true,
     )
     .await

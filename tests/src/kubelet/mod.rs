@@ -117,6 +117,9 @@ struct PodRun {
     /// older pod sees it is gone and stops).
     id: u64,
     revision: String,
+    /// What it runs: the template it was made from (a pod spec does not change; under
+    /// `OnDelete` the StatefulSet's template may have moved on).
+    spec: k8s_openapi::api::core::v1::PodSpec,
     dir: PathBuf,
     agent: Option<ChildGuard>,
     /// Where the agent listens.
@@ -465,19 +468,35 @@ async fn run(node: Arc<Node>) {
             .await;
         // Pods deleted by someone else (PKO deletes a pod it failed to annotate) come back, as
         // the StatefulSet controller brings them back.
-        let pods = Api::<Pod>::namespaced(node.client.clone(), &node.namespace)
+        let pods_api = Api::<Pod>::namespaced(node.client.clone(), &node.namespace);
+        let pods = pods_api
             .list_metadata(&ListParams::default().labels(COMPONENT_SELECTOR))
             .await
             .map(|l| {
                 l.items
                     .iter()
-                    .map(ResourceExt::name_any)
+                    .map(|p| (p.name_any(), p.metadata.deletion_timestamp.is_some()))
                     .collect::<Vec<_>>()
             });
         if let (Ok(list), Ok(pods)) = (list, pods) {
             let names: Vec<String> = list.items.iter().map(ResourceExt::name_any).collect();
+            // A pod being deleted (the operator replaces a pod of an `OnDelete` StatefulSet):
+            // its containers stop, then the kubelet removes it, as a real one does.
+            for (pod, _) in pods.iter().filter(|(_, deleting)| *deleting) {
+                let sts = pod.strip_suffix("-0").unwrap_or(pod);
+                let stopped = node.state().pods.remove(sts);
+                if let Some(run) = stopped {
+                    let dir = run.dir.clone();
+                    drop(run);
+                    let _ = std::fs::remove_dir_all(&dir);
+                }
+                let _ = pods_api
+                    .delete(pod, &DeleteParams::default().grace_period(0))
+                    .await;
+            }
             for sts in list.items {
-                let has_pod = pods.contains(&format!("{}-0", sts.name_any()));
+                let pod = format!("{}-0", sts.name_any());
+                let has_pod = pods.iter().any(|(p, deleting)| *p == pod && !deleting);
                 if let Err(e) = sync(&node, &sts, has_pod).await {
                     eprintln!(
                         "pko-tests kubelet: {}/{}: {e}",
@@ -583,13 +602,22 @@ async fn sync(node: &Arc<Node>, sts: &StatefulSet, has_pod: bool) -> Result<(), 
     let name = sts.name_any();
     let revision = revision_of(sts);
     let generation = sts.metadata.generation.unwrap_or(0);
+    // `OnDelete`: a new template replaces no pod; a deleted pod comes back from it.
+    let on_delete = sts
+        .spec
+        .as_ref()
+        .and_then(|s| s.update_strategy.as_ref())
+        .and_then(|u| u.type_.as_deref())
+        == Some("OnDelete");
+    let mut made_from = revision.clone();
     let needed = {
         let mut state = node.state();
         match state.pods.get_mut(&name) {
             Some(p)
-                if p.revision == revision
+                if (p.revision == revision || on_delete)
                     && (has_pod || p.starting.as_ref().is_some_and(|t| !t.is_finished())) =>
             {
+                made_from = p.revision.clone();
                 let busy = p.starting.as_ref().is_some_and(|t| !t.is_finished());
                 let died = !busy
                     && p.agent
@@ -632,7 +660,8 @@ async fn sync(node: &Arc<Node>, sts: &StatefulSet, has_pod: bool) -> Result<(), 
             let _ = std::fs::remove_dir_all(&dir);
             std::fs::create_dir_all(&dir)
                 .map_err(|e| HarnessError::io(format!("creating {}", dir.display()), e))?;
-            set_sts_status(client, namespace, &name, generation, &revision, false).await?;
+            let revisions = Revisions::same(&revision);
+            set_sts_status(client, namespace, &name, generation, revisions, false).await?;
             create_pod(client, namespace, &pod_name, &name, &revision, &template).await?;
             let (ip, port) = address_of(node, &name, &pod_spec)?;
             let id = {
@@ -644,6 +673,7 @@ async fn sync(node: &Arc<Node>, sts: &StatefulSet, has_pod: bool) -> Result<(), 
                     PodRun {
                         id,
                         revision: revision.clone(),
+                        spec: pod_spec.clone(),
                         dir: dir.clone(),
                         agent: None,
                         ip,
@@ -659,24 +689,46 @@ async fn sync(node: &Arc<Node>, sts: &StatefulSet, has_pod: bool) -> Result<(), 
             };
             spawn_start(node, &name, id, pod_spec, true);
         }
-        Needed::Retry(id) => spawn_start(node, &name, id, pod_spec, true),
+        Needed::Retry(id) => spawn_start(node, &name, id, own_spec(node, &name, id)?, true),
         Needed::Restart(id) => {
-            set_sts_status(client, namespace, &name, generation, &revision, false).await?;
+            let revisions = Revisions {
+                current: &made_from,
+                update: &revision,
+            };
+            set_sts_status(client, namespace, &name, generation, revisions, false).await?;
             let restarts = node.with_pod(&name, id, |p| p.restarts).unwrap_or(0);
             write_pod_status(client, namespace, &pod_name, not_ready(restarts)).await?;
             // The container starts again (its folder, the emptyDir, is kept).
-            spawn_start(node, &name, id, pod_spec, false);
+            spawn_start(node, &name, id, own_spec(node, &name, id)?, false);
         }
-        Needed::RestartUnreported(id) => spawn_start(node, &name, id, pod_spec, false),
+        Needed::RestartUnreported(id) => {
+            spawn_start(node, &name, id, own_spec(node, &name, id)?, false);
+        }
         Needed::Nothing { ready } => {
             // Keep observedGeneration current (the operator re-applies the StatefulSet).
             let observed = sts.status.as_ref().and_then(|s| s.observed_generation);
             if ready && observed != Some(generation) {
-                set_sts_status(client, namespace, &name, generation, &revision, true).await?;
+                let revisions = Revisions {
+                    current: &made_from,
+                    update: &revision,
+                };
+                set_sts_status(client, namespace, &name, generation, revisions, true).await?;
             }
         }
     }
     Ok(())
+}
+
+/// The spec pod `id` of `sts` was made with.
+fn own_spec(
+    node: &Node,
+    sts: &str,
+    id: u64,
+) -> Result<k8s_openapi::api::core::v1::PodSpec, HarnessError> {
+    node.with_pod(sts, id, |p| p.spec.clone())
+        .ok_or_else(|| HarnessError::Missing {
+            what: format!("the running pod of {sts}"),
+        })
 }
 
 /// A StatefulSet scaled to 0 replicas, as its controller and the kubelet handle it: the pod is
@@ -805,25 +857,43 @@ fn spawn_start(
     }
 }
 
+/// The revision a StatefulSet's pod was made from, and its template's (apart only under
+/// `OnDelete`, until the pod is deleted).
+#[derive(Clone, Copy)]
+pub(crate) struct Revisions<'a> {
+    pub(crate) current: &'a str,
+    pub(crate) update: &'a str,
+}
+
+impl<'a> Revisions<'a> {
+    /// A pod made from the template.
+    pub(crate) fn same(revision: &'a str) -> Self {
+        Self {
+            current: revision,
+            update: revision,
+        }
+    }
+}
+
 pub(crate) async fn set_sts_status(
     client: &Client,
     namespace: &str,
     name: &str,
     generation: i64,
-    revision: &str,
+    revisions: Revisions<'_>,
     ready: bool,
 ) -> Result<(), HarnessError> {
     let n = i32::from(ready);
-    let rev = format!("{name}-{revision}");
+    let updated = i32::from(revisions.current == revisions.update);
     let patch = json!({"status": {
         "observedGeneration": generation,
         "replicas": 1,
         "readyReplicas": n,
         "availableReplicas": n,
         "currentReplicas": 1,
-        "updatedReplicas": 1,
-        "currentRevision": rev,
-        "updateRevision": rev,
+        "updatedReplicas": updated,
+        "currentRevision": format!("{name}-{}", revisions.current),
+        "updateRevision": format!("{name}-{}", revisions.update),
     }});
     Api::<StatefulSet>::namespaced(client.clone(), namespace)
         .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
@@ -1095,10 +1165,10 @@ async fn start_agent(
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let Some(restarts) = node.with_pod(sts, id, |p| {
+    let Some((restarts, made_from)) = node.with_pod(sts, id, |p| {
         p.agent = Some(guard);
         p.ready = true;
-        p.restarts
+        (p.restarts, p.revision.clone())
     }) else {
         return Ok(());
     };
@@ -1120,7 +1190,10 @@ async fn start_agent(
         namespace,
         sts,
         current.metadata.generation.unwrap_or(0),
-        &revision,
+        Revisions {
+            current: &made_from,
+            update: &revision,
+        },
         true,
     )
     .await

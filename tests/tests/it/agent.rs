@@ -976,3 +976,136 @@ async fn huge_outputs_and_lines_reach_the_client_cut_with_a_marker() {
     let (kept, _) = cut_at(quoted, LINE).expect("the printed message carries the marker");
     assert!(kept.len() > LINE - 2, "{}", kept.len());
 }
+
+/// `UpdateSource`: a new revision of the source goes where the pod's source was unpacked, in
+/// the running agent; a revision that fails its checks changes nothing, and the agent keeps
+/// serving the one it had.
+#[tokio::test]
+async fn a_new_source_revision_replaces_the_program_in_the_running_agent() {
+    let _machine = pko_tests::serial::shared().await;
+    let first = targz(&[("proj/Pulumi.yaml", PROGRAM.as_bytes())]);
+    let moon = PROGRAM.replace("-world", "-moon");
+    let second = targz(&[("proj/Pulumi.yaml", moon.as_bytes())]);
+    let server = StaticServer::start(HashMap::from([
+        ("/1.tar.gz".to_owned(), first.clone()),
+        ("/2.tar.gz".to_owned(), second.clone()),
+    ]))
+    .await
+    .expect("server");
+    let tmp = tempfile::tempdir().expect("tmp");
+    let (source, link) = (tmp.path().join("source"), tmp.path().join("workspace"));
+    let out = init(&source, &server.url("/1.tar.gz"), &digest(&first), &link).await;
+    assert!(out.status.success(), "{out:?}");
+    let agent = AgentProcess::start_with_args(
+        AgentOptions {
+            workspace: link.clone(),
+            state: tmp.path().to_path_buf(),
+            tls: false,
+            token: None,
+        },
+        &[format!("--source-dir={}", source.display())],
+    )
+    .await
+    .expect("agent starts");
+    let mut client = agent.client().await.expect("client");
+    let features = client
+        .capabilities(pb::CapabilitiesRequest {})
+        .await
+        .expect("capabilities")
+        .into_inner()
+        .features;
+    assert!(
+        features.iter().any(|f| f == "update-source"),
+        "{features:?}"
+    );
+    let base = client.clone();
+    let configure_and_up = |greeting: &'static str| {
+        let mut client = base.clone();
+        async move {
+            let select = pb::SelectStackRequest {
+                stack_name: "dev".into(),
+                create: Some(true),
+                secrets_provider: None,
+                skip_summary: Some(true),
+            };
+            client.select_stack(select).await.expect("select");
+            client
+                .set_all_config(pb::SetAllConfigRequest {
+                    config: vec![
+                        literal("greeting", greeting, false),
+                        literal("password", "pw", true),
+                    ],
+                })
+                .await
+                .expect("config");
+            let up = up_once(&mut client).await.expect("up");
+            String::from_utf8(up.outputs["message"].value.clone()).expect("utf-8")
+        }
+    };
+    assert_eq!(configure_and_up("hi").await, r#""hi-world""#);
+    let request = |path: &str, digest: String, dir: &str| pb::UpdateSourceRequest {
+        url: server.url(path),
+        digest,
+        dir: dir.into(),
+        max_size_bytes: None,
+    };
+
+    // The revision the pod fetched: nothing to do.
+    let same = client
+        .update_source(request("/1.tar.gz", digest(&first), "proj"))
+        .await
+        .expect("the same revision")
+        .into_inner();
+    assert!(!same.changed);
+
+    // Bytes that are not the digest's, a folder that is not the served one, a bad digest: refused,
+    // and the program served stays whole.
+    let mismatch = client
+        .update_source(request("/2.tar.gz", digest(b"other bytes"), "proj"))
+        .await
+        .expect_err("a digest mismatch");
+    assert_eq!(mismatch.code(), Code::Unavailable, "{mismatch:?}");
+    assert!(
+        mismatch.message().contains("digest mismatch"),
+        "{mismatch:?}"
+    );
+    let elsewhere = client
+        .update_source(request("/2.tar.gz", digest(&second), "other"))
+        .await
+        .expect_err("another project folder");
+    assert_eq!(elsewhere.code(), Code::InvalidArgument, "{elsewhere:?}");
+    let malformed = client
+        .update_source(request("/2.tar.gz", "sha256:xyz".into(), "proj"))
+        .await
+        .expect_err("a malformed digest");
+    assert_eq!(malformed.code(), Code::InvalidArgument, "{malformed:?}");
+    assert_eq!(
+        std::fs::read_to_string(link.join("Pulumi.yaml")).expect("project"),
+        PROGRAM
+    );
+    assert_eq!(configure_and_up("still").await, r#""still-world""#);
+
+    // The new revision: the next operation runs it, in the same agent process.
+    let changed = client
+        .update_source(request("/2.tar.gz", digest(&second), "proj"))
+        .await
+        .expect("a new revision")
+        .into_inner();
+    assert!(changed.changed);
+    assert_eq!(configure_and_up("hi").await, r#""hi-moon""#);
+    assert!(pko_tests::process_alive(agent.guard.pid()));
+    let marker = std::fs::read_to_string(tmp.path().join(".source.digest")).expect("marker");
+    assert_eq!(marker, digest(&second));
+
+    // An agent not told where its source is cannot take a revision: its pod must go.
+    let other = tempfile::tempdir().expect("tmp");
+    let plain = start(other.path(), false, None).await;
+    let refused = plain
+        .client()
+        .await
+        .expect("client")
+        .update_source(request("/2.tar.gz", digest(&second), "proj"))
+        .await
+        .expect_err("no source folder");
+    assert_eq!(refused.code(), Code::FailedPrecondition, "{refused:?}");
+}

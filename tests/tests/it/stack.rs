@@ -3,11 +3,13 @@
 
 use std::time::Duration;
 
+use k8s_openapi::api::core::v1::{Event, Pod};
 use kube::Api;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use pko_api::program::Program;
 use pko_api::stack::Stack;
 use pko_api::update::Update;
+use pko_api::workspace::Workspace;
 use pko_tests::execution::Execution;
 use pko_tests::fixtures;
 use pko_tests::gitrepo::GitRepo;
@@ -103,6 +105,7 @@ async fn program_to_stack_ready_with_outputs_then_edit_then_destroy_on_delete() 
     let programs = create_program(plane, &ns, "hello", program("world")).await;
 
     let stacks: Api<Stack> = Api::namespaced(plane.client(), &ns);
+    let workspaces: Api<Workspace> = Api::namespaced(plane.client(), &ns);
     create_stack(
         &stacks,
         &backend,
@@ -148,8 +151,20 @@ async fn program_to_stack_ready_with_outputs_then_edit_then_destroy_on_delete() 
     assert!(status.current_update.is_none());
     assert_eq!(status.project_info.map(|p| p.name), Some("hello".into()));
     let first_update = last.name.expect("update name");
+    let pods: Api<Pod> = Api::namespaced(plane.client(), &ns);
+    let pod_uid = || async {
+        pods.get("hello-workspace-0")
+            .await
+            .expect("workspace pod")
+            .metadata
+            .uid
+            .expect("pod uid")
+    };
+    let (first_pod, first_agent) = (pod_uid().await, kubelet.agent_pid("hello"));
+    assert!(first_agent.is_some(), "the agent runs");
 
-    // A Program edit (new artifact digest) runs a new Update and the outputs follow.
+    // A Program edit (new artifact digest) runs a new Update and the outputs follow; the pod
+    // and its agent stay: the agent fetches and verifies the new revision itself.
     programs
         .patch(
             "hello",
@@ -162,6 +177,41 @@ async fn program_to_stack_ready_with_outputs_then_edit_then_destroy_on_delete() 
         .await
         .expect("outputs after the edit");
     assert_ne!(status.last_update.and_then(|l| l.name), Some(first_update));
+    assert_eq!(pod_uid().await, first_pod, "the same workspace pod");
+    assert_eq!(kubelet.agent_pid("hello"), first_agent, "the same agent");
+    let digest = workspaces
+        .get("hello")
+        .await
+        .expect("workspace")
+        .spec
+        .flux
+        .and_then(|f| f.digest)
+        .expect("flux digest");
+    let fetched = format!("Fetched source {digest} into the running workspace pod");
+    let events: Api<Event> = Api::namespaced(plane.client(), &ns);
+    let notes = || async {
+        let list = events.list(&Default::default()).await.ok()?;
+        Some(
+            list.items
+                .into_iter()
+                .filter_map(|e| e.message)
+                .collect::<Vec<_>>(),
+        )
+    };
+    let said = wait_for("the in-place revision Event", WAIT, || async {
+        notes()
+            .await?
+            .iter()
+            .any(|m| m.starts_with(&fetched))
+            .then_some(())
+    })
+    .await;
+    if let Err(e) = said {
+        panic!(
+            "{e}: no Event starts with {fetched:?}: {:#?}",
+            notes().await
+        );
+    }
 
     // A deleted current Update does not wedge the stack: the next one runs.
     stacks
@@ -183,6 +233,48 @@ async fn program_to_stack_ready_with_outputs_then_edit_then_destroy_on_delete() 
         .await
         .expect("outputs after the lost update");
     assert!(status.last_update.is_some());
+
+    // A change to the pod beyond the source revision replaces the pod (the operator deletes
+    // it: the StatefulSet updates `OnDelete`), and the stack is Ready on the new one.
+    let before = pod_uid().await;
+    stacks
+        .patch(
+            "hello",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"workspaceTemplate": {"spec": {
+                "resources": {"requests": {"cpu": "150m", "memory": "64Mi"}}}}}})),
+        )
+        .await
+        .expect("edit the workspace template");
+    wait_for(
+        "a new workspace pod with the new resources",
+        WAIT,
+        || async {
+            let pod = pods.get("hello-workspace-0").await.ok()?;
+            let cpu = pod
+                .spec?
+                .containers
+                .first()?
+                .resources
+                .clone()?
+                .requests?
+                .get("cpu")
+                .cloned()?;
+            (pod.metadata.uid.as_deref() != Some(before.as_str()) && cpu.0 == "150m").then_some(())
+        },
+    )
+    .await
+    .unwrap_or_else(|e| {
+        let log = _operator.log_text();
+        let tail: Vec<&str> = log.lines().filter(|l| l.contains("hello")).collect();
+        panic!(
+            "{e}\noperator log:\n{}",
+            tail[tail.len().saturating_sub(40)..].join("\n")
+        )
+    });
+    outputs_with("hey-again")
+        .await
+        .expect("ready on the new pod");
 
     // Deleting the stack destroys it first (destroyOnFinalize), then the finalizer goes.
     stacks

@@ -67,6 +67,8 @@ pub struct Features {
     pub refresh_preview_only: bool,
     /// `PreviewRequest.save_plan` and `UpRequest.plan` are honoured.
     pub update_plans: bool,
+    /// `UpdateSource`: a new source revision in the running agent.
+    pub update_source: bool,
 }
 
 impl Features {
@@ -76,6 +78,7 @@ impl Features {
         instance_header: false,
         refresh_preview_only: false,
         update_plans: false,
+        update_source: false,
     };
 }
 
@@ -90,6 +93,7 @@ pub fn features(answer: Result<&pb::CapabilitiesResult, tonic::Code>) -> Option<
                 instance_header: has(features::INSTANCE_HEADER),
                 refresh_preview_only: has(features::REFRESH_PREVIEW_ONLY),
                 update_plans: has(features::UPDATE_PLANS),
+                update_source: has(features::UPDATE_SOURCE),
             })
         }
         Err(tonic::Code::Unimplemented) => Some(Features::PKO),
@@ -210,6 +214,7 @@ mod tests {
                 "set-environment-variables".into(),
                 "instance-header".into(),
                 "refresh-preview-only".into(),
+                "update-source".into(),
                 "from-the-future".into(),
             ],
         };
@@ -220,6 +225,7 @@ mod tests {
                 instance_header: true,
                 refresh_preview_only: true,
                 update_plans: false,
+                update_source: true,
             })
         );
         assert_eq!(
@@ -238,6 +244,7 @@ mod tests {
             instance_header: true,
             refresh_preview_only: true,
             update_plans: true,
+            update_source: true,
         };
         // pko-rs's contract: always pushed.
         assert!(!env_in_pod_spec(

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::{Pod, Service};
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
 use kube::{Client, ResourceExt};
@@ -84,6 +84,11 @@ pub(super) struct Run<'a> {
     pub(super) before: WorkspaceStatus,
     /// The status to write.
     pub(super) status: WorkspaceStatus,
+    /// The pod differs from the template by the source revision alone: its agent is given
+    /// the new one ([`rules::Rollout::NewRevision`]).
+    pub(super) new_revision: bool,
+    /// The workspace pod as the pod phase read it (`None`: not read yet).
+    pub(super) pod: Option<Option<Pod>>,
 }
 
 impl<'a> Run<'a> {
@@ -100,6 +105,8 @@ impl<'a> Run<'a> {
             generation: ws.metadata.generation,
             before: ws.status.clone().unwrap_or_default(),
             status: status::draft(ws),
+            new_revision: false,
+            pod: None,
         })
     }
 
@@ -340,6 +347,21 @@ pub(super) async fn pod_ready(
     run: &mut Run<'_>,
     sts: &StatefulSet,
 ) -> Result<Phase<()>, WorkspaceError> {
+    let observed = sts
+        .status
+        .as_ref()
+        .is_some_and(|s| s.observed_generation == sts.metadata.generation);
+    // Under OnDelete the operator compares the pod with the template (PKO's layout leaves it to
+    // the StatefulSet controller).
+    if observed && rules::on_delete(sts) {
+        let pod = workspace_pod(&run.ctx.client, &run.namespace, &run.name).await;
+        match rules::rollout(sts, pod.as_ref()) {
+            rules::Rollout::Current => {}
+            rules::Rollout::NewRevision => run.new_revision = true,
+            rules::Rollout::Replace => return Ok(Phase::Done(replace_pod(run, pod).await?)),
+        }
+        run.pod = Some(pod);
+    }
     let Some((reason, mut message)) = rules::not_ready(sts) else {
         return Ok(Phase::Continue(()));
     };
@@ -361,6 +383,40 @@ pub(super) async fn pod_ready(
     Ok(Phase::Done(End::Report(Action::requeue(
         POD_NOT_READY_REQUEUE,
     ))))
+}
+
+/// Deletes a workspace pod made from an older template (the StatefulSet makes a new one from
+/// the current template); `Ready=False` says the pod is being updated.
+async fn replace_pod(run: &mut Run<'_>, pod: Option<Pod>) -> Result<End, WorkspaceError> {
+    if let Some(pod) = pod.filter(|p| p.metadata.deletion_timestamp.is_none()) {
+        let pods: Api<Pod> = Api::namespaced(run.ctx.client.clone(), &run.namespace);
+        let name = pod.name_any();
+        // Only this pod: one the StatefulSet made since is current already.
+        let params = DeleteParams {
+            preconditions: Some(Preconditions {
+                uid: pod.metadata.uid.clone(),
+                resource_version: None,
+            }),
+            ..DeleteParams::default()
+        };
+        match pods.delete(&name, &params).await {
+            Ok(_) => info!(pod = %name, "replacing the workspace pod: its template changed"),
+            Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => {}
+            Err(e) => {
+                return Err(WorkspaceError::kube("deleting the outdated workspace pod")(
+                    e,
+                ));
+            }
+        }
+    }
+    run.ctx.set_initialized(&run.uid, None);
+    status::mark_pod_not_ready(
+        &mut run.status,
+        "RollingUpdate",
+        rules::POD_UPDATING,
+        run.generation,
+    );
+    Ok(End::Report(Action::requeue(POD_NOT_READY_REQUEUE)))
 }
 
 /// A failed init container of the workspace pod (none when the pod cannot be read).
@@ -460,7 +516,10 @@ pub(super) async fn connect(
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
     let version = answer.into_inner().version;
-    let pod = workspace_pod(&run.ctx.client, &run.namespace, &run.name).await;
+    let pod = match run.pod.take() {
+        Some(pod) => pod,
+        None => workspace_pod(&run.ctx.client, &run.namespace, &run.name).await,
+    };
     let features = capabilities(run, &mut client, pod.as_ref()).await?;
     run.status.pulumi_version = Some(version.clone());
     run.status.address = Some(address);
@@ -592,6 +651,24 @@ pub(super) async fn environment(run: &mut Run<'_>) -> Phase<BTreeMap<String, Str
 pub(super) struct Pending {
     wanted: Initialized,
     fresh: bool,
+    /// The source revision the agent was given in place, if it took a new one.
+    revision: Option<String>,
+}
+
+/// The Workspace's Flux-style source as an `UpdateSource` request.
+fn revision_request(run: &Run<'_>) -> Option<pb::UpdateSourceRequest> {
+    let flux = run.ws.spec.flux.as_ref()?;
+    Some(pb::UpdateSourceRequest {
+        url: flux.url.clone().unwrap_or_default(),
+        digest: flux.digest.clone().unwrap_or_default(),
+        dir: flux.dir.clone().unwrap_or_default(),
+        max_size_bytes: run
+            .ctx
+            .settings
+            .max_artifact_bytes
+            .as_deref()
+            .and_then(|m| m.trim().parse().ok()),
+    })
 }
 
 /// Pushes the environment (first, as every later command may need it) and installs the
@@ -601,17 +678,20 @@ pub(super) async fn initialise(
     agent: &mut Agent,
     env: BTreeMap<String, String>,
 ) -> Result<Phase<Option<Pending>>, WorkspaceError> {
+    let revision = run.new_revision.then(|| revision_request(run)).flatten();
     let wanted = Initialized {
         instance: agent.instance.clone(),
         generation: run.generation.unwrap_or(0),
         env_digest: env::digest(&env),
+        source: revision.as_ref().map(|r| r.digest.clone()),
     };
     // After an operator restart, memory is empty: the pod says what its agent was told.
     let done = match run.ctx.initialized_for(&run.uid) {
         Some(done) => Some(done),
         None => told_on_pod(&run.ctx.client, &run.namespace, &run.name).await,
     };
-    let fresh = match rules::initialization(done.as_ref(), &wanted) {
+    let give_revision = rules::needs_revision(done.as_ref(), &wanted);
+    let mut fresh = match rules::initialization(done.as_ref(), &wanted) {
         Initialization::UpToDate => {
             debug!(instance = %agent.instance, "the agent knows the workspace already");
             return Ok(Phase::Continue(None));
@@ -635,6 +715,18 @@ pub(super) async fn initialise(
         EnvDelivery::OnPod => {}
         EnvDelivery::MoveToPod => return Ok(Phase::Done(move_env_to_pod(run).await)),
     }
+    let mut given = None;
+    if give_revision && let Some(request) = revision {
+        match new_revision(run, agent, request).await? {
+            Phase::Continue(Some(digest)) => {
+                // A new program: installed and configured as in a new pod.
+                fresh = true;
+                given = Some(digest);
+            }
+            Phase::Continue(None) => {}
+            Phase::Done(end) => return Ok(Phase::Done(end)),
+        }
+    }
     if fresh {
         run.report_step(
             INSTALLING,
@@ -649,7 +741,46 @@ pub(super) async fn initialise(
             .await;
         return Ok(Phase::Done(end));
     }
-    Ok(Phase::Continue(Some(Pending { wanted, fresh })))
+    Ok(Phase::Continue(Some(Pending {
+        wanted,
+        fresh,
+        revision: given,
+    })))
+}
+
+/// Gives the running agent the Workspace's source revision; the digest when it took a new one
+/// (`None`: it had it). An agent that cannot take it (another image's) has its pod replaced.
+async fn new_revision(
+    run: &mut Run<'_>,
+    agent: &mut Agent,
+    request: pb::UpdateSourceRequest,
+) -> Result<Phase<Option<String>>, WorkspaceError> {
+    if !agent.features.update_source {
+        let pod = workspace_pod(&run.ctx.client, &run.namespace, &run.name).await;
+        return Ok(Phase::Done(replace_pod(run, pod).await?));
+    }
+    let digest = request.digest.clone();
+    match agent.client.update_source(request).await {
+        Ok(answer) => Ok(Phase::Continue(
+            answer.into_inner().changed.then_some(digest),
+        )),
+        Err(s) if s.code() == tonic::Code::FailedPrecondition => {
+            // Started without a source folder it may replace.
+            info!(
+                message = s.message(),
+                "the agent cannot take the new source revision"
+            );
+            let pod = workspace_pod(&run.ctx.client, &run.namespace, &run.name).await;
+            Ok(Phase::Done(replace_pod(run, pod).await?))
+        }
+        Err(s) => {
+            let message = format!("Failed to fetch source {digest}: {}", s.message());
+            let end = run
+                .stall_on_agent("InitializationFailure", INITIALIZATION_FAILED, message)
+                .await;
+            Ok(Phase::Done(end))
+        }
+    }
 }
 
 /// The agent cannot take the environment over RPC (PKO's agent): the next apply puts it on the
@@ -680,7 +811,12 @@ pub(super) async fn stacks(
     agent: &mut Agent,
     pending: Option<Pending>,
 ) -> Result<Phase<()>, WorkspaceError> {
-    let Some(Pending { wanted, fresh }) = pending else {
+    let Some(Pending {
+        wanted,
+        fresh,
+        revision,
+    }) = pending
+    else {
         return Ok(Phase::Continue(()));
     };
     run.report_step(INITIALIZING, "Initializing and selecting a Pulumi stack")
@@ -695,10 +831,8 @@ pub(super) async fn stacks(
     record_on_pod(&run.ctx.client, &run.namespace, &run.name, &wanted).await?;
     run.ctx.set_initialized(&run.uid, Some(wanted));
     info!(instance = %agent.instance, generation, "workspace initialized");
-    let note = rules::initialized_note(fresh, &run.name, generation);
-    run.ctx
-        .event(run.ws, EventType::Normal, "Initialized", note)
-        .await;
+    let (reason, note) = rules::initialized_note(fresh, revision.as_deref(), &run.name, generation);
+    run.ctx.event(run.ws, EventType::Normal, reason, note).await;
     Ok(Phase::Continue(()))
 }
 

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::apps::v1::{StatefulSet, StatefulSetSpec};
+use k8s_openapi::api::apps::v1::{StatefulSet, StatefulSetSpec, StatefulSetUpdateStrategy};
 use k8s_openapi::api::core::v1::{
     Capabilities, Container, ContainerPort, EmptyDirVolumeSource, EnvVar, EnvVarSource,
     ObjectFieldSelector, PodSecurityContext, PodSpec, PodTemplateSpec, Probe,
@@ -19,12 +19,14 @@ use sha2::{Digest, Sha256};
 
 use super::{merge, restricted};
 use crate::controller::keys::{
-    ENV_IN_POD_ANNOTATION, REVISION_HASH_ANNOTATION, WORKSPACE_COMPONENT_LABEL,
-    WORKSPACE_NAME_LABEL,
+    ENV_IN_POD_ANNOTATION, REVISION_HASH_ANNOTATION, TEMPLATE_SHAPE_ANNOTATION,
+    WORKSPACE_COMPONENT_LABEL, WORKSPACE_NAME_LABEL,
 };
 
 pub const AGENT_PORT: u16 = pko_agent_api::DEFAULT_PORT;
 const SHARE: &str = "/share";
+/// Where the fetch container unpacks a fetched source (the project link points into it).
+const SOURCE_DIR: &str = "/share/source";
 const CREDENTIALS_DIR: &str = "/var/run/pko-agent";
 /// Where the agent binary sits in the agent (operator) image.
 pub const AGENT_IN_IMAGE: &str = "/usr/local/bin/pko-agent";
@@ -354,7 +356,7 @@ fn fetch_args(kind: SourceKind) -> Vec<String> {
                 "--git-revision=$(GIT_REVISION)",
                 "--dir=$(GIT_DIR)",
             ]);
-            args.insert(1, format!("--target-dir={SHARE}/source"));
+            args.insert(1, format!("--target-dir={SOURCE_DIR}"));
             args.push(link);
             args
         }
@@ -365,7 +367,7 @@ fn fetch_args(kind: SourceKind) -> Vec<String> {
                 "--flux-digest=$(FLUX_DIGEST)",
                 "--dir=$(FLUX_DIR)",
             ]);
-            args.insert(1, format!("--target-dir={SHARE}/source"));
+            args.insert(1, format!("--target-dir={SOURCE_DIR}"));
             args.push(link);
             args
         }
@@ -431,21 +433,16 @@ pub fn desired_statefulset(
         }
         template = serde_json::from_value(merged)?;
     }
-    // A SHA-256 of the typed template as serde_json writes it: fields in the structs' order,
-    // maps sorted by key, so the same Workspace hashes alike in any process, and the hash moves
-    // exactly when what the pod runs moves (or the credentials do).
-    let hash = {
-        let mut h = Sha256::new();
-        h.update(serde_json::to_vec(&template)?);
-        if let AgentLayout::Pinned {
-            credentials_fingerprint,
-        } = layout
-        {
-            h.update(credentials_fingerprint.as_bytes());
-        }
-        hex::encode(h.finalize())[..16].to_owned()
-    };
+    let hash = template_hash(&template, layout)?;
     let mut annotations = BTreeMap::from([(REVISION_HASH_ANNOTATION.to_owned(), hash)]);
+    // pko-rs's agent takes a new revision of a Flux-style source in place (`UpdateSource`): the
+    // operator replaces the pod itself (`OnDelete`) only when more than that changed.
+    let in_place = matches!(layout, AgentLayout::Pinned { .. })
+        && source_kind(ws, settings) == Some(SourceKind::Flux);
+    if in_place {
+        let shape = template_hash(&without_revision(&template), layout)?;
+        annotations.insert(TEMPLATE_SHAPE_ANNOTATION.to_owned(), shape);
+    }
     if *layout == (AgentLayout::Pko { env_in_pod: true }) {
         annotations.insert(
             ENV_IN_POD_ANNOTATION.to_owned(),
@@ -471,10 +468,59 @@ pub fn desired_statefulset(
                 match_expressions: None,
             },
             template,
+            update_strategy: matches!(layout, AgentLayout::Pinned { .. }).then(|| {
+                StatefulSetUpdateStrategy {
+                    type_: Some(ON_DELETE.into()),
+                    rolling_update: None,
+                }
+            }),
             ..StatefulSetSpec::default()
         }),
         status: None,
     })
+}
+
+/// The update strategy of pko-rs's workspaces: the operator decides when the pod goes (see
+/// `rules::rollout`).
+pub const ON_DELETE: &str = "OnDelete";
+
+/// A SHA-256 of the typed template as serde_json writes it: fields in the structs' order, maps
+/// sorted by key, so the same Workspace hashes alike in any process, and the hash moves exactly
+/// when what the pod runs moves (or the credentials do).
+fn template_hash(template: &PodTemplateSpec, layout: &AgentLayout) -> Result<String, PodError> {
+    let mut h = Sha256::new();
+    h.update(serde_json::to_vec(template)?);
+    if let AgentLayout::Pinned {
+        credentials_fingerprint,
+    } = layout
+    {
+        h.update(credentials_fingerprint.as_bytes());
+    }
+    Ok(hex::encode(h.finalize())[..16].to_owned())
+}
+
+/// `template` without the source revision: the fetch container's `FLUX_URL` and `FLUX_DIGEST`
+/// emptied (a new Program generation changes both, and nothing else).
+fn without_revision(template: &PodTemplateSpec) -> PodTemplateSpec {
+    let mut t = template.clone();
+    let fetch = t
+        .spec
+        .iter_mut()
+        .flat_map(|s| s.init_containers.iter_mut().flatten())
+        .filter(|c| c.name == "fetch");
+    for container in fetch {
+        for var in container.env.iter_mut().flatten() {
+            if var.name == "FLUX_URL" || var.name == "FLUX_DIGEST" {
+                var.value = None;
+            }
+        }
+    }
+    t
+}
+
+/// Which kind of source the Workspace's pod fetches.
+fn source_kind(ws: &Workspace, settings: &PodSettings) -> Option<SourceKind> {
+    fetch_env(ws, settings).map(|(kind, _)| kind)
 }
 
 /// The pod template the operator generates, before the Workspace's own template.
@@ -680,6 +726,14 @@ fn pulumi_container(parts: &Parts<'_>) -> Container {
         command.push(format!("--pulumi-log-level={level}"));
     }
     let mut container = agent_container(parts, command, false);
+    // Where a new source revision goes (`UpdateSource`); an env var, not a flag, so an agent
+    // that predates it starts all the same (and its pod is replaced instead).
+    if source_kind(parts.ws, parts.settings) == Some(SourceKind::Flux) {
+        container
+            .env
+            .get_or_insert_default()
+            .push(env("AGENT_SOURCE_DIR", SOURCE_DIR));
+    }
     container
         .volume_mounts
         .get_or_insert_default()

@@ -8,7 +8,9 @@ use pko_api::workspace::{ConfigItem, WorkspaceSpec};
 use serde_json::Value;
 
 use super::pod;
-use crate::controller::keys::STACK_COMPONENT_LABEL;
+use crate::controller::keys::{
+    INITIALIZED, RECONFIGURED, SOURCE_UPDATED, STACK_COMPONENT_LABEL, TEMPLATE_SHAPE_ANNOTATION,
+};
 use crate::controller::takeover::{self, Part};
 
 /// A Stack's Workspace whose spec PKO's Stack controller applied (a switch-over): its Stack
@@ -74,14 +76,18 @@ pub(super) const STS_UNOBSERVED: &str = "waiting for the StatefulSet to be obser
 pub(super) const POD_UPDATING: &str = "the workspace pod is being updated";
 pub(super) const POD_STARTING: &str = "waiting for the workspace pod to be ready";
 
-/// Why a StatefulSet is not ready yet, or `None` when it is (PKO's rule).
+/// Why a StatefulSet is not ready yet, or `None` when it is (PKO's rule). Under `OnDelete`
+/// (pko-rs's layout) the revisions are the operator's to compare, pod by pod ([`rollout`]).
 pub(super) fn not_ready(sts: &StatefulSet) -> Option<(&'static str, String)> {
     let generation = sts.metadata.generation;
     let Some(status) = &sts.status else {
         return Some(("RollingUpdate", STS_UNOBSERVED.into()));
     };
+    let rolled_by_controller = !on_delete(sts);
     if status.observed_generation != generation
-        || status.update_revision.is_some() && status.update_revision != status.current_revision
+        || rolled_by_controller
+            && status.update_revision.is_some()
+            && status.update_revision != status.current_revision
     {
         return Some(("RollingUpdate", POD_UPDATING.into()));
     }
@@ -89,6 +95,71 @@ pub(super) fn not_ready(sts: &StatefulSet) -> Option<(&'static str, String)> {
         return Some(("WaitingForReplicas", POD_STARTING.into()));
     }
     None
+}
+
+/// Whether the StatefulSet leaves replacing its pod to the operator.
+pub(super) fn on_delete(sts: &StatefulSet) -> bool {
+    sts.spec
+        .as_ref()
+        .and_then(|s| s.update_strategy.as_ref())
+        .and_then(|u| u.type_.as_deref())
+        == Some(pod::ON_DELETE)
+}
+
+/// The label the StatefulSet controller puts on each pod: the revision it was made from.
+const REVISION_LABEL: &str = "controller-revision-hash";
+
+/// What becomes of the workspace pod once the StatefulSet's template has moved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Rollout {
+    /// The pod runs the template (or there is no pod yet; or the StatefulSet controller rolls
+    /// pods itself, as under PKO's layout): readiness decides.
+    Current,
+    /// The pod differs from the template by the source revision alone: its agent takes the new
+    /// revision, and the pod stays.
+    NewRevision,
+    /// The pod runs an older template: it is deleted, and the StatefulSet makes a new one.
+    Replace,
+}
+
+/// Compares the pod with the StatefulSet's template (pko-rs's layout, `OnDelete`). Called once
+/// the StatefulSet's status has seen its generation (else [`not_ready`] says so first).
+pub(super) fn rollout(sts: &StatefulSet, pod: Option<&Pod>) -> Rollout {
+    let Some(pod) = pod else {
+        return Rollout::Current;
+    };
+    if !on_delete(sts) {
+        return Rollout::Current;
+    }
+    let update = sts
+        .status
+        .as_ref()
+        .and_then(|s| s.update_revision.as_deref());
+    let made_from = pod
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(REVISION_LABEL))
+        .map(String::as_str);
+    if update.is_none() || made_from == update {
+        return Rollout::Current;
+    }
+    let shape = |annotations: Option<&std::collections::BTreeMap<String, String>>| {
+        annotations
+            .and_then(|a| a.get(TEMPLATE_SHAPE_ANNOTATION))
+            .cloned()
+    };
+    let wanted = shape(
+        sts.spec
+            .as_ref()
+            .and_then(|s| s.template.metadata.as_ref())
+            .and_then(|m| m.annotations.as_ref()),
+    );
+    if wanted.is_some() && wanted == shape(pod.metadata.annotations.as_ref()) {
+        Rollout::NewRevision
+    } else {
+        Rollout::Replace
+    }
 }
 
 /// A failed init container of `pod`, as the kubelet reports it.
@@ -156,13 +227,21 @@ pub(super) struct Initialized {
     pub(super) instance: String,
     pub(super) generation: i64,
     pub(super) env_digest: String,
+    /// The source revision it was given over RPC (`UpdateSource`); `None` when it serves the one
+    /// its pod fetched.
+    pub(super) source: Option<String>,
 }
 
 impl Initialized {
-    /// The pod annotation's value: the agent instance, the generation and the environment
-    /// digest.
+    /// The pod annotation's value: the agent instance, the generation, the environment digest,
+    /// and the source revision when one was given.
     pub(super) fn annotation(&self) -> String {
-        format!("{} {} {}", self.instance, self.generation, self.env_digest)
+        let mut text = format!("{} {} {}", self.instance, self.generation, self.env_digest);
+        if let Some(source) = &self.source {
+            text.push(' ');
+            text.push_str(source);
+        }
+        text
     }
 
     /// Reads [`Self::annotation`]; `None` for anything else (PKO's `"true"` included: an agent
@@ -170,15 +249,28 @@ impl Initialized {
     pub(super) fn from_annotation(text: &str) -> Option<Self> {
         let mut parts = text.split(' ');
         let (instance, generation, env_digest) = (parts.next()?, parts.next()?, parts.next()?);
-        if parts.next().is_some() || instance.is_empty() || env_digest.is_empty() {
+        let source = parts.next();
+        if parts.next().is_some()
+            || instance.is_empty()
+            || env_digest.is_empty()
+            || source.is_some_and(str::is_empty)
+        {
             return None;
         }
         Some(Self {
             instance: instance.to_owned(),
             generation: generation.parse().ok()?,
             env_digest: env_digest.to_owned(),
+            source: source.map(str::to_owned),
         })
     }
+}
+
+/// Whether the agent must be given the source revision `wanted` (under [`Rollout::NewRevision`]):
+/// not when the same agent was given it already.
+pub(super) fn needs_revision(done: Option<&Initialized>, wanted: &Initialized) -> bool {
+    wanted.source.is_some()
+        && done.is_none_or(|d| d.instance != wanted.instance || d.source != wanted.source)
 }
 
 /// What the agent still has to be told.
@@ -201,17 +293,30 @@ pub(super) fn initialization(done: Option<&Initialized>, wanted: &Initialized) -
     }
 }
 
-/// The note of the Event that says the agent was told the workspace.
-pub(super) fn initialized_note(fresh: bool, workspace: &str, generation: i64) -> String {
-    if fresh {
-        format!(
+/// The reason and note of the Event that says the agent was told the workspace.
+pub(super) fn initialized_note(
+    fresh: bool,
+    revision: Option<&str>,
+    workspace: &str,
+    generation: i64,
+) -> (&'static str, String) {
+    if let Some(revision) = revision {
+        let note = format!(
+            "Fetched source {revision} into the running workspace pod {}-0 and initialized it",
+            pod::workload_name(workspace)
+        );
+        (SOURCE_UPDATED, note)
+    } else if fresh {
+        let note = format!(
             "Initialized workspace pod {}-0",
             pod::workload_name(workspace)
-        )
+        );
+        (INITIALIZED, note)
     } else {
-        format!(
+        let note = format!(
             "Configured the environment and stacks of generation {generation} without restarting the pod"
-        )
+        );
+        (RECONFIGURED, note)
     }
 }
 
@@ -303,12 +408,22 @@ mod tests {
             instance: "3f2a".into(),
             generation: 7,
             env_digest: "sha256:ab".into(),
+            source: None,
         };
         assert_eq!(
             Initialized::from_annotation(&told.annotation()),
             Some(told.clone())
         );
-        for other in ["true", "", "a 1", "a x b", "a 1 b c", " 1 b"] {
+        let given = Initialized {
+            source: Some("sha256:cd".into()),
+            ..told.clone()
+        };
+        assert_eq!(given.annotation(), "3f2a 7 sha256:ab sha256:cd");
+        assert_eq!(
+            Initialized::from_annotation(&given.annotation()),
+            Some(given.clone())
+        );
+        for other in ["true", "", "a 1", "a x b", "a 1 b c d", "a 1 b ", " 1 b"] {
             assert_eq!(Initialized::from_annotation(other), None, "{other:?}");
         }
         // The same agent told the same: nothing to do after a restart of the operator.
@@ -409,6 +524,7 @@ mod tests {
             instance: "a".into(),
             generation: 3,
             env_digest: "d".into(),
+            source: None,
         };
         assert_eq!(initialization(None, &wanted), Initialization::Fresh);
         assert_eq!(
@@ -432,12 +548,114 @@ mod tests {
             Initialization::Fresh
         );
         assert_eq!(
-            initialized_note(true, "ws", 3),
-            format!("Initialized workspace pod {}-0", pod::workload_name("ws"))
+            initialized_note(true, None, "ws", 3),
+            (
+                "Initialized",
+                format!("Initialized workspace pod {}-0", pod::workload_name("ws"))
+            )
         );
         assert_eq!(
-            initialized_note(false, "ws", 3),
-            "Configured the environment and stacks of generation 3 without restarting the pod"
+            initialized_note(false, None, "ws", 3),
+            (
+                "Reconfigured",
+                "Configured the environment and stacks of generation 3 without restarting the pod"
+                    .into()
+            )
         );
+        assert_eq!(
+            initialized_note(true, Some("sha256:2"), "ws", 3),
+            (
+                "SourceUpdated",
+                "Fetched source sha256:2 into the running workspace pod ws-workspace-0 and initialized it"
+                    .into()
+            )
+        );
+    }
+
+    fn on_delete_sts(update_revision: &str, shape: Option<&str>) -> StatefulSet {
+        let annotations = shape.map_or(json!({}), |s| json!({TEMPLATE_SHAPE_ANNOTATION: s}));
+        serde_json::from_value(json!({
+            "metadata": {"generation": 2},
+            "spec": {"selector": {}, "serviceName": "s", "updateStrategy": {"type": "OnDelete"},
+                     "template": {"metadata": {"annotations": annotations}}},
+            "status": {"replicas": 1, "observedGeneration": 2, "availableReplicas": 1,
+                       "currentRevision": "ws-a", "updateRevision": update_revision},
+        }))
+        .expect("statefulset")
+    }
+
+    fn pod_of(revision: &str, shape: Option<&str>) -> Pod {
+        let annotations = shape.map_or(json!({}), |s| json!({TEMPLATE_SHAPE_ANNOTATION: s}));
+        serde_json::from_value(json!({"metadata": {
+            "labels": {"controller-revision-hash": revision}, "annotations": annotations}}))
+        .expect("pod")
+    }
+
+    #[test]
+    fn a_pod_stays_when_only_the_source_revision_moved() {
+        let shaped = on_delete_sts("ws-b", Some("s1"));
+        // Made from the template: nothing to do, and readiness is not held up by the revisions
+        // the StatefulSet controller leaves apart under OnDelete.
+        assert_eq!(
+            rollout(&shaped, Some(&pod_of("ws-b", Some("s1")))),
+            Rollout::Current
+        );
+        assert_eq!(not_ready(&shaped), None);
+        assert_eq!(rollout(&shaped, None), Rollout::Current);
+        // An older template of the same shape: a new revision for the running agent.
+        assert_eq!(
+            rollout(&shaped, Some(&pod_of("ws-a", Some("s1")))),
+            Rollout::NewRevision
+        );
+        // Anything else moved, or the pod predates the shape: a new pod.
+        assert_eq!(
+            rollout(&shaped, Some(&pod_of("ws-a", Some("s0")))),
+            Rollout::Replace
+        );
+        assert_eq!(
+            rollout(&shaped, Some(&pod_of("ws-a", None))),
+            Rollout::Replace
+        );
+        let unshaped = on_delete_sts("ws-b", None);
+        assert_eq!(
+            rollout(&unshaped, Some(&pod_of("ws-a", None))),
+            Rollout::Replace
+        );
+        // The StatefulSet controller rolls PKO's layout itself.
+        let rolling = sts(json!({"replicas": 1, "observedGeneration": 2,
+            "updateRevision": "ws-b", "currentRevision": "ws-a", "availableReplicas": 1}));
+        assert_eq!(
+            rollout(&rolling, Some(&pod_of("ws-a", None))),
+            Rollout::Current
+        );
+    }
+
+    #[test]
+    fn a_revision_is_given_once_per_agent() {
+        let wanted = Initialized {
+            instance: "a".into(),
+            generation: 3,
+            env_digest: "d".into(),
+            source: Some("sha256:2".into()),
+        };
+        assert!(needs_revision(None, &wanted));
+        assert!(!needs_revision(Some(&wanted), &wanted));
+        let before = Initialized {
+            source: Some("sha256:1".into()),
+            generation: 2,
+            ..wanted.clone()
+        };
+        assert!(needs_revision(Some(&before), &wanted));
+        // A restarted agent serves what is on disk, which it is asked about again.
+        let restarted = Initialized {
+            instance: "b".into(),
+            ..wanted.clone()
+        };
+        assert!(needs_revision(Some(&restarted), &wanted));
+        let fetched_by_pod = Initialized {
+            source: None,
+            ..wanted.clone()
+        };
+        assert!(!needs_revision(Some(&wanted), &fetched_by_pod));
     }
 }
