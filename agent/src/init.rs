@@ -787,6 +787,27 @@ mod tests {
     }
 
     #[test]
+    fn the_digest_beside_a_source_names_what_it_holds() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let source = dir.path().join("source");
+        assert_eq!(digest_marker(&source), dir.path().join(".source.digest"));
+        assert_eq!(current_digest(&source), None);
+        let hex = "Ab".repeat(32);
+        std::fs::write(digest_marker(&source), format!("sha256:{hex}\n")).expect("marker");
+        let lower = format!("sha256:{}", hex.to_ascii_lowercase());
+        assert_eq!(current_digest(&source).as_deref(), Some(lower.as_str()));
+        assert!(same_digest(Some(&lower), &format!("sha256:{hex}")));
+        assert!(!same_digest(
+            Some(&lower),
+            &format!("sha256:{}", "0".repeat(64))
+        ));
+        assert!(!same_digest(None, &lower));
+        assert!(!same_digest(Some("sha256:zz"), "sha256:zz"));
+        std::fs::write(digest_marker(&source), "garbage").expect("marker");
+        assert_eq!(current_digest(&source), None);
+    }
+
+    #[test]
     fn digest_and_dir_are_validated() {
         assert!(parse_digest("md5:abc").is_err());
         assert!(parse_digest(&format!("sha256:{}", "a".repeat(64))).is_ok());

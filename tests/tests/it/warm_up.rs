@@ -260,14 +260,14 @@ async fn a_warm_up_writes_each_state_once_and_an_idle_reconcile_runs_nothing() {
             .map(service_version)
             .ok(),
         service_before.ok(),
-        "the pod rolled, the Service was not written"
+        "the new source went to the pod, the Service was not written"
     );
     let calls: Vec<String> = e.kubelet.pulumi_calls(NAME)[calls_before..].to_vec();
     let count = |what: &str| calls.iter().filter(|c| c.contains(what)).count();
     assert_eq!(
-        (count("version"), count("stack select")),
-        (1, 1),
-        "the new agent asks its version once and selects the stack once: {calls:#?}"
+        (count("version"), count("install"), count("stack select")),
+        (0, 1, 1),
+        "the running agent takes the new source (its version is not asked again), installs it and selects the stack once: {calls:#?}"
     );
 
     // Nothing changed: a reconcile of each (brought by metadata alone) writes and runs nothing.

@@ -317,9 +317,7 @@ async fn ensure_workload(
     }
     let applied = match live {
         Some(live) if !must.statefulset => live,
-        _ => takeover::apply(&statefulsets, &name, APPLY_MANAGER, desired)
-            .await
-            .map_err(WorkspaceError::kube("applying the workspace StatefulSet"))?,
+        _ => apply_statefulset(&statefulsets, &name, desired).await?,
     };
     let record = rules::AppliedWorkload {
         service: service_digest,
@@ -328,6 +326,35 @@ async fn ensure_workload(
     };
     run.ctx.set_workload(&run.uid, Some(record));
     Ok(applied)
+}
+
+/// Server-side applies the StatefulSet. One made with `RollingUpdate` (by PKO, or by an
+/// earlier pko-rs) holds the `rollingUpdate` its defaulting added, which no apply owns and
+/// `OnDelete` forbids: it is cleared by a merge patch, and the apply made again.
+async fn apply_statefulset(
+    statefulsets: &Api<StatefulSet>,
+    name: &str,
+    desired: &StatefulSet,
+) -> Result<StatefulSet, WorkspaceError> {
+    let what = "applying the workspace StatefulSet";
+    match takeover::apply(statefulsets, name, APPLY_MANAGER, desired).await {
+        Err(kube::Error::Api(e)) if rules::rolling_update_left(e.code, &e.message) => {
+            info!(
+                statefulset = name,
+                "clearing the rolling update of a StatefulSet that now updates OnDelete"
+            );
+            let patch = serde_json::json!({"spec": {"updateStrategy": {
+                "type": pod::ON_DELETE, "rollingUpdate": null}}});
+            statefulsets
+                .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+                .map_err(WorkspaceError::kube(what))?;
+            takeover::apply(statefulsets, name, APPLY_MANAGER, desired)
+                .await
+                .map_err(WorkspaceError::kube(what))
+        }
+        other => other.map_err(WorkspaceError::kube(what)),
+    }
 }
 
 /// A digest of an object as built (stable within this process, which is all it is kept for).

@@ -106,6 +106,12 @@ pub(super) fn on_delete(sts: &StatefulSet) -> bool {
         == Some(pod::ON_DELETE)
 }
 
+/// Whether an apply was refused because the live StatefulSet still has the `rollingUpdate` of
+/// its former `RollingUpdate` strategy (the apiserver's 422 names the field).
+pub(super) fn rolling_update_left(code: u16, message: &str) -> bool {
+    code == 422 && message.contains("spec.updateStrategy.rollingUpdate")
+}
+
 /// The label the StatefulSet controller puts on each pod: the revision it was made from.
 const REVISION_LABEL: &str = "controller-revision-hash";
 
@@ -628,6 +634,17 @@ mod tests {
             rollout(&rolling, Some(&pod_of("ws-a", None))),
             Rollout::Current
         );
+    }
+
+    #[test]
+    fn a_former_rolling_update_is_told_from_other_refusals() {
+        let refused = r#"StatefulSet.apps "w-workspace" is invalid: spec.updateStrategy.rollingUpdate: Invalid value: {"Partition":0,"MaxUnavailable":null}: only allowed for updateStrategy 'RollingUpdate'"#;
+        assert!(rolling_update_left(422, refused));
+        assert!(!rolling_update_left(409, refused));
+        assert!(!rolling_update_left(
+            422,
+            "spec.template.spec.containers[0].image: Required value"
+        ));
     }
 
     #[test]
