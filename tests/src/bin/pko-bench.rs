@@ -172,6 +172,13 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> anyhow::Result<Args> {
     Ok(args)
 }
 
+/// Whether the run at `count` also takes the file-server load: at `--load-programs`, or at the
+/// first count when the bench does not run that one.
+fn with_load(args: &Args, count: usize) -> bool {
+    count == args.load_programs
+        || (count == args.counts[0] && !args.counts.contains(&args.load_programs))
+}
+
 /// A comma-separated list of Program counts.
 fn counts(value: &str, flag: &str) -> anyhow::Result<Vec<usize>> {
     value
@@ -377,7 +384,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 (peer, label),
                 count,
                 count == first,
-                false,
+                with_load(&args, count),
             )
             .await?;
         }
@@ -391,8 +398,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 patch_runs(&bins, count),
             )
             .await?;
-        let with_load = count == args.load_programs
-            || (count == first && !args.counts.contains(&args.load_programs));
+        let with_load = with_load(&args, count);
         let mut peers = Vec::new();
         for peer in [Peer::Pko, Peer::PkoRs] {
             let run = peer_run(
