@@ -786,8 +786,21 @@ async fn roll_back_to_pko(scene: &Scene, before: &BTreeMap<&'static str, usize>)
             );
         }
         let runs = usize::from(name != "git");
-        let ran = scene.updates_of(name).await.len();
+        let updates = scene.updates_of(name).await;
+        let ran = updates.len();
         if name == IN_FLIGHT {
+            if ran > before[name] + 1 {
+                // Left in the test's output so the next such run says why PKO retried.
+                for u in &updates {
+                    eprintln!(
+                        "switch-over: Update {} of {name}, made {:?}: {:?}",
+                        u.name_any(),
+                        u.metadata.creation_timestamp,
+                        u.status
+                    );
+                }
+                eprintln!("--- PKO\n{}", pko.log_tail(60));
+            }
             // Its program reads the pipe again, so PKO must run it: at least once, and Ready
             // above with the value it read. PKO took two Updates for it once in three runs
             // (a retry of PKO's own, not traced yet); the other Stacks' counts are the check
