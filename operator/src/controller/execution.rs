@@ -152,6 +152,7 @@ pub async fn run(
         args.workspace_localhost.clone(),
         service_account,
     ));
+    Agents::spawn_idle_sweep(&agents);
     let settings = PodSettings {
         file_server,
         agent_image: args.agent_image.clone(),

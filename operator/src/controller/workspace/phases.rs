@@ -40,6 +40,13 @@ pub(super) const ENV_UNAVAILABLE_REQUEUE: Duration = Duration::from_secs(15);
 pub(super) const INITIALIZATION_RETRY: Duration = Duration::from_secs(60);
 /// Notices an agent that restarted without a StatefulSet change.
 pub(super) const READY_RECHECK: Duration = Duration::from_secs(60);
+// An agent connection idle since the last check is closed (and its sweep run) before the next
+// check: a fleet at rest keeps no connection open between checks.
+const _: () = assert!(
+    crate::agent_client::CONNECTION_IDLE.as_secs()
+        + crate::agent_client::CONNECTION_IDLE.as_secs() / 4
+        < READY_RECHECK.as_secs()
+);
 /// The environment moves to the pod spec: apply the new StatefulSet at once.
 pub(super) const ENV_TO_POD_REQUEUE: Duration = Duration::from_millis(100);
 
