@@ -1152,6 +1152,9 @@ async fn failover_run(bins: &PeerBinaries, peer: Peer, log: &Path) -> anyhow::Re
 }
 
 /// The file server's artifact URLs of the first `programs` Programs, on loopback.
+/// How long a single apiserver read of the bench may go unanswered before the run fails.
+const APISERVER_ANSWER: Duration = Duration::from_secs(120);
+
 async fn artifact_urls(
     plane: &ControlPlane,
     port: u16,
@@ -1161,7 +1164,14 @@ async fn artifact_urls(
     let api = self::programs(plane, ns)?;
     let mut urls = Vec::with_capacity(programs);
     for i in 0..programs {
-        let p = api.get(&format!("p-{i:05}")).await?;
+        // kube's client sets no read timeout: a lost answer would stall the whole run (one run
+        // stalled in this phase with no request to the file server open).
+        let name = format!("p-{i:05}");
+        let p = tokio::time::timeout(APISERVER_ANSWER, api.get(&name))
+            .await
+            .with_context(|| {
+                format!("no answer to GET Program {name} in {APISERVER_ANSWER:?}")
+            })??;
         let url = p
             .data
             .pointer("/status/artifact/url")
