@@ -294,7 +294,6 @@ struct Restart {
 
 struct Load {
     requests: u64,
-    errors: u64,
     /// Each kind of failed request once (status, or the client's error chain), with its count.
     error_kinds: std::collections::BTreeMap<String, u64>,
     elapsed: Duration,
@@ -306,6 +305,9 @@ struct Load {
 }
 
 impl Load {
+    fn errors(&self) -> u64 {
+        self.error_kinds.values().sum()
+    }
     fn per_second(&self) -> f64 {
         self.requests as f64 / self.elapsed.as_secs_f64()
     }
@@ -1158,10 +1160,10 @@ async fn failover_run(bins: &PeerBinaries, peer: Peer, log: &Path) -> anyhow::Re
     })
 }
 
-/// The file server's artifact URLs of the first `programs` Programs, on loopback.
 /// How long a single apiserver read of the bench may go unanswered before the run fails.
 const APISERVER_ANSWER: Duration = Duration::from_secs(120);
 
+/// The file server's artifact URLs of the first `programs` Programs, on loopback.
 async fn artifact_urls(
     plane: &ControlPlane,
     port: u16,
@@ -1238,7 +1240,7 @@ fn print_load(load: &Load) {
     println!(
         "   {} requests ({} errors), {:.0}/s, p50 {} p99 {}, CPU {:.1} µs/request, {} B bodies",
         load.requests,
-        load.errors,
+        load.errors(),
         load.per_second(),
         micros(load.p50),
         micros(load.p99),
@@ -1248,18 +1250,6 @@ fn print_load(load: &Load) {
     for (kind, n) in &load.error_kinds {
         println!("   {n} failed: {kind}");
     }
-}
-
-/// An error with its sources, so a failed request says why (a closed connection, a reset…).
-fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
 }
 
 /// A closed loop of GETs over `urls` (round-robin) on `connections` keep-alive connections
@@ -1303,9 +1293,9 @@ async fn http_load(
                         .bytes()
                         .await
                         .err()
-                        .map(|e| error_chain(&e.without_url())),
+                        .map(|e| format!("{:#}", anyhow::Error::new(e.without_url()))),
                     Ok(resp) => Some(format!("status {}", resp.status())),
-                    Err(e) => Some(error_chain(&e.without_url())),
+                    Err(e) => Some(format!("{:#}", anyhow::Error::new(e.without_url()))),
                 };
                 if let Some(kind) = failed {
                     *errors.entry(kind).or_default() += 1;
@@ -1324,13 +1314,11 @@ async fn http_load(
             *error_kinds.entry(kind).or_default() += n;
         }
     }
-    let errors = error_kinds.values().sum();
     let elapsed = start.elapsed();
     let cpu_seconds = cpu(Some(pid)) - cpu0;
     all.sort_unstable();
     Ok(Load {
         requests: all.len() as u64,
-        errors,
         error_kinds,
         elapsed,
         p50: measure::percentile(&all, 0.50),
@@ -1909,7 +1897,7 @@ fn report(
                 "| {name} | {} B | {} | {} | {:.0} | {} | {} | {} | {} |",
                 l.body_bytes,
                 l.requests,
-                l.errors,
+                l.errors(),
                 l.per_second(),
                 micros(l.p50),
                 micros(l.p99),
@@ -1917,31 +1905,27 @@ fn report(
                 micros(l.cpu_per_request()),
             )
         };
-        line("PKO v2.9.0", p)?;
-        line("pko-rs", o)?;
-        if let Some(m) = r.musl.as_ref().and_then(|m| m.load.as_ref()) {
-            line(MUSL, m)?;
-        }
-        if let Some(b) = bare {
-            line("bare HTTP server", b)?;
+        let musl = r.musl.as_ref().and_then(|m| m.load.as_ref());
+        let rows = [
+            ("PKO v2.9.0", Some(p)),
+            ("pko-rs", Some(o)),
+            (MUSL, musl),
+            ("bare HTTP server", bare),
+        ];
+        let rows = rows.iter().filter_map(|(name, l)| Some((*name, (*l)?)));
+        for (name, l) in rows.clone() {
+            line(name, l)?;
         }
         writeln!(w)?;
-        let mut failed: Vec<(&str, &Load)> = vec![("PKO v2.9.0", p), ("pko-rs", o)];
-        if let Some(m) = r.musl.as_ref().and_then(|m| m.load.as_ref()) {
-            failed.push((MUSL, m));
-        }
-        if let Some(b) = bare {
-            failed.push(("bare HTTP server", b));
-        }
-        let mut any_failed = false;
-        for (name, l) in failed {
-            for (kind, n) in &l.error_kinds {
-                writeln!(w, "- {name}: {n} failed: {kind}")?;
-                any_failed = true;
-            }
-        }
-        if any_failed {
-            writeln!(w)?;
+        let failures: Vec<String> = rows
+            .flat_map(|(name, l)| {
+                l.error_kinds
+                    .iter()
+                    .map(move |(kind, n)| format!("- {name}: {n} failed: {kind}\n"))
+            })
+            .collect();
+        if !failures.is_empty() {
+            writeln!(w, "{}", failures.concat())?;
         }
     }
 
